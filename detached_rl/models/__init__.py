@@ -1,0 +1,48 @@
+"""What a model is: actor (policy), critic, reward model, LoRA, and offline loaders."""
+
+import os
+
+# Nothing in this package may reach the Hugging Face hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from detached_rl.models.actor import Actor  # noqa: E402
+from detached_rl.models.generation import (  # noqa: E402
+    GenerationBackend,
+    GenerationOutput,
+    HFGenerationBackend,
+    SamplingConfig,
+    process_logits,
+)
+from detached_rl.models.loaders import (  # noqa: E402
+    load_causal_lm,
+    load_model_dir,
+    load_smollm2,
+    minilm_dir,
+    smollm2_dir,
+    tiny_causal_lm,
+    tiny_tokenizer,
+)
+from detached_rl.models.reward import FunctionReward, RetokenizingRewardModel, RewardScorer  # noqa: E402
+from detached_rl.models.scalar_heads import Critic, RewardModel  # noqa: E402
+
+__all__ = [
+    "Actor",
+    "Critic",
+    "FunctionReward",
+    "GenerationBackend",
+    "GenerationOutput",
+    "HFGenerationBackend",
+    "RetokenizingRewardModel",
+    "RewardModel",
+    "RewardScorer",
+    "SamplingConfig",
+    "load_causal_lm",
+    "load_model_dir",
+    "load_smollm2",
+    "minilm_dir",
+    "process_logits",
+    "smollm2_dir",
+    "tiny_causal_lm",
+    "tiny_tokenizer",
+]

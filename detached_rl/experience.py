@@ -1,0 +1,314 @@
+"""Experience: one generated response with everything a trainer needs, and its padded batch form.
+
+Wire format: one `Experience` per response, ragged (no padding). Tensors are 1-D and on
+the CPU when they travel; ids are int64, float fields are any floating dtype.
+Token-aligned fields (`log_probs`, `values`, `ref_log_probs`, `advantages`, `returns`,
+a per-token `reward`) have one entry per response token: entry t belongs to
+`response_ids[t]` (its log-prob given the prompt and `response_ids[:t]`).
+
+Batch format (`ExperienceBatch`, built by `collate` on the trainer): prompts are
+left-padded to the longest prompt, responses right-padded to the longest response, so
+every response starts at column `prompt_len` of `sequences`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+TOKEN_FIELDS = ("values", "ref_log_probs", "advantages", "returns")
+"""Optional per-response-token float fields, present on all samples of a batch or none."""
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_LOG_PROB_SLACK = 1e-4  # log-probs are <= 0; allow float rounding above zero.
+
+
+class ExperienceValidationError(ValueError):
+    """A malformed experience; `field` names the offending field."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"Experience.{field_name}: {message}")
+        self.field = field_name
+
+
+def new_experience_id() -> str:
+    """Return a fresh unique experience id."""
+    return uuid.uuid4().hex
+
+
+@dataclass
+class Experience:
+    """One response to one prompt, scored, tagged with the policy version that produced it."""
+
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    log_probs: torch.Tensor
+    reward: torch.Tensor
+    policy_version: int = 0
+    maker: str = ""
+    id: str = field(default_factory=new_experience_id)
+    values: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    group_id: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def response_length(self) -> int:
+        """Number of response tokens."""
+        return int(self.response_ids.numel())
+
+    @property
+    def score(self) -> float:
+        """The sequence-level reward: the scalar reward, or the sum of a per-token reward."""
+        return float(self.reward.sum())
+
+    def nbytes(self) -> int:
+        """Bytes held by the tensors (the budget unit of the replay buffer)."""
+        total = 0
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+        return total
+
+    def validate(self, vocab_size: int | None = None) -> Experience:
+        """Check shapes, dtypes and values; raise `ExperienceValidationError` naming the bad field."""
+        _check_ids(self.prompt_ids, "prompt_ids", vocab_size)
+        _check_ids(self.response_ids, "response_ids", vocab_size)
+        length = self.response_length
+        _check_token_floats(self.log_probs, "log_probs", length)
+        if bool((self.log_probs > _LOG_PROB_SLACK).any()):
+            raise ExperienceValidationError("log_probs", "log-probabilities must be <= 0")
+        if not isinstance(self.reward, torch.Tensor):
+            raise ExperienceValidationError("reward", f"must be a tensor, got {type(self.reward).__name__}")
+        if self.reward.dim() == 0:
+            _check_floats(self.reward, "reward")
+        else:
+            _check_token_floats(self.reward, "reward", length, what="a scalar or")
+        for name in TOKEN_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                _check_token_floats(value, name, length)
+        if isinstance(self.policy_version, bool) or not isinstance(self.policy_version, int):
+            raise ExperienceValidationError("policy_version", f"must be an int, got {self.policy_version!r}")
+        if self.policy_version < 0:
+            raise ExperienceValidationError("policy_version", f"must be >= 0, got {self.policy_version}")
+        if not isinstance(self.maker, str):
+            raise ExperienceValidationError("maker", f"must be a str, got {type(self.maker).__name__}")
+        if not isinstance(self.id, str) or not self.id:
+            raise ExperienceValidationError("id", f"must be a non-empty str, got {self.id!r}")
+        if self.group_id is not None and not isinstance(self.group_id, str):
+            raise ExperienceValidationError("group_id", f"must be a str or None, got {self.group_id!r}")
+        if not isinstance(self.info, dict):
+            raise ExperienceValidationError("info", f"must be a dict, got {type(self.info).__name__}")
+        return self
+
+    def to(self, device: torch.device | str) -> Experience:
+        """Return a copy with every tensor moved to `device`."""
+        moved = {
+            f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
+            else getattr(self, f.name)
+            for f in fields(self)
+        }
+        return Experience(**moved)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-serialisable dict (tensors as lists)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.tolist() if isinstance(value, torch.Tensor) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Experience:
+        """Rebuild an experience from `to_dict` output; unknown keys are refused."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ExperienceValidationError(unknown[0], f"unknown field (known: {sorted(known)})")
+        kwargs = dict(data)
+        for name in ("prompt_ids", "response_ids"):
+            if name in kwargs:
+                kwargs[name] = torch.tensor(kwargs[name], dtype=torch.long)
+        for name in ("log_probs", "reward", *TOKEN_FIELDS):
+            if kwargs.get(name) is not None:
+                kwargs[name] = torch.tensor(kwargs[name], dtype=torch.float32)
+        return cls(**kwargs)
+
+
+def _check_ids(value: Any, name: str, vocab_size: int | None) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ExperienceValidationError(name, f"must be a tensor, got {type(value).__name__}")
+    if value.dim() != 1:
+        raise ExperienceValidationError(name, f"must be 1-D, got shape {tuple(value.shape)}")
+    if value.dtype != torch.long:
+        raise ExperienceValidationError(name, f"dtype must be torch.int64, got {value.dtype}")
+    if value.numel() == 0:
+        raise ExperienceValidationError(name, "is empty")
+    if bool((value < 0).any()):
+        raise ExperienceValidationError(name, "has negative token ids")
+    if vocab_size is not None and bool((value >= vocab_size).any()):
+        raise ExperienceValidationError(name, f"has token ids >= vocab size {vocab_size}")
+
+
+def _check_floats(value: torch.Tensor, name: str) -> None:
+    if value.dtype not in _FLOAT_DTYPES:
+        raise ExperienceValidationError(name, f"dtype must be floating point, got {value.dtype}")
+    if not bool(torch.isfinite(value).all()):
+        raise ExperienceValidationError(name, "has non-finite values (NaN or inf)")
+
+
+def _check_token_floats(value: Any, name: str, length: int, what: str = "") -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ExperienceValidationError(name, f"must be a tensor, got {type(value).__name__}")
+    if value.dim() != 1 or value.numel() != length:
+        expected = f"{what} a 1-D tensor of length {length}".strip()
+        raise ExperienceValidationError(
+            name, f"must be {expected} (one per response token), got shape {tuple(value.shape)}"
+        )
+    _check_floats(value, name)
+
+
+@dataclass
+class ExperienceBatch:
+    """A padded batch of experiences. B = batch size, P = longest prompt, R = longest response.
+
+    `sequences` [B, P+R] holds left-padded prompts then right-padded responses;
+    `attention_mask` [B, P+R] marks real tokens; `response_mask` [B, R] marks response
+    tokens. Token fields are [B, R] float32, 0 at padding. A scalar reward sits at the
+    last response token of `token_rewards`; `scores` [B] is each sequence's total reward.
+    """
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    prompt_length: int
+    log_probs: torch.Tensor
+    token_rewards: torch.Tensor
+    scores: torch.Tensor
+    scalar_reward: torch.Tensor
+    policy_versions: torch.Tensor
+    ids: list[str]
+    makers: list[str]
+    group_ids: list[str | None]
+    infos: list[dict[str, Any]]
+    values: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of sequences."""
+        return int(self.sequences.shape[0])
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        """[B, R] response token ids (padding where `response_mask` is 0)."""
+        return self.sequences[:, self.prompt_length :]
+
+    @property
+    def num_response_tokens(self) -> int:
+        """Count of valid response tokens in the batch."""
+        return int(self.response_mask.sum())
+
+    def to(self, device: torch.device | str) -> ExperienceBatch:
+        """Return a copy with every tensor moved to `device`."""
+        return ExperienceBatch(
+            **{
+                f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
+                else getattr(self, f.name)
+                for f in fields(self)
+            }
+        )
+
+
+def collate(experiences: Sequence[Experience], pad_token_id: int = 0) -> ExperienceBatch:
+    """Pad a list of experiences into one batch (prompts left-padded, responses right-padded)."""
+    if len(experiences) == 0:
+        raise ValueError("collate: experiences is empty")
+    for name in TOKEN_FIELDS:
+        present = [getattr(e, name) is not None for e in experiences]
+        if any(present) and not all(present):
+            raise ExperienceValidationError(name, "present on some experiences of the batch but not all")
+    batch_size = len(experiences)
+    prompt_len = max(e.prompt_ids.numel() for e in experiences)
+    response_len = max(e.response_length for e in experiences)
+    sequences = torch.full((batch_size, prompt_len + response_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch_size, prompt_len + response_len), dtype=torch.long)
+    response_mask = torch.zeros((batch_size, response_len), dtype=torch.long)
+    log_probs = torch.zeros((batch_size, response_len))
+    token_rewards = torch.zeros((batch_size, response_len))
+    optional = {
+        name: torch.zeros((batch_size, response_len)) if getattr(experiences[0], name) is not None else None
+        for name in TOKEN_FIELDS
+    }
+    for row, exp in enumerate(experiences):
+        p, r = exp.prompt_ids.numel(), exp.response_length
+        sequences[row, prompt_len - p : prompt_len] = exp.prompt_ids
+        sequences[row, prompt_len : prompt_len + r] = exp.response_ids
+        attention_mask[row, prompt_len - p : prompt_len + r] = 1
+        response_mask[row, :r] = 1
+        log_probs[row, :r] = exp.log_probs.float()
+        if exp.reward.dim() == 0:
+            token_rewards[row, r - 1] = exp.reward.float()
+        else:
+            token_rewards[row, :r] = exp.reward.float()
+        for name, target in optional.items():
+            if target is not None:
+                target[row, :r] = getattr(exp, name).float()
+    return ExperienceBatch(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        prompt_length=prompt_len,
+        log_probs=log_probs,
+        token_rewards=token_rewards,
+        scores=token_rewards.sum(dim=1),
+        scalar_reward=torch.tensor([e.reward.dim() == 0 for e in experiences]),
+        policy_versions=torch.tensor([e.policy_version for e in experiences], dtype=torch.long),
+        ids=[e.id for e in experiences],
+        makers=[e.maker for e in experiences],
+        group_ids=[e.group_id for e in experiences],
+        infos=[dict(e.info) for e in experiences],
+        **optional,
+    )
+
+
+def uncollate(batch: ExperienceBatch) -> list[Experience]:
+    """Split a padded batch back into ragged experiences (inverse of `collate`)."""
+    out = []
+    attention = batch.attention_mask.bool()
+    for row in range(batch.size):
+        r = int(batch.response_mask[row].sum())
+        prompt_ids = batch.sequences[row, : batch.prompt_length][attention[row, : batch.prompt_length]]
+        if bool(batch.scalar_reward[row]):
+            reward = batch.token_rewards[row, r - 1].clone()
+        else:
+            reward = batch.token_rewards[row, :r].clone()
+        optional = {
+            name: getattr(batch, name)[row, :r].clone() if getattr(batch, name) is not None else None
+            for name in TOKEN_FIELDS
+        }
+        out.append(
+            Experience(
+                prompt_ids=prompt_ids.clone(),
+                response_ids=batch.response_ids[row, :r].clone(),
+                log_probs=batch.log_probs[row, :r].clone(),
+                reward=reward,
+                policy_version=int(batch.policy_versions[row]),
+                maker=batch.makers[row],
+                id=batch.ids[row],
+                group_id=batch.group_ids[row],
+                info=dict(batch.infos[row]),
+                **optional,
+            )
+        )
+    return out

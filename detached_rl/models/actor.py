@@ -1,0 +1,110 @@
+"""Actor: a causal-LM policy that generates with behaviour log-probs and recomputes log-probs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from detached_rl.models._forward import accepts_argument, forward_kwargs
+from detached_rl.models.generation import (
+    GenerationBackend,
+    GenerationOutput,
+    HFGenerationBackend,
+    SamplingConfig,
+    process_logits,
+    token_log_probs,
+)
+
+Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
+
+
+class Actor(nn.Module):
+    """Wraps any `AutoModelForCausalLM` (plain, peft or DDP-wrapped) as an RL policy.
+
+    Sequence layout (as `detached_rl.collate` builds it): `sequences` [B, P+R] holds
+    left-padded prompts then right-padded responses; `response_mask` [B, R] marks the
+    response tokens, which occupy the last R columns. `log_probs[:, t]` is the
+    log-probability of `sequences[:, P+t]` given everything before it; 0 where masked.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        backend: GenerationBackend | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.backend = backend or HFGenerationBackend(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+
+    def encode_prompts(self, prompts: Sequence[Prompt], chat: bool = True) -> list[torch.Tensor]:
+        """Token ids of each prompt: strings and message lists go through the chat template when there is one."""
+        encoded = []
+        for prompt in prompts:
+            if isinstance(prompt, torch.Tensor):
+                ids = prompt.long().flatten().tolist()
+            elif isinstance(prompt, str):
+                if chat and self.tokenizer.chat_template:
+                    ids = self._chat_ids([{"role": "user", "content": prompt}])
+                else:
+                    ids = self.tokenizer(prompt)["input_ids"]
+            elif len(prompt) > 0 and isinstance(prompt[0], Mapping):
+                ids = self._chat_ids(list(prompt))
+            else:
+                ids = list(prompt)
+            if len(ids) == 0:
+                raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+            encoded.append(torch.tensor(ids, dtype=torch.long))
+        return encoded
+
+    def _chat_ids(self, messages: list[Any]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig | None = None) -> GenerationOutput:
+        """Generate one response per prompt; returns response ids, behaviour log-probs and prompt ids."""
+        prompt_ids = self.encode_prompts(prompts)
+        output = self.backend.generate(prompt_ids, sampling or SamplingConfig())
+        output.prompt_ids = prompt_ids
+        return output
+
+    def forward(
+        self,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_mask: torch.Tensor,
+        sampling: SamplingConfig | None = None,
+    ) -> torch.Tensor:
+        """Log-probs [B, R] of the response tokens, from one forward pass (0 where masked).
+
+        With `sampling`, logits are processed as during generation (temperature, top-k,
+        top-p), so an unchanged model reproduces the behaviour log-probs.
+        """
+        if sequences.shape != attention_mask.shape:
+            raise ValueError(
+                f"Actor.log_probs: attention_mask shape {tuple(attention_mask.shape)} "
+                f"!= sequences shape {tuple(sequences.shape)}"
+            )
+        response_length = response_mask.shape[1]
+        if response_mask.shape[0] != sequences.shape[0] or response_length >= sequences.shape[1]:
+            raise ValueError(
+                f"Actor.log_probs: response_mask shape {tuple(response_mask.shape)} does not fit "
+                f"sequences shape {tuple(sequences.shape)}"
+            )
+        kwargs: dict[str, Any] = forward_kwargs(self.model, attention_mask)
+        if accepts_argument(self.model, "logits_to_keep"):
+            kwargs["logits_to_keep"] = response_length + 1  # skip the LM head on prompt positions
+        logits = self.model(input_ids=sequences, **kwargs).logits
+        # logits at position i predict token i + 1: the R positions before each response token.
+        logits = logits[:, -(response_length + 1) : -1].float()
+        logits = process_logits(logits, sampling)
+        targets = sequences[:, -response_length:]
+        log_probs = token_log_probs(logits, targets)
+        return log_probs.masked_fill(response_mask == 0, 0.0)
+
+    log_probs = forward

@@ -1,0 +1,139 @@
+"""The reward interface makers score with, and its adapters (plain Python functions, re-tokenizing models).
+
+A `RewardScorer` maps a padded batch (`sequences` [B, P+R], `attention_mask` [B, P+R],
+`response_mask` [B, R], responses in the last R columns) plus optional per-sample
+`metadata` dicts (e.g. the ground-truth answer) to one reward per sequence, [B] float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from detached_rl.models.scalar_heads import RewardModel
+
+RewardFunction = Callable[..., float | Mapping[str, float]]
+"""fn(prompt: str, response: str, **metadata) -> reward, or a dict with key "reward" and components."""
+
+
+@runtime_checkable
+class RewardScorer(Protocol):
+    """Anything that scores a padded batch of prompt + response sequences."""
+
+    def score(
+        self,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_mask: torch.Tensor,
+        metadata: list[dict[str, Any]] | None = None,
+    ) -> torch.Tensor:
+        """Rewards [B], float32, no gradient."""
+        ...
+
+
+def decode_batch(
+    tokenizer: PreTrainedTokenizerBase,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> tuple[list[str], list[str]]:
+    """Prompt texts and response texts of a padded batch (special tokens dropped)."""
+    response_length = response_mask.shape[1]
+    prompt_part = sequences[:, :-response_length]
+    prompt_mask = attention_mask[:, :-response_length].bool()
+    response_part = sequences[:, -response_length:]
+    prompts = [
+        tokenizer.decode(prompt_part[row][prompt_mask[row]].tolist(), skip_special_tokens=True)
+        for row in range(sequences.shape[0])
+    ]
+    responses = [
+        tokenizer.decode(response_part[row][response_mask[row].bool()].tolist(), skip_special_tokens=True)
+        for row in range(sequences.shape[0])
+    ]
+    return prompts, responses
+
+
+class FunctionReward:
+    """Turns a plain Python reward function of (prompt text, response text, **metadata) into a `RewardScorer`."""
+
+    def __init__(self, fn: RewardFunction, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.fn = fn
+        self.tokenizer = tokenizer
+
+    def score_detailed(
+        self,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_mask: torch.Tensor,
+        metadata: list[dict[str, Any]] | None = None,
+    ) -> tuple[torch.Tensor, list[dict[str, float]]]:
+        """Rewards [B] and, per sample, the components the function reported (empty when it returns a float)."""
+        prompts, responses = decode_batch(self.tokenizer, sequences, attention_mask, response_mask)
+        metadata = metadata or [{} for _ in prompts]
+        if len(metadata) != len(prompts):
+            raise ValueError(f"FunctionReward: metadata has {len(metadata)} entries for {len(prompts)} sequences")
+        rewards, components = [], []
+        for prompt, response, meta in zip(prompts, responses, metadata, strict=True):
+            result = self.fn(prompt, response, **meta)
+            if isinstance(result, Mapping):
+                if "reward" not in result:
+                    raise ValueError(f"reward function returned a dict without a 'reward' key: {dict(result)}")
+                parts = {key: float(value) for key, value in result.items() if key != "reward"}
+                value = float(result["reward"])
+            else:
+                parts, value = {}, float(result)
+            if not math.isfinite(value):
+                raise ValueError(f"reward function returned a non-finite reward {value} for response {response!r}")
+            rewards.append(value)
+            components.append(parts)
+        return torch.tensor(rewards, dtype=torch.float32), components
+
+    def score(
+        self,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_mask: torch.Tensor,
+        metadata: list[dict[str, Any]] | None = None,
+    ) -> torch.Tensor:
+        """Rewards [B]."""
+        return self.score_detailed(sequences, attention_mask, response_mask, metadata)[0]
+
+
+class RetokenizingRewardModel:
+    """Scores with a `RewardModel` whose tokenizer differs from the policy's (e.g. a BERT reward model).
+
+    Each prompt + response is decoded with the policy tokenizer and re-encoded with the
+    reward model's as a text pair, right-padded, truncated to `max_length`.
+    """
+
+    def __init__(
+        self,
+        model: RewardModel,
+        tokenizer: PreTrainedTokenizerBase,
+        policy_tokenizer: PreTrainedTokenizerBase,
+        max_length: int = 512,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.policy_tokenizer = policy_tokenizer
+        self.max_length = max_length
+
+    def score(
+        self,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_mask: torch.Tensor,
+        metadata: list[dict[str, Any]] | None = None,
+    ) -> torch.Tensor:
+        """Rewards [B]."""
+        prompts, responses = decode_batch(self.policy_tokenizer, sequences, attention_mask, response_mask)
+        encoded = self.tokenizer(
+            prompts, responses, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            return self.model(encoded["input_ids"].to(device), encoded["attention_mask"].to(device)).float().cpu()
