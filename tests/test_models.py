@@ -261,3 +261,15 @@ def test_packaged_minilm_scores_policy_text_through_its_own_tokenizer():
     batch = collate(exps, policy_tokenizer.pad_token_id)
     rewards = scorer.score(batch.sequences, batch.attention_mask, batch.response_mask)
     assert rewards.shape == (2,) and torch.isfinite(rewards).all() and rewards[0] != rewards[1]
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "opt"])
+def test_actor_forward_is_deterministic_in_train_mode(model_type):
+    model, tokenizer = tiny_causal_lm(model_type, seed=0)
+    actor = Actor(model, tokenizer).train()
+    sequences = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    mask, response_mask = torch.ones_like(sequences), torch.ones(1, 3)
+    with torch.no_grad():
+        first = actor.log_probs(sequences, mask, response_mask)
+        assert torch.equal(first, actor.log_probs(sequences, mask, response_mask))
+        assert torch.allclose(first, actor.eval().log_probs(sequences, mask, response_mask), atol=1e-6)

@@ -23,6 +23,15 @@ from detached_rl.models.loaders import (  # noqa: E402
     tiny_causal_lm,
     tiny_tokenizer,
 )
+from detached_rl.models.lora import (  # noqa: E402
+    LoraSettings,
+    apply_lora,
+    count_parameters,
+    load_lora_state_dict,
+    lora_config_dict,
+    lora_state_dict,
+    merged_model,
+)
 from detached_rl.models.reward import FunctionReward, RetokenizingRewardModel, RewardScorer  # noqa: E402
 from detached_rl.models.scalar_heads import Critic, RewardModel  # noqa: E402
 
@@ -33,13 +42,20 @@ __all__ = [
     "GenerationBackend",
     "GenerationOutput",
     "HFGenerationBackend",
+    "LoraSettings",
     "RetokenizingRewardModel",
     "RewardModel",
     "RewardScorer",
     "SamplingConfig",
+    "apply_lora",
+    "count_parameters",
     "load_causal_lm",
     "load_model_dir",
+    "load_lora_state_dict",
     "load_smollm2",
+    "lora_config_dict",
+    "lora_state_dict",
+    "merged_model",
     "minilm_dir",
     "process_logits",
     "smollm2_dir",

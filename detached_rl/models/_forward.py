@@ -42,3 +42,19 @@ def forward_kwargs(model: nn.Module, attention_mask: torch.Tensor) -> dict[str, 
     if accepts_argument(model, "position_ids"):
         kwargs["position_ids"] = position_ids_from_mask(attention_mask)
     return kwargs
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability to 0, in `nn.Dropout` modules and in float `*dropout*` attributes.
+
+    RL needs a deterministic forward in train mode: the PPO ratio of an unchanged policy
+    must be exactly 1, and recomputed log-probs must equal the behaviour log-probs. Some
+    architectures (OPT, GPT-2's SDPA path) read dropout from plain float attributes.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return model

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from detached_rl.models._forward import accepts_argument, forward_kwargs
+from detached_rl.models._forward import accepts_argument, disable_dropout, forward_kwargs
 from detached_rl.models.generation import (
     GenerationBackend,
     GenerationOutput,
@@ -29,6 +29,8 @@ class Actor(nn.Module):
     left-padded prompts then right-padded responses; `response_mask` [B, R] marks the
     response tokens, which occupy the last R columns. `log_probs[:, t]` is the
     log-probability of `sequences[:, P+t]` given everything before it; 0 where masked.
+    With `deterministic` (default) dropout is switched off, so an unchanged policy
+    reproduces its behaviour log-probs in train mode too.
     """
 
     def __init__(
@@ -36,9 +38,10 @@ class Actor(nn.Module):
         model: PreTrainedModel | nn.Module,
         tokenizer: PreTrainedTokenizerBase,
         backend: GenerationBackend | None = None,
+        deterministic: bool = True,
     ) -> None:
         super().__init__()
-        self.model = model
+        self.model = disable_dropout(model) if deterministic else model
         self.tokenizer = tokenizer
         self.backend = backend or HFGenerationBackend(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
-from detached_rl.models._forward import forward_kwargs
+from detached_rl.models._forward import disable_dropout, forward_kwargs
 
 
 def backbone_of(model: PreTrainedModel) -> PreTrainedModel:
@@ -23,9 +23,9 @@ def _hidden_size(backbone: nn.Module) -> int:
 
 
 class _ScalarHeadModel(nn.Module):
-    def __init__(self, backbone: PreTrainedModel, head: nn.Linear | None = None) -> None:
+    def __init__(self, backbone: PreTrainedModel, head: nn.Linear | None = None, deterministic: bool = True) -> None:
         super().__init__()
-        self.backbone = backbone
+        self.backbone = disable_dropout(backbone) if deterministic else backbone
         hidden = _hidden_size(backbone)
         if head is None:
             head = nn.Linear(hidden, 1)

@@ -1,0 +1,134 @@
+"""The strategy interface: how a model is placed, wrapped, stepped, gathered and checkpointed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Strategy(ABC):
+    """One way to train a model (one process, DDP, ColossalAI ...). Logic that does not depend on it lives elsewhere."""
+
+    name: str = "base"
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Device this rank's model and batches live on."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the training group."""
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        """Number of training processes."""
+        return 1
+
+    @property
+    def is_rank_zero(self) -> bool:
+        """True on the rank that saves checkpoints and pushes weights."""
+        return self.rank == 0
+
+    @abstractmethod
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Move (and wrap) a model for training; returns the model to call."""
+
+    def create_optimizer(
+        self, model: nn.Module, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)
+    ) -> torch.optim.Optimizer:
+        """AdamW over the model's trainable parameters."""
+        if not lr > 0:
+            raise ValueError(f"learning rate must be > 0, got {lr}")
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameters")
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+
+    def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Back-propagate a loss."""
+        loss.backward()
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, max_grad_norm: float | None = None
+    ) -> float:
+        """Clip gradients (when asked), step and zero them; returns the gradient norm before clipping."""
+        params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+        if max_grad_norm is not None and params:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain model inside any wrapper this strategy added."""
+        return model
+
+    def iter_state_dict(
+        self, model: nn.Module, chunk_bytes: int = 64 * 2**20, only_trainable: bool = False
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The full state dict in chunks of at most `chunk_bytes` (a tensor larger than that is its own chunk)."""
+        chunk: dict[str, torch.Tensor] = {}
+        size = 0
+        trainable = {name for name, p in self.unwrap(model).named_parameters() if p.requires_grad}
+        for name, tensor in self.unwrap(model).state_dict().items():
+            if only_trainable and name not in trainable:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if chunk and size + nbytes > chunk_bytes:
+                yield chunk
+                chunk, size = {}, 0
+            chunk[name] = tensor.detach()
+            size += nbytes
+        if chunk:
+            yield chunk
+
+    def save_checkpoint(
+        self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write model, optimizer and `extra` (JSON) atomically: a crash mid-save keeps the old checkpoint."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        try:
+            torch.save(self.unwrap(model).state_dict(), staging / "model.pt")
+            if optimizer is not None:
+                torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+            (staging / "extra.json").write_text(json.dumps(extra or {}, indent=2))
+            if path.exists():
+                old = path.with_name(f".{path.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                path.rename(old)
+                staging.rename(path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                staging.rename(path)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return path
+
+    def load_checkpoint(
+        self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> dict[str, Any]:
+        """Restore what `save_checkpoint` wrote; returns `extra`."""
+        path = Path(path)
+        if not (path / "model.pt").exists():
+            raise FileNotFoundError(f"{path} is not a checkpoint (no model.pt)")
+        state = torch.load(path / "model.pt", map_location=self.device, weights_only=True)
+        self.unwrap(model).load_state_dict(state)
+        if optimizer is not None:
+            optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
+        return json.loads((path / "extra.json").read_text())

@@ -1,0 +1,30 @@
+"""The console script: --version, --help and the end-to-end check on a tiny model."""
+
+import subprocess
+import sys
+
+import detached_rl
+from detached_rl.check import run_check
+from detached_rl.cli import main
+
+
+def test_version_and_help():
+    out = subprocess.run([sys.executable, "-m", "detached_rl.cli", "--version"], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == f"detached-rl {detached_rl.__version__}"
+    out = subprocess.run([sys.executable, "-m", "detached_rl.cli", "check", "--help"], capture_output=True, text=True,
+                         check=True)
+    assert "--model" in out.stdout
+
+
+def test_check_on_a_tiny_model(capsys):
+    assert main(["check", "--model", "tiny", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "log_prob_recompute_max_abs_diff" in out and "result: OK" in out
+
+
+def test_check_report_figures():
+    report = run_check(model="tiny-gpt2", num_prompts=2, group_size=2, max_new_tokens=6)
+    assert report.ok, report.failures
+    assert report.figures["responses"] == 4 and report.figures["log_prob_recompute_max_abs_diff"] < 1e-4
+    assert 0 < report.figures["trainable_parameters"] < report.figures["parameters"]

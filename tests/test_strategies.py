@@ -1,0 +1,67 @@
+"""The naive strategy: optimizer over trainable parameters, stepping, chunked state dicts, atomic checkpoints."""
+
+import pytest
+import torch
+
+from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
+from detached_rl.strategies import NaiveStrategy, make_strategy
+
+
+def test_make_strategy_refuses_unknown_names():
+    assert isinstance(make_strategy("naive"), NaiveStrategy)
+    with pytest.raises(ValueError, match="'bogus'.*naive"):
+        make_strategy("bogus")
+
+
+def test_optimizer_covers_only_trainable_parameters_and_steps():
+    strategy = NaiveStrategy()
+    model = strategy.prepare_model(apply_lora(tiny_causal_lm("llama")[0], LoraSettings(r=4)))
+    assert next(model.parameters()).device == strategy.device
+    optimizer = strategy.create_optimizer(model, lr=1e-2)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == sum(p.numel() for p in trainable)
+    before = [p.detach().clone() for p in trainable]
+    loss = model(torch.tensor([[3, 4, 5, 6]]), labels=torch.tensor([[3, 4, 5, 6]])).loss
+    strategy.backward(loss, model, optimizer)
+    norm = strategy.optimizer_step(optimizer, model, max_grad_norm=1e-3)
+    assert norm > 0
+    assert all(p.grad is None for p in trainable)
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainable, strict=True))
+    with pytest.raises(ValueError, match="learning rate"):
+        strategy.create_optimizer(model, lr=0)
+
+
+def test_state_dict_chunks_respect_the_byte_budget_and_cover_everything():
+    strategy = NaiveStrategy()
+    model = tiny_causal_lm("gpt2")[0]
+    full = model.state_dict()
+    budget = 40_000
+    chunks = list(strategy.iter_state_dict(model, chunk_bytes=budget))
+    assert len(chunks) > 1
+    seen = {}
+    for chunk in chunks:
+        sizes = [t.numel() * t.element_size() for t in chunk.values()]
+        assert sum(sizes) <= budget or len(chunk) == 1
+        seen.update(chunk)
+    assert list(seen) == list(full) and all(torch.equal(seen[k], full[k]) for k in full)
+    lora = apply_lora(tiny_causal_lm("llama")[0], LoraSettings(r=4))
+    only = {k for c in strategy.iter_state_dict(lora, only_trainable=True) for k in c}
+    assert only and all("lora_" in k for k in only)
+
+
+def test_checkpoint_round_trip_and_atomic_replace(tmp_path):
+    strategy = NaiveStrategy()
+    model = tiny_causal_lm("llama", seed=1)[0]
+    optimizer = strategy.create_optimizer(model, lr=1e-3)
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    strategy.optimizer_step(optimizer, model)
+    path = strategy.save_checkpoint(tmp_path / "ckpt", model, optimizer, extra={"step": 1})
+    strategy.save_checkpoint(path, model, optimizer, extra={"step": 2})  # replaces the first one whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    other = tiny_causal_lm("llama", seed=2)[0]
+    other_optimizer = strategy.create_optimizer(other, lr=1e-3)
+    assert strategy.load_checkpoint(path, other, other_optimizer) == {"step": 2}
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
+    assert other_optimizer.state_dict()["state"][0]["step"] == 1
+    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+        strategy.load_checkpoint(tmp_path / "nothing", other)
