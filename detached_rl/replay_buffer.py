@@ -1,0 +1,428 @@
+"""Replay buffer: a bounded, thread-safe FIFO of experiences that lives inside a trainer.
+
+Accounting holds at all times: every received sample is in exactly one place, so
+`received == sampled + in_buffer + sum(dropped.values())`. A sample counts as `sampled`
+once it has been handed out `max_reuse` times; `dropped` is keyed by reason ("stale",
+"evicted", "cleared"). Duplicates (ids already seen, e.g. a retried push) are counted
+apart, are not part of `received`, and are never stored twice.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from detached_rl.experience import Experience, ExperienceValidationError
+
+OVERFLOW_POLICIES = ("refuse", "evict_oldest")
+DROP_REASONS = ("stale", "evicted", "cleared")
+_COUNTERS = ("received", "sampled", "times_handed_out", "duplicates", "refused_full", "rejected_invalid")
+_STATE_FORMAT = 1
+
+
+class RejectedPushError(ValueError):
+    """A push refused as a whole; `index` and `field` name the offending experience and field when known."""
+
+    def __init__(self, message: str, index: int | None = None, field: str | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+        self.field = field
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """The acknowledgement of one push."""
+
+    accepted: int  # stored in the buffer
+    duplicates: int  # ids already seen, skipped
+    dropped_stale: int  # received, but too old on arrival
+    evicted: int  # older samples dropped to make room ("evict_oldest")
+    full: bool  # refused for capacity ("refuse"): nothing changed, retry later
+    size: int  # buffer size after the push
+    nbytes: int  # buffer bytes after the push
+
+    @property
+    def received(self) -> int:
+        """New samples this push added to the accounting (stored or dropped as stale)."""
+        return self.accepted + self.dropped_stale
+
+
+@dataclass
+class _Entry:
+    experience: Experience
+    nbytes: int
+    score: float
+    uses: int = 0
+
+
+class ReplayBuffer:
+    """Bounded (samples and bytes), thread-safe FIFO of experiences with staleness, dedupe and accounting."""
+
+    def __init__(
+        self,
+        *,
+        max_samples: int = 4096,
+        max_bytes: int = 1 << 30,
+        max_staleness: int | None = None,
+        max_reuse: int = 1,
+        overflow: str = "refuse",
+        vocab_size: int | None = None,
+        dedupe_window: int = 1_000_000,
+    ) -> None:
+        self.max_samples = _check_int("max_samples", max_samples, minimum=1)
+        self.max_bytes = _check_int("max_bytes", max_bytes, minimum=1)
+        self.max_staleness = None if max_staleness is None else _check_int("max_staleness", max_staleness, 0)
+        self.max_reuse = _check_int("max_reuse", max_reuse, minimum=1)
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        self.overflow = overflow
+        self.vocab_size = None if vocab_size is None else _check_int("vocab_size", vocab_size, minimum=1)
+        self.dedupe_window = _check_int("dedupe_window", dedupe_window, minimum=0)
+
+        self._cond = threading.Condition()
+        # The same entries in two orders: `_queue` is the sampling order (reused samples
+        # move to its back), `_arrivals` the arrival order (eviction, peek).
+        self._queue: OrderedDict[str, _Entry] = OrderedDict()
+        self._arrivals: OrderedDict[str, _Entry] = OrderedDict()
+        self._seen_ids: OrderedDict[str, None] = OrderedDict()
+        self._nbytes = 0
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._dropped = dict.fromkeys(DROP_REASONS, 0)
+        self._received_by_maker: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        """Number of samples in the buffer."""
+        with self._cond:
+            return len(self._queue)
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes held by the samples in the buffer."""
+        with self._cond:
+            return self._nbytes
+
+    def append(self, experiences: Sequence[Experience], current_version: int) -> AppendResult:
+        """Add one push all-or-nothing; with "refuse", a push that does not fit returns `full=True`."""
+        _check_int("current_version", current_version, minimum=0)
+        experiences = list(experiences)
+        with self._cond:
+            try:
+                self._check_push(experiences, current_version)
+            except RejectedPushError:
+                self._counts["rejected_invalid"] += 1
+                raise
+            fresh = [exp for exp in experiences if not self._is_duplicate(exp.id)]
+            stale = [exp for exp in fresh if self._too_stale(exp.policy_version, current_version)]
+            stale_ids = {exp.id for exp in stale}
+            entries = [_Entry(exp, exp.nbytes(), exp.score) for exp in fresh if exp.id not in stale_ids]
+            push_bytes = sum(entry.nbytes for entry in entries)
+            if len(entries) > self.max_samples or push_bytes > self.max_bytes:
+                self._counts["rejected_invalid"] += 1
+                raise RejectedPushError(
+                    f"push of {len(entries)} new samples ({push_bytes} bytes) can never fit, even in an empty "
+                    f"buffer (max_samples={self.max_samples}, max_bytes={self.max_bytes}): split it"
+                )
+
+            # Samples that are stale now would be dropped at the next sample anyway; dropping
+            # them first keeps them from causing a refusal.
+            self._drop_stale(current_version)
+            evicted = 0
+            if not self._fits(len(entries), push_bytes):
+                if self.overflow == "refuse":
+                    self._counts["refused_full"] += 1
+                    return AppendResult(0, 0, 0, 0, full=True, size=len(self._queue), nbytes=self._nbytes)
+                while not self._fits(len(entries), push_bytes):
+                    self._remove(next(iter(self._arrivals)), reason="evicted")
+                    evicted += 1
+
+            for exp in experiences:
+                self._remember(exp.id)
+            for exp in fresh:
+                self._counts["received"] += 1
+                self._received_by_maker[exp.maker] = self._received_by_maker.get(exp.maker, 0) + 1
+            self._counts["duplicates"] += len(experiences) - len(fresh)
+            self._dropped["stale"] += len(stale)
+            for entry in entries:
+                self._queue[entry.experience.id] = entry
+                self._arrivals[entry.experience.id] = entry
+                self._nbytes += entry.nbytes
+            if entries:
+                self._cond.notify_all()
+            return AppendResult(
+                accepted=len(entries),
+                duplicates=len(experiences) - len(fresh),
+                dropped_stale=len(stale),
+                evicted=evicted,
+                full=False,
+                size=len(self._queue),
+                nbytes=self._nbytes,
+            )
+
+    def sample(self, count: int, current_version: int | None = None, timeout: float = 0.0) -> list[Experience]:
+        """Hand out the `count` oldest samples, waiting up to `timeout` s for enough; `[]` if there are not."""
+        _check_int("count", count, minimum=1)
+        if count > self.max_samples:
+            raise ValueError(f"count {count} exceeds max_samples {self.max_samples}: it could never be served")
+        if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout >= 0):
+            raise ValueError(f"timeout must be a finite number >= 0, got {timeout!r}")
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._drop_stale(current_version)
+                if len(self._queue) >= count:
+                    return self._hand_out(count)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self._cond.wait(remaining)
+
+    def take(self, max_count: int, current_version: int | None = None) -> list[Experience]:
+        """Hand out up to `max_count` of the oldest samples at once, without waiting."""
+        _check_int("max_count", max_count, minimum=0)
+        with self._cond:
+            self._drop_stale(current_version)
+            return self._hand_out(min(max_count, len(self._queue)))
+
+    def clear(self) -> None:
+        """Drop every sample in the buffer (counted as "cleared"); remembered ids stay remembered."""
+        with self._cond:
+            self._dropped["cleared"] += len(self._queue)
+            self._queue.clear()
+            self._arrivals.clear()
+            self._nbytes = 0
+
+    def stats(self) -> dict[str, Any]:
+        """Return sizes, counters, staleness histogram, per-maker counts and reward statistics (JSON-ready)."""
+        with self._cond:
+            entries = list(self._queue.values())
+            counts = dict(self._counts)
+            dropped = dict(self._dropped)
+            received_by_maker = dict(self._received_by_maker)
+            nbytes = self._nbytes
+            accounting_ok = self._accounting_ok()
+        versions = Counter(entry.experience.policy_version for entry in entries)
+        in_buffer_by_maker = Counter(entry.experience.maker for entry in entries)
+        return {
+            "size": len(entries),
+            "bytes": nbytes,
+            "max_samples": self.max_samples,
+            "max_bytes": self.max_bytes,
+            "max_staleness": self.max_staleness,
+            "max_reuse": self.max_reuse,
+            **counts,
+            "dropped": dropped,
+            "in_buffer": len(entries),
+            "accounting_ok": accounting_ok,
+            "staleness": {str(version): n for version, n in sorted(versions.items())},
+            "per_maker": {
+                maker: {"received": n, "in_buffer": in_buffer_by_maker.get(maker, 0)}
+                for maker, n in sorted(received_by_maker.items())
+            },
+            "reward": _summary([entry.score for entry in entries]),
+        }
+
+    def peek(
+        self,
+        count: int = 5,
+        maker: str | None = None,
+        min_reward: float | None = None,
+        max_reward: float | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Describe the newest `count` samples matching the filters, newest first, without touching them."""
+        _check_int("count", count, minimum=0)
+        matches: list[_Entry] = []
+        with self._cond:
+            for entry in reversed(self._arrivals.values()):
+                if len(matches) >= count:
+                    break
+                if maker is not None and entry.experience.maker != maker:
+                    continue
+                if min_reward is not None and entry.score < min_reward:
+                    continue
+                if max_reward is not None and entry.score > max_reward:
+                    continue
+                matches.append(entry)
+        # Describing (and decoding) happens outside the lock so inspection never stalls training.
+        return [_describe(entry, decode) for entry in matches]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return everything needed to restore the buffer exactly (samples as tensors, counters, seen ids)."""
+        with self._cond:
+            return {
+                "format": _STATE_FORMAT,
+                "samples": [
+                    {"experience": _copy_fields(entry.experience), "uses": entry.uses}
+                    for entry in self._arrivals.values()
+                ],
+                "queue": list(self._queue),
+                "seen_ids": list(self._seen_ids),
+                "counts": dict(self._counts),
+                "dropped": dict(self._dropped),
+                "received_by_maker": dict(self._received_by_maker),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the buffer's contents with a `state_dict`; this buffer's configuration is kept."""
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"unknown replay buffer state format {state.get('format')!r}, expected {_STATE_FORMAT}")
+        arrivals: OrderedDict[str, _Entry] = OrderedDict()
+        for item in state["samples"]:
+            exp = Experience(**_copy_fields(item["experience"]))
+            arrivals[exp.id] = _Entry(exp, exp.nbytes(), exp.score, uses=int(item["uses"]))
+        if sorted(state["queue"]) != sorted(arrivals):
+            raise ValueError("replay buffer state is inconsistent: queue ids differ from sample ids")
+        counts = {name: int(state["counts"][name]) for name in _COUNTERS}
+        dropped = {reason: int(state["dropped"][reason]) for reason in DROP_REASONS}
+        if counts["received"] != counts["sampled"] + len(arrivals) + sum(dropped.values()):
+            raise ValueError("replay buffer state is inconsistent: received != sampled + in_buffer + dropped")
+        seen_ids = state["seen_ids"][-self.dedupe_window :] if self.dedupe_window else []
+        with self._cond:
+            self._arrivals = arrivals
+            self._queue = OrderedDict((sample_id, arrivals[sample_id]) for sample_id in state["queue"])
+            self._seen_ids = OrderedDict.fromkeys(seen_ids)
+            self._nbytes = sum(entry.nbytes for entry in arrivals.values())
+            self._counts = counts
+            self._dropped = dropped
+            self._received_by_maker = {str(k): int(v) for k, v in state["received_by_maker"].items()}
+            self._cond.notify_all()
+
+    # Helpers below expect the lock to be held.
+
+    def _check_push(self, experiences: list[Experience], current_version: int) -> None:
+        ids_in_push: set[str] = set()
+        for index, exp in enumerate(experiences):
+            where = _where(index, len(experiences), exp)
+            if not isinstance(exp, Experience):
+                raise RejectedPushError(f"{where}: expected an Experience, got {type(exp).__name__}", index)
+            try:
+                exp.validate(self.vocab_size)
+            except ExperienceValidationError as err:
+                raise RejectedPushError(f"{where}: {err}", index, err.field) from err
+            if exp.policy_version > current_version:
+                raise RejectedPushError(
+                    f"{where}: Experience.policy_version: {exp.policy_version} is newer than the "
+                    f"trainer's current version {current_version}",
+                    index,
+                    "policy_version",
+                )
+            if exp.id in ids_in_push:
+                raise RejectedPushError(f"{where}: Experience.id: appears twice in this push", index, "id")
+            ids_in_push.add(exp.id)
+
+    def _is_duplicate(self, sample_id: str) -> bool:
+        # Ids in the buffer count too, in case the dedupe window is smaller than the buffer.
+        return sample_id in self._seen_ids or sample_id in self._arrivals
+
+    def _remember(self, sample_id: str) -> None:
+        if self.dedupe_window == 0:
+            return
+        if sample_id in self._seen_ids:
+            self._seen_ids.move_to_end(sample_id)
+            return
+        self._seen_ids[sample_id] = None
+        while len(self._seen_ids) > self.dedupe_window:
+            self._seen_ids.popitem(last=False)
+
+    def _too_stale(self, policy_version: int, current_version: int | None) -> bool:
+        if self.max_staleness is None or current_version is None:
+            return False
+        return current_version - policy_version > self.max_staleness
+
+    def _drop_stale(self, current_version: int | None) -> None:
+        if self.max_staleness is None or current_version is None:
+            return
+        for sample_id, entry in list(self._arrivals.items()):
+            if self._too_stale(entry.experience.policy_version, current_version):
+                self._remove(sample_id, reason="stale")
+
+    def _fits(self, count: int, nbytes: int) -> bool:
+        return len(self._queue) + count <= self.max_samples and self._nbytes + nbytes <= self.max_bytes
+
+    def _remove(self, sample_id: str, reason: str | None) -> None:
+        """Take a sample out of the buffer: dropped for `reason`, or sampled when `reason` is None."""
+        entry = self._arrivals.pop(sample_id)
+        self._queue.pop(sample_id, None)
+        self._nbytes -= entry.nbytes
+        if reason is None:
+            self._counts["sampled"] += 1
+        else:
+            self._dropped[reason] += 1
+
+    def _hand_out(self, count: int) -> list[Experience]:
+        handed_out = []
+        for _ in range(count):
+            sample_id, entry = self._queue.popitem(last=False)
+            entry.uses += 1
+            self._counts["times_handed_out"] += 1
+            handed_out.append(entry.experience)
+            if entry.uses >= self.max_reuse:
+                self._remove(sample_id, reason=None)
+            else:
+                self._queue[sample_id] = entry  # to the back, so the others get their turn first
+        return handed_out
+
+    def _accounting_ok(self) -> bool:
+        in_buffer = len(self._queue)
+        return self._counts["received"] == self._counts["sampled"] + in_buffer + sum(self._dropped.values())
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _where(index: int, total: int, exp: Any) -> str:
+    return (
+        f"experience at index {index} of {total} "
+        f"(id {getattr(exp, 'id', None)!r}, maker {getattr(exp, 'maker', None)!r})"
+    )
+
+
+def _copy_fields(exp: Experience | dict[str, Any]) -> dict[str, Any]:
+    """Deep-copy an experience's fields into a dict (tensors keep their dtype)."""
+    values = exp if isinstance(exp, dict) else {f.name: getattr(exp, f.name) for f in fields(exp)}
+    return {
+        name: value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+        for name, value in values.items()
+    }
+
+
+def _summary(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "std": None, "min": None, "max": None}
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.pstdev(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def _describe(entry: _Entry, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
+    exp = entry.experience
+    row: dict[str, Any] = {
+        "id": exp.id,
+        "maker": exp.maker,
+        "policy_version": exp.policy_version,
+        "group_id": exp.group_id,
+        "score": entry.score,
+        "prompt_length": int(exp.prompt_ids.numel()),
+        "response_length": exp.response_length,
+        "info": copy.deepcopy(exp.info),
+        "uses": entry.uses,
+    }
+    if decode is not None:
+        row["prompt_text"] = decode(exp.prompt_ids.tolist())
+        row["response_text"] = decode(exp.response_ids.tolist())
+    return row
