@@ -16,6 +16,7 @@ from detached_rl import algorithms
 from detached_rl.experience import Experience, collate
 from detached_rl.models import Actor, FunctionReward, LoraSettings, SamplingConfig, apply_lora, load_causal_lm
 from detached_rl.models.lora import count_parameters
+from detached_rl.optim import OptimizerConfig
 from detached_rl.rewards import numeric_answer_reward
 from detached_rl.strategies import NaiveStrategy
 from detached_rl.tasks import addition_problems
@@ -92,7 +93,7 @@ def run_check(
 
     advantages = algorithms.group_advantages(batch.scores, group_size=group_size, method="grpo")
     token_advantages = algorithms.broadcast_to_tokens(advantages, batch.response_mask)
-    optimizer = strategy.create_optimizer(policy, lr=learning_rate)
+    optimizer, _ = strategy.create_optimizer(policy, OptimizerConfig(lr=learning_rate))
     start = time.perf_counter()
     policy.train()
     log_probs = actor.log_probs(batch.sequences, batch.attention_mask, batch.response_mask, sampling)

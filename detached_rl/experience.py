@@ -219,6 +219,29 @@ class ExperienceBatch:
         """Count of valid response tokens in the batch."""
         return int(self.response_mask.sum())
 
+    def select(self, rows: Sequence[int] | torch.Tensor) -> ExperienceBatch:
+        """The sub-batch of the given rows, with padding columns no row uses trimmed away."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        attention = self.attention_mask[index]
+        prompt_start = int((attention[:, : self.prompt_length].sum(0) > 0).nonzero()[0])
+        response_length = max(int(self.response_mask[index].sum(1).max()), 1)
+        end = self.prompt_length + response_length
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                picked[f.name] = [value[i] for i in index.tolist()]
+            elif f.name in ("sequences", "attention_mask"):
+                picked[f.name] = value[index, prompt_start:end]
+            elif isinstance(value, torch.Tensor) and value.dim() == 2:
+                picked[f.name] = value[index, :response_length]
+            elif isinstance(value, torch.Tensor):
+                picked[f.name] = value[index]
+            else:
+                picked[f.name] = value
+        picked["prompt_length"] = self.prompt_length - prompt_start
+        return ExperienceBatch(**picked)
+
     def to(self, device: torch.device | str) -> ExperienceBatch:
         """Return a copy with every tensor moved to `device`."""
         return ExperienceBatch(

@@ -139,7 +139,10 @@ class ReplayBuffer:
             if not self._fits(len(entries), push_bytes):
                 if self.overflow == "refuse":
                     self._counts["refused_full"] += 1
-                    return AppendResult(0, 0, 0, 0, full=True, size=len(self._queue), nbytes=self._nbytes)
+                    return AppendResult(
+                        accepted=0, duplicates=0, dropped_stale=0, evicted=0, full=True,
+                        size=len(self._queue), nbytes=self._nbytes,
+                    )
                 while not self._fits(len(entries), push_bytes):
                     self._remove(next(iter(self._arrivals)), reason="evicted")
                     evicted += 1
@@ -301,22 +304,21 @@ class ReplayBuffer:
     def _check_push(self, experiences: list[Experience], current_version: int) -> None:
         ids_in_push: set[str] = set()
         for index, exp in enumerate(experiences):
-            where = _where(index, len(experiences), exp)
             if not isinstance(exp, Experience):
+                where = _where(index, len(experiences), exp)
                 raise RejectedPushError(f"{where}: expected an Experience, got {type(exp).__name__}", index)
             try:
                 exp.validate(self.vocab_size)
+                if exp.policy_version > current_version:
+                    raise ExperienceValidationError(
+                        "policy_version",
+                        f"{exp.policy_version} is newer than the trainer's current version {current_version}",
+                    )
+                if exp.id in ids_in_push:
+                    raise ExperienceValidationError("id", "appears twice in this push")
             except ExperienceValidationError as err:
+                where = _where(index, len(experiences), exp)
                 raise RejectedPushError(f"{where}: {err}", index, err.field) from err
-            if exp.policy_version > current_version:
-                raise RejectedPushError(
-                    f"{where}: Experience.policy_version: {exp.policy_version} is newer than the "
-                    f"trainer's current version {current_version}",
-                    index,
-                    "policy_version",
-                )
-            if exp.id in ids_in_push:
-                raise RejectedPushError(f"{where}: Experience.id: appears twice in this push", index, "id")
             ids_in_push.add(exp.id)
 
     def _is_duplicate(self, sample_id: str) -> bool:

@@ -117,3 +117,19 @@ def test_dict_round_trip_and_unknown_field():
     data["bogus"] = 1
     with pytest.raises(ExperienceValidationError, match="bogus"):
         Experience.from_dict(data)
+
+
+def test_select_rows_trims_unused_padding():
+    a = make(prompt=(5, 6, 7), response=(8, 9))
+    b = make(prompt=(4,), response=(1, 2, 3), reward=[0.5, 0.0, 0.25])
+    c = make(prompt=(3, 3), response=(2,))
+    batch = collate([a, b, c], pad_token_id=0)
+    sub = batch.select([1, 2])
+    assert sub.prompt_length == 2 and sub.ids == [b.id, c.id]
+    assert sub.sequences.tolist() == [[0, 4, 1, 2, 3], [3, 3, 2, 0, 0]]
+    assert sub.response_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert sub.token_rewards.tolist() == [[0.5, 0.0, 0.25], [1.0, 0.0, 0.0]]
+    back = uncollate(sub)
+    assert torch.equal(back[0].prompt_ids, b.prompt_ids) and torch.equal(back[1].response_ids, c.response_ids)
+    only_a = batch.select(torch.tensor([0]))
+    assert only_a.sequences.tolist() == [[5, 6, 7, 8, 9]] and only_a.log_probs.shape == (1, 2)

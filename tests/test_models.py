@@ -273,3 +273,18 @@ def test_actor_forward_is_deterministic_in_train_mode(model_type):
         first = actor.log_probs(sequences, mask, response_mask)
         assert torch.equal(first, actor.log_probs(sequences, mask, response_mask))
         assert torch.allclose(first, actor.eval().log_probs(sequences, mask, response_mask), atol=1e-6)
+
+
+def test_entropy_of_uniform_and_filtered_distributions():
+    from detached_rl.models.generation import entropy_from_logits
+
+    assert entropy_from_logits(torch.zeros(4)).item() == pytest.approx(torch.log(torch.tensor(4.0)).item())
+    filtered = torch.tensor([0.0, 0.0, float("-inf"), float("-inf")])
+    assert entropy_from_logits(filtered).item() == pytest.approx(torch.log(torch.tensor(2.0)).item())
+    model, tokenizer = tiny_causal_lm("llama")
+    actor = Actor(model, tokenizer)
+    sequences = torch.tensor([[5, 6, 7, 8, 9]])
+    lp, entropy = actor.log_probs(sequences, torch.ones_like(sequences), torch.tensor([[1, 1, 0]]),
+                                  return_entropy=True)
+    assert entropy.shape == lp.shape and entropy[0, 2] == 0
+    assert 0 < entropy[0, 0] <= torch.log(torch.tensor(float(len(tokenizer)))) + 1e-4

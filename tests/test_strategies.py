@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
+from detached_rl.optim import OptimizerConfig
 from detached_rl.strategies import NaiveStrategy, make_strategy
 
 
@@ -17,7 +18,7 @@ def test_optimizer_covers_only_trainable_parameters_and_steps():
     strategy = NaiveStrategy()
     model = strategy.prepare_model(apply_lora(tiny_causal_lm("llama")[0], LoraSettings(r=4)))
     assert next(model.parameters()).device == strategy.device
-    optimizer = strategy.create_optimizer(model, lr=1e-2)
+    optimizer, scheduler = strategy.create_optimizer(model, OptimizerConfig(lr=1e-2, warmup_steps=2))
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == sum(p.numel() for p in trainable)
     before = [p.detach().clone() for p in trainable]
@@ -27,8 +28,10 @@ def test_optimizer_covers_only_trainable_parameters_and_steps():
     assert norm > 0
     assert all(p.grad is None for p in trainable)
     assert any(not torch.equal(a, p) for a, p in zip(before, trainable, strict=True))
-    with pytest.raises(ValueError, match="learning rate"):
-        strategy.create_optimizer(model, lr=0)
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)  # warm-up: 0.5 * lr, then lr
+    with pytest.raises(ValueError, match="OptimizerConfig.lr"):
+        strategy.create_optimizer(model, OptimizerConfig(lr=0))
 
 
 def test_state_dict_chunks_respect_the_byte_budget_and_cover_everything():
@@ -52,16 +55,38 @@ def test_state_dict_chunks_respect_the_byte_budget_and_cover_everything():
 def test_checkpoint_round_trip_and_atomic_replace(tmp_path):
     strategy = NaiveStrategy()
     model = tiny_causal_lm("llama", seed=1)[0]
-    optimizer = strategy.create_optimizer(model, lr=1e-3)
+    optimizer, _ = strategy.create_optimizer(model, OptimizerConfig(lr=1e-3))
     model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
     strategy.optimizer_step(optimizer, model)
     path = strategy.save_checkpoint(tmp_path / "ckpt", model, optimizer, extra={"step": 1})
     strategy.save_checkpoint(path, model, optimizer, extra={"step": 2})  # replaces the first one whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     other = tiny_causal_lm("llama", seed=2)[0]
-    other_optimizer = strategy.create_optimizer(other, lr=1e-3)
+    other_optimizer, _ = strategy.create_optimizer(other, OptimizerConfig(lr=1e-3))
     assert strategy.load_checkpoint(path, other, other_optimizer) == {"step": 2}
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
     assert other_optimizer.state_dict()["state"][0]["step"] == 1
     with pytest.raises(FileNotFoundError, match="not a checkpoint"):
         strategy.load_checkpoint(tmp_path / "nothing", other)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    # warm-up 2 steps (0.5, 1.0), then decay over total_steps - warmup = 4 steps to min_lr_ratio 0.2.
+    [("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+     ("linear", [0.5, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2]),
+     ("cosine", [0.5, 1.0, 1.0, 0.2 + 0.8 * 0.8535534, 0.6, 0.2 + 0.8 * 0.1464466, 0.2])],
+)
+def test_learning_rate_schedules(schedule, expected):
+    config = OptimizerConfig(lr=1.0, schedule=schedule, warmup_steps=2, total_steps=6, min_lr_ratio=0.2)
+    assert [config.lr_factor(step) for step in range(7)] == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [(dict(betas=(0.9, 1.0)), "betas"), (dict(schedule="step"), "schedule"), (dict(schedule="cosine"), "total_steps"),
+     (dict(weight_decay=-1), "weight_decay"), (dict(max_grad_norm=0), "max_grad_norm")],
+)
+def test_optimizer_config_refuses_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=f"OptimizerConfig.{field}"):
+        OptimizerConfig(**kwargs)

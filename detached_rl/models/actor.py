@@ -15,6 +15,7 @@ from detached_rl.models.generation import (
     GenerationOutput,
     HFGenerationBackend,
     SamplingConfig,
+    entropy_from_logits,
     process_logits,
     token_log_probs,
 )
@@ -82,11 +83,13 @@ class Actor(nn.Module):
         attention_mask: torch.Tensor,
         response_mask: torch.Tensor,
         sampling: SamplingConfig | None = None,
-    ) -> torch.Tensor:
+        return_entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [B, R] of the response tokens, from one forward pass (0 where masked).
 
         With `sampling`, logits are processed as during generation (temperature, top-k,
-        top-p), so an unchanged model reproduces the behaviour log-probs.
+        top-p), so an unchanged model reproduces the behaviour log-probs. With
+        `return_entropy`, also the entropy [B, R] of each position's (processed) distribution.
         """
         if sequences.shape != attention_mask.shape:
             raise ValueError(
@@ -107,7 +110,9 @@ class Actor(nn.Module):
         logits = logits[:, -(response_length + 1) : -1].float()
         logits = process_logits(logits, sampling)
         targets = sequences[:, -response_length:]
-        log_probs = token_log_probs(logits, targets)
-        return log_probs.masked_fill(response_mask == 0, 0.0)
+        log_probs = token_log_probs(logits, targets).masked_fill(response_mask == 0, 0.0)
+        if not return_entropy:
+            return log_probs
+        return log_probs, entropy_from_logits(logits).masked_fill(response_mask == 0, 0.0)
 
     log_probs = forward

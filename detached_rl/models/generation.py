@@ -77,6 +77,13 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dimension; -inf logits (filtered tokens) contribute 0."""
+    log_p = torch.log_softmax(logits, dim=-1)
+    p_log_p = torch.where(torch.isinf(logits), torch.zeros_like(log_p), log_p.exp() * log_p)
+    return -p_log_p.sum(dim=-1)
+
+
 @runtime_checkable
 class GenerationBackend(Protocol):
     """Turns prompts into responses with behaviour log-probs (HF `generate` now, vLLM later)."""

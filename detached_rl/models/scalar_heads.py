@@ -29,7 +29,8 @@ class _ScalarHeadModel(nn.Module):
         hidden = _hidden_size(backbone)
         if head is None:
             head = nn.Linear(hidden, 1)
-            nn.init.normal_(head.weight, std=1.0 / (hidden + 1) ** 0.5)
+            # Small init (as OpenRLHF): initial values near 0, so early advantages are not noise.
+            nn.init.normal_(head.weight, std=1.0 / (hidden + 1))
             nn.init.zeros_(head.bias)
             param = next(backbone.parameters())
             head.to(device=param.device, dtype=param.dtype)

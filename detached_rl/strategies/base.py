@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from detached_rl.optim import OptimizerConfig, build_optimizer
+
 
 class Strategy(ABC):
     """One way to train a model (one process, DDP, ColossalAI ...). Logic that does not depend on it lives elsewhere."""
@@ -45,15 +47,13 @@ class Strategy(ABC):
         """Move (and wrap) a model for training; returns the model to call."""
 
     def create_optimizer(
-        self, model: nn.Module, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)
-    ) -> torch.optim.Optimizer:
-        """AdamW over the model's trainable parameters."""
-        if not lr > 0:
-            raise ValueError(f"learning rate must be > 0, got {lr}")
+        self, model: nn.Module, config: OptimizerConfig | None = None
+    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        """AdamW over the model's trainable parameters, and its learning-rate schedule."""
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters")
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+        return build_optimizer(params, config or OptimizerConfig())
 
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Back-propagate a loss."""

@@ -1,0 +1,230 @@
+"""PPO on experience batches: reward shaping, GAE, clipped policy and value losses, mini-batches and epochs.
+
+`PPOLearner` is the plain class inside `DetachedPPOTrainer`; it owns the actor, the critic,
+their optimizers and schedules, and turns a list of `Experience` into optimizer steps.
+Experience must carry `values` (the maker's critic) and, when the KL coefficient is
+non-zero, `ref_log_probs` (the maker's reference model). The "old" policy of the PPO ratio
+is the behaviour policy: the log-probs the maker sampled with.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from detached_rl import algorithms
+from detached_rl.experience import Experience, ExperienceBatch, collate
+from detached_rl.models.actor import Actor
+from detached_rl.models.generation import SamplingConfig
+from detached_rl.models.scalar_heads import Critic
+from detached_rl.optim import OptimizerConfig
+from detached_rl.strategies.base import Strategy
+
+KL_MODES = ("reward", "loss")
+
+
+@dataclass
+class PPOConfig:
+    """PPO hyper-parameters; defaults follow common RLHF practice (verl / OpenRLHF)."""
+
+    actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    critic_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-5))
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    value_clip: float | None = 0.2
+    value_coef: float = 0.5
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_kind: str = "k1"
+    kl_mode: str = "reward"  # "reward": penalty in the token rewards; "loss": a loss term
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    loss_agg: str = "token-mean"
+    micro_batch_size: int = 8
+    mini_batch_size: int | None = None  # samples per optimizer step; None: the whole batch
+    train_epochs: int = 1
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # as the makers sample
+
+    def __post_init__(self) -> None:
+        if self.kl_mode not in KL_MODES:
+            raise ValueError(f"PPOConfig.kl_mode must be one of {KL_MODES}, got {self.kl_mode!r}")
+        if self.kl_kind not in algorithms.KL_KINDS:
+            raise ValueError(f"PPOConfig.kl_kind must be one of {algorithms.KL_KINDS}, got {self.kl_kind!r}")
+        if self.loss_agg not in algorithms.LOSS_AGG_MODES:
+            raise ValueError(f"PPOConfig.loss_agg must be one of {algorithms.LOSS_AGG_MODES}, got {self.loss_agg!r}")
+        for name in ("micro_batch_size", "train_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PPOConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.mini_batch_size is not None and self.mini_batch_size < 1:
+            raise ValueError(f"PPOConfig.mini_batch_size must be >= 1 or None, got {self.mini_batch_size}")
+        for name in ("kl_coef", "entropy_coef", "value_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"PPOConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError(f"PPOConfig.gamma and PPOConfig.lam must be in [0, 1], got {self.gamma}, {self.lam}")
+
+
+def shaped_rewards(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token rewards [B, R] with the KL penalty subtracted when `kl_mode="reward"`, and the per-token KL."""
+    if config.kl_coef == 0:
+        return batch.token_rewards, None
+    if batch.ref_log_probs is None:
+        raise ValueError("PPO with kl_coef > 0 needs ref_log_probs on every experience (field ref_log_probs)")
+    kl = algorithms.kl_estimate(batch.log_probs, batch.ref_log_probs, config.kl_kind)
+    kl = kl.masked_fill(batch.response_mask == 0, 0.0)
+    if config.kl_mode == "reward":
+        return batch.token_rewards - config.kl_coef * kl, kl
+    return batch.token_rewards, kl
+
+
+def ppo_advantages(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(advantages, returns, kl) [B, R]: GAE over shaped rewards and the maker's values, optionally whitened."""
+    if batch.values is None:
+        raise ValueError("PPO needs values on every experience (field values), computed by the maker's critic")
+    rewards, kl = shaped_rewards(batch, config)
+    advantages, returns = algorithms.compute_gae(rewards, batch.values, batch.response_mask, config.gamma, config.lam)
+    if config.whiten_advantages and batch.num_response_tokens >= 2:
+        advantages = algorithms.masked_whiten(advantages, batch.response_mask)
+    return advantages, returns, kl
+
+
+class _TokenWeightedMeans:
+    """Accumulates metrics as token-weighted means over micro-batches."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, values: dict[str, float | torch.Tensor], weight: float) -> None:
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + float(value) * weight
+            self.weights[key] = self.weights.get(key, 0.0) + weight
+
+    def means(self) -> dict[str, float]:
+        return {key: self.sums[key] / max(self.weights[key], 1e-12) for key in self.sums}
+
+
+class PPOLearner:
+    """Trains an actor and a critic with PPO on batches of experience."""
+
+    def __init__(self, actor: Actor, critic: Critic, strategy: Strategy, config: PPOConfig | None = None) -> None:
+        self.config = config or PPOConfig()
+        self.strategy = strategy
+        self.actor = strategy.prepare_model(actor)
+        self.critic = strategy.prepare_model(critic)
+        self.actor_optimizer, self.actor_scheduler = strategy.create_optimizer(self.actor, self.config.actor_optimizer)
+        self.critic_optimizer, self.critic_scheduler = strategy.create_optimizer(
+            self.critic, self.config.critic_optimizer
+        )
+        self.optimizer_steps = 0
+
+    @property
+    def pad_token_id(self) -> int:
+        """Pad id used when collating."""
+        return int(self.strategy.unwrap(self.actor).tokenizer.pad_token_id)
+
+    def train_step(self, experiences: list[Experience], policy_version: int | None = None) -> dict[str, float]:
+        """Train on one batch (epochs x mini-batches x micro-batches); returns token-weighted metrics."""
+        start = time.perf_counter()
+        config = self.config
+        batch = collate(experiences, self.pad_token_id).to(self.strategy.device)
+        with torch.no_grad():
+            advantages, returns, kl = ppo_advantages(batch, config)
+        batch.advantages, batch.returns = advantages, returns
+        means = _TokenWeightedMeans()
+        mini_size = config.mini_batch_size or batch.size
+        self.actor.train()
+        self.critic.train()
+        for _ in range(config.train_epochs):
+            order = torch.randperm(batch.size)
+            for mini_start in range(0, batch.size, mini_size):
+                mini_rows = order[mini_start : mini_start + mini_size]
+                mini_tokens = max(int(batch.response_mask[mini_rows].sum()), 1)
+                for micro_start in range(0, len(mini_rows), config.micro_batch_size):
+                    micro = batch.select(mini_rows[micro_start : micro_start + config.micro_batch_size])
+                    # Token-weighted gradient accumulation: each micro-batch's token-mean loss
+                    # counts in proportion to its share of the mini-batch's tokens.
+                    weight = micro.num_response_tokens / mini_tokens
+                    means.add(self._micro_step(micro, weight), micro.num_response_tokens)
+                means.add(self._optimizer_step(), mini_tokens)
+        metrics = means.means()
+        metrics.update(self._batch_metrics(batch, kl, policy_version))
+        elapsed = time.perf_counter() - start
+        metrics.update({
+            "time/train_step": elapsed,
+            "perf/samples_per_s": batch.size / elapsed,
+            "perf/tokens_per_s": batch.num_response_tokens / elapsed,
+            "lr/actor": self.actor_optimizer.param_groups[0]["lr"],
+            "lr/critic": self.critic_optimizer.param_groups[0]["lr"],
+        })
+        return metrics
+
+    def _micro_step(self, micro: ExperienceBatch, weight: float) -> dict[str, Any]:
+        config = self.config
+        mask = micro.response_mask
+        log_probs, entropy = self.actor(
+            micro.sequences, micro.attention_mask, mask, config.sampling, return_entropy=True
+        )
+        policy_loss, stats = algorithms.policy_loss(
+            log_probs, micro.log_probs, micro.advantages, mask, config.clip_low, config.clip_high,
+            config.dual_clip, config.loss_agg,
+        )
+        entropy_mean = algorithms.aggregate_loss(entropy, mask, config.loss_agg)
+        actor_loss = policy_loss - config.entropy_coef * entropy_mean
+        kl_loss = torch.zeros((), device=log_probs.device)
+        if config.kl_mode == "loss" and config.kl_coef > 0:
+            kl_loss = algorithms.aggregate_loss(
+                algorithms.kl_estimate(log_probs, micro.ref_log_probs, config.kl_kind), mask, config.loss_agg
+            )
+            actor_loss = actor_loss + config.kl_coef * kl_loss
+        self.strategy.backward(actor_loss * weight, self.actor, self.actor_optimizer)
+
+        values = self.critic(micro.sequences, micro.attention_mask, mask)
+        value_loss, value_stats = algorithms.value_loss(
+            values, micro.values, micro.returns, mask, config.value_clip, config.loss_agg
+        )
+        self.strategy.backward(config.value_coef * value_loss * weight, self.critic, self.critic_optimizer)
+        value_error = algorithms.masked_mean((values.detach() - micro.returns) ** 2, mask)
+        return {
+            "loss/policy": policy_loss.detach(), "loss/value": value_loss.detach(),
+            "loss/entropy": entropy_mean.detach(), "loss/kl": kl_loss.detach(),
+            "policy/clipfrac": stats["clipfrac"], "policy/approx_kl": stats["approx_kl"],
+            "policy/ratio_mean": stats["ratio_mean"], "value/clipfrac": value_stats["vf_clipfrac"],
+            "value/error": value_error,
+        }
+
+    def _optimizer_step(self) -> dict[str, float]:
+        actor_norm = self.strategy.optimizer_step(
+            self.actor_optimizer, self.actor, self.config.actor_optimizer.max_grad_norm
+        )
+        critic_norm = self.strategy.optimizer_step(
+            self.critic_optimizer, self.critic, self.config.critic_optimizer.max_grad_norm
+        )
+        self.actor_scheduler.step()
+        self.critic_scheduler.step()
+        self.optimizer_steps += 1
+        return {"grad_norm/actor": actor_norm, "grad_norm/critic": critic_norm}
+
+    @staticmethod
+    def _batch_metrics(batch: ExperienceBatch, kl: torch.Tensor | None, policy_version: int | None) -> dict[str, float]:
+        lengths = batch.response_mask.sum(1).float()
+        out = {
+            "reward/mean": float(batch.scores.mean()),
+            "reward/std": float(batch.scores.std()) if batch.size > 1 else 0.0,
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "samples": float(batch.size),
+            "tokens": float(batch.num_response_tokens),
+        }
+        if kl is not None:
+            out["kl/mean"] = float(algorithms.masked_mean(kl, batch.response_mask))
+        if policy_version is not None:
+            staleness = (policy_version - batch.policy_versions).float()
+            out["staleness/mean"] = float(staleness.mean())
+            out["staleness/max"] = float(staleness.max())
+        return out
