@@ -188,6 +188,17 @@ class ReplayBuffer:
                     return []
                 self._cond.wait(remaining)
 
+    def wait_for(self, count: int, current_version: int | None = None, timeout: float = 0.0) -> int:
+        """Drop stale samples, wait up to `timeout` s until `count` are available; returns how many are."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._drop_stale(current_version)
+                remaining = deadline - time.monotonic()
+                if len(self._queue) >= count or remaining <= 0:
+                    return len(self._queue)
+                self._cond.wait(remaining)
+
     def take(self, max_count: int, current_version: int | None = None) -> list[Experience]:
         """Hand out up to `max_count` of the oldest samples at once, without waiting."""
         _check_int("max_count", max_count, minimum=0)

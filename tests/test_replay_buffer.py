@@ -438,3 +438,15 @@ def test_call_argument_validation():
     with pytest.raises(RejectedPushError, match="expected an Experience"):
         buffer.append([make(), {"id": "x"}], 0)
     assert buffer.append([], 0) == AppendResult(0, 0, 0, 0, full=False, size=0, nbytes=0)
+
+
+def test_wait_for_counts_available_after_dropping_stale():
+    import threading
+
+    buffer = ReplayBuffer(max_staleness=0)
+    buffer.append([make(policy_version=0)], current_version=0)
+    assert buffer.wait_for(1, current_version=0) == 1
+    assert buffer.wait_for(1, current_version=1) == 0  # the version-0 sample is now stale
+    assert buffer.stats()["dropped"]["stale"] == 1
+    threading.Timer(0.05, lambda: buffer.append([make(policy_version=1)], current_version=1)).start()
+    assert buffer.wait_for(1, current_version=1, timeout=5.0) == 1

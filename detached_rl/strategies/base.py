@@ -72,6 +72,28 @@ class Strategy(ABC):
         optimizer.zero_grad(set_to_none=True)
         return norm
 
+    def all_true(self, flag: bool) -> bool:
+        """True when `flag` is true on every rank (ranks agree before a collective step)."""
+        return bool(flag)
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s `obj` on every rank."""
+        return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order."""
+        return [obj]
+
+    def reduce_metrics(self, metrics: dict[str, float], weight: float) -> dict[str, float]:
+        """Weighted mean of each metric across ranks (keys ending in samples/tokens are summed)."""
+        return dict(metrics)
+
+    def destroy(self) -> None:
+        """Release what `setup` acquired (process groups)."""
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model inside any wrapper this strategy added."""
         return model

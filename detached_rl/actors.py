@@ -1,0 +1,350 @@
+"""Ray shells: named, long-lived actors with concurrency groups and timeouts around the plain classes.
+
+* `ExperienceMakerHolder` wraps `ExperienceMaker` (+ `ExperiencePusher`).
+  Groups: `experience_io` (status, stop), `model_io` (apply_weight_update), `compute` (run).
+* `DetachedPPOTrainer` wraps `TrainerCore` (+ `PPOLearner`).
+  Groups: `buffer_length` (buffer_length, buffer_stats, status), `buffer_append`
+  (push_experience), `buffer_sample` (buffer_sample, buffer_peek), `model_io`
+  (register_maker, current_weights, master_address), `compute` (setup, fit).
+Each group runs in its own thread, so a long `fit` never delays a push or a status query.
+Actors find each other only by name and namespace (`attach`), never by handles passed
+around by a driver, so makers and trainers may start in any order and in separate jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+
+from detached_rl.maker import ExperienceMaker, MakerConfig, MakerModels
+from detached_rl.models.actor import Actor
+from detached_rl.models.scalar_heads import Critic
+from detached_rl.ppo import PPOConfig, PPOLearner
+from detached_rl.prompts import PromptSource
+from detached_rl.pusher import ExperiencePusher
+from detached_rl.replay_buffer import AppendResult
+from detached_rl.strategies import NaiveStrategy, Strategy
+from detached_rl.trainer import TrainerConfig, TrainerCore
+from detached_rl.weight_sync import ApplyResult, WeightUpdate
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NAMESPACE = "detached_rl"
+
+
+def attach(name: str, namespace: str | None = None, timeout: float = 60.0, poll_interval: float = 0.2):
+    """The handle of the named actor, waiting up to `timeout` s for it to exist."""
+    namespace = namespace or DEFAULT_NAMESPACE
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"no actor named {name!r} in Ray namespace {namespace!r} after {timeout:.1f} s "
+                    "(is it started, and in this namespace?)"
+                ) from None
+            time.sleep(poll_interval)
+
+
+def _ray_fetch(timeout: float) -> Callable[[Any], Any]:
+    return lambda ref: ray.get(ref, timeout=timeout)
+
+
+def deliver_weight_update(
+    update: WeightUpdate, makers: Sequence[str], namespace: str, timeout: float
+) -> dict[str, ApplyResult | BaseException]:
+    """Send the same update (the same chunk refs) to every maker concurrently; per-maker result or error."""
+    pending: dict[str, Any] = {}
+    results: dict[str, ApplyResult | BaseException] = {}
+    for name in makers:
+        try:
+            pending[name] = attach(name, namespace, timeout=min(timeout, 10.0)).apply_weight_update.remote(update)
+        except Exception as error:  # noqa: BLE001 - a missing maker must not stop training
+            results[name] = error
+    deadline = time.monotonic() + timeout
+    for name, ref in pending.items():
+        try:
+            results[name] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01))
+        except Exception as error:  # noqa: BLE001
+            results[name] = error
+    return results
+
+
+@ray.remote(concurrency_groups={"experience_io": 1, "model_io": 1, "compute": 1})
+class ExperienceMakerHolder:
+    """A named experience maker: attaches to its trainers by name, generates, pushes, receives weights."""
+
+    def __init__(
+        self,
+        name: str,
+        trainer_names: Sequence[str],
+        model_factory: Callable[[], MakerModels],
+        prompts: PromptSource | Callable[[], PromptSource],
+        config: MakerConfig | None = None,
+        namespace: str | None = None,
+        strategy_factory: Callable[[], Strategy] | None = None,
+        attach_timeout_s: float = 120.0,
+    ) -> None:
+        if not trainer_names:
+            raise ValueError("ExperienceMakerHolder: trainer_names is empty")
+        self.name = name
+        self.trainer_names = list(trainer_names)
+        self.namespace = namespace or DEFAULT_NAMESPACE
+        self.attach_timeout_s = attach_timeout_s
+        source = prompts() if callable(prompts) and not hasattr(prompts, "next_batch") else prompts
+        strategy = strategy_factory() if strategy_factory else NaiveStrategy()
+        self.core = ExperienceMaker(name, model_factory(), source, config, strategy)
+        self.pusher: ExperiencePusher | None = None
+        self._stop = threading.Event()
+        self._running = False
+
+    def _attach_trainers(self) -> dict[str, Any]:
+        handles = {t: attach(t, self.namespace, self.attach_timeout_s) for t in self.trainer_names}
+        # Register with every trainer; start from the newest weights any of them offers.
+        updates = ray.get([h.register_maker.remote(self.name) for h in handles.values()],
+                          timeout=self.core.config.weight_timeout_s)
+        offered = [u for u in updates if u is not None]
+        if offered:
+            newest = max(offered, key=lambda u: u.manifest.version)
+            if newest.manifest.version > self.core.policy_version:
+                self.core.apply_weight_update(newest, _ray_fetch(self.core.config.weight_timeout_s))
+        return handles
+
+    @ray.method(concurrency_group="compute")
+    def run(self, num_batches: int | None = None) -> dict[str, Any]:
+        """Generate and push until `num_batches` batches are pushed or `stop()` is called; returns status."""
+        self._stop.clear()
+        self._running = True
+        try:
+            handles = self._attach_trainers()
+            config = self.core.config
+
+            def submit(trainer: str, experiences: list) -> Future:
+                return handles[trainer].push_experience.remote(experiences).future()
+
+            self.pusher = ExperiencePusher(
+                submit, self.trainer_names, max_in_flight=config.max_pushes_in_flight, policy=config.push_policy,
+                push_timeout=config.push_timeout_s, should_stop=self._stop.is_set,
+            )
+            made = 0
+            while not self._stop.is_set() and (num_batches is None or made < num_batches):
+                if not self.core.synced:  # not yet given weights (or half-updated): wait for an update
+                    time.sleep(0.05)
+                    continue
+                self.pusher.push(self.core.make_experience())
+                made += 1
+            self.pusher.flush(timeout=config.push_timeout_s)
+        except Exception as error:
+            self.core.last_error = f"{type(error).__name__}: {error}"
+            raise
+        finally:
+            self._running = False
+        return self.status()
+
+    @ray.method(concurrency_group="model_io")
+    def apply_weight_update(self, update: WeightUpdate) -> ApplyResult:
+        """Pull, verify and apply a versioned weight update between two generation batches."""
+        return self.core.apply_weight_update(update, _ray_fetch(self.core.config.weight_timeout_s))
+
+    @ray.method(concurrency_group="experience_io")
+    def status(self) -> dict[str, Any]:
+        """Version, counters, push statistics and the last error; answers while generation runs."""
+        status = self.core.status()
+        status["state"] = "running" if self._running else ("stopped" if self._stop.is_set() else "idle")
+        status["trainers"] = self.trainer_names
+        status["push"] = self.pusher.stats() if self.pusher else None
+        return status
+
+    @ray.method(concurrency_group="experience_io")
+    def stop(self) -> None:
+        """Finish the current batch, flush pushes and return from `run`."""
+        self._stop.set()
+
+
+TrainerFactory = Callable[[], tuple[Actor, Critic]]
+
+
+@ray.remote(concurrency_groups={"buffer_length": 1, "buffer_append": 1, "buffer_sample": 1, "model_io": 1,
+                                "compute": 1})
+class DetachedPPOTrainer:
+    """A named PPO trainer (one rank of a data-parallel group) with its own replay buffer."""
+
+    def __init__(
+        self,
+        name: str,
+        model_factory: TrainerFactory,
+        config: TrainerConfig | None = None,
+        ppo: PPOConfig | None = None,
+        namespace: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        strategy: str = "naive",
+    ) -> None:
+        self.name = name
+        self.namespace = namespace or DEFAULT_NAMESPACE
+        self.config = config or TrainerConfig()
+        self.ppo = ppo or PPOConfig()
+        self.rank, self.world_size, self.strategy_name = rank, world_size, strategy
+        self.model_factory = model_factory
+        self.core: TrainerCore | None = None
+        self._ready = threading.Event()
+        if strategy == "naive" and world_size == 1:
+            self._build(NaiveStrategy())
+
+    def _build(self, strategy: Strategy) -> None:
+        actor, critic = self.model_factory()
+        learner = PPOLearner(actor, critic, strategy, self.ppo)
+        self.core = TrainerCore(self.name, learner, self.config)
+        self.core.build_update(ray.put)  # version 0, offered to makers that register
+        self._ready.set()
+
+    def _core(self) -> TrainerCore:
+        if not self._ready.wait(timeout=self.config.batch_timeout_s):
+            raise RuntimeError(f"trainer {self.name!r} is not set up (its process group was never joined)")
+        return self.core
+
+    @ray.method(concurrency_group="model_io")
+    def master_address(self) -> tuple[str, int]:
+        """This node's address and a free port on it, for rank 0 to host the process group."""
+        from detached_rl.strategies.ddp import find_free_port
+
+        return ray.util.get_node_ip_address(), find_free_port()
+
+    @ray.method(concurrency_group="compute")
+    def join_process_group(self, master_addr: str, master_port: int) -> None:
+        """Form the data-parallel process group with the other ranks (all ranks call this together)."""
+        from detached_rl.strategies import make_strategy
+
+        strategy = make_strategy(self.strategy_name, rank=self.rank, world_size=self.world_size,
+                                 master_addr=master_addr, master_port=master_port)
+        strategy.setup()
+        self._build(strategy)
+
+    @ray.method(concurrency_group="buffer_append")
+    def push_experience(self, experiences: list) -> AppendResult:
+        """Append a maker's push (acknowledged; `full=True` asks the maker to back off and retry)."""
+        return self._core().push_experience(experiences)
+
+    @ray.method(concurrency_group="buffer_length")
+    def buffer_length(self) -> int:
+        """Samples in the replay buffer."""
+        return len(self._core().buffer)
+
+    @ray.method(concurrency_group="buffer_length")
+    def buffer_stats(self) -> dict[str, Any]:
+        """Size, bytes, accounting, staleness histogram, per-maker counts, reward statistics."""
+        return self._core().buffer.stats()
+
+    @ray.method(concurrency_group="buffer_length")
+    def status(self) -> dict[str, Any]:
+        """State, version, steps, buffer fill, samples/s, last error."""
+        return self._core().status()
+
+    @ray.method(concurrency_group="buffer_length")
+    def metrics(self, last: int | None = None) -> list[dict[str, float]]:
+        """Per-step metrics of `fit` (the last `last` steps)."""
+        history = list(self._core().history)
+        return history[-last:] if last else history
+
+    @ray.method(concurrency_group="buffer_sample")
+    def buffer_peek(self, count: int = 5, maker: str | None = None, min_reward: float | None = None,
+                    max_reward: float | None = None) -> list[dict[str, Any]]:
+        """The newest samples, decoded to text, without removing them."""
+        core = self._core()
+        tokenizer = core.strategy.unwrap(core.learner.actor).tokenizer
+        return core.buffer.peek(count, maker=maker, min_reward=min_reward, max_reward=max_reward,
+                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+    @ray.method(concurrency_group="buffer_sample")
+    def buffer_sample(self, count: int, timeout: float = 0.0) -> list:
+        """Take `count` samples out of the buffer (for external consumers); [] if not enough in time."""
+        core = self._core()
+        return core.buffer.sample(count, current_version=core.policy_version, timeout=timeout)
+
+    @ray.method(concurrency_group="model_io")
+    def register_maker(self, maker_name: str) -> WeightUpdate | None:
+        """Record a maker; returns the latest weight update so it starts from the current weights."""
+        return self._core().register_maker(maker_name)
+
+    @ray.method(concurrency_group="model_io")
+    def policy_version(self) -> int:
+        """Version of the current weights (completed training steps)."""
+        return self._core().policy_version
+
+    @ray.method(concurrency_group="model_io")
+    def weights_fingerprint(self) -> str:
+        """Fingerprint of the weights makers mirror (for tests and audits; checksums every tensor)."""
+        from detached_rl.weight_sync import state_fingerprint
+
+        core = self._core()
+        with core.weights_lock:
+            return state_fingerprint(core.synced_state())
+
+    @ray.method(concurrency_group="compute")
+    def fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None) -> dict[str, Any]:
+        """Train; push weights to this rank's makers every `update_steps` steps and at the end."""
+        core = self._core()
+
+        def send(update: WeightUpdate, makers: list[str]) -> dict[str, Any]:
+            return deliver_weight_update(update, makers, self.namespace, self.config.weight_push_timeout_s)
+
+        def stop_makers(makers: list[str]) -> None:
+            for name in makers:
+                try:
+                    attach(name, self.namespace, timeout=5.0).stop.remote()
+                except Exception as error:  # noqa: BLE001 - a vanished maker needs no stopping
+                    logger.warning("could not stop maker %s: %s", name, error)
+
+        return core.fit(total_steps, ray.put, send, update_steps, train_epochs, stop_makers)
+
+    @ray.method(concurrency_group="buffer_length")
+    def stop(self) -> None:
+        """Ask a running `fit` to end after its current step."""
+        self._core().stop()
+
+    @ray.method(concurrency_group="compute")
+    def busy(self, seconds: float) -> float:
+        """Occupy the compute group for `seconds` (to check that other groups stay responsive)."""
+        time.sleep(seconds)
+        return seconds
+
+
+def trainer_names(prefix: str, world_size: int) -> list[str]:
+    """Names of the ranks of a trainer group: prefix_0 … prefix_{n-1}."""
+    return [f"{prefix}_{rank}" for rank in range(world_size)]
+
+
+def start_trainer_group(
+    prefix: str,
+    world_size: int,
+    model_factory: TrainerFactory,
+    config: TrainerConfig | None = None,
+    ppo: PPOConfig | None = None,
+    namespace: str | None = None,
+    strategy: str = "ddp",
+    actor_options: dict[str, Any] | None = None,
+    timeout: float = 300.0,
+) -> list[Any]:
+    """Create `world_size` named trainer ranks and form their process group at rank 0's own address."""
+    namespace = namespace or DEFAULT_NAMESPACE
+    options = {"lifetime": "detached", "namespace": namespace, **(actor_options or {})}
+    names = trainer_names(prefix, world_size)
+    handles = [
+        DetachedPPOTrainer.options(name=name, **options).remote(
+            name, model_factory, config, ppo, namespace, rank, world_size, strategy
+        )
+        for rank, name in enumerate(names)
+    ]
+    if strategy != "naive" or world_size > 1:
+        address, port = ray.get(handles[0].master_address.remote(), timeout=timeout)
+        ray.get([h.join_process_group.remote(address, port) for h in handles], timeout=timeout)
+    return handles
+

@@ -1,0 +1,189 @@
+"""The experience maker: generate with the current policy, score, and tag each sample with its version.
+
+`ExperienceMaker` is the plain class inside the `ExperienceMakerHolder` actor. It holds a
+policy (and for PPO a critic, a reference model and a reward scorer), a prompt source and a
+`WeightReceiver`. Generation of one batch runs under the receiver's lock, so a weight
+update becomes visible only between two batches and a batch never mixes two versions.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from detached_rl.experience import Experience, collate
+from detached_rl.models.actor import Actor
+from detached_rl.models.generation import SamplingConfig
+from detached_rl.models.reward import RewardScorer
+from detached_rl.models.scalar_heads import Critic
+from detached_rl.prompts import PromptSource
+from detached_rl.strategies import NaiveStrategy, Strategy
+from detached_rl.weight_sync import ApplyResult, Fetch, WeightReceiver, WeightUpdate
+
+PUSH_POLICIES = ("round_robin", "least_full")
+NOT_SYNCED = -1  # receiver version before the first weight update from a trainer
+
+
+@dataclass
+class MakerConfig:
+    """How a maker generates and talks to trainers."""
+
+    experience_batch_size: int = 8  # prompts per generation batch
+    group_size: int = 1  # responses per prompt (GRPO groups)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_pushes_in_flight: int = 2
+    push_policy: str = "round_robin"
+    push_timeout_s: float = 60.0
+    weight_timeout_s: float = 300.0
+    weight_sync_mode: str = "staged"  # or "in_place" for models too large to stage twice
+    weight_cast_dtype: str | None = None  # e.g. "bfloat16": cast incoming weights
+    record_weights_fingerprint: bool = False  # tag each sample with the weights' fingerprint (costs a checksum)
+
+    def __post_init__(self) -> None:
+        for name in ("experience_batch_size", "group_size", "max_pushes_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MakerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.push_policy not in PUSH_POLICIES:
+            raise ValueError(f"MakerConfig.push_policy must be one of {PUSH_POLICIES}, got {self.push_policy!r}")
+        if self.weight_sync_mode not in ("staged", "in_place"):
+            raise ValueError(f"MakerConfig.weight_sync_mode must be 'staged' or 'in_place', got {self.weight_sync_mode!r}")
+        for name in ("push_timeout_s", "weight_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"MakerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.weight_cast_dtype is not None and not isinstance(getattr(torch, self.weight_cast_dtype, None),
+                                                                 torch.dtype):
+            raise ValueError(f"MakerConfig.weight_cast_dtype {self.weight_cast_dtype!r} is not a torch dtype")
+
+
+@dataclass
+class MakerModels:
+    """What a maker's model factory builds."""
+
+    actor: Actor
+    reward: RewardScorer
+    critic: Critic | None = None
+    reference: Actor | None = None
+
+
+class ExperienceMaker:
+    """Generates and scores experience with versioned weights."""
+
+    def __init__(
+        self,
+        name: str,
+        models: MakerModels,
+        prompts: PromptSource,
+        config: MakerConfig | None = None,
+        strategy: Strategy | None = None,
+    ) -> None:
+        self.name = name
+        self.config = config or MakerConfig()
+        self.strategy = strategy or NaiveStrategy()
+        device = self.strategy.device
+        self.actor = models.actor.to(device).eval()
+        self.critic = models.critic.to(device).eval() if models.critic is not None else None
+        self.reference = models.reference.to(device).eval() if models.reference is not None else None
+        self.reward = models.reward
+        self.prompts = prompts
+        self.generation_lock = threading.Lock()
+        synced: dict[str, torch.nn.Module] = {"actor": self.actor.model}
+        if self.critic is not None:
+            synced["critic"] = self.critic
+        cast = getattr(torch, self.config.weight_cast_dtype) if self.config.weight_cast_dtype else None
+        self.receiver = WeightReceiver(
+            synced, cast_dtype=cast, mode=self.config.weight_sync_mode, lock=self.generation_lock, version=NOT_SYNCED
+        )
+        self.batches = 0
+        self.samples_made = 0
+        self.tokens_made = 0
+        self.generate_seconds = 0.0
+        self.last_error: str | None = None
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights this maker serves (-1 before its first update)."""
+        return self.receiver.version
+
+    @property
+    def synced(self) -> bool:
+        """True once the maker holds a complete version received from a trainer."""
+        return self.receiver.version > NOT_SYNCED and self.receiver.consistent
+
+    def apply_weight_update(self, update: WeightUpdate, fetch: Fetch) -> ApplyResult:
+        """Apply a versioned weight update (see `WeightReceiver.apply`); refused updates change nothing."""
+        try:
+            return self.receiver.apply(update, fetch, timeout=self.config.weight_timeout_s)
+        except Exception as error:
+            self.last_error = f"weight update v{update.manifest.version}: {error}"
+            raise
+
+    def make_experience(self) -> list[Experience]:
+        """Generate, score and package one batch (experience_batch_size prompts x group_size responses)."""
+        if not self.synced:
+            raise RuntimeError(f"maker {self.name!r} has no complete weights from a trainer yet")
+        config = self.config
+        items = self.prompts.next_batch(config.experience_batch_size)
+        start = time.perf_counter()
+        with self.generation_lock, torch.no_grad():
+            version = self.receiver.servable_version
+            fingerprint = self.receiver.fingerprint if config.record_weights_fingerprint else None
+            prompts = [item.prompt for item in items for _ in range(config.group_size)]
+            out = self.actor.generate(prompts, config.sampling)
+            placeholder = [
+                Experience(p, r, lp, torch.tensor(0.0))
+                for p, r, lp in zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)
+            ]
+            batch = collate(placeholder, self.actor.tokenizer.pad_token_id).to(self.strategy.device)
+            args = (batch.sequences, batch.attention_mask, batch.response_mask)
+            values = self.critic(*args).cpu() if self.critic is not None else None
+            ref = self.reference.log_probs(*args, config.sampling).cpu() if self.reference is not None else None
+            metadata = [item.metadata for item in items for _ in range(config.group_size)]
+            components: list[dict[str, float]] = [{} for _ in prompts]
+            if hasattr(self.reward, "score_detailed"):
+                rewards, components = self.reward.score_detailed(*args, metadata)
+            else:
+                rewards = self.reward.score(*args, metadata)
+        elapsed = time.perf_counter() - start
+        group_ids = [uuid.uuid4().hex for _ in items]
+        experiences = []
+        for row, base in enumerate(placeholder):
+            length = base.response_length
+            info: dict[str, Any] = {"finished": out.finished[row], **components[row]}
+            if fingerprint is not None:
+                info["weights_fingerprint"] = fingerprint
+            experiences.append(Experience(
+                prompt_ids=base.prompt_ids,
+                response_ids=base.response_ids,
+                log_probs=base.log_probs,
+                reward=rewards[row].detach().float().cpu(),
+                values=values[row, :length].clone() if values is not None else None,
+                ref_log_probs=ref[row, :length].clone() if ref is not None else None,
+                policy_version=version,
+                maker=self.name,
+                group_id=group_ids[row // config.group_size] if config.group_size > 1 else None,
+                info=info,
+            ).validate())
+        self.batches += 1
+        self.samples_made += len(experiences)
+        self.tokens_made += sum(e.response_length for e in experiences)
+        self.generate_seconds += elapsed
+        return experiences
+
+    def status(self) -> dict[str, Any]:
+        """Counters for `detached-rl status` (cheap; safe to call while a batch is generated)."""
+        return {
+            "name": self.name,
+            "role": "maker",
+            "policy_version": self.receiver.version,
+            "synced": self.synced,
+            "batches": self.batches,
+            "samples_made": self.samples_made,
+            "tokens_made": self.tokens_made,
+            "tokens_per_s": self.tokens_made / self.generate_seconds if self.generate_seconds else 0.0,
+            "last_error": self.last_error or (str(self.receiver.last_error) if self.receiver.last_error else None),
+        }

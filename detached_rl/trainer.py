@@ -1,0 +1,232 @@
+"""The trainer's logic: replay buffer, training loop, versioned weight updates to its share of the makers.
+
+`TrainerCore` is the plain class inside `DetachedPPOTrainer` (and later the GRPO trainer).
+Transport is injected: `put` stores a weight chunk once and returns a reference (`ray.put`
+in the actor), `send_update` delivers an update to a list of makers and returns per-maker
+results, so the whole loop runs in unit tests without Ray.
+
+Versions: `policy_version` counts completed training steps; the weights after step k are
+version k. Makers receive versions at sync points (every `update_steps` steps and at the
+end of `fit`), so a sample's staleness is `policy_version - sample.policy_version`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from detached_rl.ppo import PPOLearner
+from detached_rl.replay_buffer import AppendResult, ReplayBuffer
+from detached_rl.weight_sync import SendStats, WeightUpdate, build_weight_update
+
+Put = Callable[[dict[str, torch.Tensor]], Any]
+SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any]]
+
+
+@dataclass
+class TrainerConfig:
+    """Buffer, batching, weight-sync and timeout settings of a trainer (per rank)."""
+
+    train_batch_size: int = 8  # samples per training step on each rank
+    buffer_max_samples: int = 1024
+    buffer_max_bytes: int = 1 << 30
+    max_staleness: int | None = None
+    max_reuse: int = 1
+    buffer_overflow: str = "refuse"
+    weight_chunk_bytes: int = 64 * 2**20
+    weight_push_timeout_s: float = 300.0
+    batch_timeout_s: float = 300.0  # how long `fit` waits for a full batch before failing
+    stop_makers_at_end: bool = True
+    metrics_history: int = 10_000
+
+    def __post_init__(self) -> None:
+        for name in ("train_batch_size", "buffer_max_samples", "buffer_max_bytes", "weight_chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.train_batch_size > self.buffer_max_samples:
+            raise ValueError(
+                f"TrainerConfig.train_batch_size {self.train_batch_size} exceeds buffer_max_samples "
+                f"{self.buffer_max_samples}: a batch could never be sampled"
+            )
+        for name in ("weight_push_timeout_s", "batch_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"TrainerConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+class TrainerCore:
+    """Owns the learner, the replay buffer and the policy version; runs `fit`."""
+
+    def __init__(self, name: str, learner: PPOLearner, config: TrainerConfig | None = None) -> None:
+        self.name = name
+        self.learner = learner
+        self.strategy = learner.strategy
+        self.config = config or TrainerConfig()
+        vocab_size = int(self.strategy.unwrap(learner.actor).model.config.vocab_size)
+        self.buffer = ReplayBuffer(
+            max_samples=self.config.buffer_max_samples, max_bytes=self.config.buffer_max_bytes,
+            max_staleness=self.config.max_staleness, max_reuse=self.config.max_reuse,
+            overflow=self.config.buffer_overflow, vocab_size=vocab_size,
+        )
+        self.policy_version = 0
+        self.state = "idle"
+        self.last_error: str | None = None
+        self.history: deque[dict[str, float]] = deque(maxlen=self.config.metrics_history)
+        self.makers: set[str] = set()
+        self.latest_update: WeightUpdate | None = None
+        # Held while the weights change (a training step) and while they are snapshotted for an update.
+        self.weights_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self.samples_trained = 0
+
+    # ---------------------------------------------------------------- experience in
+    def push_experience(self, experiences: list[Any]) -> AppendResult:
+        """Append one push to the buffer, tagged against the current version (all-or-nothing)."""
+        return self.buffer.append(experiences, current_version=self.policy_version)
+
+    # ---------------------------------------------------------------- weights out
+    def synced_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The state dicts makers mirror: the policy's model and the critic."""
+        actor = self.strategy.unwrap(self.learner.actor)
+        return {"actor": actor.model.state_dict(), "critic": self.strategy.unwrap(self.learner.critic).state_dict()}
+
+    def build_update(self, put: Put) -> tuple[WeightUpdate, SendStats]:
+        """Snapshot the current weights into a full update whose chunks are each `put` once."""
+        with self.weights_lock:
+            update, stats = build_weight_update(
+                self.synced_state(), self.policy_version, put, chunk_bytes=self.config.weight_chunk_bytes
+            )
+        self.latest_update = update
+        return update, stats
+
+    def register_maker(self, name: str) -> WeightUpdate | None:
+        """Record a maker that feeds this trainer; returns the latest update for it to start from."""
+        self.makers.add(name)
+        return self.latest_update
+
+    def makers_of_this_rank(self) -> list[str]:
+        """This rank's share of every maker registered with any rank (same answer on every rank)."""
+        every = sorted({m for names in self.strategy.all_gather_object(sorted(self.makers)) for m in names})
+        return every[self.strategy.rank :: self.strategy.world_size]
+
+    def sync_weights(self, put: Put, send_update: SendUpdate) -> dict[str, float]:
+        """Build an update of the current weights and deliver it to this rank's makers."""
+        update, stats = self.build_update(put)
+        makers = self.makers_of_this_rank()
+        start = time.perf_counter()
+        results = send_update(update, makers) if makers else {}
+        failures = {name: result for name, result in results.items() if isinstance(result, BaseException)}
+        if failures:
+            self.last_error = "; ".join(f"weight update to {name}: {error}" for name, error in failures.items())
+        return {
+            "weight_sync/version": float(update.manifest.version),
+            "weight_sync/bytes": float(stats.bytes),
+            "weight_sync/chunks": float(stats.chunks),
+            "weight_sync/build_s": stats.seconds,
+            "weight_sync/push_s": time.perf_counter() - start,
+            "weight_sync/makers_updated": float(len(results) - len(failures)),
+            "weight_sync/makers_failed": float(len(failures)),
+        }
+
+    # ---------------------------------------------------------------- training
+    def wait_for_batch(self) -> None:
+        """Block until every rank holds a full batch; all ranks give up together when one times out."""
+        size = self.config.train_batch_size
+        deadline = time.monotonic() + self.config.batch_timeout_s
+        while True:
+            available = self.buffer.wait_for(size, self.policy_version, timeout=min(0.5, self.config.batch_timeout_s))
+            if self.strategy.all_true(available >= size):
+                return
+            in_time = time.monotonic() < deadline and not self._stop.is_set()
+            if not self.strategy.all_true(in_time):
+                raise TimeoutError(
+                    f"trainer {self.name!r} (rank {self.strategy.rank}): no full batch of {size} samples on every "
+                    f"rank within {self.config.batch_timeout_s:.0f} s (this rank holds {available}); "
+                    "are the makers running and pushing here?"
+                )
+
+    def train_step(self) -> dict[str, float]:
+        """Sample a batch, train on it, advance the version; returns metrics reduced across ranks."""
+        self.wait_for_batch()
+        experiences = self.buffer.sample(self.config.train_batch_size, current_version=self.policy_version)
+        with self.weights_lock:
+            metrics = self.learner.train_step(experiences, policy_version=self.policy_version)
+            self.policy_version += 1
+        self.samples_trained += len(experiences)
+        metrics = self.strategy.reduce_metrics(metrics, weight=metrics["tokens"])
+        stats = self.buffer.stats()
+        metrics.update({
+            "policy_version": float(self.policy_version),
+            "buffer/size": float(stats["size"]),
+            "buffer/dropped_stale": float(stats["dropped"].get("stale", 0)),
+            "buffer/duplicates": float(stats["duplicates"]),
+        })
+        return metrics
+
+    def fit(
+        self,
+        total_steps: int,
+        put: Put,
+        send_update: SendUpdate,
+        update_steps: int = 1,
+        train_epochs: int | None = None,
+        stop_makers: Callable[[list[str]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Train `total_steps` steps; every `update_steps` steps, and at the end, push weights to the makers."""
+        if total_steps < 1 or update_steps < 1:
+            raise ValueError(f"fit: total_steps and update_steps must be >= 1, got {total_steps}, {update_steps}")
+        if train_epochs is not None:
+            if train_epochs < 1:
+                raise ValueError(f"fit: train_epochs must be >= 1, got {train_epochs}")
+            self.learner.config.train_epochs = train_epochs
+        self.state = "training"
+        self._stop.clear()
+        start = time.perf_counter()
+        try:
+            for step in range(total_steps):
+                if self._stop.is_set():
+                    break
+                metrics = self.train_step()
+                last = step == total_steps - 1
+                if (step + 1) % update_steps == 0 or last:
+                    metrics.update(self.sync_weights(put, send_update))
+                self.history.append(metrics)
+        except BaseException as error:
+            self.state = "failed"
+            self.last_error = f"{type(error).__name__}: {error}"
+            raise
+        self.state = "done"
+        if stop_makers is not None and self.config.stop_makers_at_end:
+            stop_makers(self.makers_of_this_rank())
+        return {"steps": len(self.history), "policy_version": self.policy_version,
+                "seconds": time.perf_counter() - start, "buffer": self.buffer.stats()}
+
+    def stop(self) -> None:
+        """Ask a running `fit` to end after the current step."""
+        self._stop.set()
+
+    def status(self) -> dict[str, Any]:
+        """Counters for `detached-rl status`."""
+        stats = self.buffer.stats()
+        elapsed = time.monotonic() - self._started
+        return {
+            "name": self.name,
+            "role": "trainer",
+            "rank": self.strategy.rank,
+            "world_size": self.strategy.world_size,
+            "state": self.state,
+            "policy_version": self.policy_version,
+            "steps": self.policy_version,
+            "buffer_size": stats["size"],
+            "buffer_max_samples": stats["max_samples"],
+            "samples_trained": self.samples_trained,
+            "samples_per_s": self.samples_trained / elapsed if elapsed > 0 else 0.0,
+            "makers": sorted(self.makers),
+            "last_error": self.last_error,
+        }

@@ -1,0 +1,66 @@
+"""Shared test factories: tiny PPO models, a token-level reward, an in-memory object store."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+
+from detached_rl.maker import MakerModels
+from detached_rl.models import Actor, Critic, tiny_causal_lm
+from detached_rl.models.scalar_heads import backbone_of
+from detached_rl.tasks import addition_problems
+
+REWARDED_BELOW = 100
+
+
+class LowTokenReward:
+    """Reward = fraction of response tokens with an id below REWARDED_BELOW (a signal tiny models can learn)."""
+
+    def score(self, sequences, attention_mask, response_mask, metadata=None):
+        response = sequences[:, -response_mask.shape[1]:]
+        hits = ((response < REWARDED_BELOW) & (response_mask != 0)).float().sum(1)
+        return hits / response_mask.sum(1).clamp(min=1)
+
+
+def tiny_actor_critic(seed: int = 0) -> tuple[Actor, Critic]:
+    """A tiny llama policy and a critic on another tiny llama, deterministic per seed."""
+    policy, tokenizer = tiny_causal_lm("llama", seed=seed)
+    value_model, _ = tiny_causal_lm("llama", seed=seed + 1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        critic = Critic(backbone_of(value_model))
+    return Actor(policy, tokenizer), critic
+
+
+def tiny_maker_models(seed: int = 0, reference: bool = True) -> MakerModels:
+    """Maker-side models: a policy, a critic, a reference policy and the token reward."""
+    actor, critic = tiny_actor_critic(seed)
+    ref = Actor(*tiny_causal_lm("llama", seed=seed)) if reference else None
+    return MakerModels(actor=actor, critic=critic, reference=ref, reward=LowTokenReward())
+
+
+def arithmetic_prompts(count: int = 32) -> list:
+    """Deterministic prompts with answers."""
+    return addition_problems(count, seed=0)
+
+
+class ObjectStore:
+    """`put` / `fetch` over a dict, counting puts (stands in for the Ray object store)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[int, object] = {}
+        self.puts = 0
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def put(self, value):
+        with self._lock:
+            key = next(self._ids)
+            self.objects[key] = value
+            self.puts += 1
+            return key
+
+    def fetch(self, key):
+        return self.objects[key]

@@ -1,0 +1,198 @@
+"""Maker and trainer logic wired together in one process (no Ray): versions, weight sync, refusals."""
+
+import threading
+
+import pytest
+import torch
+
+from detached_rl import Experience
+from detached_rl.maker import ExperienceMaker, MakerConfig
+from detached_rl.models import SamplingConfig
+from detached_rl.ppo import PPOConfig, PPOLearner
+from detached_rl.prompts import CyclingPrompts
+from detached_rl.replay_buffer import RejectedPushError
+from detached_rl.strategies import NaiveStrategy
+from detached_rl.trainer import TrainerConfig, TrainerCore
+from detached_rl.weight_sync import WeightUpdateError, state_fingerprint
+
+from .helpers import ObjectStore, arithmetic_prompts, tiny_actor_critic, tiny_maker_models
+
+SAMPLING = SamplingConfig(max_new_tokens=6)
+
+
+def make_pair(batch_size=4, group_size=1, record=True, maker_seed=7, **trainer_kwargs):
+    maker = ExperienceMaker(
+        "maker_0", tiny_maker_models(seed=maker_seed), CyclingPrompts(arithmetic_prompts()),
+        MakerConfig(experience_batch_size=batch_size, group_size=group_size, sampling=SAMPLING,
+                    record_weights_fingerprint=record),
+    )
+    actor, critic = tiny_actor_critic(seed=0)
+    learner = PPOLearner(actor, critic, NaiveStrategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01))
+    trainer = TrainerCore("trainer_0", learner, TrainerConfig(**{"train_batch_size": 8, **trainer_kwargs}))
+    store = ObjectStore()
+    trainer.build_update(store.put)
+    return maker, trainer, store
+
+
+def deliver(maker, store):
+    return lambda update, makers: {name: maker.apply_weight_update(update, store.fetch) for name in makers}
+
+
+def test_maker_generates_only_after_receiving_the_trainer_weights():
+    maker, trainer, store = make_pair()
+    assert maker.policy_version == -1 and not maker.synced
+    with pytest.raises(RuntimeError, match="no complete weights"):
+        maker.make_experience()
+    # The maker was built from another seed: the first update makes it the trainer's policy.
+    assert maker.receiver.fingerprint != state_fingerprint(trainer.synced_state())
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    assert maker.synced and maker.policy_version == 0
+    assert maker.receiver.fingerprint == state_fingerprint(trainer.synced_state())
+    experiences = maker.make_experience()
+    assert len(experiences) == 4 and all(e.policy_version == 0 and e.maker == "maker_0" for e in experiences)
+    for e in experiences:
+        assert e.values is not None and e.ref_log_probs is not None and e.values.shape == e.log_probs.shape
+        assert e.info["weights_fingerprint"] == maker.receiver.fingerprint
+
+
+def test_train_sync_loop_keeps_maker_and_trainer_in_step():
+    maker, trainer, store = make_pair()
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    for step in range(3):
+        for _ in range(2):
+            assert trainer.push_experience(maker.make_experience()).accepted == 4
+        metrics = trainer.train_step()
+        assert metrics["policy_version"] == step + 1 and metrics["samples"] == 8
+        metrics.update(trainer.sync_weights(store.put, deliver(maker, store)))
+        assert metrics["weight_sync/makers_updated"] == 1 and metrics["weight_sync/bytes"] > 0
+        assert maker.policy_version == trainer.policy_version == step + 1
+        assert maker.receiver.fingerprint == state_fingerprint(trainer.synced_state())
+    stats = trainer.buffer.stats()
+    assert stats["received"] == 24 and stats["sampled"] == 24 and stats["accounting_ok"]
+
+
+def test_generation_never_mixes_two_weight_versions():
+    """Weights change continuously while the maker generates; each sample's weights match its version."""
+    maker, trainer, store = make_pair(batch_size=2)
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    fingerprints = {0: state_fingerprint(trainer.synced_state())}
+    weights = {0: {k: v.clone() for k, v in trainer.learner.actor.model.state_dict().items()}}
+    done = threading.Event()
+
+    def keep_updating():
+        for version in range(1, 30):
+            with trainer.weights_lock:
+                for p in trainer.learner.actor.parameters():
+                    p.data.add_(0.001 * version)
+                trainer.policy_version = version
+            fingerprints[version] = state_fingerprint(trainer.synced_state())
+            weights[version] = {k: v.clone() for k, v in trainer.learner.actor.model.state_dict().items()}
+            update, _ = trainer.build_update(store.put)
+            maker.apply_weight_update(update, store.fetch)
+        done.set()
+
+    updater = threading.Thread(target=keep_updating)
+    updater.start()
+    experiences = []
+    while not done.is_set():
+        experiences += maker.make_experience()
+    updater.join()
+    versions = {e.policy_version for e in experiences}
+    assert len(versions) > 2, "the test must see several versions"
+    for e in experiences:
+        assert e.info["weights_fingerprint"] == fingerprints[e.policy_version]
+    # The behaviour log-probs must be those of exactly the tagged version's weights.
+    scratch, _ = tiny_actor_critic(seed=0)
+    for e in experiences:
+        scratch.model.load_state_dict(weights[e.policy_version])
+        sequence = torch.cat([e.prompt_ids, e.response_ids])[None]
+        with torch.no_grad():
+            recomputed = scratch.log_probs(sequence, torch.ones_like(sequence), torch.ones(1, e.response_length),
+                                           SAMPLING)[0]
+        assert torch.allclose(recomputed, e.log_probs, atol=1e-4), e.policy_version
+
+
+def test_fit_runs_against_a_producing_maker_thread():
+    maker, trainer, store = make_pair()
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    stop = threading.Event()
+
+    def produce():
+        while not stop.is_set():
+            experiences = maker.make_experience()
+            while not stop.is_set() and trainer.push_experience(experiences).full:
+                stop.wait(0.01)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    stopped = []
+    try:
+        summary = trainer.fit(3, store.put, deliver(maker, store), update_steps=2, stop_makers=stopped.extend)
+    finally:
+        stop.set()
+        producer.join()
+    assert summary["steps"] == 3 and summary["policy_version"] == 3
+    assert [m.get("weight_sync/version") for m in trainer.history] == [None, 2.0, 3.0]  # every 2 steps + the end
+    assert maker.policy_version == 3 and stopped == ["maker_0"]
+    assert trainer.status()["state"] == "done"
+
+
+def test_malformed_push_is_refused_whole_and_changes_nothing():
+    maker, trainer, store = make_pair()
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    good = maker.make_experience()
+    trainer.push_experience(good[:2])
+    before = trainer.buffer.stats()
+    bad = maker.make_experience()
+    bad[1].log_probs = bad[1].log_probs[:-1]
+    with pytest.raises(RejectedPushError, match="log_probs") as info:
+        trainer.push_experience(bad)
+    assert info.value.field == "log_probs"
+    after = trainer.buffer.stats()
+    assert after["size"] == before["size"] == 2 and after["received"] == before["received"]
+    future = maker.make_experience()
+    future[0].policy_version = 5
+    with pytest.raises(RejectedPushError, match="policy_version"):
+        trainer.push_experience(future)
+    too_long = Experience(torch.tensor([1]), torch.tensor([10_000]), torch.tensor([-1.0]), torch.tensor(0.0))
+    with pytest.raises(RejectedPushError, match="vocab size"):
+        trainer.push_experience([too_long])
+
+
+def test_bad_weight_update_leaves_the_maker_serving_its_version():
+    maker, trainer, store = make_pair()
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    fingerprint = maker.receiver.fingerprint
+    trainer.policy_version = 1
+    update, _ = trainer.build_update(store.put)
+    chunk = store.objects[update.chunk_refs[0]]
+    key = next(iter(chunk))
+    chunk[key] = chunk[key].clone()
+    chunk[key].view(-1)[0] += 1.0
+    with pytest.raises(WeightUpdateError, match="checksum"):
+        maker.apply_weight_update(update, store.fetch)
+    assert maker.policy_version == 0 and maker.receiver.fingerprint == fingerprint
+    assert "checksum" in maker.status()["last_error"]
+    assert len(maker.make_experience()) == 4  # still serving version 0
+
+
+def test_groups_are_tagged_and_configs_are_validated():
+    maker, trainer, store = make_pair(batch_size=2, group_size=3)
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    experiences = maker.make_experience()
+    assert len(experiences) == 6
+    groups = [e.group_id for e in experiences]
+    assert groups[0] == groups[1] == groups[2] != groups[3] == groups[4] == groups[5]
+    assert torch.equal(experiences[0].prompt_ids, experiences[2].prompt_ids)
+    with pytest.raises(ValueError, match="MakerConfig.push_policy"):
+        MakerConfig(push_policy="random")
+    with pytest.raises(ValueError, match="MakerConfig.weight_cast_dtype"):
+        MakerConfig(weight_cast_dtype="float99")
+    with pytest.raises(ValueError, match="TrainerConfig.train_batch_size"):
+        TrainerConfig(train_batch_size=10, buffer_max_samples=5)
+
+
+def test_waiting_for_a_batch_times_out_with_a_clear_error():
+    _, trainer, _ = make_pair(batch_timeout_s=0.3)
+    with pytest.raises(TimeoutError, match="trainer 'trainer_0'.*no full batch of 8"):
+        trainer.train_step()
