@@ -31,7 +31,7 @@ from detached_rl.pusher import ExperiencePusher
 from detached_rl.replay_buffer import AppendResult
 from detached_rl.strategies import NaiveStrategy, Strategy
 from detached_rl.trainer import TrainerConfig, TrainerCore
-from detached_rl.weight_sync import ApplyResult, WeightUpdate
+from detached_rl.weight_sync import ApplyResult, WeightUpdate, state_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -282,11 +282,14 @@ class DetachedPPOTrainer:
     @ray.method(concurrency_group="model_io")
     def weights_fingerprint(self) -> str:
         """Fingerprint of the weights makers mirror (for tests and audits; checksums every tensor)."""
-        from detached_rl.weight_sync import state_fingerprint
-
         core = self._core()
         with core.weights_lock:
             return state_fingerprint(core.synced_state())
+
+    @ray.method(concurrency_group="model_io")
+    def update_fingerprints(self) -> dict[int, str]:
+        """Version -> weights fingerprint of every update sent (with `record_weights_fingerprint`)."""
+        return dict(self._core().fingerprints)
 
     @ray.method(concurrency_group="compute")
     def fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import torch
 
 from detached_rl.ppo import PPOLearner
 from detached_rl.replay_buffer import AppendResult, ReplayBuffer
-from detached_rl.weight_sync import SendStats, WeightUpdate, build_weight_update
+from detached_rl.weight_sync import SendStats, WeightUpdate, build_weight_update, state_fingerprint
 
 Put = Callable[[dict[str, torch.Tensor]], Any]
 SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any]]
@@ -44,6 +44,7 @@ class TrainerConfig:
     batch_timeout_s: float = 300.0  # how long `fit` waits for a full batch before failing
     stop_makers_at_end: bool = True
     metrics_history: int = 10_000
+    record_weights_fingerprint: bool = False  # keep version -> fingerprint of each update (audits, tests)
 
     def __post_init__(self) -> None:
         for name in ("train_batch_size", "buffer_max_samples", "buffer_max_bytes", "weight_chunk_bytes"):
@@ -79,6 +80,7 @@ class TrainerCore:
         self.history: deque[dict[str, float]] = deque(maxlen=self.config.metrics_history)
         self.makers: set[str] = set()
         self.latest_update: WeightUpdate | None = None
+        self.fingerprints: dict[int, str] = {}
         # Held while the weights change (a training step) and while they are snapshotted for an update.
         self.weights_lock = threading.Lock()
         self._stop = threading.Event()
@@ -99,9 +101,12 @@ class TrainerCore:
     def build_update(self, put: Put) -> tuple[WeightUpdate, SendStats]:
         """Snapshot the current weights into a full update whose chunks are each `put` once."""
         with self.weights_lock:
+            state = self.synced_state()
             update, stats = build_weight_update(
-                self.synced_state(), self.policy_version, put, chunk_bytes=self.config.weight_chunk_bytes
+                state, self.policy_version, put, chunk_bytes=self.config.weight_chunk_bytes
             )
+            if self.config.record_weights_fingerprint:
+                self.fingerprints[self.policy_version] = state_fingerprint(state)
         self.latest_update = update
         return update, stats
 

@@ -76,7 +76,7 @@ class Strategy(ABC):
         """True when `flag` is true on every rank (ranks agree before a collective step)."""
         return bool(flag)
 
-    def barrier(self) -> None:
+    def barrier(self) -> None:  # noqa: B027 - a single process has nobody to wait for
         """Wait for every rank."""
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -91,7 +91,10 @@ class Strategy(ABC):
         """Weighted mean of each metric across ranks (keys ending in samples/tokens are summed)."""
         return dict(metrics)
 
-    def destroy(self) -> None:
+    def setup(self) -> None:  # noqa: B027 - nothing to set up in a single process
+        """Acquire what the strategy needs (process groups); idempotent."""
+
+    def destroy(self) -> None:  # noqa: B027
         """Release what `setup` acquired (process groups)."""
 
     def unwrap(self, model: nn.Module) -> nn.Module:

@@ -1,0 +1,162 @@
+"""Full-weight sync throughput: the chunked, checksummed protocol against a raw ray.put + ray.get.
+
+    .venv/bin/python benchmarks/bench_weight_sync.py --model smollm2 --makers 1 2 4 --repeats 3
+
+For each number of makers, in one run on one local Ray cluster:
+* protocol: the trainer side builds a `WeightUpdate` (chunks cut by a byte budget, crc32
+  checksums, each chunk `ray.put` once) and sends the same update to every maker actor; each
+  maker pulls the chunks one at a time, verifies, stages and swaps them into its model
+  (`WeightReceiver`, "staged" mode — what `ExperienceMakerHolder.apply_weight_update` runs);
+* raw: the same tensors `ray.put` once as the same chunks, each maker `ray.get`s them and
+  does nothing else — the limit of moving these bytes through the object store here.
+Throughput is bytes delivered to all makers / wall time, from the first put to the last
+maker done. "trainer CPU s" is the sender process's CPU time for one sync (build + put +
+dispatch), which should not grow with the number of makers. Prints a table (median, min,
+max over repeats) and writes `benchmarks/results/weight_sync-<model>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from detached_rl.weight_sync import WeightReceiver, build_weight_update
+
+
+def load_state(model: str) -> dict[str, torch.Tensor]:
+    """The state dict to send: the packaged SmolLM2 (fp32) or a tiny model."""
+    from detached_rl.models import load_causal_lm
+
+    loaded, _ = load_causal_lm(model)
+    return {k: v.detach().clone() for k, v in loaded.state_dict().items()}
+
+
+@ray.remote
+class Receiver:
+    """A maker stand-in holding a model of the same shapes; applies updates like a real maker."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        torch.set_num_threads(1)
+        self.params = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+        self.receiver = WeightReceiver({"actor": _NamedState(self.params)})
+
+    def apply(self, update) -> float:
+        start = time.perf_counter()
+        self.receiver.apply(update, lambda ref: ray.get(ref, timeout=300))
+        return time.perf_counter() - start
+
+    def raw_get(self, refs) -> float:
+        start = time.perf_counter()
+        for ref in refs:
+            ray.get(ref, timeout=300)
+        return time.perf_counter() - start
+
+
+class _NamedState(torch.nn.Module):
+    """A module whose state dict has exactly the given names (dots allowed)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._tensors = tensors
+
+    def state_dict(self, *args, **kwargs):  # noqa: D102 - mirrors nn.Module
+        return dict(self._tensors)
+
+
+def one_sync(state, receivers, version: int, chunk_bytes: int) -> tuple[float, float, int]:
+    """(wall seconds, sender CPU seconds, bytes) of one protocol sync to every receiver."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    update, stats = build_weight_update({"actor": state}, version, ray.put, chunk_bytes=chunk_bytes)
+    refs = [r.apply.remote(update) for r in receivers]
+    cpu_used = time.process_time() - cpu
+    ray.get(refs, timeout=600)
+    return time.perf_counter() - wall, cpu_used, stats.bytes
+
+
+def one_raw(state, receivers, chunk_bytes: int) -> tuple[float, float, int]:
+    """(wall seconds, sender CPU seconds, bytes) of putting the same chunks once and getting them everywhere."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    chunks, chunk, size, total = [], {}, 0, 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and size + nbytes > chunk_bytes:
+            chunks.append(ray.put(chunk))
+            chunk, size = {}, 0
+        chunk[name] = tensor
+        size += nbytes
+        total += nbytes
+    if chunk:
+        chunks.append(ray.put(chunk))
+    refs = [r.raw_get.remote(chunks) for r in receivers]
+    cpu_used = time.process_time() - cpu
+    ray.get(refs, timeout=600)
+    return time.perf_counter() - wall, cpu_used, total
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """Median, min and max."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> None:
+    """Run and print the benchmark."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--makers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk-mb", type=float, default=64)
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(args.makers) + 1)
+    state = load_state(args.model)
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    chunk_bytes = int(args.chunk_mb * 2**20)
+    rows = []
+    for count in args.makers:
+        receivers = [Receiver.remote(shapes) for _ in range(count)]
+        ray.get([r.raw_get.remote([]) for r in receivers])
+        one_sync(state, receivers, 0, chunk_bytes)  # warm-up: first allocation of staging buffers
+        protocol, raw = [], []
+        for repeat in range(args.repeats):
+            protocol.append(one_sync(state, receivers, repeat + 1, chunk_bytes))
+            raw.append(one_raw(state, receivers, chunk_bytes))
+        nbytes = protocol[0][2]
+        row = {
+            "makers": count,
+            "bytes": nbytes,
+            "protocol_MBps": summarize([nbytes * count / 2**20 / w for w, _, _ in protocol]),
+            "raw_MBps": summarize([nbytes * count / 2**20 / w for w, _, _ in raw]),
+            "protocol_s": summarize([w for w, _, _ in protocol]),
+            "raw_s": summarize([w for w, _, _ in raw]),
+            "trainer_cpu_s": summarize([c for _, c, _ in protocol]),
+        }
+        row["ratio"] = row["protocol_MBps"]["median"] / row["raw_MBps"]["median"]
+        rows.append(row)
+        for r in receivers:
+            ray.kill(r)
+    ray.shutdown()
+    print(f"model {args.model}: {rows[0]['bytes'] / 2**20:.1f} MiB per sync, chunks of {args.chunk_mb:g} MiB, "
+          f"{args.repeats} repeats; {platform.machine()}, {os.cpu_count()} cores")
+    print(f"{'makers':>6} {'protocol MB/s med [min-max]':>30} {'raw MB/s med [min-max]':>28} {'ratio':>6} "
+          f"{'trainer CPU s':>14}")
+    for row in rows:
+        p, r, c = row["protocol_MBps"], row["raw_MBps"], row["trainer_cpu_s"]
+        print(f"{row['makers']:>6} {p['median']:>10.0f} [{p['min']:.0f}-{p['max']:.0f}]{'':>8} "
+              f"{r['median']:>10.0f} [{r['min']:.0f}-{r['max']:.0f}]{'':>6} {row['ratio']:>6.2f} "
+              f"{c['median']:>14.3f}")
+    out = Path(__file__).parent / "results" / f"weight_sync-{args.model}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""ExperiencePusher: the maker's side of pushing experience to trainers (DESIGN.md §3.3).
+
+Every push ends either acked (the trainer's `AppendResult` counts its samples as accepted,
+duplicates or dropped as stale) or dropped with a reason: "rejected" (malformed, never
+retried), "failed" (a transport failure on each of `max_attempts` attempts) or "stopped"
+(`should_stop()` while the push still needed a retry). So once `flush` returns True,
+`samples_pushed == accepted + duplicates + dropped_stale_by_trainer + sum(dropped.values())`.
+
+No thread of its own: finished attempts and due retries are handled whenever `push` or
+`flush` runs on the maker's thread; `stats` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from detached_rl.experience import Experience
+from detached_rl.replay_buffer import AppendResult
+
+POLICIES = ("round_robin", "least_full")
+DROP_REASONS = ("rejected", "failed", "stopped")
+_COUNTERS = (
+    "pushes", "samples_pushed", "acked_pushes", "accepted", "duplicates", "dropped_stale_by_trainer",
+    "full_retries", "failed_attempts",
+)
+# Longest single wait, so that `should_stop()` is noticed soon even during a long backoff.
+_POLL_SECONDS = 0.1
+
+Submit = Callable[[str, list[Experience]], "Future[AppendResult]"]
+
+
+@dataclass(eq=False)  # compared by identity: list.remove() must not compare tensors
+class _Push:
+    experiences: list[Experience]
+    failures: int = 0  # transport failures so far; capacity refusals do not count
+    trainer: str = ""  # the trainer of the current (or last) attempt
+    future: Future[AppendResult] | None = None
+    deadline: float = 0.0  # when the current attempt times out
+    retry_at: float = 0.0  # when a waiting retry is due
+
+
+@dataclass
+class _Trainer:
+    accepted: int = 0
+    last_size: int | None = None
+    failures: int = 0
+    avoid_until: float = field(default=-math.inf)  # set after a failure or a "full" answer
+
+
+class ExperiencePusher:
+    """Pushes lists of experiences to named trainers: bounded in flight, acknowledged, retried, accounted."""
+
+    def __init__(
+        self,
+        submit: Submit,
+        trainers: Sequence[str],
+        max_in_flight: int = 2,
+        policy: str = "round_robin",
+        push_timeout: float = 60.0,
+        max_attempts: int = 5,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 2.0,
+        should_stop: Callable[[], bool] = lambda: False,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not callable(submit):
+            raise TypeError(f"submit must be callable, got {type(submit).__name__}")
+        if isinstance(trainers, str) or not isinstance(trainers, Sequence) or not trainers:
+            raise ValueError(f"trainers must be a non-empty sequence of trainer names, got {trainers!r}")
+        names_ok = all(isinstance(name, str) and name for name in trainers)
+        if not names_ok or len(set(trainers)) != len(trainers):
+            raise ValueError(f"trainers must be distinct non-empty strings, got {list(trainers)!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.trainers = list(trainers)
+        self.policy = policy
+        self.max_in_flight = _check_int("max_in_flight", max_in_flight)
+        self.max_attempts = _check_int("max_attempts", max_attempts)
+        self.push_timeout = _check_seconds("push_timeout", push_timeout)
+        self.backoff_initial = _check_seconds("backoff_initial", backoff_initial)
+        self.backoff_max = _check_seconds("backoff_max", backoff_max)
+        if self.backoff_max < self.backoff_initial:
+            raise ValueError(f"backoff_max ({backoff_max}) must be >= backoff_initial ({backoff_initial})")
+        for name, value in (("should_stop", should_stop), ("sleep", sleep), ("clock", clock)):
+            if not callable(value):
+                raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+        self._submit = submit
+        self._should_stop = should_stop
+        self._sleep = sleep
+        self._clock = clock
+
+        self._lock = threading.Lock()
+        self._state = {name: _Trainer() for name in self.trainers}
+        self._cursor = 0  # index in `trainers` where the round-robin order starts next
+        self._in_flight: list[_Push] = []
+        self._waiting: list[_Push] = []
+        self._backoff = self.backoff_initial
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._dropped = dict.fromkeys(DROP_REASONS, 0)
+        self._last_error: str | None = None
+
+    def push(self, experiences: Sequence[Experience]) -> None:
+        """Send one push to a trainer, first blocking while `max_in_flight` pushes are outstanding."""
+        experiences = list(experiences)
+        if not experiences:
+            return
+        with self._lock:
+            self._counts["pushes"] += 1
+            self._counts["samples_pushed"] += len(experiences)
+        self._process()
+        while self._outstanding() >= self.max_in_flight:
+            self._wait(deadline=None)
+            self._process()
+        self._send(_Push(experiences))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every push is acked or dropped; False if `timeout` seconds passed first."""
+        deadline = None if timeout is None else self._clock() + timeout
+        while True:
+            self._process()
+            if not self._outstanding():
+                return True
+            if deadline is not None and self._clock() >= deadline:
+                return False
+            self._wait(deadline)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, drops by reason, outstanding pushes and per-trainer state (JSON-ready)."""
+        with self._lock:
+            return {
+                **self._counts,
+                "dropped": dict(self._dropped),
+                "in_flight": len(self._in_flight),
+                "waiting_retry": len(self._waiting),
+                "per_trainer": {
+                    name: {"accepted": t.accepted, "last_size": t.last_size, "failures": t.failures}
+                    for name, t in self._state.items()
+                },
+                "last_error": self._last_error,
+            }
+
+    def _outstanding(self) -> int:
+        """Pushes sent and unanswered, or waiting for a retry: both count against `max_in_flight`."""
+        with self._lock:
+            return len(self._in_flight) + len(self._waiting)
+
+    def _send(self, push: _Push) -> None:
+        with self._lock:
+            push.trainer = self._choose_trainer(self._clock())
+        try:
+            future = self._submit(push.trainer, push.experiences)
+        except Exception as err:  # a submit that fails at once is handled like a failed future
+            future = Future()
+            future.set_exception(err)
+        with self._lock:
+            push.future = future
+            push.deadline = self._clock() + self.push_timeout
+            self._in_flight.append(push)
+
+    def _process(self) -> None:
+        """Handle finished and timed-out attempts, then resend the retries that are due."""
+        stopping = bool(self._should_stop())
+        now = self._clock()
+        due: list[_Push] = []
+        with self._lock:
+            for push in list(self._in_flight):
+                if push.future.done():
+                    self._in_flight.remove(push)
+                    self._settle(push, stopping, now)
+                elif now >= push.deadline:
+                    # A call already sent cannot be recalled and may still land; its answer is
+                    # ignored, so the pusher counts each sample once (the retry's ack decides).
+                    push.future.cancel()
+                    self._in_flight.remove(push)
+                    reason = f"no answer within push_timeout={self.push_timeout:g} s"
+                    self._transport_failed(push, reason, stopping, now)
+            for push in list(self._waiting):
+                if stopping:
+                    self._waiting.remove(push)
+                    self._dropped["stopped"] += len(push.experiences)
+                elif now >= push.retry_at:
+                    self._waiting.remove(push)
+                    due.append(push)
+        for push in due:
+            self._send(push)
+
+    def _wait(self, deadline: float | None) -> None:
+        """Block until an attempt finishes or times out, a retry is due, or `deadline` (at most one poll)."""
+        now = self._clock()
+        with self._lock:
+            futures = [push.future for push in self._in_flight]
+            wake_times = [push.deadline for push in self._in_flight]
+            wake_times += [push.retry_at for push in self._waiting]
+        wake = min([now + _POLL_SECONDS, *wake_times, *([] if deadline is None else [deadline])])
+        timeout = max(0.0, wake - now)
+        if futures:
+            concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        elif timeout > 0:
+            self._sleep(timeout)
+
+    # Helpers below expect the lock to be held.
+
+    def _choose_trainer(self, now: float) -> str:
+        count = len(self.trainers)
+        rotation = [self.trainers[(self._cursor + i) % count] for i in range(count)]
+        available = [name for name in rotation if self._state[name].avoid_until <= now]
+        if not available:
+            chosen = min(rotation, key=lambda name: self._state[name].avoid_until)
+        elif self.policy == "least_full":
+            # min() keeps the first of equal sizes, i.e. round-robin order breaks ties.
+            chosen = min(available, key=lambda name: self._state[name].last_size or 0)
+        else:
+            chosen = available[0]
+        self._cursor = (self.trainers.index(chosen) + 1) % count
+        return chosen
+
+    def _settle(self, push: _Push, stopping: bool, now: float) -> None:
+        try:
+            result = push.future.result()
+        # RejectedPushError; through Ray too, as a RayTaskError subclasses the remote error's class.
+        except ValueError as err:
+            self._dropped["rejected"] += len(push.experiences)
+            self._last_error = f"trainer {push.trainer!r} rejected {len(push.experiences)} samples: {err}"
+            return
+        except Exception as err:  # RayActorError, GetTimeoutError, ConnectionError, ...: the transport failed
+            self._transport_failed(push, f"{type(err).__name__}: {err}", stopping, now)
+            return
+        trainer = self._state[push.trainer]
+        trainer.last_size = result.size
+        if result.full:
+            self._counts["full_retries"] += 1
+            trainer.avoid_until = now + self.backoff_max
+            self._retry_later(push, stopping, now)
+            return
+        trainer.accepted += result.accepted
+        trainer.avoid_until = -math.inf
+        self._counts["acked_pushes"] += 1
+        self._counts["accepted"] += result.accepted
+        self._counts["duplicates"] += result.duplicates
+        self._counts["dropped_stale_by_trainer"] += result.dropped_stale
+        self._backoff = self.backoff_initial
+
+    def _transport_failed(self, push: _Push, reason: str, stopping: bool, now: float) -> None:
+        trainer = self._state[push.trainer]
+        trainer.failures += 1
+        trainer.avoid_until = now + self.backoff_max
+        self._counts["failed_attempts"] += 1
+        push.failures += 1
+        self._last_error = f"trainer {push.trainer!r}: {reason}"
+        if push.failures >= self.max_attempts:
+            self._dropped["failed"] += len(push.experiences)
+            self._last_error = (
+                f"push of {len(push.experiences)} samples dropped after {push.failures} failed attempts; "
+                f"last: trainer {push.trainer!r}: {reason}"
+            )
+        else:
+            self._retry_later(push, stopping, now)
+
+    def _retry_later(self, push: _Push, stopping: bool, now: float) -> None:
+        if stopping:
+            self._dropped["stopped"] += len(push.experiences)
+            return
+        push.retry_at = now + self._backoff
+        self._backoff = min(2 * self._backoff, self.backoff_max)
+        self._waiting.append(push)
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _check_seconds(name: str, value: Any) -> float:
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)

@@ -1,0 +1,170 @@
+"""The named detached actors on a real local Ray cluster (tiny random models, CPU)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from detached_rl import Experience
+from detached_rl.actors import DetachedPPOTrainer, ExperienceMakerHolder, attach, start_trainer_group
+from detached_rl.maker import MakerConfig
+from detached_rl.models import SamplingConfig
+from detached_rl.ppo import PPOConfig
+from detached_rl.prompts import CyclingPrompts
+from detached_rl.replay_buffer import RejectedPushError
+from detached_rl.trainer import TrainerConfig
+from detached_rl.weight_sync import WeightUpdateError, build_weight_update
+
+from .helpers import arithmetic_prompts, tiny_actor_critic, tiny_maker_models
+
+pytestmark = pytest.mark.ray
+
+NAMESPACE = "detached_rl_tests"
+SAMPLING = SamplingConfig(max_new_tokens=6)
+TIMEOUT = 180
+
+
+def new_maker(name, trainers, **config):
+    config = {"experience_batch_size": 4, "sampling": SAMPLING, **config}
+    return ExperienceMakerHolder.options(name=name, namespace=NAMESPACE).remote(
+        name, trainers, tiny_maker_models, CyclingPrompts(arithmetic_prompts()), MakerConfig(**config),
+        namespace=NAMESPACE,
+    )
+
+
+def new_trainer(name, **config):
+    config = {"train_batch_size": 8, **config}
+    return DetachedPPOTrainer.options(name=name, namespace=NAMESPACE).remote(
+        name, tiny_actor_critic, TrainerConfig(**config), PPOConfig(sampling=SAMPLING, kl_coef=0.01),
+        namespace=NAMESPACE,
+    )
+
+
+def kill(*handles):
+    import ray
+
+    for handle in handles:
+        ray.kill(handle)
+
+
+def test_two_makers_feed_a_two_rank_ddp_trainer(ray_cluster):
+    ray = ray_cluster
+    trainers = start_trainer_group(
+        "trainer", 2, tiny_actor_critic,
+        TrainerConfig(train_batch_size=8, record_weights_fingerprint=True),
+        PPOConfig(sampling=SAMPLING, kl_coef=0.01), namespace=NAMESPACE, strategy="ddp",
+    )
+    names = ["trainer_0", "trainer_1"]
+    makers = [new_maker(f"maker_{i}", names, record_weights_fingerprint=True) for i in range(2)]
+    try:
+        runs = [m.run.remote() for m in makers]
+        summaries = ray.get([t.fit.remote(3, update_steps=1) for t in trainers], timeout=TIMEOUT)
+        maker_status = ray.get(runs, timeout=TIMEOUT)  # the trainers stop their makers at the end
+        assert [s["policy_version"] for s in summaries] == [3, 3]
+        # Both ranks hold identical weights after every step (recorded at each sync).
+        fingerprints = ray.get([t.update_fingerprints.remote() for t in trainers])
+        assert sorted(fingerprints[0]) == [0, 1, 2, 3] and fingerprints[0] == fingerprints[1]
+        assert len(set(fingerprints[0].values())) == 4  # and the weights did change each step
+        # Every maker ends on the last version, with exactly the trainers' weights.
+        assert [s["policy_version"] for s in maker_status] == [3, 3]
+        # Each rank pushed weights to its share of the makers.
+        syncs = [ray.get(t.metrics.remote())[-1] for t in trainers]
+        assert [m["weight_sync/makers_updated"] for m in syncs] == [1.0, 1.0]
+        # Experience from both makers reached both trainers, and the counts add up.
+        stats = ray.get([t.buffer_stats.remote() for t in trainers])
+        for s in stats:
+            assert s["accounting_ok"] and set(s["per_maker"]) == {"maker_0", "maker_1"}
+        received = sum(s["received"] + s["duplicates"] for s in stats)
+        pushed = sum(m["push"]["accepted"] + m["push"]["duplicates"] + m["push"]["dropped_stale_by_trainer"]
+                     for m in maker_status)
+        assert received == pushed == sum(m["samples_made"] for m in maker_status)
+        assert sum(s["sampled"] for s in stats) == 2 * 3 * 8
+        # No sample was generated on mixed weights: its fingerprint is that of its version.
+        for trainer, s in zip(trainers, stats, strict=True):
+            for sample in ray.get(trainer.buffer_peek.remote(count=s["size"])):
+                assert sample["info"]["weights_fingerprint"] == fingerprints[0][sample["policy_version"]]
+    finally:
+        kill(*trainers, *makers)
+
+
+def test_a_long_compute_call_does_not_delay_buffer_calls(ray_cluster):
+    ray = ray_cluster
+    trainer = new_trainer("busy_trainer")
+    try:
+        ray.get(trainer.buffer_length.remote(), timeout=TIMEOUT)  # constructed
+        busy = trainer.busy.remote(6.0)
+        time.sleep(0.5)
+        experience = Experience(torch.tensor([5, 6]), torch.tensor([7, 8]), torch.tensor([-0.5, -0.5]),
+                                torch.tensor(1.0), values=torch.zeros(2), ref_log_probs=torch.tensor([-0.4, -0.6]))
+        start = time.perf_counter()
+        result = ray.get(trainer.push_experience.remote([experience]), timeout=10)
+        length = ray.get(trainer.buffer_length.remote(), timeout=10)
+        status = ray.get(trainer.status.remote(), timeout=10)
+        elapsed = time.perf_counter() - start
+        assert result.accepted == 1 and length == 1 and status["buffer_size"] == 1
+        assert elapsed < 2.0, f"buffer calls waited {elapsed:.1f} s behind a 6 s compute call"
+        assert not ray.wait([busy], timeout=0)[0]  # the compute call was still running
+        ray.get(busy, timeout=TIMEOUT)
+    finally:
+        kill(trainer)
+
+
+def test_malformed_experience_and_weights_are_refused_remotely(ray_cluster):
+    ray = ray_cluster
+    trainer = new_trainer("strict_trainer")
+    maker = new_maker("strict_maker", ["strict_trainer"])
+    try:
+        bad = Experience(torch.tensor([5, 6]), torch.tensor([7, 8]), torch.tensor([-0.5, float("nan")]),
+                         torch.tensor(1.0))
+        with pytest.raises(RejectedPushError, match="log_probs"):
+            ray.get(trainer.push_experience.remote([bad]), timeout=TIMEOUT)
+        assert ray.get(trainer.buffer_stats.remote())["received"] == 0
+        ray.get(maker.run.remote(num_batches=1), timeout=TIMEOUT)
+        before = ray.get(maker.status.remote())
+        assert before["policy_version"] == 0 and before["synced"]
+        actor, critic = tiny_actor_critic(seed=0)
+        state = {"actor": actor.model.state_dict(), "critic": critic.state_dict()}
+        state["actor"] = {k: (v + 1 if k.endswith("q_proj.weight") else v) for k, v in state["actor"].items()}
+        del state["critic"]["head.bias"]
+        update, _ = build_weight_update(state, 5, ray.put, chunk_bytes=50_000)
+        with pytest.raises(WeightUpdateError, match="head.bias"):
+            ray.get(maker.apply_weight_update.remote(update), timeout=TIMEOUT)
+        after = ray.get(maker.status.remote())
+        assert after["policy_version"] == 0 and "head.bias" in after["last_error"]
+    finally:
+        kill(trainer, maker)
+
+
+def test_attach_waits_for_a_late_actor_and_times_out_with_its_name(ray_cluster):
+    with pytest.raises(TimeoutError, match="'nobody'.*detached_rl_tests"):
+        attach("nobody", NAMESPACE, timeout=0.5)
+    created = []
+    timer = threading.Timer(1.0, lambda: created.append(new_trainer("late_trainer")))
+    timer.start()
+    try:
+        handle = attach("late_trainer", NAMESPACE, timeout=60)
+        assert ray_cluster.get(handle.buffer_length.remote(), timeout=TIMEOUT) == 0
+    finally:
+        timer.join()
+        kill(*created)
+
+
+def test_maker_first_then_trainer_and_a_late_maker_starts_from_current_weights(ray_cluster):
+    ray = ray_cluster
+    maker = new_maker("early_maker", ["solo_trainer"])
+    run = maker.run.remote()  # waits for the trainer by name
+    time.sleep(1.0)
+    trainer = new_trainer("solo_trainer")
+    late = None
+    try:
+        ray.get(trainer.fit.remote(2), timeout=TIMEOUT)
+        ray.get(run, timeout=TIMEOUT)
+        late = new_maker("late_maker", ["solo_trainer"])
+        status = ray.get(late.run.remote(num_batches=1), timeout=TIMEOUT)
+        assert status["policy_version"] == 2  # received the trainer's current weights before generating
+        samples = ray.get(trainer.buffer_peek.remote(count=50, maker="late_maker"))
+        assert len(samples) == 4 and {s["policy_version"] for s in samples} == {2}
+        assert all(s["response_text"] is not None for s in samples)
+    finally:
+        kill(maker, trainer, *([late] if late else []))
