@@ -7,12 +7,34 @@ __version__ = "0.1.0"
 from detached_rl.experience import Experience, ExperienceBatch, ExperienceValidationError, collate, uncollate
 from detached_rl.replay_buffer import ReplayBuffer
 
+# Ray is imported only when an actor name is first used, so `import detached_rl` stays light.
+_LAZY = {
+    "ExperienceMakerHolder": "detached_rl.actors",
+    "DetachedPPOTrainer": "detached_rl.actors",
+    "attach": "detached_rl.actors",
+    "start_trainer_group": "detached_rl.actors",
+}
+
+
+def __getattr__(name: str):
+    """Import the Ray actor classes on first use."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'detached_rl' has no attribute {name!r}")
+
+
 __all__ = [
+    "DetachedPPOTrainer",
+    "ExperienceMakerHolder",
     "Experience",
     "ExperienceBatch",
     "ExperienceValidationError",
     "ReplayBuffer",
+    "attach",
     "__version__",
     "collate",
+    "start_trainer_group",
     "uncollate",
 ]

@@ -154,6 +154,8 @@ class ExperienceMaker:
         for row, base in enumerate(placeholder):
             length = base.response_length
             info: dict[str, Any] = {"finished": out.finished[row], **components[row]}
+            if ref is not None:  # mean k1 KL to the reference, for inspection (the trainer shapes rewards)
+                info["kl"] = float((base.log_probs - ref[row, :length]).mean())
             if fingerprint is not None:
                 info["weights_fingerprint"] = fingerprint
             experiences.append(Experience(
