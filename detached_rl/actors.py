@@ -13,6 +13,7 @@ around by a driver, so makers and trainers may start in any order and in separat
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -109,7 +110,8 @@ class ExperienceMakerHolder:
     def _attach_trainers(self) -> dict[str, Any]:
         handles = {t: attach(t, self.namespace, self.attach_timeout_s) for t in self.trainer_names}
         # Register with every trainer; start from the newest weights any of them offers.
-        updates = ray.get([h.register_maker.remote(self.name) for h in handles.values()],
+        base = self.core.base_fingerprint
+        updates = ray.get([h.register_maker.remote(self.name, base) for h in handles.values()],
                           timeout=self.core.config.weight_timeout_s)
         offered = [u for u in updates if u is not None]
         if offered:
@@ -270,9 +272,9 @@ class DetachedPPOTrainer:
         return core.buffer.sample(count, current_version=core.policy_version, timeout=timeout)
 
     @ray.method(concurrency_group="model_io")
-    def register_maker(self, maker_name: str) -> WeightUpdate | None:
-        """Record a maker; returns the latest weight update so it starts from the current weights."""
-        return self._core().register_maker(maker_name)
+    def register_maker(self, maker_name: str, base_fingerprint: str | None = None) -> WeightUpdate | None:
+        """Record a maker; returns the weight update it should start from (full unless its base matches)."""
+        return self._core().register_maker(maker_name, base_fingerprint, ray.put)
 
     @ray.method(concurrency_group="model_io")
     def policy_version(self) -> int:
@@ -312,6 +314,17 @@ class DetachedPPOTrainer:
     def stop(self) -> None:
         """Ask a running `fit` to end after its current step."""
         self._core().stop()
+
+    @ray.method(concurrency_group="model_io")
+    def shutdown(self) -> None:
+        """Free the models, then leave the process group (DDP models freed after it can hang)."""
+        core, self.core = self.core, None
+        self._ready.clear()
+        if core is not None:
+            strategy = core.strategy
+            del core
+            gc.collect()
+            strategy.destroy()
 
     @ray.method(concurrency_group="compute")
     def busy(self, seconds: float) -> float:

@@ -19,13 +19,16 @@ import torch
 from detached_rl.experience import Experience, collate
 from detached_rl.models.actor import Actor
 from detached_rl.models.generation import SamplingConfig
+from detached_rl.models.lora import lora_backend
+from detached_rl.models.lora_merge import LoraMergeTarget, base_fingerprint
 from detached_rl.models.reward import RewardScorer
 from detached_rl.models.scalar_heads import Critic
 from detached_rl.prompts import PromptSource
 from detached_rl.strategies import NaiveStrategy, Strategy
-from detached_rl.weight_sync import ApplyResult, Fetch, WeightReceiver, WeightUpdate
+from detached_rl.weight_sync import ApplyResult, Fetch, WeightReceiver, WeightUpdate, WeightUpdateError
 
 PUSH_POLICIES = ("round_robin", "least_full")
+LORA_MODES = ("keep", "merge")
 NOT_SYNCED = -1  # receiver version before the first weight update from a trainer
 
 
@@ -43,6 +46,8 @@ class MakerConfig:
     weight_sync_mode: str = "staged"  # or "in_place" for models too large to stage twice
     weight_cast_dtype: str | None = None  # e.g. "bfloat16": cast incoming weights
     record_weights_fingerprint: bool = False  # tag each sample with the weights' fingerprint (costs a checksum)
+    lora_mode: str = "keep"  # LoRA policies: "keep" the adapters, or "merge" W = W0 + scaling*B*A on update
+
 
     def __post_init__(self) -> None:
         for name in ("experience_batch_size", "group_size", "max_pushes_in_flight"):
@@ -52,6 +57,8 @@ class MakerConfig:
             raise ValueError(f"MakerConfig.push_policy must be one of {PUSH_POLICIES}, got {self.push_policy!r}")
         if self.weight_sync_mode not in ("staged", "in_place"):
             raise ValueError(f"MakerConfig.weight_sync_mode must be 'staged' or 'in_place', got {self.weight_sync_mode!r}")
+        if self.lora_mode not in LORA_MODES:
+            raise ValueError(f"MakerConfig.lora_mode must be one of {LORA_MODES}, got {self.lora_mode!r}")
         for name in ("push_timeout_s", "weight_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MakerConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -91,13 +98,24 @@ class ExperienceMaker:
         self.reward = models.reward
         self.prompts = prompts
         self.generation_lock = threading.Lock()
+        is_lora = lora_backend(self.actor.model) is not None
+        self.lora_target: LoraMergeTarget | None = None
         synced: dict[str, torch.nn.Module] = {"actor": self.actor.model}
+        if self.config.lora_mode == "merge":
+            if not is_lora:
+                raise ValueError("MakerConfig.lora_mode='merge' needs the factory's policy to carry a LoRA adapter")
+            # Serve a plain model; the receiver writes W0, A and B (trainer naming) into the target.
+            self.lora_target = LoraMergeTarget.from_lora_model(self.actor.model)
+            self.actor = Actor(self.lora_target.model.to(device).eval(), self.actor.tokenizer)
+            synced["actor"] = self.lora_target
         if self.critic is not None:
             synced["critic"] = self.critic
         cast = getattr(torch, self.config.weight_cast_dtype) if self.config.weight_cast_dtype else None
         self.receiver = WeightReceiver(
-            synced, cast_dtype=cast, mode=self.config.weight_sync_mode, lock=self.generation_lock, version=NOT_SYNCED
+            synced, cast_dtype=cast, mode=self.config.weight_sync_mode, lock=self.generation_lock, version=NOT_SYNCED,
+            after_swap=self._remerge if self.lora_target is not None else None,
         )
+        self.base_fingerprint: str | None = base_fingerprint(synced["actor"]) if is_lora else None
         self.batches = 0
         self.samples_made = 0
         self.tokens_made = 0
@@ -114,13 +132,29 @@ class ExperienceMaker:
         """True once the maker holds a complete version received from a trainer."""
         return self.receiver.version > NOT_SYNCED and self.receiver.consistent
 
+    def _remerge(self, names: set[str]) -> None:
+        """Recompute merged LoRA weights after a swap (runs under the generation lock)."""
+        self.lora_target.refresh({name.split("/", 1)[1] for name in names if name.startswith("actor/")})
+
     def apply_weight_update(self, update: WeightUpdate, fetch: Fetch) -> ApplyResult:
         """Apply a versioned weight update (see `WeightReceiver.apply`); refused updates change nothing."""
+        manifest = update.manifest
         try:
-            return self.receiver.apply(update, fetch, timeout=self.config.weight_timeout_s)
+            if manifest.kind == "lora" and manifest.version > self.receiver.version:
+                expected = manifest.metadata.get("base_fingerprint")
+                if expected != self.base_fingerprint:
+                    raise WeightUpdateError(
+                        f"v{manifest.version}: base fingerprint mismatch: the LoRA update is for base weights "
+                        f"{str(expected)[:16]}, this maker holds {str(self.base_fingerprint)[:16]}; "
+                        "it needs a full update first"
+                    )
+            result = self.receiver.apply(update, fetch, timeout=self.config.weight_timeout_s)
         except Exception as error:
-            self.last_error = f"weight update v{update.manifest.version}: {error}"
+            self.last_error = f"weight update v{manifest.version}: {error}"
             raise
+        if result.applied and manifest.kind == "full" and self.base_fingerprint is not None:
+            self.base_fingerprint = base_fingerprint(self.receiver.models["actor"])
+        return result
 
     def make_experience(self) -> list[Experience]:
         """Generate, score and package one batch (experience_batch_size prompts x group_size responses)."""

@@ -21,10 +21,13 @@ from typing import Any
 
 import torch
 
+from detached_rl.models.lora import lora_backend, lora_config_dict
+from detached_rl.models.lora_merge import base_fingerprint
 from detached_rl.ppo import PPOLearner
 from detached_rl.replay_buffer import AppendResult, ReplayBuffer
 from detached_rl.weight_sync import SendStats, WeightUpdate, build_weight_update, state_fingerprint
 
+WEIGHT_SYNC_KINDS = ("full", "lora")
 Put = Callable[[dict[str, torch.Tensor]], Any]
 SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any]]
 
@@ -40,6 +43,7 @@ class TrainerConfig:
     max_reuse: int = 1
     buffer_overflow: str = "refuse"
     weight_chunk_bytes: int = 64 * 2**20
+    weight_sync: str = "full"  # "lora": send only trainable tensors (LoRA adapters) after the first full update
     weight_push_timeout_s: float = 300.0
     batch_timeout_s: float = 300.0  # how long `fit` waits for a full batch before failing
     stop_makers_at_end: bool = True
@@ -55,6 +59,8 @@ class TrainerConfig:
                 f"TrainerConfig.train_batch_size {self.train_batch_size} exceeds buffer_max_samples "
                 f"{self.buffer_max_samples}: a batch could never be sampled"
             )
+        if self.weight_sync not in WEIGHT_SYNC_KINDS:
+            raise ValueError(f"TrainerConfig.weight_sync must be one of {WEIGHT_SYNC_KINDS}, got {self.weight_sync!r}")
         for name in ("weight_push_timeout_s", "batch_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainerConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -81,6 +87,12 @@ class TrainerCore:
         self.makers: set[str] = set()
         self.latest_update: WeightUpdate | None = None
         self.fingerprints: dict[int, str] = {}
+        self.base_fingerprint: str | None = None
+        if self.config.weight_sync == "lora":
+            actor_model = self.strategy.unwrap(learner.actor).model
+            if lora_backend(actor_model) is None:
+                raise ValueError("TrainerConfig.weight_sync='lora' needs a LoRA policy (see detached_rl.models.apply_lora)")
+            self.base_fingerprint = base_fingerprint(actor_model)
         # Held while the weights change (a training step) and while they are snapshotted for an update.
         self.weights_lock = threading.Lock()
         self._stop = threading.Event()
@@ -93,27 +105,58 @@ class TrainerCore:
         return self.buffer.append(experiences, current_version=self.policy_version)
 
     # ---------------------------------------------------------------- weights out
-    def synced_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The state dicts makers mirror: the policy's model and the critic."""
-        actor = self.strategy.unwrap(self.learner.actor)
-        return {"actor": actor.model.state_dict(), "critic": self.strategy.unwrap(self.learner.critic).state_dict()}
+    def synced_models(self) -> dict[str, torch.nn.Module]:
+        """The models makers mirror: the policy's model and the critic."""
+        return {"actor": self.strategy.unwrap(self.learner.actor).model,
+                "critic": self.strategy.unwrap(self.learner.critic)}
 
-    def build_update(self, put: Put) -> tuple[WeightUpdate, SendStats]:
-        """Snapshot the current weights into a full update whose chunks are each `put` once."""
-        with self.weights_lock:
-            state = self.synced_state()
-            update, stats = build_weight_update(
-                state, self.policy_version, put, chunk_bytes=self.config.weight_chunk_bytes
-            )
-            if self.config.record_weights_fingerprint:
-                self.fingerprints[self.policy_version] = state_fingerprint(state)
+    def synced_state(self, trainable_only: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+        """State dicts of the synced models; with `trainable_only`, just what training changes (LoRA)."""
+        if not trainable_only:
+            return {name: model.state_dict() for name, model in self.synced_models().items()}
+        return {
+            name: {key: p.detach() for key, p in model.named_parameters() if p.requires_grad}
+            for name, model in self.synced_models().items()
+        }
+
+    def build_update(self, put: Put, kind: str | None = None) -> tuple[WeightUpdate, SendStats]:
+        """Snapshot the current weights into an update ("full", or "lora": trainable tensors only)."""
+        kind = kind or ("lora" if self.config.weight_sync == "lora" and self.latest_update is not None else "full")
+        update, stats = self._build(put, kind)
         self.latest_update = update
         return update, stats
 
-    def register_maker(self, name: str) -> WeightUpdate | None:
-        """Record a maker that feeds this trainer; returns the latest update for it to start from."""
+    def _build(self, put: Put, kind: str) -> tuple[WeightUpdate, SendStats]:
+        metadata: dict[str, Any] = {}
+        if self.base_fingerprint is not None:
+            metadata = {"base_fingerprint": self.base_fingerprint,
+                        "lora": lora_config_dict(self.synced_models()["actor"])}
+        # `put` copies each chunk (ray.put serialises it), so the lock covers the snapshot only.
+        with self.weights_lock:
+            update, stats = build_weight_update(
+                self.synced_state(trainable_only=kind == "lora"), self.policy_version, put,
+                chunk_bytes=self.config.weight_chunk_bytes, kind=kind, metadata=metadata,
+            )
+            if self.config.record_weights_fingerprint:
+                self.fingerprints[self.policy_version] = state_fingerprint(self.synced_state())
+        return update, stats
+
+    def register_maker(self, name: str, base_fingerprint: str | None = None, put: Put | None = None
+                       ) -> WeightUpdate | None:
+        """Record a maker; returns the update it should start from.
+
+        With LoRA sync, a maker that holds the same base weights (equal fingerprint) gets the
+        latest LoRA-only update; any other maker gets a full update of the current weights.
+        """
         self.makers.add(name)
-        return self.latest_update
+        latest = self.latest_update
+        if latest is None or latest.manifest.kind == "full":
+            return latest
+        if base_fingerprint is not None and base_fingerprint == self.base_fingerprint:
+            return latest
+        if put is None:
+            raise ValueError("register_maker: this maker needs a full update but no `put` was given")
+        return self._build(put, "full")[0]
 
     def makers_of_this_rank(self) -> list[str]:
         """This rank's share of every maker registered with any rank (same answer on every rank)."""

@@ -265,6 +265,7 @@ class WeightReceiver:
         mode: str = "staged",
         lock: threading.Lock | threading.RLock | None = None,
         version: int = 0,
+        after_swap: Callable[[set[str]], None] | None = None,
     ) -> None:
         if mode not in ("staged", "in_place"):
             raise ValueError(f"mode must be 'staged' or 'in_place', got {mode!r}")
@@ -276,6 +277,8 @@ class WeightReceiver:
         self.cast_dtype = cast_dtype
         self.mode = mode
         self.lock = lock if lock is not None else threading.Lock()
+        # Called under the lock with the qualified names just written (e.g. re-merge LoRA weights).
+        self.after_swap = after_swap
         self.last_error: WeightUpdateError | None = None
         self._version = version
         self._dirty: set[str] = set()  # models left half-written by a failed update
@@ -521,6 +524,8 @@ class WeightReceiver:
                 try:
                     for name, tensor in staged.items():
                         plan.targets[name].copy_(tensor)
+                    if self.after_swap is not None:
+                        self.after_swap(set(staged))
                 except Exception as error:
                     self._dirty |= plan.models
                     self._entries = self._fingerprint = None
@@ -565,6 +570,8 @@ class WeightReceiver:
                             written = True
                             if entries is not None:
                                 entries[spec.name] = self._entry(spec, target)
+                    if self.after_swap is not None:
+                        self.after_swap({spec.name for spec in manifest.tensors})
                 except Exception as error:
                     if written:
                         self._dirty |= plan.models

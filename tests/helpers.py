@@ -64,3 +64,21 @@ class ObjectStore:
 
     def fetch(self, key):
         return self.objects[key]
+
+
+def lora_actor_critic(backend: str = "peft", seed: int = 0) -> tuple[Actor, Critic]:
+    """A tiny llama policy with a LoRA adapter (peft or loralib) and a small critic."""
+    from detached_rl.models import LoraSettings, apply_lora
+
+    policy, tokenizer = tiny_causal_lm("llama", seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        policy = apply_lora(policy, LoraSettings(backend=backend, r=4, alpha=8))
+        critic = Critic(backbone_of(tiny_causal_lm("llama", seed=seed + 1)[0]))
+    return Actor(policy, tokenizer), critic
+
+
+def lora_maker_models(backend: str = "peft", seed: int = 0) -> MakerModels:
+    """Maker-side models around a LoRA policy (no reference model: KL off)."""
+    actor, critic = lora_actor_critic(backend, seed)
+    return MakerModels(actor=actor, critic=critic, reward=LowTokenReward())

@@ -466,3 +466,23 @@ def test_manifest_and_update_are_picklable(trainer) -> None:
     assert isinstance(copy.manifest.tensors[0], TensorSpec) and copy.version == 7
     with pytest.raises(ValueError, match="kind"):
         build_weight_update({"actor": trainer.state_dict()}, 1, store.put, kind="delta")
+
+
+def test_after_swap_hook_runs_under_the_lock_with_the_written_names():
+    from detached_rl.models import tiny_causal_lm as _tiny
+
+    trainer_model, _ = _tiny("llama", seed=1)
+    maker_model, _ = _tiny("llama", seed=2)
+    calls = []
+    receiver = WeightReceiver({"actor": maker_model})
+    receiver.after_swap = lambda names: calls.append((receiver.lock.locked(), names))
+    store = {}
+
+    def put(chunk):
+        store[len(store)] = chunk
+        return len(store) - 1
+
+    update, _ = build_weight_update({"actor": trainer_model.state_dict()}, 1, put, chunk_bytes=20_000)
+    receiver.apply(update, store.__getitem__)
+    assert len(calls) == 1 and calls[0][0] is True
+    assert calls[0][1] == {f"actor/{k}" for k in trainer_model.state_dict()}

@@ -1,9 +1,10 @@
 """How a model is trained: naive (one process) now; DDP and ColossalAI strategies build on the same interface."""
 
 from detached_rl.strategies.base import Strategy
+from detached_rl.strategies.ddp import DDPStrategy
 from detached_rl.strategies.naive import NaiveStrategy, default_device
 
-STRATEGIES = {"naive": NaiveStrategy}
+STRATEGIES = {"naive": NaiveStrategy, "ddp": DDPStrategy}
 
 
 def make_strategy(name: str, **kwargs) -> Strategy:
@@ -13,4 +14,4 @@ def make_strategy(name: str, **kwargs) -> Strategy:
     return STRATEGIES[name](**kwargs)
 
 
-__all__ = ["STRATEGIES", "NaiveStrategy", "Strategy", "default_device", "make_strategy"]
+__all__ = ["STRATEGIES", "DDPStrategy", "NaiveStrategy", "Strategy", "default_device", "make_strategy"]

@@ -1,0 +1,137 @@
+"""LoRA-only weight updates: exact (set, not add) in keep and merge modes, for peft and loralib."""
+
+import pickle
+
+import pytest
+import torch
+
+from detached_rl.maker import ExperienceMaker, MakerConfig
+from detached_rl.models import SamplingConfig
+from detached_rl.optim import OptimizerConfig
+from detached_rl.ppo import PPOConfig, PPOLearner
+from detached_rl.prompts import CyclingPrompts
+from detached_rl.strategies import NaiveStrategy
+from detached_rl.trainer import TrainerConfig, TrainerCore
+from detached_rl.weight_sync import WeightUpdateError, build_weight_update
+
+from .helpers import ObjectStore, arithmetic_prompts, lora_actor_critic, lora_maker_models
+
+SAMPLING = SamplingConfig(max_new_tokens=6)
+PROBE = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+
+
+def make_lora_pair(backend, mode, maker_seed=3):
+    actor, critic = lora_actor_critic(backend, seed=0)
+    learner = PPOLearner(actor, critic, NaiveStrategy(), PPOConfig(sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-2)))
+    trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8, weight_sync="lora"))
+    store = ObjectStore()
+    trainer.build_update(store.put)
+    maker = ExperienceMaker("maker_0", lora_maker_models(backend, seed=maker_seed), CyclingPrompts(arithmetic_prompts()),
+                            MakerConfig(experience_batch_size=8, sampling=SAMPLING, lora_mode=mode))
+    return trainer, maker, store
+
+
+def logits_of(model):
+    with torch.no_grad():
+        return model(PROBE).logits
+
+
+@pytest.mark.parametrize("backend", ["peft", "loralib"])
+@pytest.mark.parametrize("mode", ["keep", "merge"])
+def test_five_lora_updates_keep_the_maker_exactly_on_the_trainer(backend, mode):
+    trainer, maker, store = make_lora_pair(backend, mode)
+    # Another seed: the maker's base differs, so registration hands it a full update first.
+    first = trainer.register_maker("maker_0", maker.base_fingerprint, store.put)
+    assert first.manifest.kind == "full"
+    maker.apply_weight_update(first, store.fetch)
+    assert maker.base_fingerprint == trainer.base_fingerprint
+    trainer_model = trainer.learner.actor.model
+    for step in range(5):
+        trainer.push_experience(maker.make_experience())
+        trainer.train_step()
+        metrics = trainer.sync_weights(store.put, lambda u, makers: {
+            m: maker.apply_weight_update(u, store.fetch) for m in makers})
+        update = trainer.latest_update
+        assert update.manifest.kind == "lora" and update.manifest.metadata["lora"]["r"] == 4
+        assert maker.policy_version == step + 1 and metrics["weight_sync/makers_updated"] == 1
+        difference = (logits_of(maker.actor.model) - logits_of(trainer_model)).abs().max().item()
+        assert difference <= 1e-5, f"step {step}: max |logit diff| {difference}"
+    if mode == "merge":
+        assert not any("lora" in type(m).__module__.lower() for m in maker.actor.model.modules())
+
+
+def test_lora_update_is_refused_when_the_base_differs():
+    trainer, maker, store = make_lora_pair("peft", "keep")
+    maker.apply_weight_update(trainer.register_maker("maker_0", maker.base_fingerprint, store.put), store.fetch)
+    trainer.push_experience(maker.make_experience())
+    trainer.train_step()
+    trainer.sync_weights(store.put, lambda u, makers: {})
+    lora_update = trainer.latest_update
+    stranger = ExperienceMaker("maker_1", lora_maker_models("peft", seed=9), CyclingPrompts(arithmetic_prompts()),
+                               MakerConfig(experience_batch_size=8, sampling=SAMPLING))
+    before = logits_of(stranger.actor.model)
+    with pytest.raises(WeightUpdateError, match="base fingerprint mismatch"):
+        stranger.apply_weight_update(lora_update, store.fetch)
+    assert stranger.policy_version == -1 and torch.equal(before, logits_of(stranger.actor.model))
+    # Registration knows: a matching base gets the LoRA update, any other base a full one.
+    assert trainer.register_maker("maker_0", maker.base_fingerprint, store.put) is lora_update
+    assert trainer.register_maker("maker_1", stranger.base_fingerprint, store.put).manifest.kind == "full"
+
+
+def test_rank_mismatch_is_refused_with_the_key_named():
+    trainer, maker, store = make_lora_pair("peft", "keep")
+    maker.apply_weight_update(trainer.register_maker("maker_0", None, store.put), store.fetch)
+    # The same adapter at rank 8 instead of 4: every A and B has the wrong shape.
+    actor_state = {k: torch.zeros(8, v.shape[1]) if "lora_A" in k else torch.zeros(v.shape[0], 8) if "lora_B" in k
+                   else v for k, v in trainer.synced_state(trainable_only=True)["actor"].items()}
+    bad, _ = build_weight_update({"actor": actor_state}, 1, store.put, kind="lora",
+                                 metadata={"base_fingerprint": trainer.base_fingerprint})
+    before = logits_of(maker.actor.model)
+    with pytest.raises(WeightUpdateError, match="shape mismatch.*lora_A"):
+        maker.apply_weight_update(bad, store.fetch)
+    assert maker.policy_version == 0 and torch.equal(before, logits_of(maker.actor.model))
+
+
+def test_trainer_refuses_lora_sync_without_an_adapter():
+    from .helpers import tiny_actor_critic
+
+    actor, critic = tiny_actor_critic()
+    learner = PPOLearner(actor, critic, NaiveStrategy(), PPOConfig(sampling=SAMPLING))
+    with pytest.raises(ValueError, match="weight_sync='lora' needs a LoRA policy"):
+        TrainerCore("t", learner, TrainerConfig(weight_sync="lora"))
+    with pytest.raises(ValueError, match="TrainerConfig.weight_sync"):
+        TrainerConfig(weight_sync="delta")
+
+
+def payload_bytes(update, store):
+    """Serialized bytes of the chunks plus the manifest: what crosses the wire."""
+    chunks = sum(len(pickle.dumps(store.fetch(ref), protocol=5)) for ref in update.chunk_refs)
+    return chunks + len(pickle.dumps(update.manifest, protocol=5))
+
+
+@pytest.mark.slow
+def test_smollm2_lora_update_is_under_one_percent_of_a_full_update():
+    from detached_rl.models import Actor, Critic, LoraSettings, apply_lora, load_smollm2
+    from detached_rl.models.scalar_heads import backbone_of
+
+    model, tokenizer = load_smollm2()
+    policy = apply_lora(model, LoraSettings(r=8, alpha=16, target_modules=("q_proj", "v_proj")))
+    critic = Critic(backbone_of(load_smollm2()[0]))
+    for p in critic.backbone.parameters():
+        p.requires_grad_(False)  # a value head on a frozen backbone: the critic's update is tiny too
+    learner = PPOLearner(Actor(policy, tokenizer), critic, NaiveStrategy(), PPOConfig())
+    trainer = TrainerCore("trainer_0", learner, TrainerConfig(weight_sync="lora"))
+    store = ObjectStore()
+    full, full_stats = trainer.build_update(store.put)
+    lora, lora_stats = trainer.build_update(store.put)
+    assert full.manifest.kind == "full" and lora.manifest.kind == "lora"
+    adapter_bytes = sum(p.numel() * p.element_size() for p in policy.parameters() if p.requires_grad)
+    head_bytes = sum(p.numel() * p.element_size() for p in critic.head.parameters())
+    assert adapter_bytes == 460_800 * 4  # r=8 on q_proj and v_proj of 30 layers, fp32
+    assert lora_stats.bytes == adapter_bytes + head_bytes
+    payload = payload_bytes(lora, store)
+    print(f"full {full_stats.bytes / 2**20:.1f} MiB, LoRA {lora_stats.bytes / 2**20:.3f} MiB "
+          f"({lora_stats.bytes / full_stats.bytes:.3%}), payload {payload} bytes = "
+          f"{payload / (adapter_bytes + head_bytes):.4f} x raw")
+    assert lora_stats.bytes < 0.01 * full_stats.bytes
+    assert payload <= 1.05 * (adapter_bytes + head_bytes)
