@@ -28,6 +28,7 @@ from pathlib import Path
 import ray
 import torch
 
+from detached_rl.actors import fetch_chunk, put_chunk
 from detached_rl.weight_sync import WeightReceiver, build_weight_update
 
 
@@ -50,7 +51,7 @@ class Receiver:
 
     def apply(self, update) -> float:
         start = time.perf_counter()
-        self.receiver.apply(update, lambda ref: ray.get(ref, timeout=300))
+        self.receiver.apply(update, lambda ref: fetch_chunk(ref, timeout=300))
         return time.perf_counter() - start
 
     def raw_get(self, refs) -> float:
@@ -74,27 +75,27 @@ class _NamedState(torch.nn.Module):
 def one_sync(state, receivers, version: int, chunk_bytes: int) -> tuple[float, float, int]:
     """(wall seconds, sender CPU seconds, bytes) of one protocol sync to every receiver."""
     cpu, wall = time.process_time(), time.perf_counter()
-    update, stats = build_weight_update({"actor": state}, version, ray.put, chunk_bytes=chunk_bytes)
+    update, stats = build_weight_update({"actor": state}, version, put_chunk, chunk_bytes=chunk_bytes)
     refs = [r.apply.remote(update) for r in receivers]
     cpu_used = time.process_time() - cpu
     ray.get(refs, timeout=600)
     return time.perf_counter() - wall, cpu_used, stats.bytes
 
 
-def one_raw(state, receivers, chunk_bytes: int) -> tuple[float, float, int]:
+def one_raw(state, receivers, chunk_bytes: int, put=ray.put) -> tuple[float, float, int]:
     """(wall seconds, sender CPU seconds, bytes) of putting the same chunks once and getting them everywhere."""
     cpu, wall = time.process_time(), time.perf_counter()
     chunks, chunk, size, total = [], {}, 0, 0
     for name, tensor in state.items():
         nbytes = tensor.numel() * tensor.element_size()
         if chunk and size + nbytes > chunk_bytes:
-            chunks.append(ray.put(chunk))
+            chunks.append(put(chunk))
             chunk, size = {}, 0
         chunk[name] = tensor
         size += nbytes
         total += nbytes
     if chunk:
-        chunks.append(ray.put(chunk))
+        chunks.append(put(chunk))
     refs = [r.raw_get.remote(chunks) for r in receivers]
     cpu_used = time.process_time() - cpu
     ray.get(refs, timeout=600)
@@ -124,16 +125,18 @@ def main() -> None:
         receivers = [Receiver.remote(shapes) for _ in range(count)]
         ray.get([r.raw_get.remote([]) for r in receivers])
         one_sync(state, receivers, 0, chunk_bytes)  # warm-up: first allocation of staging buffers
-        protocol, raw = [], []
+        protocol, raw, raw_bytes = [], [], []
         for repeat in range(args.repeats):
             protocol.append(one_sync(state, receivers, repeat + 1, chunk_bytes))
             raw.append(one_raw(state, receivers, chunk_bytes))
+            raw_bytes.append(one_raw(state, receivers, chunk_bytes, put=put_chunk))
         nbytes = protocol[0][2]
         row = {
             "makers": count,
             "bytes": nbytes,
             "protocol_MBps": summarize([nbytes * count / 2**20 / w for w, _, _ in protocol]),
             "raw_MBps": summarize([nbytes * count / 2**20 / w for w, _, _ in raw]),
+            "raw_zero_copy_MBps": summarize([nbytes * count / 2**20 / w for w, _, _ in raw_bytes]),
             "protocol_s": summarize([w for w, _, _ in protocol]),
             "raw_s": summarize([w for w, _, _ in raw]),
             "trainer_cpu_s": summarize([c for _, c, _ in protocol]),
@@ -145,13 +148,16 @@ def main() -> None:
     ray.shutdown()
     print(f"model {args.model}: {rows[0]['bytes'] / 2**20:.1f} MiB per sync, chunks of {args.chunk_mb:g} MiB, "
           f"{args.repeats} repeats; {platform.machine()}, {os.cpu_count()} cores")
-    print(f"{'makers':>6} {'protocol MB/s med [min-max]':>30} {'raw MB/s med [min-max]':>28} {'ratio':>6} "
-          f"{'trainer CPU s':>14}")
+    print("MB/s = bytes delivered to all makers / wall time; median [min-max]. raw: ray.put + ray.get of the "
+          "tensors; zero-copy: the same bytes as arrays, fetched and not touched")
+    print(f"{'makers':>6} | {'protocol':>18} | {'raw':>18} | {'ratio':>5} | {'zero-copy raw':>18} | {'trainer CPU s':>13}")
     for row in rows:
-        p, r, c = row["protocol_MBps"], row["raw_MBps"], row["trainer_cpu_s"]
-        print(f"{row['makers']:>6} {p['median']:>10.0f} [{p['min']:.0f}-{p['max']:.0f}]{'':>8} "
-              f"{r['median']:>10.0f} [{r['min']:.0f}-{r['max']:.0f}]{'':>6} {row['ratio']:>6.2f} "
-              f"{c['median']:>14.3f}")
+        cells = []
+        for key in ("protocol_MBps", "raw_MBps", "raw_zero_copy_MBps"):
+            v = row[key]
+            cells.append(f"{v['median']:>5.0f} [{v['min']:.0f}-{v['max']:.0f}]".rjust(18))
+        print(f"{row['makers']:>6} | {cells[0]} | {cells[1]} | {row['ratio']:>5.2f} | {cells[2]} | "
+              f"{row['trainer_cpu_s']['median']:>13.3f}")
     out = Path(__file__).parent / "results" / f"weight_sync-{args.model}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(rows, indent=2))

@@ -17,11 +17,13 @@ import gc
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import ray
+import torch
 
 from detached_rl.maker import ExperienceMaker, MakerConfig, MakerModels
 from detached_rl.models.actor import Actor
@@ -55,8 +57,31 @@ def attach(name: str, namespace: str | None = None, timeout: float = 60.0, poll_
             time.sleep(poll_interval)
 
 
-def _ray_fetch(timeout: float) -> Callable[[Any], Any]:
-    return lambda ref: ray.get(ref, timeout=timeout)
+def put_chunk(chunk: dict[str, torch.Tensor]) -> Any:
+    """`ray.put` a weight chunk as raw byte arrays, which the object store hands back without a copy.
+
+    Pickled torch tensors are copied on both sides; numpy arrays travel out of band, so a maker
+    reads them straight from shared memory and copies each byte once, into its model.
+    """
+    return ray.put({
+        name: (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy())
+        for name, t in chunk.items()
+    })
+
+
+def fetch_chunk(ref: Any, timeout: float) -> dict[str, torch.Tensor]:
+    """`ray.get` a chunk stored by `put_chunk` as tensors viewing the object store's memory (read-only)."""
+    raw = ray.get(ref, timeout=timeout)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")  # only read: verified, then copied
+        return {
+            name: torch.from_numpy(array).view(getattr(torch, dtype)).reshape(shape)
+            for name, (dtype, shape, array) in raw.items()
+        }
+
+
+def _ray_fetch(timeout: float) -> Callable[[Any], dict[str, torch.Tensor]]:
+    return lambda ref: fetch_chunk(ref, timeout)
 
 
 def deliver_weight_update(
@@ -205,7 +230,7 @@ class DetachedPPOTrainer:
         actor, critic = self.model_factory()
         learner = PPOLearner(actor, critic, strategy, self.ppo)
         self.core = TrainerCore(self.name, learner, self.config)
-        self.core.build_update(ray.put)  # version 0, offered to makers that register
+        self.core.build_update(put_chunk)  # version 0, offered to makers that register
         self._ready.set()
 
     def _core(self) -> TrainerCore:
@@ -274,7 +299,7 @@ class DetachedPPOTrainer:
     @ray.method(concurrency_group="model_io")
     def register_maker(self, maker_name: str, base_fingerprint: str | None = None) -> WeightUpdate | None:
         """Record a maker; returns the weight update it should start from (full unless its base matches)."""
-        return self._core().register_maker(maker_name, base_fingerprint, ray.put)
+        return self._core().register_maker(maker_name, base_fingerprint, put_chunk)
 
     @ray.method(concurrency_group="model_io")
     def policy_version(self) -> int:
@@ -308,7 +333,7 @@ class DetachedPPOTrainer:
                 except Exception as error:  # noqa: BLE001 - a vanished maker needs no stopping
                     logger.warning("could not stop maker %s: %s", name, error)
 
-        return core.fit(total_steps, ray.put, send, update_steps, train_epochs, stop_makers)
+        return core.fit(total_steps, put_chunk, send, update_steps, train_epochs, stop_makers)
 
     @ray.method(concurrency_group="buffer_length")
     def stop(self) -> None:

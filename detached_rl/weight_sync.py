@@ -4,7 +4,7 @@ Plain Python, transport-agnostic. The trainer cuts its state dicts into chunks o
 `chunk_bytes`, hands each chunk to `put` exactly once (the Ray layer: `ray.put`) and sends the
 same `WeightUpdate` (manifest + chunk references) to every maker. A maker's `WeightReceiver`
 checks the manifest against its models, pulls the chunks one at a time through `fetch`
-(the Ray layer: `ray.get(ref, timeout=...)`), verifies names, shapes, dtypes and crc32
+(the Ray layer: `ray.get(ref, timeout=...)`), verifies names, shapes, dtypes and xxh3
 checksums, and only then swaps the new weights in under the generation lock. A refused
 update changes nothing; the previous version keeps serving.
 
@@ -19,12 +19,12 @@ import hashlib
 import threading
 import time
 import weakref
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import xxhash
 from torch import Tensor, nn
 
 KINDS = ("full", "lora")
@@ -45,11 +45,12 @@ class WeightUpdateError(ValueError):
 
 
 def tensor_checksum(t: Tensor) -> int:
-    """crc32 of a tensor's raw bytes (any dtype; copied to contiguous CPU memory only if needed)."""
+    """xxh3-64 of a tensor's raw bytes (any dtype; copied to contiguous CPU memory only if needed)."""
     flat = t.detach().cpu().contiguous().reshape(-1)
-    # A uint8 view exposes the bytes of any dtype (bfloat16 included) to the buffer protocol;
-    # zlib.crc32 then runs in C and releases the GIL.
-    return zlib.crc32(flat.view(torch.uint8).numpy())
+    # A uint8 view exposes the bytes of any dtype (bfloat16 included) to the buffer protocol.
+    # xxh3 runs at ~11 GB/s on one core here, crc32 at ~2 GB/s: verification stays cheap next
+    # to the transfer.
+    return xxhash.xxh3_64_intdigest(flat.view(torch.uint8).numpy())
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,7 @@ class WeightReceiver:
     def fingerprint(self) -> str:
         """`state_fingerprint` of the current weights.
 
-        The first call checksums every weight (one crc32 pass, about 2 GB/s on a CPU core, plus
+        The first call checksums every weight (one xxh3 pass, about 11 GB/s on a CPU core, plus
         the device-to-host copy); after that updates maintain it from the manifest checksums,
         re-checksumming only tensors that were cast.
         """

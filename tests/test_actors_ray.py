@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from detached_rl import Experience
-from detached_rl.actors import DetachedPPOTrainer, ExperienceMakerHolder, attach, start_trainer_group
+from detached_rl.actors import DetachedPPOTrainer, ExperienceMakerHolder, attach, put_chunk, start_trainer_group
 from detached_rl.maker import MakerConfig
 from detached_rl.models import SamplingConfig
 from detached_rl.ppo import PPOConfig
@@ -127,7 +127,7 @@ def test_malformed_experience_and_weights_are_refused_remotely(ray_cluster):
         state = {"actor": actor.model.state_dict(), "critic": critic.state_dict()}
         state["actor"] = {k: (v + 1 if k.endswith("q_proj.weight") else v) for k, v in state["actor"].items()}
         del state["critic"]["head.bias"]
-        update, _ = build_weight_update(state, 5, ray.put, chunk_bytes=50_000)
+        update, _ = build_weight_update(state, 5, put_chunk, chunk_bytes=50_000)
         with pytest.raises(WeightUpdateError, match="head.bias"):
             ray.get(maker.apply_weight_update.remote(update), timeout=TIMEOUT)
         after = ray.get(maker.status.remote())

@@ -223,6 +223,6 @@ def base_keys(model: nn.Module) -> list[str]:
 
 
 def base_fingerprint(model: nn.Module) -> str:
-    """sha256 over names, shapes, dtypes and crc32 checksums of the `base_keys` tensors (LoRA model or target)."""
+    """sha256 over names, shapes, dtypes and xxh3 checksums of the `base_keys` tensors (LoRA model or target)."""
     state = model.state_dict()
     return state_fingerprint({"base": {key: state[key] for key in base_keys(model)}})
