@@ -34,5 +34,10 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+bench: install
+	$(PY) benchmarks/bench_core.py --model smollm2 --repeats 3
+	$(PY) benchmarks/bench_weight_sync.py --model smollm2 --makers 1 2 4 --repeats 3
+	$(PY) benchmarks/bench_lora_sync.py --repeats 3
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
