@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from detached_rl import Experience
-from detached_rl.actors import DetachedPPOTrainer, ExperienceMakerHolder, attach, put_chunk, start_trainer_group
+from detached_rl.actors import (
+    DetachedPPOTrainer,
+    ExperienceMakerHolder,
+    attach,
+    put_chunk,
+    start_trainer_group,
+)
 from detached_rl.maker import MakerConfig
 from detached_rl.models import SamplingConfig
 from detached_rl.ppo import PPOConfig
@@ -168,3 +174,33 @@ def test_maker_first_then_trainer_and_a_late_maker_starts_from_current_weights(r
         assert all(s["response_text"] is not None for s in samples)
     finally:
         kill(maker, trainer, *([late] if late else []))
+
+
+def test_lora_trainer_sends_lora_only_updates_to_a_merging_maker(ray_cluster):
+    import functools
+
+    from .helpers import lora_actor_critic, lora_maker_models
+
+    ray = ray_cluster
+    trainer = DetachedPPOTrainer.options(name="lora_trainer", namespace=NAMESPACE).remote(
+        "lora_trainer", functools.partial(lora_actor_critic, "peft", 0),
+        TrainerConfig(train_batch_size=8, weight_sync="lora"), PPOConfig(sampling=SAMPLING), namespace=NAMESPACE,
+    )
+    maker = ExperienceMakerHolder.options(name="merging_maker", namespace=NAMESPACE).remote(
+        "merging_maker", ["lora_trainer"], functools.partial(lora_maker_models, "peft", 5),
+        CyclingPrompts(arithmetic_prompts()), MakerConfig(experience_batch_size=4, sampling=SAMPLING, lora_mode="merge"),
+        namespace=NAMESPACE,
+    )
+    try:
+        run = maker.run.remote()
+        ray.get(trainer.fit.remote(2), timeout=TIMEOUT)
+        status = ray.get(run, timeout=TIMEOUT)
+        assert status["policy_version"] == 2 and status["last_error"] is None
+        syncs = ray.get(trainer.metrics.remote())
+        actor, critic = lora_actor_critic()
+        trainable = sum(p.numel() * p.element_size() for m in (actor, critic) for p in m.parameters()
+                        if p.requires_grad)
+        # Adapters and the (fully trainable) critic: not the policy's frozen base.
+        assert [m["weight_sync/bytes"] for m in syncs] == [trainable, trainable]
+    finally:
+        kill(trainer, maker)
