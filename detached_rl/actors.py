@@ -176,6 +176,21 @@ class ExperienceMakerHolder:
             self._running = False
         return self.status()
 
+    @ray.method(concurrency_group="experience_io")
+    def start(self, num_batches: int | None = None) -> bool:
+        """Run `run` in a background thread of the actor (it outlives the caller); False if already running."""
+        if self._running:
+            return False
+        self._running = True  # set here so a status call right after sees "running"
+        threading.Thread(target=self._run_logged, args=(num_batches,), daemon=True, name="maker-run").start()
+        return True
+
+    def _run_logged(self, num_batches: int | None) -> None:
+        try:
+            self.run(num_batches)
+        except Exception:  # noqa: BLE001 - recorded in last_error by run, shown by status
+            logger.exception("maker %s stopped with an error", self.name)
+
     @ray.method(concurrency_group="model_io")
     def apply_weight_update(self, update: WeightUpdate) -> ApplyResult:
         """Pull, verify and apply a versioned weight update between two generation batches."""
@@ -222,6 +237,7 @@ class DetachedPPOTrainer:
         self.rank, self.world_size, self.strategy_name = rank, world_size, strategy
         self.model_factory = model_factory
         self.core: TrainerCore | None = None
+        self._fit_thread: threading.Thread | None = None
         self._ready = threading.Event()
         if strategy == "naive" and world_size == 1:
             self._build(NaiveStrategy())
@@ -335,10 +351,42 @@ class DetachedPPOTrainer:
 
         return core.fit(total_steps, put_chunk, send, update_steps, train_epochs, stop_makers)
 
+    @ray.method(concurrency_group="model_io")
+    def start_fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None) -> bool:
+        """Run `fit` in a background thread of the actor (it outlives the caller); False if one runs already."""
+        core = self._core()
+        if core.state == "training" or self._fit_thread is not None and self._fit_thread.is_alive():
+            return False
+        core.state = "training"
+        self._fit_thread = threading.Thread(
+            target=self._fit_logged, args=(total_steps, update_steps, train_epochs), daemon=True, name="trainer-fit"
+        )
+        self._fit_thread.start()
+        return True
+
+    def _fit_logged(self, total_steps: int, update_steps: int, train_epochs: int | None) -> None:
+        try:
+            self.fit(total_steps, update_steps, train_epochs)
+        except Exception:  # noqa: BLE001 - recorded in last_error by fit, shown by status
+            logger.exception("trainer %s stopped with an error", self.name)
+
     @ray.method(concurrency_group="buffer_length")
     def stop(self) -> None:
         """Ask a running `fit` to end after its current step."""
         self._core().stop()
+
+    @ray.method(concurrency_group="buffer_sample")
+    def buffer_export(self, start: int = 0, count: int = 256) -> list[dict[str, Any]]:
+        """Samples `start`..`start+count` (arrival order) as plain dicts with decoded text, without removing them."""
+        core = self._core()
+        tokenizer = core.strategy.unwrap(core.learner.actor).tokenizer
+        rows = []
+        for experience in core.buffer.experiences(start, count):
+            row = experience.to_dict()
+            row["prompt_text"] = tokenizer.decode(row["prompt_ids"], skip_special_tokens=True)
+            row["response_text"] = tokenizer.decode(row["response_ids"], skip_special_tokens=True)
+            rows.append(row)
+        return rows
 
     @ray.method(concurrency_group="model_io")
     def shutdown(self) -> None:

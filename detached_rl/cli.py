@@ -1,14 +1,24 @@
-"""The `detached-rl` console script."""
+"""The `detached-rl` console script: check, trainer, maker, status, inspect, export, stop.
+
+Every command has `--help`. Failures (bad config, unknown actor name, unreachable cluster)
+print one line on stderr and exit with status 2, never a traceback (set DETACHED_RL_DEBUG=1
+to see one).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 from detached_rl import __version__
+
+EXIT_ERROR = 2
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -23,31 +33,196 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _config(args: argparse.Namespace):
+    from detached_rl.config import load_config
+
+    overrides = list(args.set or [])
+    if getattr(args, "namespace", None):
+        overrides.append(f"namespace={args.namespace}")
+    return load_config(args.config, overrides)
+
+
+def _namespace(args: argparse.Namespace) -> str:
+    from detached_rl.config import RunConfig
+
+    return args.namespace or RunConfig().namespace
+
+
+def _trainer(args: argparse.Namespace) -> int:
+    from detached_rl import jobs
+
+    config = _config(args)
+    jobs.connect(args.address, config.namespace)
+    jobs.start_trainer(config, args.name, args.steps, args.update_steps)
+    print(f"trainer {args.name!r} started in namespace {config.namespace!r} ({args.steps} steps)")
+    return _follow(args.name, config.namespace) if args.wait else 0
+
+
+def _maker(args: argparse.Namespace) -> int:
+    from detached_rl import jobs
+
+    config = _config(args)
+    trainers = [t for t in (args.trainers or "").split(",") if t]
+    jobs.connect(args.address, config.namespace)
+    jobs.start_maker(config, args.name, trainers, args.batches)
+    print(f"maker {args.name!r} started in namespace {config.namespace!r}, feeding {', '.join(trainers)}")
+    return _follow(args.name, config.namespace) if args.wait else 0
+
+
+def _follow(name: str, namespace: str) -> int:
+    import time
+
+    from detached_rl import jobs
+
+    last = None
+    while True:
+        row = jobs.status_of(name, namespace)
+        line = jobs.format_status([row]).splitlines()[-1]
+        if line != last:
+            print(line, flush=True)
+            last = line
+        if row.get("state") in ("done", "failed", "stopped", "dead", "idle"):
+            return 0 if row.get("state") in ("done", "stopped", "idle") and not row.get("last_error") else 1
+        time.sleep(2.0)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from detached_rl import jobs
+
+    namespace = _namespace(args)
+    jobs.connect(args.address, namespace)
+    rows = jobs.all_status(namespace)
+    print(json.dumps(rows, indent=2, default=str) if args.json else jobs.format_status(rows))
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from detached_rl import jobs
+
+    namespace = _namespace(args)
+    jobs.connect(args.address, namespace)
+    report = jobs.inspect(args.name, namespace, args.last, args.maker, args.min_reward)
+    print(json.dumps(report, indent=2, default=str) if args.json else jobs.format_inspection(report))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from detached_rl import jobs
+
+    namespace = _namespace(args)
+    jobs.connect(args.address, namespace)
+    count = jobs.export(args.name, namespace, Path(args.output))
+    print(f"wrote {count} samples of {args.name!r} to {args.output}")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from detached_rl import jobs
+
+    namespace = _namespace(args)
+    jobs.connect(args.address, namespace)
+    stopped = jobs.stop(list(args.names), namespace, args.force, args.timeout)
+    print("stopped " + (", ".join(stopped) if stopped else "nothing (no actors in the namespace)"))
+    return 0
+
+
+def _cluster_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=None,
+                        help="Ray cluster: host:port, ray://host:port (Ray client) or auto (default: $RAY_ADDRESS or auto)")
+    parser.add_argument("--namespace", default=None, help="Ray namespace of the actors (default: detached_rl)")
+
+
+def _config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set trainer.train_batch_size=16 (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
-    parser = argparse.ArgumentParser(prog="detached-rl", description=__doc__)
+    parser = argparse.ArgumentParser(prog="detached-rl", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"detached-rl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    check = commands.add_parser(
-        "check", help="load a model, apply LoRA, generate, score and take one GRPO step (no Ray)",
-        description="End-to-end check of the toolkit's core in one process.",
-    )
+
+    check = commands.add_parser("check", help="load a model, apply LoRA, generate, score and take one GRPO step (no Ray)",
+                                description="End-to-end check of the toolkit's core in one process.")
     check.add_argument("--model", default="smollm2", help="smollm2 | tiny[-<model_type>] | a local model directory")
     check.add_argument("--prompts", type=int, default=4, help="distinct prompts (default 4)")
     check.add_argument("--group-size", type=int, default=4, help="responses per prompt (default 4)")
     check.add_argument("--max-new-tokens", type=int, default=32, help="response length limit (default 32)")
     check.add_argument("--seed", type=int, default=0)
     check.set_defaults(handler=_check)
+
+    trainer = commands.add_parser("trainer", help="start a named detached PPO trainer on a running cluster",
+                                  description="Start a named, detached trainer; it outlives this command.")
+    trainer.add_argument("--name", required=True, help="actor name, e.g. trainer_0")
+    trainer.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
+    trainer.add_argument("--update-steps", type=int, default=1, help="push weights every N steps (default 1)")
+    trainer.add_argument("--wait", action="store_true", help="follow the trainer until it finishes")
+    _config_options(trainer)
+    _cluster_options(trainer)
+    trainer.set_defaults(handler=_trainer)
+
+    maker = commands.add_parser("maker", help="start a named detached experience maker on a running cluster",
+                                description="Start a named, detached maker; it waits for its trainers by name.")
+    maker.add_argument("--name", required=True, help="actor name, e.g. maker_0")
+    maker.add_argument("--trainers", required=True, help="comma-separated trainer names, e.g. trainer_0,trainer_1")
+    maker.add_argument("--batches", type=int, default=None, help="stop after N batches (default: until stopped)")
+    maker.add_argument("--wait", action="store_true", help="follow the maker until it stops")
+    _config_options(maker)
+    _cluster_options(maker)
+    maker.set_defaults(handler=_maker)
+
+    status = commands.add_parser("status", help="every actor of the namespace: role, state, version, buffer, rate",
+                                 description="One row per named actor of the namespace.")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _cluster_options(status)
+    status.set_defaults(handler=_status)
+
+    inspect = commands.add_parser("inspect", help="a trainer's replay buffer: sizes, staleness, makers, rewards, samples",
+                                  description="Look into a trainer's replay buffer without stopping training.")
+    inspect.add_argument("name", help="trainer name")
+    inspect.add_argument("--last", type=int, default=5, help="newest samples to show (default 5)")
+    inspect.add_argument("--maker", default=None, help="only samples from this maker")
+    inspect.add_argument("--min-reward", type=float, default=None, help="only samples with at least this reward")
+    inspect.add_argument("--json", action="store_true", help="print JSON")
+    _cluster_options(inspect)
+    inspect.set_defaults(handler=_inspect)
+
+    export = commands.add_parser("export", help="write a trainer's buffer to JSONL (or .parquet with pyarrow)",
+                                 description="Export the buffer's samples while training continues.")
+    export.add_argument("name", help="trainer name")
+    export.add_argument("output", help="output path (.jsonl, or .parquet when pyarrow is installed)")
+    _cluster_options(export)
+    export.set_defaults(handler=_export)
+
+    stop = commands.add_parser("stop", help="drain and stop named actors (all of the namespace by default)",
+                               description="Stop makers, then trainers: finish the current batch or step, then kill.")
+    stop.add_argument("names", nargs="*", help="actor names (default: every actor of the namespace)")
+    stop.add_argument("--force", action="store_true", help="kill at once, without draining")
+    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each actor to drain")
+    _cluster_options(stop)
+    stop.set_defaults(handler=_stop)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # transformers 5 deprecation noise raised from inside peft; not actionable for users.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print("detached-rl: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - one line for the user; the message names what failed
+        if os.environ.get("DETACHED_RL_DEBUG"):  # the full traceback, for bug reports
+            raise
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"detached-rl: error: {text}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -221,5 +221,6 @@ class ExperienceMaker:
             "samples_made": self.samples_made,
             "tokens_made": self.tokens_made,
             "tokens_per_s": self.tokens_made / self.generate_seconds if self.generate_seconds else 0.0,
+            "samples_per_s": self.samples_made / self.generate_seconds if self.generate_seconds else 0.0,
             "last_error": self.last_error or (str(self.receiver.last_error) if self.receiver.last_error else None),
         }

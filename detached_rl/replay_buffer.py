@@ -199,6 +199,13 @@ class ReplayBuffer:
                     return len(self._queue)
                 self._cond.wait(remaining)
 
+    def experiences(self, start: int = 0, count: int | None = None) -> list[Experience]:
+        """The samples in arrival order from `start` (up to `count`), without removing them."""
+        with self._cond:
+            entries = list(self._arrivals.values())
+        end = None if count is None else start + count
+        return [entry.experience for entry in entries[start:end]]
+
     def take(self, max_count: int, current_version: int | None = None) -> list[Experience]:
         """Hand out up to `max_count` of the oldest samples at once, without waiting."""
         _check_int("max_count", max_count, minimum=0)

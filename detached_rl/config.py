@@ -1,0 +1,273 @@
+"""One typed configuration for the CLI, the examples and the Python API, loadable from YAML.
+
+`RunConfig` gathers the settings of every part (models, task, sampling, maker, trainer, PPO)
+as dataclasses with working defaults. `load_config(path, overrides)` reads YAML, applies
+`key.sub=value` overrides from the command line, and refuses unknown keys and bad values
+with a `ConfigError` that names the dotted key. `RunConfig` also builds what the actors
+need: model factories (picklable, so Ray can ship them) and the prompt source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from detached_rl.maker import MakerConfig, MakerModels
+from detached_rl.models.generation import SamplingConfig
+from detached_rl.ppo import PPOConfig
+from detached_rl.trainer import TrainerConfig
+
+REWARDS = ("numeric_answer",)
+TASKS = ("addition",)
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is invalid; the message names the dotted key."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapter on the policy (see `detached_rl.models.LoraSettings`)."""
+
+    backend: str = "peft"
+    r: int = 8
+    alpha: float = 16
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | None = None
+
+
+@dataclass
+class ModelConfig:
+    """Which models the makers and trainers build; specs are `smollm2`, `tiny[-<type>]` or a local directory."""
+
+    policy: str = "tiny"
+    critic: str | None = None  # None: a critic on the policy's architecture (spec `policy`)
+    reference: bool = True  # makers hold a frozen copy of the initial policy for the KL term
+    lora: LoraConfig | None = None
+    seed: int = 0
+
+
+@dataclass
+class TaskConfig:
+    """The prompt set and how it is graded."""
+
+    name: str = "addition"
+    train_size: int = 256
+    seed: int = 0
+    reward: str = "numeric_answer"
+
+    def __post_init__(self) -> None:
+        if self.name not in TASKS:
+            raise ValueError(f"TaskConfig.name must be one of {TASKS}, got {self.name!r}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"TaskConfig.reward must be one of {REWARDS}, got {self.reward!r}")
+        if self.train_size < 1:
+            raise ValueError(f"TaskConfig.train_size must be >= 1, got {self.train_size}")
+
+
+@dataclass
+class RunConfig:
+    """Everything a detached run needs; every field has a default that works."""
+
+    namespace: str = "detached_rl"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
+    maker: MakerConfig = field(default_factory=MakerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+
+    def __post_init__(self) -> None:
+        # One sampling setting: the makers sample with it and the trainer recomputes log-probs with it.
+        self.maker.sampling = self.sampling
+        self.ppo.sampling = self.sampling
+
+    def trainer_factory(self) -> functools.partial:
+        """A picklable zero-argument factory of the trainer's (Actor, Critic)."""
+        return functools.partial(build_actor_critic, self.model)
+
+    def maker_factory(self) -> functools.partial:
+        """A picklable zero-argument factory of a maker's models."""
+        return functools.partial(build_maker_models, self.model, self.task)
+
+    def prompts(self):
+        """The training prompts as a cycling prompt source."""
+        from detached_rl.prompts import CyclingPrompts
+        from detached_rl.tasks import addition_problems
+
+        return CyclingPrompts(addition_problems(self.task.train_size, seed=self.task.seed), seed=self.task.seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (as YAML would hold it); sampling appears once, at the top."""
+        data = dataclasses.asdict(self)
+        data["maker"].pop("sampling")
+        data["ppo"].pop("sampling")
+        return data
+
+
+def build_actor_critic(model: ModelConfig):
+    """The policy (with its LoRA adapter, if configured) and a critic, from the model config."""
+    from detached_rl.models import Actor, Critic, LoraSettings, apply_lora, load_causal_lm
+    from detached_rl.models.scalar_heads import backbone_of
+
+    policy, tokenizer = load_causal_lm(model.policy, seed=model.seed)
+    if model.lora is not None:
+        policy = apply_lora(policy, LoraSettings(**dataclasses.asdict(model.lora)))
+    critic_model, _ = load_causal_lm(model.critic or model.policy, seed=model.seed + 1)
+    return Actor(policy, tokenizer), Critic(backbone_of(critic_model))
+
+
+def build_maker_models(model: ModelConfig, task: TaskConfig) -> MakerModels:
+    """A maker's policy, critic, reference model and reward function."""
+    from detached_rl.models import Actor, FunctionReward, load_causal_lm
+    from detached_rl.rewards import numeric_answer_reward
+
+    actor, critic = build_actor_critic(model)
+    reference = Actor(*load_causal_lm(model.policy, seed=model.seed)) if model.reference else None
+    rewards = {"numeric_answer": numeric_answer_reward}
+    return MakerModels(actor=actor, critic=critic, reference=reference,
+                       reward=FunctionReward(rewards[task.reward], actor.tokenizer))
+
+
+# ------------------------------------------------------------------ dict -> dataclass
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass `cls` from nested plain data, checking keys and value types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{path}.{key}" if path else str(key)
+        if key not in fields or (cls in (MakerConfig, PPOConfig) and key == "sampling"):
+            known = ", ".join(sorted(k for k in fields if not (cls in (MakerConfig, PPOConfig) and k == "sampling")))
+            raise ConfigError(f"{dotted}: unknown key (known keys: {known})")
+        kwargs[key] = _convert(hints[key], value, dotted)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as error:
+        # "MakerConfig.push_policy must be ..." -> "maker.push_policy: must be ..."
+        message = str(error)
+        match = re.match(rf"{cls.__name__}\.(\w+)(?::)? (.*)", message, flags=re.DOTALL)
+        if match:
+            key = f"{path}.{match.group(1)}" if path else match.group(1)
+            raise ConfigError(f"{key}: {match.group(2)}") from None
+        raise ConfigError(f"{path or 'config'}: {message}") from None
+
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ConfigError(f"{path}: must not be null")
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(option, value, path)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {hint}")
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, path)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        args = typing.get_args(hint)
+        item = args[0] if len(args) == 2 and args[1] is Ellipsis else None
+        if item is None:
+            if len(args) != len(value):
+                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
+            return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+        return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key.path=value")
+    key, raw = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {error}") from None
+    return key.strip().split("."), value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML config (or the defaults when `path` is None), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r}: the top level must be a mapping")
+        data = loaded or {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for depth, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {'.'.join(keys[: depth + 1])}: is not a mapping")
+            node = child
+        node[keys[-1]] = value
+    return from_dict(RunConfig, data)
+
+
+def dump_config(config: RunConfig) -> str:
+    """The config as YAML (tuples as lists)."""
+    return yaml.safe_dump(_plain(config.to_dict()), sort_keys=False)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,275 @@
+"""What the CLI's cluster commands do: connect, start named actors, list, inspect, export, stop.
+
+Plain functions over a connected Ray driver (local, `ray start --head` cluster, or a Ray
+client at `ray://host:port`); the CLI adds argument parsing and one-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from detached_rl.config import RunConfig
+
+DEFAULT_STATUS_TIMEOUT = 10.0
+
+
+class JobError(RuntimeError):
+    """A cluster command failed for a reason the user can act on (the message says which)."""
+
+
+def check_reachable(address: str, timeout: float = 3.0) -> None:
+    """Fail fast with a clear message when a `host:port` or `ray://host:port` address does not answer."""
+    if address in ("auto", "local") or "://" in address and not address.startswith("ray://"):
+        return
+    host_port = address.removeprefix("ray://")
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise JobError(f"address {address!r} is not host:port, ray://host:port or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as error:
+        raise JobError(f"cannot reach a Ray cluster at {address} ({error.strerror or error})") from None
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def connect(address: str | None, namespace: str, timeout: float = 60.0) -> None:
+    """Join a running Ray cluster (default: `$RAY_ADDRESS`, else `auto`) in `namespace`.
+
+    Never waits forever: an address that does not answer fails at once, and if joining takes
+    longer than `timeout` the process exits with a one-line error (Ray retries internally
+    without a bound, in native code that cannot be interrupted).
+    """
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    check_reachable(address)
+    host = address.removeprefix("ray://").rpartition(":")[0]
+    if host in LOOPBACK_HOSTS:
+        # Otherwise Ray replaces a loopback address by the machine's external one, where a cluster
+        # bound to loopback does not listen. Read when ray is imported, so set it first.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(timeout):
+            print(f"detached-rl: error: could not join the Ray cluster at {address} within {timeout:.0f} s",
+                  file=sys.stderr, flush=True)
+            os._exit(2)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.ERROR)
+    except ConnectionError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise JobError(f"cannot connect to a Ray cluster at {address!r}: {first} "
+                       "(start one with `ray start --head`, or pass --address)") from None
+    finally:
+        done.set()
+
+
+def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: int) -> Any:
+    """Create a detached, named PPO trainer and start its `fit` in the background."""
+    import ray
+
+    from detached_rl.actors import DetachedPPOTrainer
+
+    _refuse_existing(name, config.namespace)
+    handle = DetachedPPOTrainer.options(name=name, namespace=config.namespace, lifetime="detached").remote(
+        name, config.trainer_factory(), config.trainer, config.ppo, config.namespace
+    )
+    ray.get(handle.start_fit.remote(total_steps, update_steps), timeout=600)
+    return handle
+
+
+def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: int | None) -> Any:
+    """Create a detached, named experience maker feeding `trainers` and start it in the background."""
+    import ray
+
+    from detached_rl.actors import ExperienceMakerHolder
+
+    if not trainers:
+        raise JobError("a maker needs --trainers (comma-separated trainer names)")
+    _refuse_existing(name, config.namespace)
+    handle = ExperienceMakerHolder.options(name=name, namespace=config.namespace, lifetime="detached").remote(
+        name, trainers, config.maker_factory(), config.prompts(), config.maker, config.namespace
+    )
+    ray.get(handle.start.remote(num_batches), timeout=600)
+    return handle
+
+
+def _refuse_existing(name: str, namespace: str) -> None:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return
+    raise JobError(f"an actor named {name!r} already runs in namespace {namespace!r} (stop it first)")
+
+
+def actor_names(namespace: str) -> list[str]:
+    """Names of the live named actors in `namespace`."""
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace)
+
+
+def handle_of(name: str, namespace: str) -> Any:
+    """The named actor's handle, or a JobError naming it and listing what exists."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        known = ", ".join(actor_names(namespace)) or "none"
+        raise JobError(f"no actor named {name!r} in namespace {namespace!r} (actors there: {known})") from None
+
+
+def status_of(name: str, namespace: str, timeout: float = DEFAULT_STATUS_TIMEOUT) -> dict[str, Any]:
+    """An actor's status, or a row saying why it did not answer."""
+    import ray
+
+    try:
+        return ray.get(handle_of(name, namespace).status.remote(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        return {"name": name, "role": "?", "state": "unresponsive", "last_error": f"no answer within {timeout:.0f} s"}
+    except ray.exceptions.RayActorError as error:
+        return {"name": name, "role": "?", "state": "dead", "last_error": _first_line(error)}
+
+
+def all_status(namespace: str) -> list[dict[str, Any]]:
+    """Status rows of every named actor in the namespace."""
+    return [status_of(name, namespace) for name in actor_names(namespace)]
+
+
+def format_status(rows: list[dict[str, Any]]) -> str:
+    """Status rows as an aligned table."""
+    if not rows:
+        return "no detached-rl actors in this namespace"
+    header = ("name", "role", "state", "version", "steps", "buffer", "samples/s", "last error")
+    table = [header]
+    for row in rows:
+        trainer = row.get("role") == "trainer"
+        buffer = f"{row.get('buffer_size', 0)}/{row.get('buffer_max_samples', '?')}" if trainer else "-"
+        steps = row.get("steps" if trainer else "batches", "")
+        rate = row.get("samples_per_s") or 0.0
+        table.append((
+            str(row.get("name", "?")), str(row.get("role", "?")), str(row.get("state", "?")),
+            str(row.get("policy_version", "")), str(steps), buffer, f"{rate:.1f}",
+            _first_line(row.get("last_error") or "")[:60],
+        ))
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in table)
+
+
+def inspect(name: str, namespace: str, last: int, maker: str | None, min_reward: float | None) -> dict[str, Any]:
+    """Buffer statistics and the newest samples (decoded) of a trainer."""
+    import ray
+
+    handle = handle_of(name, namespace)
+    try:
+        stats = ray.get(handle.buffer_stats.remote(), timeout=DEFAULT_STATUS_TIMEOUT)
+        samples = ray.get(handle.buffer_peek.remote(last, maker, min_reward), timeout=DEFAULT_STATUS_TIMEOUT)
+    except AttributeError:
+        raise JobError(f"{name!r} is not a trainer (it has no replay buffer)") from None
+    return {"name": name, "stats": stats, "samples": samples}
+
+
+def format_inspection(report: dict[str, Any]) -> str:
+    """An inspection report as text."""
+    stats = report["stats"]
+    reward = stats["reward"]
+    lines = [
+        f"{report['name']}: {stats['size']} samples / {stats['max_samples']}, {stats['bytes'] / 2**20:.2f} MiB "
+        f"(received {stats['received']}, sampled {stats['sampled']}, dropped {stats['dropped']}, "
+        f"duplicates {stats['duplicates']}, accounting {'ok' if stats['accounting_ok'] else 'BROKEN'})",
+        "staleness (policy version: samples): " + (
+            ", ".join(f"v{v}: {n}" for v, n in stats["staleness"].items()) or "-"),
+        "per maker: " + (", ".join(f"{m}: {c['in_buffer']} in buffer / {c['received']} received"
+                                   for m, c in stats["per_maker"].items()) or "-"),
+        "reward: " + ("-" if reward["mean"] is None else
+                      f"mean {reward['mean']:.3f} std {reward['std']:.3f} min {reward['min']:.3f} "
+                      f"max {reward['max']:.3f}"),
+    ]
+    for sample in report["samples"]:
+        lines.append(f"- [{sample['maker']} v{sample['policy_version']} reward {sample['score']:.3f}] "
+                     f"{sample.get('prompt_text', '')!r} -> {sample.get('response_text', '')!r}")
+    return "\n".join(lines)
+
+
+def export(name: str, namespace: str, path: Path, page: int = 256) -> int:
+    """Write a trainer's buffer to JSONL (or Parquet for a .parquet path); returns the number of samples."""
+    import ray
+
+    handle = handle_of(name, namespace)
+    rows: list[dict[str, Any]] = []
+    start = 0
+    while True:
+        batch = ray.get(handle.buffer_export.remote(start, page), timeout=60)
+        rows.extend(batch)
+        start += len(batch)
+        if len(batch) < page:
+            break
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise JobError("writing Parquet needs pyarrow (pip install pyarrow); use a .jsonl path instead") from None
+        for row in rows:
+            row["info"] = json.dumps(row["info"])
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        with path.open("w") as handle_out:
+            for row in rows:
+                handle_out.write(json.dumps(row) + "\n")
+    return len(rows)
+
+
+def stop(names: list[str], namespace: str, force: bool, timeout: float) -> list[str]:
+    """Stop actors (makers first, then trainers): drain gracefully, then kill; returns what was stopped."""
+    import ray
+
+    names = names or actor_names(namespace)
+    rows = {name: status_of(name, namespace) for name in names}
+    ordered = sorted(names, key=lambda n: rows[n].get("role") == "trainer")  # makers first
+    stopped = []
+    for name in ordered:
+        handle = handle_of(name, namespace)
+        if not force and rows[name].get("state") not in ("dead", "unresponsive"):
+            try:
+                ray.get(handle.stop.remote(), timeout=timeout)
+                _wait_until_idle(name, namespace, timeout)
+                if rows[name].get("role") == "trainer":
+                    ray.get(handle.shutdown.remote(), timeout=timeout)
+            except Exception as error:  # noqa: BLE001 - fall through to kill, and say so
+                logging.getLogger(__name__).warning("%s did not stop gracefully: %s", name, _first_line(error))
+        ray.kill(handle, no_restart=True)
+        stopped.append(name)
+    return stopped
+
+
+def _wait_until_idle(name: str, namespace: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = status_of(name, namespace).get("state")
+        if state not in ("running", "training"):
+            return
+        time.sleep(0.2)
+
+
+def _first_line(value: Any) -> str:
+    text = str(value).strip()
+    return text.splitlines()[0] if text else ""

@@ -1,0 +1,149 @@
+"""The CLI against a real `ray start --head` cluster on loopback: separate processes attach only by name."""
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+CONFIG = """
+namespace: cli_test
+model: {policy: tiny}
+task: {train_size: 32}
+sampling: {max_new_tokens: 6}
+maker: {experience_batch_size: 4}
+trainer: {train_batch_size: 8, batch_timeout_s: 120}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_processes(*markers: str) -> list[psutil.Process]:
+    """Processes whose command line names our cluster (its directory or GCS address), and their descendants."""
+    found: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        command = " ".join(proc.info["cmdline"] or [])
+        if proc.pid != os.getpid() and any(marker in command for marker in markers):
+            found[proc.pid] = proc
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found.update({child.pid: child for child in proc.children(recursive=True)})
+    return list(found.values())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node bound to 127.0.0.1 in a temporary directory; torn down by PID."""
+    directory = tempfile.mkdtemp(prefix="drl-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+    port, client_port = free_port(), free_port()
+    subprocess.run(
+        [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+         f"--ray-client-server-port={client_port}", f"--temp-dir={directory}", "--include-dashboard=false",
+         "--num-cpus=6", "--disable-usage-stats"],
+        env=env, check=True, capture_output=True, timeout=120,
+    )
+    try:
+        yield {"address": f"127.0.0.1:{port}", "client": f"ray://127.0.0.1:{client_port}", "env": env,
+               "directory": directory}
+    finally:
+        # The Ray client servers name only the GCS address, not the directory.
+        processes = cluster_processes(directory, f"--address=127.0.0.1:{port}")
+        for proc in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        _, alive = psutil.wait_procs(processes, timeout=15)
+        for proc in alive:
+            proc.kill()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def cli(cluster, *args, timeout=180, check=True):
+    result = subprocess.run([str(BIN / "detached-rl"), *args], env=cluster["env"], capture_output=True, text=True,
+                            timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"detached-rl {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+    return result
+
+
+def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(CONFIG)
+    address = ["--address", cluster["address"]]
+    # The maker starts first: it waits for its trainer by name.
+    out = cli(cluster, "maker", "--config", str(config), "--name", "maker_0", "--trainers", "trainer_0", *address)
+    assert "maker 'maker_0' started" in out.stdout
+    out = cli(cluster, "trainer", "--config", str(config), "--name", "trainer_0", "--steps", "100000", *address)
+    assert "trainer 'trainer_0' started" in out.stdout
+
+    # Both outlive the processes that started them; inspect through the Ray client.
+    deadline = time.monotonic() + 120
+    while True:
+        report = json.loads(cli(cluster, "inspect", "trainer_0", "--json", "--last", "3",
+                                "--address", cluster["client"], "--namespace", "cli_test").stdout)
+        if report["stats"]["sampled"] >= 16 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    stats = report["stats"]
+    assert stats["sampled"] >= 16 and stats["accounting_ok"] and "maker_0" in stats["per_maker"]
+    assert len(report["samples"]) == 3 and all(s["response_text"] is not None for s in report["samples"])
+
+    # Inspection answers while the trainer's compute group runs a long call (started by another driver
+    # that exits at once: the call goes on in the detached actor).
+    busy = ("import ray; ray.init(address='{address}', namespace='cli_test', log_to_driver=False); "
+            "ray.get_actor('trainer_0').busy.remote(40.0); import time; time.sleep(1)")
+    subprocess.run([sys.executable, "-c", busy.format(address=cluster["address"])], env=cluster["env"],
+                   check=True, timeout=120, capture_output=True)
+    start = time.monotonic()
+    status = json.loads(cli(cluster, "status", "--json", *address, "--namespace", "cli_test").stdout)
+    inspected = cli(cluster, "inspect", "trainer_0", *address, "--namespace", "cli_test")
+    elapsed = time.monotonic() - start
+    assert elapsed < 30, f"status and inspect took {elapsed:.0f} s: they waited for the 40 s compute call"
+    roles = {row["name"]: row for row in status}
+    assert roles["trainer_0"]["role"] == "trainer" and roles["trainer_0"]["state"] == "training"
+    assert roles["maker_0"]["role"] == "maker" and roles["maker_0"]["policy_version"] >= 1
+    assert "staleness" in inspected.stdout and "maker_0" in inspected.stdout
+
+    exported = tmp_path / "buffer.jsonl"
+    cli(cluster, "export", "trainer_0", str(exported), *address, "--namespace", "cli_test")
+    rows = [json.loads(line) for line in exported.read_text().splitlines()]
+    assert rows and {"prompt_ids", "response_ids", "log_probs", "policy_version", "response_text"} <= set(rows[0])
+
+    out = cli(cluster, "stop", *address, "--namespace", "cli_test", "--timeout", "60")
+    assert "maker_0" in out.stdout and "trainer_0" in out.stdout
+    assert "no detached-rl actors" in cli(cluster, "status", *address, "--namespace", "cli_test").stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["inspect", "nobody"], "no actor named 'nobody'"),
+        (["trainer", "--name", "t", "--set", "trainer.train_batch_size=oops"], "trainer.train_batch_size"),
+        (["maker", "--name", "m", "--trainers", "t", "--set", "maker.bogus=1"], "maker.bogus: unknown key"),
+        (["status", "--address", "127.0.0.1:1"], "cannot reach a Ray cluster at 127.0.0.1:1"),
+        (["status", "--address", "ray://127.0.0.1:1"], "cannot reach a Ray cluster at ray://127.0.0.1:1"),
+    ],
+)
+def test_errors_are_one_line_without_traceback(cluster, args, message):
+    if "--address" not in args:
+        args = [*args, "--address", cluster["address"]]
+    result = cli(cluster, *args, check=False, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr
