@@ -1,60 +1,43 @@
-"""PPO with named detached actors on a local Ray cluster: 2 makers feed 1 trainer (tiny random models).
+"""PPO with named detached actors on a local Ray cluster: 2 makers feed 1 trainer, from the shared YAML config.
 
-    .venv/bin/python examples/ppo_detached.py --steps 5
+    .venv/bin/python examples/ppo_detached.py --steps 5 [--config examples/jobs/tiny.yaml] [--set ppo.kl_coef=0.05]
 
-Makers and the trainer find each other by name in the namespace; the trainer pushes chunked
-full-weight updates back after every step and stops the makers at the end.
+The same `RunConfig` the CLI reads: makers and the trainer find each other by name in its
+namespace; the trainer pushes chunked full-weight updates back after every step and stops
+the makers at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import ray
 
 from detached_rl import DetachedPPOTrainer, ExperienceMakerHolder
-from detached_rl.maker import MakerConfig, MakerModels
-from detached_rl.models import Actor, Critic, FunctionReward, SamplingConfig, tiny_causal_lm
-from detached_rl.models.scalar_heads import backbone_of
-from detached_rl.ppo import PPOConfig
-from detached_rl.prompts import CyclingPrompts
-from detached_rl.rewards import numeric_answer_reward
-from detached_rl.tasks import addition_problems
-from detached_rl.trainer import TrainerConfig
+from detached_rl.config import load_config
 
-SAMPLING = SamplingConfig(max_new_tokens=8)
-
-
-def trainer_models() -> tuple[Actor, Critic]:
-    """Policy and critic the trainer optimises."""
-    policy, tokenizer = tiny_causal_lm("llama", seed=0)
-    return Actor(policy, tokenizer), Critic(backbone_of(tiny_causal_lm("llama", seed=1)[0]))
-
-
-def maker_models() -> MakerModels:
-    """Policy, critic, reference and reward on a maker (weights come from the trainer)."""
-    actor, critic = trainer_models()
-    reference = Actor(*tiny_causal_lm("llama", seed=0))
-    return MakerModels(actor=actor, critic=critic, reference=reference,
-                       reward=FunctionReward(numeric_answer_reward, actor.tokenizer))
+DEFAULT_CONFIG = Path(__file__).parent / "jobs" / "tiny.yaml"
 
 
 def main() -> None:
     """Run the example."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--address", default=None, help="join a running cluster (default: start a local one)")
     args = parser.parse_args()
+    config = load_config(args.config, args.set)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address=args.address, namespace="detached_rl", include_dashboard=False, log_to_driver=False)
+    ray.init(address=args.address, namespace=config.namespace, include_dashboard=False, log_to_driver=False)
     trainer = DetachedPPOTrainer.options(name="trainer_0").remote(
-        "trainer_0", trainer_models, TrainerConfig(train_batch_size=8, max_staleness=2), PPOConfig(sampling=SAMPLING, kl_coef=0.01)
+        "trainer_0", config.trainer_factory(), config.trainer, config.ppo, config.namespace
     )
-    prompts = CyclingPrompts(addition_problems(64))
     makers = [
         ExperienceMakerHolder.options(name=f"maker_{i}").remote(
-            f"maker_{i}", ["trainer_0"], maker_models, prompts, MakerConfig(experience_batch_size=4, sampling=SAMPLING)
+            f"maker_{i}", ["trainer_0"], config.maker_factory(), config.prompts(), config.maker, config.namespace
         )
         for i in range(2)
     ]

@@ -1,0 +1,77 @@
+"""The YAML run config: defaults, overrides, refusals that name the key, factories."""
+
+import pickle
+
+import pytest
+import yaml
+
+from detached_rl.config import ConfigError, RunConfig, dump_config, load_config
+
+
+def test_defaults_work_and_sampling_is_shared():
+    config = load_config()
+    assert isinstance(config, RunConfig) and config.namespace == "detached_rl"
+    assert config.maker.sampling is config.sampling is config.ppo.sampling
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("namespace: exp1\nsampling: {max_new_tokens: 12, temperature: 0.7}\n"
+                    "trainer: {train_batch_size: 16}\nppo: {actor_optimizer: {lr: 1e-6, betas: [0.9, 0.95]}}\n")
+    config = load_config(path, ["trainer.train_batch_size=32", "model.lora={r: 4, target_modules: [q_proj]}",
+                                "ppo.kl_coef=0.05"])
+    assert config.namespace == "exp1" and config.trainer.train_batch_size == 32
+    assert config.sampling.max_new_tokens == 12 and config.ppo.sampling.temperature == 0.7
+    assert config.ppo.actor_optimizer.lr == 1e-6 and config.ppo.actor_optimizer.betas == (0.9, 0.95)
+    assert config.model.lora.r == 4 and config.model.lora.target_modules == ("q_proj",)
+    assert config.ppo.kl_coef == 0.05
+    # What dump writes, load reads back the same.
+    again = tmp_path / "again.yaml"
+    again.write_text(dump_config(config))
+    assert load_config(again).to_dict() == config.to_dict()
+    assert "sampling" not in yaml.safe_load(dump_config(config))["maker"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["maker.bogus=1"], "maker.bogus: unknown key"),
+        (["bogus=1"], "bogus: unknown key"),
+        (["maker.sampling.top_k=3"], "maker.sampling: unknown key"),
+        (["maker.push_policy=random"], "maker.push_policy: must be one of"),
+        (["sampling.top_p=2"], "sampling.top_p: must be in"),
+        (["trainer.train_batch_size=abc"], "trainer.train_batch_size: expected an integer"),
+        (["trainer.train_batch_size=1.5"], "trainer.train_batch_size: expected an integer"),
+        (["model.reference=maybe"], "model.reference: expected true or false"),
+        (["ppo.actor_optimizer.betas=[0.9]"], "ppo.actor_optimizer.betas: expected 2 items"),
+        (["ppo.actor_optimizer.lr=fast"], "ppo.actor_optimizer.lr: expected a number"),
+        (["task.reward=vibes"], "task.reward: must be one of"),
+        (["trainer=3"], "trainer: expected a mapping"),
+        (["noequals"], "expected key.path=value"),
+    ],
+)
+def test_bad_values_are_refused_with_the_dotted_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_config(None, overrides)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+
+
+def test_factories_are_picklable_and_build_the_configured_models():
+    config = load_config(None, ["model.lora={r: 4}", "sampling.max_new_tokens=4"])
+    trainer_factory = pickle.loads(pickle.dumps(config.trainer_factory()))
+    actor, critic = trainer_factory()
+    assert any("lora_A" in name for name, _ in actor.model.named_parameters())
+    models = pickle.loads(pickle.dumps(config.maker_factory()))()
+    assert models.reference is not None and models.critic is not None
+    assert len(config.prompts().next_batch(3)) == 3
