@@ -11,6 +11,7 @@ from detached_rl.replay_buffer import ReplayBuffer
 _LAZY = {
     "ExperienceMakerHolder": "detached_rl.actors",
     "DetachedPPOTrainer": "detached_rl.actors",
+    "DetachedGRPOTrainer": "detached_rl.actors",
     "attach": "detached_rl.actors",
     "start_trainer_group": "detached_rl.actors",
 }
@@ -26,6 +27,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "DetachedGRPOTrainer",
     "DetachedPPOTrainer",
     "ExperienceMakerHolder",
     "Experience",

@@ -25,9 +25,8 @@ from typing import Any
 import ray
 import torch
 
+from detached_rl.grpo import GRPOConfig, GRPOLearner
 from detached_rl.maker import ExperienceMaker, MakerConfig, MakerModels
-from detached_rl.models.actor import Actor
-from detached_rl.models.scalar_heads import Critic
 from detached_rl.ppo import PPOConfig, PPOLearner
 from detached_rl.prompts import PromptSource
 from detached_rl.pusher import ExperiencePusher
@@ -162,12 +161,17 @@ class ExperienceMakerHolder:
                 push_timeout=config.push_timeout_s, should_stop=self._stop.is_set,
             )
             made = 0
+            stale_seen = 0
             while not self._stop.is_set() and (num_batches is None or made < num_batches):
                 if not self.core.synced:  # not yet given weights (or half-updated): wait for an update
                     time.sleep(0.05)
                     continue
                 self.pusher.push(self.core.make_experience())
                 made += 1
+                stale = self.pusher.stats()["dropped_stale_by_trainer"]
+                if stale > stale_seen:  # the trainer is past our version: wait for its weights, don't waste work
+                    stale_seen = stale
+                    self._wait_for_newer_weights(self.core.policy_version, config.weight_timeout_s)
             self.pusher.flush(timeout=config.push_timeout_s)
         except Exception as error:
             self.core.last_error = f"{type(error).__name__}: {error}"
@@ -175,6 +179,11 @@ class ExperienceMakerHolder:
         finally:
             self._running = False
         return self.status()
+
+    def _wait_for_newer_weights(self, version: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.core.policy_version <= version and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.02)
 
     @ray.method(concurrency_group="experience_io")
     def start(self, num_batches: int | None = None) -> bool:
@@ -211,20 +220,18 @@ class ExperienceMakerHolder:
         self._stop.set()
 
 
-TrainerFactory = Callable[[], tuple[Actor, Critic]]
+TRAINER_GROUPS = {"buffer_length": 1, "buffer_append": 1, "buffer_sample": 1, "model_io": 1, "compute": 1}
 
 
-@ray.remote(concurrency_groups={"buffer_length": 1, "buffer_append": 1, "buffer_sample": 1, "model_io": 1,
-                                "compute": 1})
-class DetachedPPOTrainer:
-    """A named PPO trainer (one rank of a data-parallel group) with its own replay buffer."""
+class _TrainerShell:
+    """The Ray-facing methods every trainer shares; subclasses say which learner to build."""
 
     def __init__(
         self,
         name: str,
-        model_factory: TrainerFactory,
+        model_factory: Callable[[], Any],
         config: TrainerConfig | None = None,
-        ppo: PPOConfig | None = None,
+        algorithm: Any = None,
         namespace: str | None = None,
         rank: int = 0,
         world_size: int = 1,
@@ -233,7 +240,7 @@ class DetachedPPOTrainer:
         self.name = name
         self.namespace = namespace or DEFAULT_NAMESPACE
         self.config = config or TrainerConfig()
-        self.ppo = ppo or PPOConfig()
+        self.algorithm = algorithm
         self.rank, self.world_size, self.strategy_name = rank, world_size, strategy
         self.model_factory = model_factory
         self.core: TrainerCore | None = None
@@ -242,10 +249,11 @@ class DetachedPPOTrainer:
         if strategy == "naive" and world_size == 1:
             self._build(NaiveStrategy())
 
+    def _make_learner(self, strategy: Strategy) -> Any:
+        raise NotImplementedError
+
     def _build(self, strategy: Strategy) -> None:
-        actor, critic = self.model_factory()
-        learner = PPOLearner(actor, critic, strategy, self.ppo)
-        self.core = TrainerCore(self.name, learner, self.config)
+        self.core = TrainerCore(self.name, self._make_learner(strategy), self.config)
         self.core.build_update(put_chunk)  # version 0, offered to makers that register
         self._ready.set()
 
@@ -406,6 +414,27 @@ class DetachedPPOTrainer:
         return seconds
 
 
+class PPOTrainerShell(_TrainerShell):
+    """PPO: actor and critic from the factory (`(Actor, Critic)`); makers mirror both."""
+
+    def _make_learner(self, strategy: Strategy) -> PPOLearner:
+        actor, critic = self.model_factory()
+        return PPOLearner(actor, critic, strategy, self.algorithm or PPOConfig())
+
+
+class GRPOTrainerShell(_TrainerShell):
+    """The GRPO family: the policy from the factory (an `Actor`, or `(Actor, ...)`); critic-free."""
+
+    def _make_learner(self, strategy: Strategy) -> GRPOLearner:
+        built = self.model_factory()
+        actor = built[0] if isinstance(built, tuple) else built
+        return GRPOLearner(actor, strategy, self.algorithm or GRPOConfig())
+
+
+DetachedPPOTrainer = ray.remote(concurrency_groups=TRAINER_GROUPS)(PPOTrainerShell)
+DetachedGRPOTrainer = ray.remote(concurrency_groups=TRAINER_GROUPS)(GRPOTrainerShell)
+
+
 def trainer_names(prefix: str, world_size: int) -> list[str]:
     """Names of the ranks of a trainer group: prefix_0 … prefix_{n-1}."""
     return [f"{prefix}_{rank}" for rank in range(world_size)]
@@ -414,9 +443,9 @@ def trainer_names(prefix: str, world_size: int) -> list[str]:
 def start_trainer_group(
     prefix: str,
     world_size: int,
-    model_factory: TrainerFactory,
+    model_factory: Callable[[], Any],
     config: TrainerConfig | None = None,
-    ppo: PPOConfig | None = None,
+    algorithm: PPOConfig | GRPOConfig | None = None,
     namespace: str | None = None,
     strategy: str = "ddp",
     actor_options: dict[str, Any] | None = None,
@@ -426,9 +455,10 @@ def start_trainer_group(
     namespace = namespace or DEFAULT_NAMESPACE
     options = {"lifetime": "detached", "namespace": namespace, **(actor_options or {})}
     names = trainer_names(prefix, world_size)
+    trainer_class = DetachedGRPOTrainer if isinstance(algorithm, GRPOConfig) else DetachedPPOTrainer
     handles = [
-        DetachedPPOTrainer.options(name=name, **options).remote(
-            name, model_factory, config, ppo, namespace, rank, world_size, strategy
+        trainer_class.options(name=name, **options).remote(
+            name, model_factory, config, algorithm, namespace, rank, world_size, strategy
         )
         for rank, name in enumerate(names)
     ]

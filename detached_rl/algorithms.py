@@ -349,8 +349,14 @@ def policy_loss(
     clip_high: float | None = None,
     dual_clip: float | None = None,
     agg: str = "token-mean",
+    weights: torch.Tensor | None = None,
+    max_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss (with optional clip-higher and dual clip) and its statistics.
+
+    `weights` [B, T] (detached) multiply the per-token loss before aggregation, e.g.
+    `truncated_importance_weight` for stale samples; `max_length` is passed to the
+    "seq-mean-token-sum-norm" aggregation.
 
     Conventions: [B, T] token-level inputs, advantages already per token. ratio = exp(clamp(lp - old,
     -20, 20)); per-token loss = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)),
@@ -392,7 +398,10 @@ def policy_loss(
         per_token = torch.where(adv < 0, torch.minimum(per_token, loss_dual), per_token)
         stats["dual_clipfrac"] = masked_mean(dual_clipped.to(lp.dtype), m).detach()
 
-    loss = aggregate_loss(per_token, m, agg)
+    if weights is not None:
+        _check_shape(fn, "weights", weights, "log_probs", log_probs)
+        per_token = per_token * torch.where(m, weights.detach(), torch.zeros_like(lp))
+    loss = aggregate_loss(per_token, m, agg, max_length=max_length)
     with torch.no_grad():
         stats["clipfrac"] = masked_mean((loss_clipped > loss_unclipped).to(lp.dtype), m)
         stats["ratio_mean"] = masked_mean(ratio, m)

@@ -203,6 +203,8 @@ class ExperienceBatch:
     ref_log_probs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None  # trainer-side: the proximal policy's log-probs
+    loss_weights: torch.Tensor | None = None  # trainer-side: per-token loss weights (importance weights)
 
     @property
     def size(self) -> int:

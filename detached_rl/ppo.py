@@ -93,7 +93,7 @@ def ppo_advantages(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Ten
     return advantages, returns, kl
 
 
-class _TokenWeightedMeans:
+class TokenWeightedMeans:
     """Accumulates metrics as token-weighted means over micro-batches."""
 
     def __init__(self) -> None:
@@ -123,6 +123,10 @@ class PPOLearner:
         )
         self.optimizer_steps = 0
 
+    def synced_models(self) -> dict[str, torch.nn.Module]:
+        """What makers mirror: the policy's model and the critic."""
+        return {"actor": self.strategy.unwrap(self.actor).model, "critic": self.strategy.unwrap(self.critic)}
+
     @property
     def pad_token_id(self) -> int:
         """Pad id used when collating."""
@@ -136,7 +140,7 @@ class PPOLearner:
         with torch.no_grad():
             advantages, returns, kl = ppo_advantages(batch, config)
         batch.advantages, batch.returns = advantages, returns
-        means = _TokenWeightedMeans()
+        means = TokenWeightedMeans()
         mini_size = config.mini_batch_size or batch.size
         self.actor.train()
         self.critic.train()

@@ -1,13 +1,25 @@
 """Verifiable reward functions: plain Python functions of (prompt, response, **metadata).
 
-Each returns a dict with the total under "reward" and its components, the shape
-`detached_rl.models.FunctionReward` turns into a batch scorer.
+Each returns a dict with the total under "reward" and its components ("correct", "format",
+both in [0, 1]), the shape `detached_rl.models.FunctionReward` turns into a batch scorer.
+`REWARD_FUNCTIONS` / `get_reward_function` look them up by name.
 """
 
 from __future__ import annotations
 
+import atexit
+import importlib.util
+import json
 import math
 import re
+import secrets
+import select
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+from detached_rl.sandbox import run_python
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
@@ -33,3 +45,325 @@ def numeric_answer_reward(
     has_number = float(value is not None)
     correct = float(value is not None and abs(value - answer) <= tolerance)
     return {"reward": correct + format_weight * has_number, "correct": correct, "format": has_number}
+
+
+# ------------------------------------------------------------------ answer normalisation
+
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
+_FRACTION = re.compile(r"([-+]?\d+)\s*/\s*(\d+)")
+
+
+def as_number(text: str) -> float | None:
+    """`text` as a finite number ("1,234", "-0.5", "3/4", "1e-3", "$12"), or None."""
+    text = text.strip().strip("$").strip()
+    if _PLAIN_NUMBER.fullmatch(text):
+        return float(text.replace(",", ""))
+    if match := _FRACTION.fullmatch(text):
+        denominator = int(match[2])
+        return int(match[1]) / denominator if denominator else None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def normalise_answer(text: str) -> str:
+    """Case-folded, whitespace-collapsed, without a trailing full stop."""
+    return " ".join(text.casefold().split()).rstrip(".").strip()
+
+
+def answers_match(predicted: str, answer: object, tolerance: float = 1e-6) -> bool:
+    """Numerically equal (relative and absolute `tolerance`) when both are numbers, else equal after normalising."""
+    gold = str(answer)
+    predicted_value, gold_value = as_number(predicted), as_number(gold)
+    if predicted_value is not None and gold_value is not None:
+        return math.isclose(predicted_value, gold_value, rel_tol=tolerance, abs_tol=tolerance)
+    return normalise_answer(predicted) == normalise_answer(gold)
+
+
+def _result(correct: float, has_format: float, format_weight: float) -> dict[str, float]:
+    """The dict every reward function returns."""
+    return {"reward": correct + format_weight * has_format, "correct": correct, "format": has_format}
+
+
+# ------------------------------------------------------------------ <think>…</think><answer>…</answer>
+
+_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+_THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def has_think_answer_format(response: str) -> bool:
+    """Exactly one <think>…</think> then exactly one <answer>…</answer>, with only whitespace around."""
+    return all(response.count(tag) == 1 for tag in _TAGS) and _THINK_ANSWER.fullmatch(response) is not None
+
+
+def extract_tagged_answer(response: str) -> str | None:
+    """The stripped text of the last <answer>…</answer>, or None."""
+    answers = _ANSWER.findall(response)
+    return answers[-1].strip() if answers else None
+
+
+def think_answer_tags_reward(
+    prompt: str, response: str, answer: object, format_weight: float = 0.1, tolerance: float = 1e-6,
+    **_metadata: object,
+) -> dict[str, float]:
+    """reward = correct + format_weight * format.
+
+    format = 1 for exactly one <think>…</think> followed by exactly one <answer>…</answer> and
+    nothing but whitespace around them; correct = 1 when the last <answer> (whatever the format)
+    equals `answer`: numerically within `tolerance` if both are numbers, else as normalised
+    strings. Other metadata is ignored.
+    """
+    predicted = extract_tagged_answer(response)
+    correct = float(predicted is not None and answers_match(predicted, answer, tolerance))
+    return _result(correct, float(has_think_answer_format(response)), format_weight)
+
+
+# ------------------------------------------------------------------ \boxed{…}
+
+_BOXED = re.compile(r"\\boxed\s*\{")
+_MAX_MATH_CHARS = 1000  # no real answer is longer; sympy would only burn time on it
+
+# Serves math-verify in a separate process: sympy can spin for minutes (or forever) on answers
+# such as 2^{2^{2^{2^{100}}}}, math-verify's own timeouts use SIGALRM, which only works in a main
+# thread, and makers score from worker threads. Its main thread keeps those timeouts; the caller
+# kills it if it still overruns, and a memory cap turns huge integers into a quick MemoryError.
+_MATH_WORKER_CODE = """\
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
+from math_verify import parse, verify
+print("ready", flush=True)
+for line in sys.stdin:
+    gold, guess, timeout = json.loads(line)
+    try:
+        gold = parse("\\\\boxed{" + gold + "}", parsing_timeout=timeout)
+        guess = parse("\\\\boxed{" + guess + "}", parsing_timeout=timeout)
+        equal = bool(gold and guess and verify(gold, guess, timeout_seconds=timeout))
+    except Exception:
+        equal = False
+    print(json.dumps(equal), flush=True)
+"""
+
+
+class _MathVerifyWorker:
+    """A lazily started, thread-safe math-verify process; restarted after it is killed for overrunning."""
+
+    startup_timeout_s = 120.0
+
+    def __init__(self, code: str = _MATH_WORKER_CODE) -> None:
+        self._code = code
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[str] | None = None
+        self._available = importlib.util.find_spec("math_verify") is not None
+        atexit.register(self.close)
+
+    def _readline(self, timeout_s: float) -> str | None:
+        """One line from the worker, or None on timeout or exit."""
+        assert self._process is not None and self._process.stdout is not None
+        readable, _, _ = select.select([self._process.stdout], [], [], timeout_s)
+        return self._process.stdout.readline() if readable else None
+
+    def _start(self) -> bool:
+        """Start the worker; False (and math-verify marked unavailable) if it does not come up."""
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", self._code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, text=True,
+            )
+        except OSError:
+            self._available = False
+            return False
+        if self._readline(self.startup_timeout_s) != "ready\n":
+            self.close()
+            self._available = False
+            return False
+        return True
+
+    def close(self) -> None:
+        """Kill the worker (the next call starts a new one)."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            for stream in (self._process.stdin, self._process.stdout):
+                if stream is not None:
+                    stream.close()
+            self._process = None
+
+    def equal(self, predicted: str, answer: str, timeout_s: float) -> bool | None:
+        """Whether math-verify deems them equivalent; None when math-verify is unavailable."""
+        with self._lock:
+            if not self._available or (self._process is None and not self._start()):
+                return None
+            assert self._process is not None and self._process.stdin is not None
+            try:
+                self._process.stdin.write(json.dumps([answer, predicted, max(1, math.ceil(timeout_s))]) + "\n")
+                self._process.stdin.flush()
+                reply = self._readline(3 * timeout_s + 1)  # two parses and a comparison, each with its own timeout
+            except (OSError, ValueError):
+                reply = None
+            if not reply:
+                self.close()
+                return False
+            return json.loads(reply) is True
+
+
+_MATH_VERIFY = _MathVerifyWorker()
+
+
+def last_boxed(text: str) -> str | None:
+    """The contents of the last \\boxed{…} (nested and escaped braces allowed), or None if absent or unclosed."""
+    starts = [match.end() for match in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    depth, index = 1, starts[-1]
+    while index < len(text):
+        char = text[index]
+        if char == "\\":
+            index += 2
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[starts[-1]:index].strip()
+        index += 1
+    return None
+
+
+def math_equal(predicted: str, answer: str, timeout_s: float = 3.0) -> bool:
+    """Mathematically equivalent per math-verify; whitespace-insensitive string equality without it.
+
+    Safe from any thread; a comparison that overruns `timeout_s` counts as not equal.
+    """
+    if "".join(predicted.split()) == "".join(answer.split()):
+        return True
+    if max(len(predicted), len(answer)) > _MAX_MATH_CHARS:
+        return False
+    return bool(_MATH_VERIFY.equal(predicted, answer, timeout_s))
+
+
+def boxed_reward(
+    prompt: str, response: str, answer: object, format_weight: float = 0.1, timeout_s: float = 3.0,
+    **_metadata: object,
+) -> dict[str, float]:
+    """reward = correct + format_weight * format.
+
+    format = 1 when the response has a closed \\boxed{…}; correct = 1 when the last one is
+    mathematically equivalent to `answer` (math-verify in a helper process, counted as wrong
+    after `timeout_s` per step; whitespace-insensitive string equality when math-verify is not
+    installed). A boxed `answer` is unboxed first. Other metadata is ignored.
+    """
+    predicted = last_boxed(response)
+    if predicted is None:
+        return _result(0.0, 0.0, format_weight)
+    gold = str(answer)
+    gold = last_boxed(gold) or gold
+    return _result(float(math_equal(predicted, gold, timeout_s)), 1.0, format_weight)
+
+
+# ------------------------------------------------------------------ code
+
+_FENCE = "```"
+_PYTHON_LANGUAGES = ("", "python", "python3", "py")
+
+# Runs an assert-style test after the solution; prints the token only if the test itself ran and passed,
+# so a solution that exits early (os._exit(0)) does not pass.
+_ASSERT_HARNESS = """\
+_namespace = {{"__name__": "solution"}}
+try:
+    exec(compile({solution!r}, "solution.py", "exec"), _namespace)
+except SystemExit:
+    pass
+exec(compile({test!r}, "test.py", "exec"), _namespace)
+print({token!r})
+"""
+
+
+def last_python_block(response: str) -> str | None:
+    """The code of the last closed ``` fenced block tagged python/py/python3 or untagged, or None."""
+    parts = response.split(_FENCE)
+    for block in reversed(parts[1:-1:2]):  # odd parts lie between an opening and a closing fence
+        language, newline, body = block.partition("\n")
+        if newline and language.strip().lower() in _PYTHON_LANGUAGES and body.strip():
+            return body
+    return None
+
+
+def _normalise_output(text: str) -> str:
+    """Trailing whitespace dropped from every line and trailing blank lines dropped."""
+    return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
+
+
+def _run_test(program: str, test: str | Mapping[str, str], timeout_s: float, memory_mb: int) -> tuple[bool, bool]:
+    """(passed, timed out) for one test of `program`."""
+    if isinstance(test, str):
+        token = secrets.token_hex(16)
+        harness = _ASSERT_HARNESS.format(solution=program, test=test, token=token)
+        result = run_python(harness, timeout_s=timeout_s, memory_mb=memory_mb)
+        passed = result.ok and result.stdout.rstrip().endswith(token)
+    else:
+        result = run_python(program, stdin=test.get("input", ""), timeout_s=timeout_s, memory_mb=memory_mb)
+        passed = result.ok and _normalise_output(result.stdout) == _normalise_output(test["output"])
+    return passed, result.timed_out
+
+
+def _check_tests(tests: Sequence[str | Mapping[str, str]]) -> None:
+    """Reject empty or malformed test lists (a configuration error, not a bad response)."""
+    if not tests or isinstance(tests, str):
+        raise ValueError(f"code_reward: tests must be a non-empty list, got {tests!r}")
+    for test in tests:
+        if not isinstance(test, str) and not (isinstance(test, Mapping) and "output" in test):
+            raise ValueError(f"code_reward: a test is an assert string or {{'input', 'output'}} dict, got {test!r}")
+
+
+def code_reward(
+    prompt: str,
+    response: str,
+    tests: Sequence[str | Mapping[str, str]],
+    timeout_s: float = 5.0,
+    memory_mb: int = 256,
+    format_weight: float = 0.0,
+    stop_on_timeout: bool = True,
+    **_metadata: object,
+) -> dict[str, float]:
+    """reward = correct + format_weight * format, correct = fraction of `tests` passed.
+
+    format = 1 when the response has a closed fenced Python block; the last one is run in the
+    sandbox (`detached_rl.sandbox.run_python`) once per test. A test is either
+    {"input": stdin, "output": expected stdout} (passes on exit status 0 and equal output after
+    stripping trailing whitespace per line), or an assert string run after the solution in the
+    same namespace (passes when it completes). After a timeout the remaining tests count as
+    failed unless `stop_on_timeout` is False (a looping solution would otherwise cost
+    len(tests) * timeout_s). Other metadata is ignored.
+    """
+    _check_tests(tests)
+    program = last_python_block(response)
+    if program is None:
+        return _result(0.0, 0.0, format_weight)
+    passed = 0
+    for test in tests:
+        ok, timed_out = _run_test(program, test, timeout_s, memory_mb)
+        passed += ok
+        if timed_out and stop_on_timeout:
+            break
+    return _result(passed / len(tests), 1.0, format_weight)
+
+
+# ------------------------------------------------------------------ registry
+
+REWARD_FUNCTIONS: dict[str, Callable[..., dict[str, float]]] = {
+    "numeric_answer": numeric_answer_reward,
+    "think_answer_tags": think_answer_tags_reward,
+    "boxed": boxed_reward,
+    "code": code_reward,
+}
+
+
+def get_reward_function(name: str) -> Callable[..., dict[str, float]]:
+    """The reward function registered as `name`."""
+    if name not in REWARD_FUNCTIONS:
+        raise ValueError(f"unknown reward function {name!r}; choose one of {sorted(REWARD_FUNCTIONS)}")
+    return REWARD_FUNCTIONS[name]

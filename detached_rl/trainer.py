@@ -1,6 +1,7 @@
 """The trainer's logic: replay buffer, training loop, versioned weight updates to its share of the makers.
 
-`TrainerCore` is the plain class inside `DetachedPPOTrainer` (and later the GRPO trainer).
+`TrainerCore` is the plain class inside `DetachedPPOTrainer` and `DetachedGRPOTrainer`; the
+learner (`PPOLearner` or `GRPOLearner`) decides what a step does and which models makers mirror.
 Transport is injected: `put` stores a weight chunk once and returns a reference (`ray.put`
 in the actor), `send_update` delivers an update to a list of makers and returns per-maker
 results, so the whole loop runs in unit tests without Ray.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,6 @@ import torch
 
 from detached_rl.models.lora import lora_backend, lora_config_dict
 from detached_rl.models.lora_merge import base_fingerprint
-from detached_rl.ppo import PPOLearner
 from detached_rl.replay_buffer import AppendResult, ReplayBuffer
 from detached_rl.weight_sync import SendStats, WeightUpdate, build_weight_update, state_fingerprint
 
@@ -69,7 +69,7 @@ class TrainerConfig:
 class TrainerCore:
     """Owns the learner, the replay buffer and the policy version; runs `fit`."""
 
-    def __init__(self, name: str, learner: PPOLearner, config: TrainerConfig | None = None) -> None:
+    def __init__(self, name: str, learner: Any, config: TrainerConfig | None = None) -> None:
         self.name = name
         self.learner = learner
         self.strategy = learner.strategy
@@ -106,9 +106,8 @@ class TrainerCore:
 
     # ---------------------------------------------------------------- weights out
     def synced_models(self) -> dict[str, torch.nn.Module]:
-        """The models makers mirror: the policy's model and the critic."""
-        return {"actor": self.strategy.unwrap(self.learner.actor).model,
-                "critic": self.strategy.unwrap(self.learner.critic)}
+        """The models makers mirror (PPO: policy and critic; GRPO: the policy)."""
+        return self.learner.synced_models()
 
     def synced_state(self, trainable_only: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """State dicts of the synced models; with `trainable_only`, just what training changes (LoRA)."""
@@ -199,15 +198,42 @@ class TrainerCore:
                     "are the makers running and pushing here?"
                 )
 
+    def _sample_waiting(self, count: int) -> list[Any]:
+        """`count` samples from this rank's buffer, waiting up to `batch_timeout_s` (no collectives)."""
+        deadline = time.monotonic() + self.config.batch_timeout_s
+        while True:
+            samples = self.buffer.sample(count, current_version=self.policy_version, timeout=0.5)
+            if samples:
+                return samples
+            if time.monotonic() > deadline or self._stop.is_set():
+                raise TimeoutError(
+                    f"trainer {self.name!r} (rank {self.strategy.rank}): fewer than {count} samples arrived within "
+                    f"{self.config.batch_timeout_s:.0f} s (buffer holds {len(self.buffer)}); are the makers running?"
+                )
+
+    def next_batch(self) -> tuple[list[Any], dict[str, float]]:
+        """The next training batch: learner-defined (e.g. whole groups, dynamic sampling) or plain FIFO."""
+        if hasattr(self.learner, "make_batch"):
+            return self.learner.make_batch(self._sample_waiting, self.config.train_batch_size)
+        self.wait_for_batch()
+        return self.buffer.sample(self.config.train_batch_size, current_version=self.policy_version), {}
+
     def train_step(self) -> dict[str, float]:
         """Sample a batch, train on it, advance the version; returns metrics reduced across ranks."""
-        self.wait_for_batch()
-        experiences = self.buffer.sample(self.config.train_batch_size, current_version=self.policy_version)
+        experiences, batch_metrics = self.next_batch()
+        if not experiences:
+            raise RuntimeError(
+                f"trainer {self.name!r}: dynamic sampling found no group with different rewards in "
+                f"{self.learner.config.max_sampling_rounds} draws; the task is too easy or too hard for the policy"
+            )
         with self.weights_lock:
             metrics = self.learner.train_step(experiences, policy_version=self.policy_version)
             self.policy_version += 1
+        metrics.update(batch_metrics)
         self.samples_trained += len(experiences)
         metrics = self.strategy.reduce_metrics(metrics, weight=metrics["tokens"])
+        for version, count in Counter(e.policy_version for e in experiences).items():
+            metrics[f"staleness/hist_{self.policy_version - 1 - version}"] = float(count)  # this rank's samples
         stats = self.buffer.stats()
         metrics.update({
             "policy_version": float(self.policy_version),

@@ -82,3 +82,13 @@ def lora_maker_models(backend: str = "peft", seed: int = 0) -> MakerModels:
     """Maker-side models around a LoRA policy (no reference model: KL off)."""
     actor, critic = lora_actor_critic(backend, seed)
     return MakerModels(actor=actor, critic=critic, reward=LowTokenReward())
+
+
+def tiny_policy(seed: int = 0) -> Actor:
+    """A tiny llama policy (GRPO trainers need no critic)."""
+    return Actor(*tiny_causal_lm("llama", seed=seed))
+
+
+def grpo_maker_models(seed: int = 7) -> MakerModels:
+    """A GRPO maker: the policy and the token reward (no critic, no reference)."""
+    return MakerModels(actor=tiny_policy(seed), reward=LowTokenReward())

@@ -204,3 +204,36 @@ def test_lora_trainer_sends_lora_only_updates_to_a_merging_maker(ray_cluster):
         assert [m["weight_sync/bytes"] for m in syncs] == [trainable, trainable]
     finally:
         kill(trainer, maker)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_grpo_trainer_respects_the_staleness_bound(ray_cluster, max_staleness):
+    from detached_rl.actors import DetachedGRPOTrainer
+    from detached_rl.grpo import GRPOConfig
+
+    from .helpers import grpo_maker_models, tiny_policy
+
+    ray = ray_cluster
+    name = f"grpo_trainer_{max_staleness}"
+    trainer = DetachedGRPOTrainer.options(name=name, namespace=NAMESPACE).remote(
+        name, tiny_policy, TrainerConfig(train_batch_size=8, max_staleness=max_staleness),
+        GRPOConfig(sampling=SAMPLING), namespace=NAMESPACE,
+    )
+    makers = [ExperienceMakerHolder.options(name=f"grpo_maker_{max_staleness}_{i}", namespace=NAMESPACE).remote(
+        f"grpo_maker_{max_staleness}_{i}", [name], grpo_maker_models, CyclingPrompts(arithmetic_prompts()),
+        MakerConfig(experience_batch_size=2, group_size=4, sampling=SAMPLING), namespace=NAMESPACE)
+        for i in range(2)]
+    try:
+        runs = [m.run.remote() for m in makers]
+        ray.get(trainer.fit.remote(4), timeout=TIMEOUT)
+        ray.get(runs, timeout=TIMEOUT)
+        history = ray.get(trainer.metrics.remote())
+        assert len(history) == 4
+        for step in history:
+            assert step["staleness/max"] <= max_staleness
+            assert all(int(k.rsplit("_", 1)[1]) <= max_staleness for k in step if k.startswith("staleness/hist_"))
+            assert step["samples"] == 8
+        stats = ray.get(trainer.buffer_stats.remote())
+        assert stats["accounting_ok"]
+    finally:
+        kill(trainer, *makers)

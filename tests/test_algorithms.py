@@ -549,3 +549,18 @@ def test_truncated_importance_weight_errors():
         truncated_importance_weight(torch.zeros(2), torch.zeros(3))
     with pytest.raises(ValueError, match="truncated_importance_weight: mask shape"):
         truncated_importance_weight(torch.zeros(2), torch.zeros(2), mask=torch.ones(3))
+
+
+def test_policy_loss_weights_scale_each_token_before_aggregation():
+    lp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -1.0]])
+    adv = torch.tensor([[1.0, 2.0]])
+    mask = torch.ones(1, 2)
+    # ratio 1: per-token loss -A = [-1, -2]; weighted by [0.5, 2] -> [-0.5, -4]; token-mean -2.25.
+    loss, _ = policy_loss(lp, old, adv, mask, weights=torch.tensor([[0.5, 2.0]]))
+    assert loss.item() == pytest.approx(-2.25)
+    # seq-mean-token-sum-norm with max_length 4: (-1 - 2) / 4 = -0.75.
+    loss, _ = policy_loss(lp, old, adv, mask, agg="seq-mean-token-sum-norm", max_length=4)
+    assert loss.item() == pytest.approx(-0.75)
+    with pytest.raises(ValueError, match="weights"):
+        policy_loss(lp, old, adv, mask, weights=torch.ones(1, 3))

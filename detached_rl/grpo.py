@@ -1,0 +1,364 @@
+"""The GRPO family on experience groups: GRPO, Dr.GRPO, DAPO, RLOO, REINFORCE++ (and its group baseline).
+
+`GRPOLearner` is the plain class inside `DetachedGRPOTrainer`. It is critic-free: advantages
+come from the rewards of the other responses to the same prompt (the maker's `group_size`
+responses share a `group_id`). The variant sets the defaults (advantage, loss aggregation,
+clip range, dynamic sampling, overlong shaping); each can be overridden.
+
+Off-policy control: the PPO ratio's "old" policy is the behaviour policy when every sample in
+the batch is fresh (staleness 0, one pass over the batch); otherwise the trainer recomputes
+the old log-probs with its current weights before updating (the proximal policy) and weights
+each token by a truncated importance weight min(pi_old / pi_behaviour, `tis_cap`).
+
+The reference model (only when `kl_coef` > 0) lives on the trainer: a frozen copy of the
+initial policy, optionally moved towards the policy by `update_ref_policy` (Polyak averaging).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from detached_rl import algorithms
+from detached_rl.experience import Experience, ExperienceBatch, collate
+from detached_rl.models.actor import Actor
+from detached_rl.models.generation import SamplingConfig
+from detached_rl.models.lora import lora_backend, merged_model
+from detached_rl.optim import OptimizerConfig
+from detached_rl.ppo import TokenWeightedMeans
+from detached_rl.strategies.base import Strategy
+
+VARIANTS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+# Per variant: (group advantage method or None, default loss aggregation, default clip_high,
+# dynamic sampling, overlong shaping).
+_VARIANT_DEFAULTS: dict[str, tuple[str | None, str, float | None, bool, bool]] = {
+    "grpo": ("grpo", "seq-mean-token-mean", None, False, False),
+    "dr_grpo": ("dr_grpo", "seq-mean-token-sum-norm", None, False, False),
+    "dapo": ("grpo", "token-mean", 0.28, True, True),
+    "rloo": ("rloo", "token-mean", None, False, False),
+    "reinforce_pp": (None, "token-mean", None, False, False),
+    "reinforce_pp_baseline": ("reinforce_pp_baseline", "token-mean", None, False, False),
+}
+
+
+@dataclass
+class GRPOConfig:
+    """Hyper-parameters of the GRPO family; `None` fields take the variant's default."""
+
+    algorithm: str = "grpo"
+    actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-6))
+    clip_low: float = 0.2
+    clip_high: float | None = None  # dapo: 0.28 ("clip-higher")
+    dual_clip: float | None = None
+    loss_agg: str | None = None  # grpo: seq-mean-token-mean; dr_grpo: seq-mean-token-sum-norm; others: token-mean
+    kl_coef: float = 0.0  # beta; > 0 keeps a reference model on the trainer
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    advantage_eps: float = 1e-6
+    dynamic_sampling: bool | None = None  # drop groups whose rewards are all equal (dapo: on)
+    max_sampling_rounds: int = 8  # dynamic sampling: buffer draws per batch before training on what there is
+    overlong_shaping: bool | None = None  # dapo: on
+    overlong_buffer: int | None = None  # the last N tokens before max_new_tokens are penalised; default 20 %
+    overlong_penalty: float = 1.0
+    tis_cap: float | None = 2.0  # truncated importance weight cap for stale samples; None: off
+    ref_update_every: int = 0  # Polyak-update the reference every N steps (0: never)
+    ref_update_alpha: float = 1.0  # ref <- alpha * policy + (1 - alpha) * ref
+    micro_batch_size: int = 8
+    mini_batch_size: int | None = None
+    train_epochs: int = 1
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in VARIANTS:
+            raise ValueError(f"GRPOConfig.algorithm must be one of {VARIANTS}, got {self.algorithm!r}")
+        method, agg, clip_high, dynamic, overlong = _VARIANT_DEFAULTS[self.algorithm]
+        self.loss_agg = self.loss_agg or agg
+        self.clip_high = self.clip_high if self.clip_high is not None else clip_high
+        self.dynamic_sampling = dynamic if self.dynamic_sampling is None else self.dynamic_sampling
+        self.overlong_shaping = overlong if self.overlong_shaping is None else self.overlong_shaping
+        if self.loss_agg not in algorithms.LOSS_AGG_MODES:
+            raise ValueError(f"GRPOConfig.loss_agg must be one of {algorithms.LOSS_AGG_MODES}, got {self.loss_agg!r}")
+        if self.kl_kind not in algorithms.KL_KINDS:
+            raise ValueError(f"GRPOConfig.kl_kind must be one of {algorithms.KL_KINDS}, got {self.kl_kind!r}")
+        for name in ("micro_batch_size", "train_epochs", "max_sampling_rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GRPOConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("kl_coef", "entropy_coef", "advantage_eps", "overlong_penalty", "ref_update_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"GRPOConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.ref_update_alpha <= 1:
+            raise ValueError(f"GRPOConfig.ref_update_alpha must be in (0, 1], got {self.ref_update_alpha}")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"GRPOConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
+        if self.overlong_buffer is not None and not 0 < self.overlong_buffer < self.sampling.max_new_tokens:
+            raise ValueError(
+                f"GRPOConfig.overlong_buffer must be in (0, max_new_tokens={self.sampling.max_new_tokens}), "
+                f"got {self.overlong_buffer}"
+            )
+
+    @property
+    def advantage_method(self) -> str | None:
+        """The group advantage estimator of the variant (None: REINFORCE++ without a group baseline)."""
+        return _VARIANT_DEFAULTS[self.algorithm][0]
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment [B]: 0 up to max_length - buffer, then linear down to -penalty at max_length."""
+    start = max_length - buffer
+    return (-(lengths.float() - start).clamp(min=0) / buffer * penalty).clamp(min=-penalty)
+
+
+def group_ids_of(experiences: list[Experience]) -> list[str]:
+    """Each sample's group id (a sample without one is a group of its own)."""
+    return [e.group_id if e.group_id is not None else f"single:{e.id}" for e in experiences]
+
+
+def split_groups(experiences: list[Experience]) -> list[list[Experience]]:
+    """Experiences grouped by group id, in order of first appearance."""
+    groups: dict[str, list[Experience]] = {}
+    for exp, gid in zip(experiences, group_ids_of(experiences), strict=True):
+        groups.setdefault(gid, []).append(exp)
+    return list(groups.values())
+
+
+@functools.cache
+def matmul_peak_flops(device: str = "cpu", size: int = 1024, repeats: int = 5) -> float:
+    """Measured float32 matmul throughput (FLOP/s) of this device: the denominator of MFU on CPUs."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    a @ b  # warm-up
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+class GRPOLearner:
+    """Trains a policy with a group-relative (critic-free) objective."""
+
+    def __init__(self, actor: Actor, strategy: Strategy, config: GRPOConfig | None = None) -> None:
+        self.config = config or GRPOConfig()
+        self.strategy = strategy
+        self.actor = strategy.prepare_model(actor)
+        self.optimizer, self.scheduler = strategy.create_optimizer(self.actor, self.config.actor_optimizer)
+        self.reference: Actor | None = None
+        if self.config.kl_coef > 0:
+            plain = self._effective_policy()
+            for p in plain.parameters():
+                p.requires_grad_(False)
+            self.reference = Actor(plain.to(strategy.device).eval(), self.policy.tokenizer)
+        self.optimizer_steps = 0
+        self.steps = 0
+        unwrapped = self.strategy.unwrap(self.actor).model
+        self.num_parameters = sum(p.numel() for p in unwrapped.parameters())
+        self.num_trainable = sum(p.numel() for p in unwrapped.parameters() if p.requires_grad)
+
+    @property
+    def policy(self) -> Actor:
+        """The unwrapped Actor."""
+        return self.strategy.unwrap(self.actor)
+
+    def synced_models(self) -> dict[str, nn.Module]:
+        """What makers mirror: the policy only (no critic)."""
+        return {"actor": self.policy.model}
+
+    def _effective_policy(self) -> nn.Module:
+        """A plain copy of the policy with any LoRA adapter merged in."""
+        model = self.policy.model
+        return merged_model(model) if lora_backend(model) is not None else copy.deepcopy(model)
+
+    def update_ref_policy(self, alpha: float | None = None) -> None:
+        """Polyak update of the reference: ref <- alpha * policy + (1 - alpha) * ref (alpha=1 copies)."""
+        if self.reference is None:
+            raise ValueError("update_ref_policy: there is no reference model (kl_coef is 0)")
+        alpha = self.config.ref_update_alpha if alpha is None else alpha
+        source = dict(self._effective_policy().named_parameters())
+        with torch.no_grad():
+            for name, param in self.reference.model.named_parameters():
+                param.mul_(1 - alpha).add_(source[name].to(param.device, param.dtype), alpha=alpha)
+
+    # ---------------------------------------------------------------- batches
+    def make_batch(self, sample, size: int) -> tuple[list[Experience], dict[str, float]]:
+        """Draw `size` samples of whole groups; with dynamic sampling drop groups whose rewards are all equal.
+
+        `sample(count)` returns `count` experiences from the buffer (waiting as needed). Dynamic
+        sampling keeps drawing until the batch is full or `max_sampling_rounds` draws were made,
+        then trains on what it has (possibly nothing new: the caller skips an empty batch).
+        """
+        kept: list[list[Experience]] = []
+        seen = dropped = 0
+        for _ in range(self.config.max_sampling_rounds if self.config.dynamic_sampling else 1):
+            missing = size - sum(len(g) for g in kept)
+            if missing <= 0:
+                break
+            for group in split_groups(sample(missing)):
+                seen += 1
+                scores = [e.score for e in group]
+                if self.config.dynamic_sampling and len(group) > 1 and max(scores) - min(scores) < 1e-9:
+                    dropped += 1
+                    continue
+                kept.append(group)
+        experiences = [e for g in kept for e in g][:size]
+        return experiences, {"dynamic_sampling/groups_seen": float(seen),
+                             "dynamic_sampling/dropped_fraction": dropped / seen if seen else 0.0}
+
+    # ---------------------------------------------------------------- advantages
+    def scores(self, batch: ExperienceBatch) -> torch.Tensor:
+        """Sequence rewards [B], with DAPO's overlong penalty when enabled."""
+        scores = batch.scores.clone()
+        if self.config.overlong_shaping:
+            max_length = self.config.sampling.max_new_tokens
+            buffer = self.config.overlong_buffer or max(1, max_length // 5)
+            lengths = batch.response_mask.sum(1)
+            scores = scores + overlong_penalty(lengths, max_length, buffer, self.config.overlong_penalty).to(scores)
+        return scores
+
+    def advantages(self, batch: ExperienceBatch, scores: torch.Tensor, kl: torch.Tensor | None) -> torch.Tensor:
+        """Token-level advantages [B, R] of the variant."""
+        config, mask = self.config, batch.response_mask
+        method = config.advantage_method
+        if method is None:  # REINFORCE++: per-token return of (score - beta * KL), whitened over the batch
+            rewards = torch.zeros_like(batch.log_probs)
+            lengths = mask.sum(1).long()
+            rewards[torch.arange(batch.size), lengths - 1] = scores
+            if kl is not None:
+                rewards = rewards - config.kl_coef * kl
+            returns = torch.flip(torch.cumsum(torch.flip(rewards * mask, [1]), 1), [1])
+            return algorithms.masked_whiten(returns, mask) if batch.num_response_tokens >= 2 else returns * mask
+        ids = [gid if gid is not None else f"single:{i}" for i, gid in enumerate(batch.group_ids)]
+        per_sequence = algorithms.group_advantages(scores, group_ids=ids, method=method, eps=config.advantage_eps)
+        token = algorithms.broadcast_to_tokens(per_sequence, mask)
+        if method == "reinforce_pp_baseline" and batch.num_response_tokens >= 2:
+            token = algorithms.masked_whiten(token, mask)
+        return token
+
+    # ---------------------------------------------------------------- training
+    def train_step(self, experiences: list[Experience], policy_version: int | None = None) -> dict[str, float]:
+        """One GRPO step on a batch of whole groups; returns token-weighted metrics."""
+        start = time.perf_counter()
+        config = self.config
+        batch = collate(experiences, self.policy.tokenizer.pad_token_id).to(self.strategy.device)
+        staleness = (policy_version - batch.policy_versions) if policy_version is not None else None
+        multi_pass = config.train_epochs > 1 or (config.mini_batch_size or batch.size) < batch.size
+        recompute_old = multi_pass or (staleness is not None and bool((staleness > 0).any()))
+        extra_forwards = 0
+        with torch.no_grad():
+            kl = None
+            if self.reference is not None:
+                batch.ref_log_probs = self._forward_in_micro_batches(self.reference, batch)
+                kl = algorithms.kl_estimate(batch.log_probs, batch.ref_log_probs, config.kl_kind)
+                kl = kl.masked_fill(batch.response_mask == 0, 0.0)
+                extra_forwards += 1
+            scores = self.scores(batch)
+            batch.advantages = self.advantages(batch, scores, kl if config.algorithm == "reinforce_pp" else None)
+            batch.old_log_probs, batch.loss_weights = batch.log_probs, torch.ones_like(batch.log_probs)
+            if recompute_old:
+                # The proximal "old" policy: this trainer's weights before the update.
+                batch.old_log_probs = self._forward_in_micro_batches(self.actor, batch)
+                extra_forwards += 1
+                if config.tis_cap is not None:
+                    batch.loss_weights = algorithms.truncated_importance_weight(
+                        batch.log_probs, batch.old_log_probs, config.tis_cap, batch.response_mask)
+        means = TokenWeightedMeans()
+        mini_size = config.mini_batch_size or batch.size
+        self.actor.train()
+        for _ in range(config.train_epochs):
+            order = torch.randperm(batch.size)
+            for mini_start in range(0, batch.size, mini_size):
+                rows = order[mini_start : mini_start + mini_size]
+                mini_tokens = max(int(batch.response_mask[rows].sum()), 1)
+                for micro_start in range(0, len(rows), config.micro_batch_size):
+                    micro = batch.select(rows[micro_start : micro_start + config.micro_batch_size])
+                    weight = micro.num_response_tokens / mini_tokens
+                    means.add(self._micro_step(micro, weight), micro.num_response_tokens)
+                norm = self.strategy.optimizer_step(self.optimizer, self.actor, config.actor_optimizer.max_grad_norm)
+                self.scheduler.step()
+                self.optimizer_steps += 1
+                means.add({"grad_norm/actor": norm}, mini_tokens)
+        self.steps += 1
+        if self.reference is not None and config.ref_update_every and self.steps % config.ref_update_every == 0:
+            self.update_ref_policy()
+        metrics = means.means()
+        elapsed = time.perf_counter() - start
+        tokens = batch.num_response_tokens
+        metrics.update(self._batch_metrics(batch, scores, staleness))
+        flops = self._training_flops(batch, extra_forwards)
+        metrics.update({
+            "time/training": elapsed,
+            "perf/tokens_per_s": tokens / elapsed,
+            "perf/samples_per_s": batch.size / elapsed,
+            "perf/mfu": flops / elapsed / matmul_peak_flops(str(self.strategy.device)),
+            "lr/actor": self.optimizer.param_groups[0]["lr"],
+        })
+        return metrics
+
+    def _forward_in_micro_batches(self, actor: nn.Module, batch: ExperienceBatch) -> torch.Tensor:
+        out = torch.zeros_like(batch.log_probs)
+        for start in range(0, batch.size, self.config.micro_batch_size):
+            rows = torch.arange(start, min(start + self.config.micro_batch_size, batch.size))
+            micro = batch.select(rows)
+            lp = actor(micro.sequences, micro.attention_mask, micro.response_mask, self.config.sampling)
+            out[rows, : lp.shape[1]] = lp.float()
+        return out
+
+    def _micro_step(self, micro: ExperienceBatch, weight: float) -> dict[str, Any]:
+        config, mask = self.config, micro.response_mask
+        log_probs, entropy = self.actor(micro.sequences, micro.attention_mask, mask, config.sampling,
+                                        return_entropy=True)
+        policy_loss, stats = algorithms.policy_loss(
+            log_probs, micro.old_log_probs, micro.advantages, mask, config.clip_low, config.clip_high,
+            config.dual_clip, config.loss_agg, weights=micro.loss_weights, max_length=config.sampling.max_new_tokens,
+        )
+        total = policy_loss
+        kl_loss = torch.zeros((), device=log_probs.device)
+        if self.reference is not None and config.algorithm != "reinforce_pp":
+            kl_loss = algorithms.aggregate_loss(
+                algorithms.kl_estimate(log_probs, micro.ref_log_probs, config.kl_kind), mask, config.loss_agg,
+                max_length=config.sampling.max_new_tokens,
+            )
+            total = total + config.kl_coef * kl_loss
+        entropy_mean = algorithms.masked_mean(entropy.detach(), mask)
+        if config.entropy_coef > 0:
+            total = total - config.entropy_coef * algorithms.aggregate_loss(entropy, mask, config.loss_agg)
+        self.strategy.backward(total * weight, self.actor, self.optimizer)
+        return {
+            "loss/policy_avg": policy_loss.detach(), "loss/kl_avg": kl_loss.detach(),
+            "loss/total_avg": total.detach(), "policy/clipfrac_avg": stats["clipfrac"],
+            "policy/approx_kl": stats["approx_kl"], "val/ratio": stats["ratio_mean"],
+            "policy/entropy": entropy_mean,
+            "policy/importance_weight": algorithms.masked_mean(micro.loss_weights, mask),
+        }
+
+    def _training_flops(self, batch: ExperienceBatch, extra_forwards: int) -> float:
+        """Model FLOPs of the step: 2N per token per forward, 2N for activation gradients, 2N more for trainable
+        weight gradients (N = parameters; attention's sequence-length term is left out)."""
+        tokens = int(batch.attention_mask.sum())
+        per_token = 2 * self.num_parameters * (1 + extra_forwards) + 2 * self.num_parameters + 2 * self.num_trainable
+        return float(per_token * tokens * self.config.train_epochs)
+
+    def _batch_metrics(self, batch: ExperienceBatch, scores: torch.Tensor, staleness: torch.Tensor | None
+                       ) -> dict[str, float]:
+        lengths = batch.response_mask.sum(1).float()
+        out = {
+            "reward/mean": float(scores.mean()),
+            "reward/std": float(scores.std()) if batch.size > 1 else 0.0,
+            "reward/raw_mean": float(batch.scores.mean()),
+            "response_length/mean": float(lengths.mean()),
+            "samples": float(batch.size),
+            "tokens": float(batch.num_response_tokens),
+        }
+        if staleness is not None:  # the histogram is added per rank by the trainer (its keys vary)
+            out["staleness/mean"] = float(staleness.float().mean())
+            out["staleness/max"] = float(staleness.max())
+        return out

@@ -1,0 +1,148 @@
+"""GRPO family: variant defaults, hand-checked shaping and advantages, off-policy correction, learning."""
+
+import pytest
+import torch
+
+from detached_rl import Experience, collate
+from detached_rl.grpo import GRPOConfig, GRPOLearner, overlong_penalty, split_groups
+from detached_rl.maker import ExperienceMaker, MakerConfig, MakerModels
+from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
+from detached_rl.optim import OptimizerConfig
+from detached_rl.prompts import CyclingPrompts
+from detached_rl.strategies import NaiveStrategy
+from detached_rl.trainer import TrainerConfig, TrainerCore
+
+from .helpers import LowTokenReward, ObjectStore, arithmetic_prompts
+
+SAMPLING = SamplingConfig(max_new_tokens=6)
+
+
+def learner(**config):
+    config.setdefault("sampling", SAMPLING)
+    return GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), NaiveStrategy(), GRPOConfig(**config))
+
+
+def exp(score, group, length=3, version=0, lp=-1.0):
+    return Experience(torch.tensor([5, 6]), torch.arange(10, 10 + length), torch.full((length,), lp),
+                      torch.tensor(float(score)), policy_version=version, group_id=group)
+
+
+def test_variant_defaults():
+    assert GRPOConfig().loss_agg == "seq-mean-token-mean" and GRPOConfig().clip_high is None
+    dapo = GRPOConfig(algorithm="dapo")
+    assert (dapo.clip_high, dapo.loss_agg, dapo.dynamic_sampling, dapo.overlong_shaping) == (0.28, "token-mean",
+                                                                                              True, True)
+    assert GRPOConfig(algorithm="dr_grpo").loss_agg == "seq-mean-token-sum-norm"
+    assert GRPOConfig(algorithm="dapo", clip_high=0.3, dynamic_sampling=False).clip_high == 0.3
+    assert GRPOConfig(algorithm="rloo").advantage_method == "rloo"
+    assert GRPOConfig(algorithm="reinforce_pp").advantage_method is None
+    for kwargs, field in [(dict(algorithm="ppo"), "algorithm"), (dict(loss_agg="sum"), "loss_agg"),
+                          (dict(ref_update_alpha=0), "ref_update_alpha"), (dict(tis_cap=0), "tis_cap"),
+                          (dict(overlong_buffer=6, sampling=SAMPLING), "overlong_buffer")]:
+        with pytest.raises(ValueError, match=f"GRPOConfig.{field}"):
+            GRPOConfig(**kwargs)
+
+
+def test_overlong_penalty_by_hand():
+    # max 10, buffer 4: no penalty up to 6 tokens, then -(L - 6) / 4, at most -1.
+    lengths = torch.tensor([5, 6, 7, 8, 10, 12])
+    assert overlong_penalty(lengths, 10, 4, 1.0).tolist() == pytest.approx([0, 0, -0.25, -0.5, -1.0, -1.0])
+
+
+def test_group_advantages_of_each_variant_by_hand():
+    batch = collate([exp(1, "a"), exp(0, "a"), exp(0, "a"), exp(1, "b"), exp(1, "b")], 0)
+    scores = batch.scores
+    # Group a: mean 1/3, unbiased std sqrt(1/3); group b: all equal.
+    grpo = learner().advantages(batch, scores, None)[:, 0]
+    std = (1 / 3) ** 0.5
+    assert grpo.tolist() == pytest.approx([(2 / 3) / (std + 1e-6), -(1 / 3) / (std + 1e-6),
+                                           -(1 / 3) / (std + 1e-6), 0, 0], abs=1e-5)
+    dr = learner(algorithm="dr_grpo").advantages(batch, scores, None)[:, 0]
+    assert dr.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0, 0], abs=1e-6)
+    rloo = learner(algorithm="rloo").advantages(batch, scores, None)[:, 0]
+    assert rloo.tolist() == pytest.approx([1.0, -0.5, -0.5, 0, 0], abs=1e-6)  # r - mean of the others
+    # Every valid token carries its sequence's advantage.
+    assert torch.all(learner(algorithm="rloo").advantages(batch, scores, None)[0] == 1.0)
+
+
+def test_reinforce_pp_returns_with_kl_in_the_reward_by_hand():
+    batch = collate([exp(1, None, length=3), exp(0, None, length=2)], 0)
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.2, 0.4, 0.0]])
+    # beta 0.5: rewards [-0.05, -0.1, 1 - 0.15] and [-0.1, -0.2]; returns [0.7, 0.75, 0.85] and [-0.3, -0.2].
+    adv = learner(algorithm="reinforce_pp", kl_coef=0.5).advantages(batch, batch.scores, kl)
+    returns = torch.tensor([0.7, 0.75, 0.85, -0.3, -0.2])
+    expected = (returns - returns.mean()) / (returns.var() + 1e-8).sqrt()
+    assert adv[batch.response_mask.bool()].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+    assert adv[1, 2] == 0
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_draws_again():
+    draws = [[exp(1, "a"), exp(1, "a"), exp(0, "b"), exp(1, "b")], [exp(0, "c"), exp(1, "c")],
+             [exp(0, "d"), exp(0, "d")]]
+    calls = []
+
+    def sample(count):
+        calls.append(count)
+        return draws[len(calls) - 1]
+
+    batch, stats = learner(algorithm="dapo").make_batch(sample, 4)
+    assert calls == [4, 2] and [e.group_id for e in batch] == ["b", "b", "c", "c"]
+    assert stats["dynamic_sampling/dropped_fraction"] == pytest.approx(1 / 3)
+    assert [len(g) for g in split_groups(batch)] == [2, 2]
+
+
+def test_fresh_batches_are_on_policy_and_stale_ones_are_importance_weighted():
+    grpo = learner(actor_optimizer=OptimizerConfig(lr=1e-3))
+    actor = grpo.policy
+    torch.manual_seed(0)
+    out = actor.generate(["q1", "q2"] * 2, SAMPLING)
+    experiences = [Experience(p, r, lp, torch.tensor(float(i // 2)), policy_version=3, group_id=str(i % 2))
+                   for i, (p, r, lp) in enumerate(zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True))]
+    fresh = grpo.train_step(experiences, policy_version=3)
+    assert fresh["val/ratio"] == pytest.approx(1.0, abs=1e-5) and fresh["policy/importance_weight"] == 1.0
+    assert 0 < fresh["perf/mfu"] < 1 and fresh["time/training"] > 0
+    stale = grpo.train_step(experiences, policy_version=5)  # the weights moved since these were generated
+    assert stale["staleness/max"] == 2
+    assert stale["policy/importance_weight"] != pytest.approx(1.0, abs=1e-7)
+    assert stale["val/ratio"] == pytest.approx(1.0, abs=1e-5)  # ratio to the recomputed proximal policy
+
+
+def test_reference_model_kl_and_polyak_update():
+    grpo = learner(kl_coef=0.1, actor_optimizer=OptimizerConfig(lr=1e-2))
+    ref = grpo.reference.model
+    assert not any(p.requires_grad for p in ref.parameters())
+    name, before = next((n, p.detach().clone()) for n, p in ref.named_parameters() if "q_proj" in n)
+    with torch.no_grad():
+        for p in grpo.policy.model.parameters():
+            p.add_(1.0)
+    grpo.update_ref_policy(alpha=0.5)
+    after = dict(ref.named_parameters())[name]
+    policy = dict(grpo.policy.model.named_parameters())[name]
+    assert torch.allclose(after, 0.5 * before + 0.5 * policy.detach(), atol=1e-6)
+    grpo.update_ref_policy(alpha=1.0)
+    assert torch.equal(dict(ref.named_parameters())[name], policy.detach())
+
+
+def test_grpo_learns_a_verifiable_preference_in_a_few_dozen_steps():
+    """2 prompts x 8 responses per step; reward = share of response tokens with id < 100."""
+    torch.manual_seed(0)
+    config = GRPOConfig(algorithm="grpo", sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-2),
+                        micro_batch_size=16)
+    grpo = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), NaiveStrategy(), config)
+    trainer = TrainerCore("trainer", grpo, TrainerConfig(train_batch_size=16))
+    store = ObjectStore()
+    trainer.build_update(store.put)
+    maker = ExperienceMaker(
+        "maker", MakerModels(actor=Actor(*tiny_causal_lm("llama", seed=3)), reward=LowTokenReward()),
+        CyclingPrompts(arithmetic_prompts()), MakerConfig(experience_batch_size=2, group_size=8, sampling=SAMPLING),
+    )
+    maker.apply_weight_update(trainer.register_maker("maker"), store.fetch)
+    rewards = []
+    for _ in range(30):
+        trainer.push_experience(maker.make_experience())
+        rewards.append(trainer.train_step()["reward/mean"])
+        trainer.sync_weights(store.put, lambda u, makers: {m: maker.apply_weight_update(u, store.fetch)
+                                                            for m in makers})
+    start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"mean reward {start:.2f} -> {end:.2f}")
+    assert end > start + 0.3, f"mean reward {start:.2f} -> {end:.2f}"
