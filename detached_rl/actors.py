@@ -168,10 +168,13 @@ class ExperienceMakerHolder:
                     continue
                 self.pusher.push(self.core.make_experience())
                 made += 1
-                stale = self.pusher.stats()["dropped_stale_by_trainer"]
-                if stale > stale_seen:  # the trainer is past our version: wait for its weights, don't waste work
-                    stale_seen = stale
-                    self._wait_for_newer_weights(self.core.policy_version, config.weight_timeout_s)
+                stats = self.pusher.stats()
+                if stats["dropped_stale_by_trainer"] > stale_seen:
+                    # Samples arrived too old: catch up with the trainers' version before generating more.
+                    stale_seen = stats["dropped_stale_by_trainer"]
+                    versions = [t["last_version"] for t in stats["per_trainer"].values() if t["last_version"]]
+                    if versions:
+                        self._wait_for_version(max(versions), config.weight_timeout_s)
             self.pusher.flush(timeout=config.push_timeout_s)
         except Exception as error:
             self.core.last_error = f"{type(error).__name__}: {error}"
@@ -180,9 +183,9 @@ class ExperienceMakerHolder:
             self._running = False
         return self.status()
 
-    def _wait_for_newer_weights(self, version: int, timeout: float) -> None:
+    def _wait_for_version(self, version: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while self.core.policy_version <= version and time.monotonic() < deadline and not self._stop.is_set():
+        while self.core.policy_version < version and time.monotonic() < deadline and not self._stop.is_set():
             time.sleep(0.02)
 
     @ray.method(concurrency_group="experience_io")
@@ -322,8 +325,16 @@ class _TrainerShell:
 
     @ray.method(concurrency_group="model_io")
     def register_maker(self, maker_name: str, base_fingerprint: str | None = None) -> WeightUpdate | None:
-        """Record a maker; returns the weight update it should start from (full unless its base matches)."""
-        return self._core().register_maker(maker_name, base_fingerprint, put_chunk)
+        """Record a maker; returns the weight update it should start from (full unless its base matches).
+
+        A maker that arrives after `fit` ended (and makers are stopped at the end) is stopped too,
+        instead of filling a buffer nobody trains on.
+        """
+        core = self._core()
+        update = core.register_maker(maker_name, base_fingerprint, put_chunk)
+        if core.state == "done" and self.config.stop_makers_at_end:
+            attach(maker_name, self.namespace, timeout=5.0).stop.remote()
+        return update
 
     @ray.method(concurrency_group="model_io")
     def policy_version(self) -> int:
@@ -351,11 +362,17 @@ class _TrainerShell:
             return deliver_weight_update(update, makers, self.namespace, self.config.weight_push_timeout_s)
 
         def stop_makers(makers: list[str]) -> None:
+            pending = {}
             for name in makers:
                 try:
-                    attach(name, self.namespace, timeout=5.0).stop.remote()
+                    pending[name] = attach(name, self.namespace, timeout=5.0).stop.remote()
                 except Exception as error:  # noqa: BLE001 - a vanished maker needs no stopping
                     logger.warning("could not stop maker %s: %s", name, error)
+            for name, ref in pending.items():  # wait for the acknowledgement: a dropped reference is not a delivery
+                try:
+                    ray.get(ref, timeout=30.0)
+                except Exception as error:  # noqa: BLE001
+                    logger.warning("maker %s did not acknowledge stop: %s", name, error)
 
         return core.fit(total_steps, put_chunk, send, update_steps, train_epochs, stop_makers)
 

@@ -50,6 +50,7 @@ class _Push:
 class _Trainer:
     accepted: int = 0
     last_size: int | None = None
+    last_version: int | None = None  # the trainer's policy version at its latest acknowledgement
     failures: int = 0
     avoid_until: float = field(default=-math.inf)  # set after a failure or a "full" answer
 
@@ -141,7 +142,8 @@ class ExperiencePusher:
                 "in_flight": len(self._in_flight),
                 "waiting_retry": len(self._waiting),
                 "per_trainer": {
-                    name: {"accepted": t.accepted, "last_size": t.last_size, "failures": t.failures}
+                    name: {"accepted": t.accepted, "last_size": t.last_size, "failures": t.failures,
+                           "last_version": t.last_version}
                     for name, t in self._state.items()
                 },
                 "last_error": self._last_error,
@@ -235,6 +237,7 @@ class ExperiencePusher:
             return
         trainer = self._state[push.trainer]
         trainer.last_size = result.size
+        trainer.last_version = getattr(result, "current_version", None)
         if result.full:
             self._counts["full_retries"] += 1
             trainer.avoid_until = now + self.backoff_max

@@ -49,6 +49,7 @@ class AppendResult:
     full: bool  # refused for capacity ("refuse"): nothing changed, retry later
     size: int  # buffer size after the push
     nbytes: int  # buffer bytes after the push
+    current_version: int = -1  # the trainer's policy version the push was judged against
 
     @property
     def received(self) -> int:
@@ -141,7 +142,7 @@ class ReplayBuffer:
                     self._counts["refused_full"] += 1
                     return AppendResult(
                         accepted=0, duplicates=0, dropped_stale=0, evicted=0, full=True,
-                        size=len(self._queue), nbytes=self._nbytes,
+                        size=len(self._queue), nbytes=self._nbytes, current_version=current_version,
                     )
                 while not self._fits(len(entries), push_bytes):
                     self._remove(next(iter(self._arrivals)), reason="evicted")
@@ -168,6 +169,7 @@ class ReplayBuffer:
                 full=False,
                 size=len(self._queue),
                 nbytes=self._nbytes,
+                current_version=current_version,
             )
 
     def sample(self, count: int, current_version: int | None = None, timeout: float = 0.0) -> list[Experience]:

@@ -73,7 +73,7 @@ def test_one_trainer_acks_everything(executor):
     assert pusher.flush(timeout=5)
     stats = assert_accounted(pusher, 15)
     assert stats["accepted"] == 15 and stats["acked_pushes"] == stats["pushes"] == 5
-    assert stats["per_trainer"]["t0"] == {"accepted": 15, "last_size": 15, "failures": 0}
+    assert stats["per_trainer"]["t0"] == {"accepted": 15, "last_size": 15, "failures": 0, "last_version": 0}
     assert sorted(buffer_ids(buffers["t0"])) == sorted(exp.id for push in pushes for exp in push)
     assert stats["last_error"] is None and stats["dropped"] == {"rejected": 0, "failed": 0, "stopped": 0}
 

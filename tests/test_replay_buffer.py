@@ -84,7 +84,7 @@ def test_sample_count_budget_refuses_whole_push_then_accepts_retry():
     retry = makes(2, prefix="b")
     result = buffer.append(retry, 0)
     assert result == AppendResult(accepted=0, duplicates=0, dropped_stale=0, evicted=0, full=True, size=3,
-                                  nbytes=3 * SAMPLE_BYTES)
+                                  nbytes=3 * SAMPLE_BYTES, current_version=0)
     after = buffer.stats()
     assert after.pop("refused_full") == before.pop("refused_full") + 1
     assert after == before
@@ -437,7 +437,7 @@ def test_call_argument_validation():
         buffer.append([make()], current_version=-1)
     with pytest.raises(RejectedPushError, match="expected an Experience"):
         buffer.append([make(), {"id": "x"}], 0)
-    assert buffer.append([], 0) == AppendResult(0, 0, 0, 0, full=False, size=0, nbytes=0)
+    assert buffer.append([], 0) == AppendResult(0, 0, 0, 0, full=False, size=0, nbytes=0, current_version=0)
 
 
 def test_wait_for_counts_available_after_dropping_stale():
