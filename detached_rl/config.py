@@ -21,13 +21,15 @@ from typing import Any
 
 import yaml
 
+from detached_rl.grpo import GRPOConfig
 from detached_rl.maker import MakerConfig, MakerModels
 from detached_rl.models.generation import SamplingConfig
 from detached_rl.ppo import PPOConfig
+from detached_rl.rewards import REWARD_FUNCTIONS
 from detached_rl.trainer import TrainerConfig
 
-REWARDS = ("numeric_answer",)
 TASKS = ("addition",)
+ALGORITHMS = ("ppo", "grpo")
 
 
 class ConfigError(ValueError):
@@ -68,8 +70,8 @@ class TaskConfig:
     def __post_init__(self) -> None:
         if self.name not in TASKS:
             raise ValueError(f"TaskConfig.name must be one of {TASKS}, got {self.name!r}")
-        if self.reward not in REWARDS:
-            raise ValueError(f"TaskConfig.reward must be one of {REWARDS}, got {self.reward!r}")
+        if self.reward not in REWARD_FUNCTIONS:
+            raise ValueError(f"TaskConfig.reward must be one of {tuple(REWARD_FUNCTIONS)}, got {self.reward!r}")
         if self.train_size < 1:
             raise ValueError(f"TaskConfig.train_size must be >= 1, got {self.train_size}")
 
@@ -79,25 +81,37 @@ class RunConfig:
     """Everything a detached run needs; every field has a default that works."""
 
     namespace: str = "detached_rl"
+    algorithm: str = "ppo"  # "ppo" (critic, GAE) or "grpo" (the GRPO family, see `grpo.algorithm`)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
     maker: MakerConfig = field(default_factory=MakerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"RunConfig.algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         # One sampling setting: the makers sample with it and the trainer recomputes log-probs with it.
         self.maker.sampling = self.sampling
         self.ppo.sampling = self.sampling
+        self.grpo.sampling = self.sampling
+
+    @property
+    def algorithm_config(self) -> PPOConfig | GRPOConfig:
+        """The trainer's algorithm settings."""
+        return self.grpo if self.algorithm == "grpo" else self.ppo
 
     def trainer_factory(self) -> functools.partial:
-        """A picklable zero-argument factory of the trainer's (Actor, Critic)."""
+        """A picklable zero-argument factory of the trainer's models ((Actor, Critic) for PPO, Actor for GRPO)."""
+        if self.algorithm == "grpo":
+            return functools.partial(build_policy, self.model)
         return functools.partial(build_actor_critic, self.model)
 
     def maker_factory(self) -> functools.partial:
-        """A picklable zero-argument factory of a maker's models."""
-        return functools.partial(build_maker_models, self.model, self.task)
+        """A picklable zero-argument factory of a maker's models (GRPO makers hold only the policy)."""
+        return functools.partial(build_maker_models, self.model, self.task, self.algorithm == "ppo")
 
     def prompts(self):
         """The training prompts as a cycling prompt source."""
@@ -109,33 +123,41 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (as YAML would hold it); sampling appears once, at the top."""
         data = dataclasses.asdict(self)
-        data["maker"].pop("sampling")
-        data["ppo"].pop("sampling")
+        for section in ("maker", "ppo", "grpo"):
+            data[section].pop("sampling")
         return data
 
 
-def build_actor_critic(model: ModelConfig):
-    """The policy (with its LoRA adapter, if configured) and a critic, from the model config."""
-    from detached_rl.models import Actor, Critic, LoraSettings, apply_lora, load_causal_lm
-    from detached_rl.models.scalar_heads import backbone_of
+def build_policy(model: ModelConfig):
+    """The policy `Actor` (with its LoRA adapter, if configured), from the model config."""
+    from detached_rl.models import Actor, LoraSettings, apply_lora, load_causal_lm
 
     policy, tokenizer = load_causal_lm(model.policy, seed=model.seed)
     if model.lora is not None:
         policy = apply_lora(policy, LoraSettings(**dataclasses.asdict(model.lora)))
+    return Actor(policy, tokenizer)
+
+
+def build_actor_critic(model: ModelConfig):
+    """The policy and a critic, from the model config."""
+    from detached_rl.models import Critic, load_causal_lm
+    from detached_rl.models.scalar_heads import backbone_of
+
     critic_model, _ = load_causal_lm(model.critic or model.policy, seed=model.seed + 1)
-    return Actor(policy, tokenizer), Critic(backbone_of(critic_model))
+    return build_policy(model), Critic(backbone_of(critic_model))
 
 
-def build_maker_models(model: ModelConfig, task: TaskConfig) -> MakerModels:
-    """A maker's policy, critic, reference model and reward function."""
+def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool = True) -> MakerModels:
+    """A maker's policy, reward function and, for PPO, critic and reference model."""
     from detached_rl.models import Actor, FunctionReward, load_causal_lm
-    from detached_rl.rewards import numeric_answer_reward
 
-    actor, critic = build_actor_critic(model)
-    reference = Actor(*load_causal_lm(model.policy, seed=model.seed)) if model.reference else None
-    rewards = {"numeric_answer": numeric_answer_reward}
+    if with_critic:
+        actor, critic = build_actor_critic(model)
+        reference = Actor(*load_causal_lm(model.policy, seed=model.seed)) if model.reference else None
+    else:  # GRPO: critic-free, and the reference model lives on the trainer
+        actor, critic, reference = build_policy(model), None, None
     return MakerModels(actor=actor, critic=critic, reference=reference,
-                       reward=FunctionReward(rewards[task.reward], actor.tokenizer))
+                       reward=FunctionReward(REWARD_FUNCTIONS[task.reward], actor.tokenizer))
 
 
 # ------------------------------------------------------------------ dict -> dataclass
@@ -149,8 +171,9 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         dotted = f"{path}.{key}" if path else str(key)
-        if key not in fields or (cls in (MakerConfig, PPOConfig) and key == "sampling"):
-            known = ", ".join(sorted(k for k in fields if not (cls in (MakerConfig, PPOConfig) and k == "sampling")))
+        if key not in fields or (cls in (MakerConfig, PPOConfig, GRPOConfig) and key == "sampling"):
+            known = ", ".join(sorted(k for k in fields
+                                     if not (cls in (MakerConfig, PPOConfig, GRPOConfig) and k == "sampling")))
             raise ConfigError(f"{dotted}: unknown key (known keys: {known})")
         kwargs[key] = _convert(hints[key], value, dotted)
     try:

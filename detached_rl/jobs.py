@@ -79,14 +79,15 @@ def connect(address: str | None, namespace: str, timeout: float = 60.0) -> None:
 
 
 def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: int) -> Any:
-    """Create a detached, named PPO trainer and start its `fit` in the background."""
+    """Create a detached, named trainer (PPO or GRPO, by `config.algorithm`) and start its `fit` in the background."""
     import ray
 
-    from detached_rl.actors import DetachedPPOTrainer
+    from detached_rl.actors import DetachedGRPOTrainer, DetachedPPOTrainer
 
     _refuse_existing(name, config.namespace)
-    handle = DetachedPPOTrainer.options(name=name, namespace=config.namespace, lifetime="detached").remote(
-        name, config.trainer_factory(), config.trainer, config.ppo, config.namespace
+    trainer_class = DetachedGRPOTrainer if config.algorithm == "grpo" else DetachedPPOTrainer
+    handle = trainer_class.options(name=name, namespace=config.namespace, lifetime="detached").remote(
+        name, config.trainer_factory(), config.trainer, config.algorithm_config, config.namespace
     )
     ray.get(handle.start_fit.remote(total_steps, update_steps), timeout=600)
     return handle

@@ -33,7 +33,7 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address=args.address, namespace=config.namespace, include_dashboard=False, log_to_driver=False)
     trainer = DetachedPPOTrainer.options(name="trainer_0").remote(
-        "trainer_0", config.trainer_factory(), config.trainer, config.ppo, config.namespace
+        "trainer_0", config.trainer_factory(), config.trainer, config.algorithm_config, config.namespace
     )
     makers = [
         ExperienceMakerHolder.options(name=f"maker_{i}").remote(

@@ -75,3 +75,17 @@ def test_factories_are_picklable_and_build_the_configured_models():
     models = pickle.loads(pickle.dumps(config.maker_factory()))()
     assert models.reference is not None and models.critic is not None
     assert len(config.prompts().next_batch(3)) == 3
+
+
+def test_grpo_run_config_builds_a_critic_free_setup():
+    config = load_config(None, ["algorithm=grpo", "grpo.algorithm=dapo", "maker.group_size=4",
+                                "task.reward=numeric_answer"])
+    assert config.algorithm_config is config.grpo and config.grpo.clip_high == 0.28
+    assert config.grpo.sampling is config.sampling
+    from detached_rl.models import Actor
+
+    assert isinstance(config.trainer_factory()(), Actor)
+    models = config.maker_factory()()
+    assert models.critic is None and models.reference is None
+    with pytest.raises(ConfigError, match="algorithm"):
+        load_config(None, ["algorithm=sac"])
