@@ -354,8 +354,10 @@ class _TrainerShell:
         return dict(self._core().fingerprints)
 
     @ray.method(concurrency_group="compute")
-    def fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None) -> dict[str, Any]:
-        """Train; push weights to this rank's makers every `update_steps` steps and at the end."""
+    def fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None,
+            checkpoint_every: int = 0, checkpoint_dir: str | None = None, resume_from: str | None = None,
+            ) -> dict[str, Any]:
+        """Train up to step `total_steps`; push weights every `update_steps` steps and at the end; checkpoint."""
         core = self._core()
 
         def send(update: WeightUpdate, makers: list[str]) -> dict[str, Any]:
@@ -374,24 +376,27 @@ class _TrainerShell:
                 except Exception as error:  # noqa: BLE001
                     logger.warning("maker %s did not acknowledge stop: %s", name, error)
 
-        return core.fit(total_steps, put_chunk, send, update_steps, train_epochs, stop_makers)
+        return core.fit(total_steps, put_chunk, send, update_steps, train_epochs, stop_makers,
+                        checkpoint_every, checkpoint_dir, resume_from)
 
     @ray.method(concurrency_group="model_io")
-    def start_fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None) -> bool:
+    def start_fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None,
+                  **checkpointing: Any) -> bool:
         """Run `fit` in a background thread of the actor (it outlives the caller); False if one runs already."""
         core = self._core()
         if core.state == "training" or self._fit_thread is not None and self._fit_thread.is_alive():
             return False
         core.state = "training"
         self._fit_thread = threading.Thread(
-            target=self._fit_logged, args=(total_steps, update_steps, train_epochs), daemon=True, name="trainer-fit"
+            target=self._fit_logged, args=(total_steps, update_steps, train_epochs), kwargs=checkpointing,
+            daemon=True, name="trainer-fit",
         )
         self._fit_thread.start()
         return True
 
-    def _fit_logged(self, total_steps: int, update_steps: int, train_epochs: int | None) -> None:
+    def _fit_logged(self, total_steps: int, update_steps: int, train_epochs: int | None, **checkpointing: Any) -> None:
         try:
-            self.fit(total_steps, update_steps, train_epochs)
+            self.fit(total_steps, update_steps, train_epochs, **checkpointing)
         except Exception:  # noqa: BLE001 - recorded in last_error by fit, shown by status
             logger.exception("trainer %s stopped with an error", self.name)
 

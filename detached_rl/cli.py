@@ -53,7 +53,10 @@ def _trainer(args: argparse.Namespace) -> int:
 
     config = _config(args)
     jobs.connect(args.address, config.namespace)
-    jobs.start_trainer(config, args.name, args.steps, args.update_steps)
+    checkpointing = {"checkpoint_every": args.checkpoint_every,
+                     "checkpoint_dir": str(Path(args.checkpoint_dir).resolve()) if args.checkpoint_dir else None,
+                     "resume_from": str(Path(args.resume_from).resolve()) if args.resume_from else None}
+    jobs.start_trainer(config, args.name, args.steps, args.update_steps, **checkpointing)
     print(f"trainer {args.name!r} started in namespace {config.namespace!r} ({args.steps} steps)")
     return _follow(args.name, config.namespace) if args.wait else 0
 
@@ -158,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--name", required=True, help="actor name, e.g. trainer_0")
     trainer.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     trainer.add_argument("--update-steps", type=int, default=1, help="push weights every N steps (default 1)")
+    trainer.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps")
+    trainer.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (one folder per rank)")
+    trainer.add_argument("--resume-from", default=None, help="continue from a checkpoint directory")
     trainer.add_argument("--wait", action="store_true", help="follow the trainer until it finishes")
     _config_options(trainer)
     _cluster_options(trainer)

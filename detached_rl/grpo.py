@@ -131,8 +131,10 @@ def split_groups(experiences: list[Experience]) -> list[list[Experience]]:
 @functools.cache
 def matmul_peak_flops(device: str = "cpu", size: int = 1024, repeats: int = 5) -> float:
     """Measured float32 matmul throughput (FLOP/s) of this device: the denominator of MFU on CPUs."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
+    # A private generator: measuring must not move the global RNG (exact resume depends on it).
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=generator)
+    b = torch.randn(size, size, device=device, generator=generator)
     a @ b  # warm-up
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -172,6 +174,21 @@ class GRPOLearner:
     def synced_models(self) -> dict[str, nn.Module]:
         """What makers mirror: the policy only (no critic)."""
         return {"actor": self.policy.model}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything training changes: policy, reference (Polyak-updated), optimizer, schedule, counters."""
+        return {"actor": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "steps": self.steps, "optimizer_steps": self.optimizer_steps,
+                "reference": self.reference.state_dict() if self.reference is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        self.policy.load_state_dict(state["actor"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps, self.optimizer_steps = state["steps"], state["optimizer_steps"]
+        if self.reference is not None and state["reference"] is not None:
+            self.reference.load_state_dict(state["reference"])
 
     def _effective_policy(self) -> nn.Module:
         """A plain copy of the policy with any LoRA adapter merged in."""

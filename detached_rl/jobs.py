@@ -78,7 +78,7 @@ def connect(address: str | None, namespace: str, timeout: float = 60.0) -> None:
         done.set()
 
 
-def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: int) -> Any:
+def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: int, **checkpointing: Any) -> Any:
     """Create a detached, named trainer (PPO or GRPO, by `config.algorithm`) and start its `fit` in the background."""
     import ray
 
@@ -89,7 +89,7 @@ def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: 
     handle = trainer_class.options(name=name, namespace=config.namespace, lifetime="detached").remote(
         name, config.trainer_factory(), config.trainer, config.algorithm_config, config.namespace
     )
-    ray.get(handle.start_fit.remote(total_steps, update_steps), timeout=600)
+    ray.get(handle.start_fit.remote(total_steps, update_steps, **checkpointing), timeout=600)
     return handle
 
 

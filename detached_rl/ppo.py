@@ -127,6 +127,23 @@ class PPOLearner:
         """What makers mirror: the policy's model and the critic."""
         return {"actor": self.strategy.unwrap(self.actor).model, "critic": self.strategy.unwrap(self.critic)}
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything training changes: models, optimizers, schedules, counters."""
+        unwrap = self.strategy.unwrap
+        return {"actor": unwrap(self.actor).state_dict(), "critic": unwrap(self.critic).state_dict(),
+                "actor_optimizer": self.actor_optimizer.state_dict(), "critic_optimizer": self.critic_optimizer.state_dict(),
+                "actor_scheduler": self.actor_scheduler.state_dict(),
+                "critic_scheduler": self.critic_scheduler.state_dict(), "optimizer_steps": self.optimizer_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        unwrap = self.strategy.unwrap
+        unwrap(self.actor).load_state_dict(state["actor"])
+        unwrap(self.critic).load_state_dict(state["critic"])
+        for name in ("actor_optimizer", "critic_optimizer", "actor_scheduler", "critic_scheduler"):
+            getattr(self, name).load_state_dict(state[name])
+        self.optimizer_steps = state["optimizer_steps"]
+
     @property
     def pad_token_id(self) -> int:
         """Pad id used when collating."""

@@ -18,10 +18,12 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from detached_rl.checkpoint import load_state, rng_state, save_atomic, set_rng_state
 from detached_rl.models.lora import lora_backend, lora_config_dict
 from detached_rl.models.lora_merge import base_fingerprint
 from detached_rl.replay_buffer import AppendResult, ReplayBuffer
@@ -243,6 +245,26 @@ class TrainerCore:
         })
         return metrics
 
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Save learner, buffer, RNG states and counters atomically (each rank to its own `rank_<r>` folder)."""
+        path = Path(directory) / f"rank_{self.strategy.rank}"
+        with self.weights_lock:
+            state = {"policy_version": self.policy_version, "samples_trained": self.samples_trained,
+                     "learner": self.learner.state_dict(), "buffer": self.buffer.state_dict(), "rng": rng_state()}
+        return save_atomic(state, path)
+
+    def load_checkpoint(self, directory: str | Path, put: Put | None = None) -> None:
+        """Restore a checkpoint of this rank; with `put`, rebuild the update new makers start from."""
+        state = load_state(Path(directory) / f"rank_{self.strategy.rank}")
+        with self.weights_lock:
+            self.learner.load_state_dict(state["learner"])
+            self.buffer.load_state_dict(state["buffer"])
+            self.policy_version, self.samples_trained = state["policy_version"], state["samples_trained"]
+            set_rng_state(state["rng"])
+        if put is not None:
+            self.latest_update = None  # the first update after a resume is full
+            self.build_update(put)
+
     def fit(
         self,
         total_steps: int,
@@ -251,8 +273,20 @@ class TrainerCore:
         update_steps: int = 1,
         train_epochs: int | None = None,
         stop_makers: Callable[[list[str]], None] | None = None,
+        checkpoint_every: int = 0,
+        checkpoint_dir: str | Path | None = None,
+        resume_from: str | Path | None = None,
     ) -> dict[str, Any]:
-        """Train `total_steps` steps; every `update_steps` steps, and at the end, push weights to the makers."""
+        """Train up to step `total_steps`; push weights every `update_steps` steps and at the end.
+
+        With `resume_from`, training continues from a checkpoint (its step counts towards
+        `total_steps`); with `checkpoint_every` > 0, a checkpoint is saved to `checkpoint_dir`
+        every that many steps and at the end.
+        """
+        if checkpoint_every and checkpoint_dir is None:
+            raise ValueError("fit: checkpoint_every needs a checkpoint_dir")
+        if resume_from is not None:
+            self.load_checkpoint(resume_from, put)
         if total_steps < 1 or update_steps < 1:
             raise ValueError(f"fit: total_steps and update_steps must be >= 1, got {total_steps}, {update_steps}")
         if train_epochs is not None:
@@ -263,13 +297,14 @@ class TrainerCore:
         self._stop.clear()
         start = time.perf_counter()
         try:
-            for step in range(total_steps):
-                if self._stop.is_set():
-                    break
+            while self.policy_version < total_steps and not self._stop.is_set():
                 metrics = self.train_step()
-                last = step == total_steps - 1
-                if (step + 1) % update_steps == 0 or last:
+                step = self.policy_version
+                last = step >= total_steps
+                if step % update_steps == 0 or last:
                     metrics.update(self.sync_weights(put, send_update))
+                if checkpoint_every and (step % checkpoint_every == 0 or last):
+                    self.save_checkpoint(checkpoint_dir)
                 self.history.append(metrics)
         except BaseException as error:
             self.state = "failed"
