@@ -144,6 +144,11 @@ class ExperienceMakerHolder:
                 self.core.apply_weight_update(newest, _ray_fetch(self.core.config.weight_timeout_s))
         return handles
 
+    def _trainers_finished(self, handles: dict[str, Any]) -> bool:
+        """True when every trainer has ended its `fit` and would have stopped this maker (it has nobody to feed)."""
+        states = ray.get([h.status.remote() for h in handles.values()], timeout=self.core.config.push_timeout_s)
+        return all(s["state"] == "done" and s["stops_makers_at_end"] for s in states)
+
     @ray.method(concurrency_group="compute")
     def run(self, num_batches: int | None = None) -> dict[str, Any]:
         """Generate and push until `num_batches` batches are pushed or `stop()` is called; returns status."""
@@ -152,6 +157,9 @@ class ExperienceMakerHolder:
         try:
             handles = self._attach_trainers()
             config = self.core.config
+            if num_batches is None and self._trainers_finished(handles):
+                # Arrived after the trainers finished (they stop their makers at the end): nothing to do.
+                self._stop.set()
 
             def submit(trainer: str, experiences: list) -> Future:
                 return handles[trainer].push_experience.remote(experiences).future()
@@ -325,16 +333,8 @@ class _TrainerShell:
 
     @ray.method(concurrency_group="model_io")
     def register_maker(self, maker_name: str, base_fingerprint: str | None = None) -> WeightUpdate | None:
-        """Record a maker; returns the weight update it should start from (full unless its base matches).
-
-        A maker that arrives after `fit` ended (and makers are stopped at the end) is stopped too,
-        instead of filling a buffer nobody trains on.
-        """
-        core = self._core()
-        update = core.register_maker(maker_name, base_fingerprint, put_chunk)
-        if core.state == "done" and self.config.stop_makers_at_end:
-            attach(maker_name, self.namespace, timeout=5.0).stop.remote()
-        return update
+        """Record a maker; returns the weight update it should start from (full unless its base matches)."""
+        return self._core().register_maker(maker_name, base_fingerprint, put_chunk)
 
     @ray.method(concurrency_group="model_io")
     def policy_version(self) -> int:

@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,16 @@ STATE_FILE = "state.pt"
 
 def save_atomic(state: dict[str, Any], directory: str | os.PathLike) -> Path:
     """Write `state` to `directory/state.pt`, replacing an existing checkpoint only once the new one is complete."""
+    return write_directory_atomically(directory, lambda staging: torch.save(state, staging / STATE_FILE))
+
+
+def write_directory_atomically(directory: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Let `write` fill a staging directory, then swap it in for `directory` (the old one stays whole until then)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     try:
-        torch.save(state, staging / STATE_FILE)
+        write(staging)
         if directory.exists():
             retired = directory.with_name(f".{directory.name}.old")
             shutil.rmtree(retired, ignore_errors=True)

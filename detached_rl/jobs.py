@@ -69,11 +69,17 @@ def connect(address: str | None, namespace: str, timeout: float = 60.0) -> None:
 
     threading.Thread(target=watchdog, daemon=True).start()
     try:
-        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.ERROR)
-    except ConnectionError as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise JobError(f"cannot connect to a Ray cluster at {address!r}: {first} "
-                       "(start one with `ray start --head`, or pass --address)") from None
+        for attempt in range(3):
+            try:
+                ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.ERROR)
+                break
+            except ConnectionError as error:
+                # A busy head node can be slow to start the per-client server: try again before giving up.
+                if not (address.startswith("ray://") and "Initialization failure" in str(error)) or attempt == 2:
+                    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                    raise JobError(f"cannot connect to a Ray cluster at {address!r}: {first} "
+                                   "(start one with `ray start --head`, or pass --address)") from None
+                time.sleep(2.0)
     finally:
         done.set()
 

@@ -337,5 +337,6 @@ class TrainerCore:
             "samples_trained": self.samples_trained,
             "samples_per_s": self.samples_trained / elapsed if elapsed > 0 else 0.0,
             "makers": sorted(self.makers),
+            "stops_makers_at_end": self.config.stop_makers_at_end,
             "last_error": self.last_error,
         }

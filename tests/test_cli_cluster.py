@@ -51,7 +51,9 @@ def cluster():
     """A head node bound to 127.0.0.1 in a temporary directory; torn down by PID."""
     directory = tempfile.mkdtemp(prefix="drl-", dir="/tmp")  # short: Ray's socket paths have a length limit
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT),
+           # On 2 busy cores the per-client server of the Ray client can take longer than the default 30 s.
+           "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "120"}
     port, client_port = free_port(), free_port()
     subprocess.run(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",

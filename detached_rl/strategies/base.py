@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from detached_rl.checkpoint import write_directory_atomically
 from detached_rl.optim import OptimizerConfig, build_optimizer
 
 
@@ -125,25 +124,13 @@ class Strategy(ABC):
         extra: dict[str, Any] | None = None,
     ) -> Path:
         """Write model, optimizer and `extra` (JSON) atomically: a crash mid-save keeps the old checkpoint."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-        try:
+        def write(staging: Path) -> None:
             torch.save(self.unwrap(model).state_dict(), staging / "model.pt")
             if optimizer is not None:
                 torch.save(optimizer.state_dict(), staging / "optimizer.pt")
             (staging / "extra.json").write_text(json.dumps(extra or {}, indent=2))
-            if path.exists():
-                old = path.with_name(f".{path.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                path.rename(old)
-                staging.rename(path)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                staging.rename(path)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return path
+
+        return write_directory_atomically(path, write)
 
     def load_checkpoint(
         self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
