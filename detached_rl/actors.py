@@ -217,6 +217,22 @@ class ExperienceMakerHolder:
         return self.core.apply_weight_update(update, _ray_fetch(self.core.config.weight_timeout_s))
 
     @ray.method(concurrency_group="experience_io")
+    def save_state(self, path: str) -> str:
+        """Save the prompt cursor and counters atomically (weights are the trainer's to restore)."""
+        from detached_rl.checkpoint import save_atomic
+
+        return str(save_atomic(self.core.state_dict(), path))
+
+    @ray.method(concurrency_group="experience_io")
+    def load_state(self, path: str) -> None:
+        """Resume the prompt cursor and counters saved by `save_state` (before `run`)."""
+        from detached_rl.checkpoint import load_state
+
+        if self._running:
+            raise RuntimeError(f"maker {self.name!r} is running: load its state before run()")
+        self.core.load_state_dict(load_state(path))
+
+    @ray.method(concurrency_group="experience_io")
     def status(self) -> dict[str, Any]:
         """Version, counters, push statistics and the last error; answers while generation runs."""
         status = self.core.status()

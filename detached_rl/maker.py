@@ -210,6 +210,21 @@ class ExperienceMaker:
         self.generate_seconds += elapsed
         return experiences
 
+    def state_dict(self) -> dict[str, Any]:
+        """The prompt cursor and counters, to resume a maker where it stopped."""
+        prompts = self.prompts.state_dict() if hasattr(self.prompts, "state_dict") else None
+        return {"prompts": prompts, "batches": self.batches, "samples_made": self.samples_made,
+                "tokens_made": self.tokens_made}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (the weights come from the trainer, not from here)."""
+        if state.get("prompts") is not None:
+            if not hasattr(self.prompts, "load_state_dict"):
+                raise ValueError("this maker's prompt source has no cursor to restore (field prompts)")
+            self.prompts.load_state_dict(state["prompts"])
+        self.batches, self.samples_made = state["batches"], state["samples_made"]
+        self.tokens_made = state["tokens_made"]
+
     def status(self) -> dict[str, Any]:
         """Counters for `detached-rl status` (cheap; safe to call while a batch is generated)."""
         return {

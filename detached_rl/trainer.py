@@ -173,12 +173,14 @@ class TrainerCore:
         failures = {name: result for name, result in results.items() if isinstance(result, BaseException)}
         if failures:
             self.last_error = "; ".join(f"weight update to {name}: {error}" for name, error in failures.items())
+        push_seconds = time.perf_counter() - start
         return {
+            "time/weight_sync": stats.seconds + push_seconds,
             "weight_sync/version": float(update.manifest.version),
             "weight_sync/bytes": float(stats.bytes),
             "weight_sync/chunks": float(stats.chunks),
             "weight_sync/build_s": stats.seconds,
-            "weight_sync/push_s": time.perf_counter() - start,
+            "weight_sync/push_s": push_seconds,
             "weight_sync/makers_updated": float(len(results) - len(failures)),
             "weight_sync/makers_failed": float(len(failures)),
         }

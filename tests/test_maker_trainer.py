@@ -196,3 +196,17 @@ def test_waiting_for_a_batch_times_out_with_a_clear_error():
     _, trainer, _ = make_pair(batch_timeout_s=0.3)
     with pytest.raises(TimeoutError, match="trainer 'trainer_0'.*no full batch of 8"):
         trainer.train_step()
+
+
+def test_maker_state_resumes_the_prompt_cursor(tmp_path):
+    from detached_rl.checkpoint import load_state, save_atomic
+
+    maker, trainer, store = make_pair()
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    maker.make_experience()
+    save_atomic(maker.state_dict(), tmp_path / "maker")
+    expected = [item.prompt for item in maker.prompts.next_batch(6)]
+    again, _, _ = make_pair()
+    again.load_state_dict(load_state(tmp_path / "maker"))
+    assert [item.prompt for item in again.prompts.next_batch(6)] == expected
+    assert again.batches == 1 and again.samples_made == 4
