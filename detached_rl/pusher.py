@@ -44,6 +44,9 @@ class _Push:
     future: Future[AppendResult] | None = None
     deadline: float = 0.0  # when the current attempt times out
     retry_at: float = 0.0  # when a waiting retry is due
+    # After a timeout the attempt may still land: retry on the same trainer, whose id dedupe
+    # makes that safe (another trainer would store the samples a second time).
+    pinned: str | None = None
 
 
 @dataclass
@@ -156,7 +159,7 @@ class ExperiencePusher:
 
     def _send(self, push: _Push) -> None:
         with self._lock:
-            push.trainer = self._choose_trainer(self._clock())
+            push.trainer = push.pinned or self._choose_trainer(self._clock())
         try:
             future = self._submit(push.trainer, push.experiences)
         except Exception as err:  # a submit that fails at once is handled like a failed future
@@ -182,6 +185,7 @@ class ExperiencePusher:
                     # ignored, so the pusher counts each sample once (the retry's ack decides).
                     push.future.cancel()
                     self._in_flight.remove(push)
+                    push.pinned = push.trainer
                     reason = f"no answer within push_timeout={self.push_timeout:g} s"
                     self._transport_failed(push, reason, stopping, now)
             for push in list(self._waiting):

@@ -417,3 +417,29 @@ def test_invalid_arguments_are_named(kwargs, name):
     kwargs = {"trainers": ["t0"], **kwargs}
     with pytest.raises(ValueError, match=name):
         ExperiencePusher(lambda trainer, experiences: Future(), **kwargs)
+
+
+def test_a_timed_out_push_is_retried_on_the_same_trainer(executor):
+    """The abandoned attempt may still land: a retry elsewhere would store the samples twice."""
+    buffers = {"t0": ReplayBuffer(), "t1": ReplayBuffer()}
+    release = threading.Event()
+    calls: list[str] = []
+
+    def stuck_then_fast(name, experiences, stuck):
+        if stuck:
+            assert release.wait(5)
+        return buffers[name].append(experiences, 0)
+
+    def submit(name, experiences):
+        calls.append(name)
+        return executor.submit(stuck_then_fast, name, experiences, stuck=len(calls) == 1)
+
+    pusher = ExperiencePusher(submit, ["t0", "t1"], push_timeout=0.2, backoff_initial=0.01)
+    push = batches(1, size=3)[0]
+    pusher.push(push)
+    assert pusher.flush(timeout=5)
+    release.set()
+    time.sleep(0.2)
+    assert calls == ["t0", "t0"]
+    assert len(buffers["t0"]) == 3 and len(buffers["t1"]) == 0
+    assert_accounted(pusher, 3)
