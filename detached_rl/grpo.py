@@ -31,7 +31,7 @@ from detached_rl.models.actor import Actor
 from detached_rl.models.generation import SamplingConfig
 from detached_rl.models.lora import lora_backend, merged_model
 from detached_rl.optim import OptimizerConfig
-from detached_rl.ppo import TokenWeightedMeans
+from detached_rl.ppo import TokenWeightedMeans, micro_batches
 from detached_rl.strategies.base import Strategy
 
 VARIANTS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -288,17 +288,12 @@ class GRPOLearner:
                     batch.loss_weights = algorithms.truncated_importance_weight(
                         batch.log_probs, batch.old_log_probs, config.tis_cap, batch.response_mask)
         means = TokenWeightedMeans()
-        mini_size = config.mini_batch_size or batch.size
         self.actor.train()
-        for _ in range(config.train_epochs):
-            order = torch.randperm(batch.size)
-            for mini_start in range(0, batch.size, mini_size):
-                rows = order[mini_start : mini_start + mini_size]
-                mini_tokens = max(int(batch.response_mask[rows].sum()), 1)
-                for micro_start in range(0, len(rows), config.micro_batch_size):
-                    micro = batch.select(rows[micro_start : micro_start + config.micro_batch_size])
-                    weight = micro.num_response_tokens / mini_tokens
-                    means.add(self._micro_step(micro, weight), micro.num_response_tokens)
+        for micro, weight, mini_tokens, last in micro_batches(
+            batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size
+        ):
+            means.add(self._micro_step(micro, weight), micro.num_response_tokens)
+            if last:
                 norm = self.strategy.optimizer_step(self.optimizer, self.actor, config.actor_optimizer.max_grad_norm)
                 self.scheduler.step()
                 self.optimizer_steps += 1

@@ -10,6 +10,7 @@ is the behaviour policy: the log-probs the maker sampled with.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,27 @@ def ppo_advantages(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Ten
     return advantages, returns, kl
 
 
+def micro_batches(
+    batch: ExperienceBatch, epochs: int, mini_batch_size: int | None, micro_batch_size: int
+) -> Iterator[tuple[ExperienceBatch, float, int, bool]]:
+    """(micro-batch, loss weight, mini-batch tokens, last micro-batch of its mini-batch) over shuffled epochs.
+
+    Token-weighted gradient accumulation: each micro-batch's token-mean loss is weighted by its
+    share of its mini-batch's tokens, so the accumulated gradient equals the mini-batch's. An
+    optimizer step belongs after each `last`.
+    """
+    mini_size = mini_batch_size or batch.size
+    for _ in range(epochs):
+        order = torch.randperm(batch.size)
+        for mini_start in range(0, batch.size, mini_size):
+            rows = order[mini_start : mini_start + mini_size]
+            mini_tokens = max(int(batch.response_mask[rows].sum()), 1)
+            starts = range(0, len(rows), micro_batch_size)
+            for micro_start in starts:
+                micro = batch.select(rows[micro_start : micro_start + micro_batch_size])
+                yield micro, micro.num_response_tokens / mini_tokens, mini_tokens, micro_start == starts[-1]
+
+
 class TokenWeightedMeans:
     """Accumulates metrics as token-weighted means over micro-batches."""
 
@@ -158,20 +180,13 @@ class PPOLearner:
             advantages, returns, kl = ppo_advantages(batch, config)
         batch.advantages, batch.returns = advantages, returns
         means = TokenWeightedMeans()
-        mini_size = config.mini_batch_size or batch.size
         self.actor.train()
         self.critic.train()
-        for _ in range(config.train_epochs):
-            order = torch.randperm(batch.size)
-            for mini_start in range(0, batch.size, mini_size):
-                mini_rows = order[mini_start : mini_start + mini_size]
-                mini_tokens = max(int(batch.response_mask[mini_rows].sum()), 1)
-                for micro_start in range(0, len(mini_rows), config.micro_batch_size):
-                    micro = batch.select(mini_rows[micro_start : micro_start + config.micro_batch_size])
-                    # Token-weighted gradient accumulation: each micro-batch's token-mean loss
-                    # counts in proportion to its share of the mini-batch's tokens.
-                    weight = micro.num_response_tokens / mini_tokens
-                    means.add(self._micro_step(micro, weight), micro.num_response_tokens)
+        for micro, weight, mini_tokens, last in micro_batches(
+            batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size
+        ):
+            means.add(self._micro_step(micro, weight), micro.num_response_tokens)
+            if last:
                 means.add(self._optimizer_step(), mini_tokens)
         metrics = means.means()
         metrics.update(self._batch_metrics(batch, kl, policy_version))
