@@ -290,7 +290,7 @@ class GRPOLearner:
         means = TokenWeightedMeans()
         self.actor.train()
         for micro, weight, mini_tokens, last in micro_batches(
-            batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size
+            batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size, config.loss_agg
         ):
             means.add(self._micro_step(micro, weight), micro.num_response_tokens)
             if last:

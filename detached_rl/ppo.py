@@ -95,15 +95,18 @@ def ppo_advantages(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Ten
 
 
 def micro_batches(
-    batch: ExperienceBatch, epochs: int, mini_batch_size: int | None, micro_batch_size: int
+    batch: ExperienceBatch, epochs: int, mini_batch_size: int | None, micro_batch_size: int,
+    loss_agg: str = "token-mean",
 ) -> Iterator[tuple[ExperienceBatch, float, int, bool]]:
     """(micro-batch, loss weight, mini-batch tokens, last micro-batch of its mini-batch) over shuffled epochs.
 
-    Token-weighted gradient accumulation: each micro-batch's token-mean loss is weighted by its
-    share of its mini-batch's tokens, so the accumulated gradient equals the mini-batch's. An
-    optimizer step belongs after each `last`.
+    Gradient accumulation that equals one pass over the mini-batch: a micro-batch's loss is
+    weighted by its share of the mini-batch's tokens for "token-mean", and by its share of the
+    sequences for the "seq-mean-*" modes (they average over sequences). An optimizer step
+    belongs after each `last`.
     """
     mini_size = mini_batch_size or batch.size
+    by_tokens = loss_agg == "token-mean"
     for _ in range(epochs):
         order = torch.randperm(batch.size)
         for mini_start in range(0, batch.size, mini_size):
@@ -112,7 +115,8 @@ def micro_batches(
             starts = range(0, len(rows), micro_batch_size)
             for micro_start in starts:
                 micro = batch.select(rows[micro_start : micro_start + micro_batch_size])
-                yield micro, micro.num_response_tokens / mini_tokens, mini_tokens, micro_start == starts[-1]
+                weight = micro.num_response_tokens / mini_tokens if by_tokens else micro.size / len(rows)
+                yield micro, weight, mini_tokens, micro_start == starts[-1]
 
 
 class TokenWeightedMeans:
@@ -183,7 +187,7 @@ class PPOLearner:
         self.actor.train()
         self.critic.train()
         for micro, weight, mini_tokens, last in micro_batches(
-            batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size
+            batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size, config.loss_agg
         ):
             means.add(self._micro_step(micro, weight), micro.num_response_tokens)
             if last:

@@ -146,3 +146,25 @@ def test_grpo_learns_a_verifiable_preference_in_a_few_dozen_steps():
     start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"mean reward {start:.2f} -> {end:.2f}")
     assert end > start + 0.3, f"mean reward {start:.2f} -> {end:.2f}"
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm", "token-mean"])
+def test_micro_batches_give_the_full_batch_gradient_in_every_aggregation_mode(agg):
+    grads = []
+    for micro_batch_size in (8, 3):
+        grpo = learner(loss_agg=agg, micro_batch_size=micro_batch_size, actor_optimizer=OptimizerConfig(lr=1e-3))
+        recorded = {}
+        original = grpo.strategy.optimizer_step
+
+        def record(optimizer, model, max_grad_norm=None, original=original, recorded=recorded):
+            recorded.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            return original(optimizer, model, max_grad_norm)
+
+        grpo.strategy.optimizer_step = record
+        # Responses of very different lengths: token and sequence weighting then disagree.
+        batch = [exp(float(i % 2), str(i // 2), length=1 + 3 * (i % 4), version=0) for i in range(8)]
+        torch.manual_seed(0)
+        grpo.train_step(batch, policy_version=0)
+        grads.append(recorded)
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4), name
