@@ -91,9 +91,11 @@ def deliver_weight_update(
     results: dict[str, ApplyResult | BaseException] = {}
     for name in makers:
         try:
-            pending[name] = attach(name, namespace, timeout=min(timeout, 10.0)).apply_weight_update.remote(update)
-        except Exception as error:  # noqa: BLE001 - a missing maker must not stop training
-            results[name] = error
+            handle = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            results[name] = LookupError(f"no maker named {name!r} in namespace {namespace!r}")
+            continue
+        pending[name] = handle.apply_weight_update.remote(update)
     deadline = time.monotonic() + timeout
     for name, ref in pending.items():
         try:

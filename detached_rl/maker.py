@@ -176,8 +176,10 @@ class ExperienceMaker:
             args = (batch.sequences, batch.attention_mask, batch.response_mask)
             values = self.critic(*args).cpu() if self.critic is not None else None
             ref = self.reference.log_probs(*args, config.sampling).cpu() if self.reference is not None else None
-            metadata = [item.metadata for item in items for _ in range(config.group_size)]
-            components: list[dict[str, float]] = [{} for _ in prompts]
+        # Scoring needs no synced weights: outside the lock, so a slow verifier never delays a swap.
+        metadata = [item.metadata for item in items for _ in range(config.group_size)]
+        components: list[dict[str, float]] = [{} for _ in prompts]
+        with torch.no_grad():
             if hasattr(self.reward, "score_detailed"):
                 rewards, components = self.reward.score_detailed(*args, metadata)
             else:

@@ -30,6 +30,10 @@ from detached_rl.replay_buffer import AppendResult, ReplayBuffer
 from detached_rl.weight_sync import SendStats, WeightUpdate, build_weight_update, state_fingerprint
 
 WEIGHT_SYNC_KINDS = ("full", "lora")
+
+
+class TrainingStopped(Exception):
+    """`stop()` was called while `fit` waited for data."""
 Put = Callable[[dict[str, torch.Tensor]], Any]
 SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any]]
 
@@ -171,6 +175,9 @@ class TrainerCore:
         start = time.perf_counter()
         results = send_update(update, makers) if makers else {}
         failures = {name: result for name, result in results.items() if isinstance(result, BaseException)}
+        for name, error in failures.items():
+            if isinstance(error, LookupError):  # no actor by that name any more: stop paying for it
+                self.makers.discard(name)
         if failures:
             self.last_error = "; ".join(f"weight update to {name}: {error}" for name, error in failures.items())
         push_seconds = time.perf_counter() - start
@@ -194,8 +201,9 @@ class TrainerCore:
             available = self.buffer.wait_for(size, self.policy_version, timeout=min(0.5, self.config.batch_timeout_s))
             if self.strategy.all_true(available >= size):
                 return
-            in_time = time.monotonic() < deadline and not self._stop.is_set()
-            if not self.strategy.all_true(in_time):
+            if not self.strategy.all_true(not self._stop.is_set()):
+                raise TrainingStopped(f"trainer {self.name!r} was asked to stop")
+            if not self.strategy.all_true(time.monotonic() < deadline):
                 raise TimeoutError(
                     f"trainer {self.name!r} (rank {self.strategy.rank}): no full batch of {size} samples on every "
                     f"rank within {self.config.batch_timeout_s:.0f} s (this rank holds {available}); "
@@ -209,7 +217,9 @@ class TrainerCore:
             samples = self.buffer.sample(count, current_version=self.policy_version, timeout=0.5)
             if samples:
                 return samples
-            if time.monotonic() > deadline or self._stop.is_set():
+            if self._stop.is_set():
+                raise TrainingStopped(f"trainer {self.name!r} was asked to stop")
+            if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"trainer {self.name!r} (rank {self.strategy.rank}): fewer than {count} samples arrived within "
                     f"{self.config.batch_timeout_s:.0f} s (buffer holds {len(self.buffer)}); are the makers running?"
@@ -217,19 +227,30 @@ class TrainerCore:
 
     def next_batch(self) -> tuple[list[Any], dict[str, float]]:
         """The next training batch: learner-defined (e.g. whole groups, dynamic sampling) or plain FIFO."""
-        if hasattr(self.learner, "make_batch"):
-            return self.learner.make_batch(self._sample_waiting, self.config.train_batch_size)
-        self.wait_for_batch()
-        return self.buffer.sample(self.config.train_batch_size, current_version=self.policy_version), {}
+        if not hasattr(self.learner, "make_batch"):
+            self.wait_for_batch()
+            return self.buffer.sample(self.config.train_batch_size, current_version=self.policy_version), {}
+        # Assembled per rank without collectives; then every rank learns whether all got a full
+        # batch, so no rank enters the gradient all-reduce alone.
+        size, error = self.config.train_batch_size, None
+        try:
+            experiences, stats = self.learner.make_batch(self._sample_waiting, size)
+        except (TimeoutError, TrainingStopped) as caught:
+            experiences, stats, error = [], {}, caught
+        if not self.strategy.all_true(len(experiences) == size):
+            if error is not None:
+                raise error
+            if not experiences:
+                raise RuntimeError(
+                    f"trainer {self.name!r}: dynamic sampling found no group with different rewards in "
+                    f"{self.learner.config.max_sampling_rounds} draws; the task is too easy or too hard for the policy"
+                )
+            raise RuntimeError(f"trainer {self.name!r}: a rank could not assemble a full batch of {size} samples")
+        return experiences, stats
 
     def train_step(self) -> dict[str, float]:
         """Sample a batch, train on it, advance the version; returns metrics reduced across ranks."""
         experiences, batch_metrics = self.next_batch()
-        if not experiences:
-            raise RuntimeError(
-                f"trainer {self.name!r}: dynamic sampling found no group with different rewards in "
-                f"{self.learner.config.max_sampling_rounds} draws; the task is too easy or too hard for the policy"
-            )
         with self.weights_lock:
             metrics = self.learner.train_step(experiences, policy_version=self.policy_version)
             self.policy_version += 1
@@ -258,11 +279,14 @@ class TrainerCore:
     def load_checkpoint(self, directory: str | Path, put: Put | None = None) -> None:
         """Restore a checkpoint of this rank; with `put`, rebuild the update new makers start from."""
         state = load_state(Path(directory) / f"rank_{self.strategy.rank}")
+        live = self.buffer.experiences()  # acknowledged to makers since this trainer started: keep them
         with self.weights_lock:
             self.learner.load_state_dict(state["learner"])
             self.buffer.load_state_dict(state["buffer"])
             self.policy_version, self.samples_trained = state["policy_version"], state["samples_trained"]
             set_rng_state(state["rng"])
+        if live:
+            self.buffer.append(live, current_version=self.policy_version)  # ids already restored count as duplicates
         if put is not None:
             self.latest_update = None  # the first update after a resume is full
             self.build_update(put)
@@ -285,20 +309,19 @@ class TrainerCore:
         `total_steps`); with `checkpoint_every` > 0, a checkpoint is saved to `checkpoint_dir`
         every that many steps and at the end.
         """
-        if checkpoint_every and checkpoint_dir is None:
-            raise ValueError("fit: checkpoint_every needs a checkpoint_dir")
-        if resume_from is not None:
-            self.load_checkpoint(resume_from, put)
-        if total_steps < 1 or update_steps < 1:
-            raise ValueError(f"fit: total_steps and update_steps must be >= 1, got {total_steps}, {update_steps}")
-        if train_epochs is not None:
-            if train_epochs < 1:
-                raise ValueError(f"fit: train_epochs must be >= 1, got {train_epochs}")
-            self.learner.config.train_epochs = train_epochs
         self.state = "training"
-        self._stop.clear()
         start = time.perf_counter()
         try:
+            if checkpoint_every and checkpoint_dir is None:
+                raise ValueError("fit: checkpoint_every needs a checkpoint_dir")
+            if total_steps < 1 or update_steps < 1:
+                raise ValueError(f"fit: total_steps and update_steps must be >= 1, got {total_steps}, {update_steps}")
+            if train_epochs is not None:
+                if train_epochs < 1:
+                    raise ValueError(f"fit: train_epochs must be >= 1, got {train_epochs}")
+                self.learner.config.train_epochs = train_epochs
+            if resume_from is not None:
+                self.load_checkpoint(resume_from, put)
             while self.policy_version < total_steps and not self._stop.is_set():
                 metrics = self.train_step()
                 step = self.policy_version
@@ -308,11 +331,15 @@ class TrainerCore:
                 if checkpoint_every and (step % checkpoint_every == 0 or last):
                     self.save_checkpoint(checkpoint_dir)
                 self.history.append(metrics)
+        except TrainingStopped:
+            pass  # asked to stop while waiting for data: end like a finished run, at this step
         except BaseException as error:
             self.state = "failed"
             self.last_error = f"{type(error).__name__}: {error}"
             raise
-        self.state = "done"
+        finally:
+            self._stop.clear()  # a stop request ends this run only; a later fit starts fresh
+        self.state = "stopped" if self.policy_version < total_steps else "done"
         if stop_makers is not None and self.config.stop_makers_at_end:
             stop_makers(self.makers_of_this_rank())
         return {"steps": len(self.history), "policy_version": self.policy_version,

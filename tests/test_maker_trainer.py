@@ -210,3 +210,32 @@ def test_maker_state_resumes_the_prompt_cursor(tmp_path):
     again.load_state_dict(load_state(tmp_path / "maker"))
     assert [item.prompt for item in again.prompts.next_batch(6)] == expected
     assert again.batches == 1 and again.samples_made == 4
+
+
+def test_stop_while_waiting_for_data_ends_the_run_cleanly_and_bad_arguments_fail_it():
+    _, trainer, store = make_pair()
+    stopped = []
+    threading.Timer(0.3, trainer.stop).start()
+    summary = trainer.fit(5, store.put, lambda u, m: {}, stop_makers=stopped.extend)
+    assert trainer.state == "stopped" and summary["policy_version"] == 0 and trainer.last_error is None
+    with pytest.raises(ValueError, match="update_steps"):
+        trainer.fit(5, store.put, lambda u, m: {}, update_steps=0)
+    assert trainer.state == "failed" and "update_steps" in trainer.last_error
+
+
+def test_gone_makers_are_forgotten_and_a_resume_keeps_live_pushes(tmp_path):
+    maker, trainer, store = make_pair()
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    trainer.register_maker("maker_gone")
+    for _ in range(2):
+        trainer.push_experience(maker.make_experience())
+    trainer.train_step()
+    trainer.sync_weights(store.put, lambda u, makers: {m: LookupError(m) if m == "maker_gone" else
+                                                       maker.apply_weight_update(u, store.fetch) for m in makers})
+    assert trainer.makers == {"maker_0"}
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    live = maker.make_experience()
+    trainer.push_experience(live)  # acknowledged after the checkpoint, before the resume
+    trainer.load_checkpoint(tmp_path / "ckpt", store.put)
+    assert {e.id for e in live} <= {e.id for e in trainer.buffer.experiences()}
+    assert trainer.buffer.stats()["accounting_ok"]
