@@ -227,6 +227,12 @@ class GRPOLearner:
                     continue
                 kept.append(group)
         experiences = [e for g in kept for e in g][:size]
+        sizes = sorted({len(g) for g in split_groups(experiences)})
+        if len(sizes) > 1:
+            raise ValueError(
+                f"a GRPO batch of {size} samples holds groups of sizes {sizes}: trainer.train_batch_size must be a "
+                "multiple of the makers' group_size, or advantages would use part of a group"
+            )
         return experiences, {"dynamic_sampling/groups_seen": float(seen),
                              "dynamic_sampling/dropped_fraction": dropped / seen if seen else 0.0}
 

@@ -168,3 +168,9 @@ def test_micro_batches_give_the_full_batch_gradient_in_every_aggregation_mode(ag
         grads.append(recorded)
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4), name
+
+
+def test_a_batch_that_cuts_a_group_is_refused_with_the_reason():
+    draws = [[exp(1, "a"), exp(0, "a"), exp(0, "b")]]
+    with pytest.raises(ValueError, match="multiple of the makers' group_size"):
+        learner().make_batch(lambda count: draws[0][:count], 3)
