@@ -47,6 +47,16 @@ def new_trainer(name, **config):
     )
 
 
+def wait_until_registered(trainers, makers, timeout=TIMEOUT):
+    """Block until every trainer knows every maker (makers register when their `run` starts)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while not all(makers <= set(ray.get(t.status.remote())["makers"]) for t in trainers):
+        assert time.monotonic() < deadline, "makers did not register with the trainers in time"
+        time.sleep(0.2)
+
+
 def kill(*handles):
     import ray
 
@@ -65,6 +75,7 @@ def test_two_makers_feed_a_two_rank_ddp_trainer(ray_cluster):
     makers = [new_maker(f"maker_{i}", names, record_weights_fingerprint=True) for i in range(2)]
     try:
         runs = [m.run.remote() for m in makers]
+        wait_until_registered(trainers, {"maker_0", "maker_1"})  # actors start one by one on 2 cores
         summaries = ray.get([t.fit.remote(3, update_steps=1) for t in trainers], timeout=TIMEOUT)
         maker_status = ray.get(runs, timeout=TIMEOUT)  # the trainers stop their makers at the end
         assert [s["policy_version"] for s in summaries] == [3, 3]
