@@ -15,6 +15,20 @@ from detached_rl.tasks import addition_problems
 REWARDED_BELOW = 100
 
 
+def make_experience(prompt=(5, 6, 7), response=(8, 9), reward=1.0, **kwargs):
+    """A small valid Experience; keyword arguments override its fields."""
+    from detached_rl import Experience
+
+    n = len(response)
+    return Experience(
+        prompt_ids=torch.tensor(prompt, dtype=torch.long),
+        response_ids=torch.tensor(response, dtype=torch.long),
+        log_probs=kwargs.pop("log_probs", -torch.arange(1, n + 1, dtype=torch.float32) / 10),
+        reward=torch.as_tensor(reward, dtype=torch.float32),
+        **kwargs,
+    )
+
+
 class LowTokenReward:
     """Reward = fraction of response tokens with an id below REWARDED_BELOW (a signal tiny models can learn)."""
 

@@ -5,16 +5,7 @@ import torch
 
 from detached_rl import Experience, ExperienceValidationError, collate, uncollate
 
-
-def make(prompt=(5, 6, 7), response=(8, 9), reward=1.0, **kwargs) -> Experience:
-    n = len(response)
-    return Experience(
-        prompt_ids=torch.tensor(prompt, dtype=torch.long),
-        response_ids=torch.tensor(response, dtype=torch.long),
-        log_probs=kwargs.pop("log_probs", -torch.arange(1, n + 1, dtype=torch.float32) / 10),
-        reward=torch.as_tensor(reward, dtype=torch.float32),
-        **kwargs,
-    )
+from .helpers import make_experience as make
 
 
 def test_valid_experience_passes_and_ids_are_unique():

@@ -12,18 +12,9 @@ import torch
 from detached_rl.experience import Experience
 from detached_rl.replay_buffer import AppendResult, RejectedPushError, ReplayBuffer
 
+from .helpers import make_experience as make
+
 SAMPLE_BYTES = 5 * 8 + 2 * 4 + 4  # make(): 3 + 2 int64 ids, 2 float32 log-probs, 1 float32 reward
-
-
-def make(prompt=(5, 6, 7), response=(8, 9), reward=1.0, **kwargs) -> Experience:
-    n = len(response)
-    return Experience(
-        prompt_ids=torch.tensor(prompt, dtype=torch.long),
-        response_ids=torch.tensor(response, dtype=torch.long),
-        log_probs=kwargs.pop("log_probs", -torch.arange(1, n + 1, dtype=torch.float32) / 10),
-        reward=torch.as_tensor(reward, dtype=torch.float32),
-        **kwargs,
-    )
 
 
 def makes(count: int, prefix: str = "e", **kwargs) -> list[Experience]:
