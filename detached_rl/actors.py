@@ -27,6 +27,7 @@ import torch
 
 from detached_rl.grpo import GRPOConfig, GRPOLearner
 from detached_rl.maker import ExperienceMaker, MakerConfig, MakerModels
+from detached_rl.models.generation import SamplingConfig
 from detached_rl.ppo import PPOConfig, PPOLearner
 from detached_rl.prompts import PromptSource
 from detached_rl.pusher import ExperiencePusher
@@ -150,6 +151,17 @@ class ExperienceMakerHolder:
         """True when every trainer has ended its `fit` and would have stopped this maker (it has nobody to feed)."""
         states = ray.get([h.status.remote() for h in handles.values()], timeout=self.core.config.push_timeout_s)
         return all(s["state"] == "done" and s["stops_makers_at_end"] for s in states)
+
+    @ray.method(concurrency_group="compute")
+    def sync(self) -> int:
+        """Register with the trainers and take the newest weights they offer; returns the policy version served."""
+        self._attach_trainers()
+        return self.core.policy_version
+
+    @ray.method(concurrency_group="compute")
+    def evaluate(self, items: Sequence[Any], sampling: SamplingConfig | None = None) -> list[dict[str, Any]]:
+        """Answer and grade held-out prompts with the current weights (greedy unless `sampling` says otherwise)."""
+        return self.core.evaluate(items, sampling)
 
     @ray.method(concurrency_group="compute")
     def run(self, num_batches: int | None = None) -> dict[str, Any]:
@@ -333,6 +345,16 @@ class _TrainerShell:
         """Per-step metrics of `fit` (the last `last` steps)."""
         history = list(self._core().history)
         return history[-last:] if last else history
+
+    @ray.method(concurrency_group="model_io")
+    def export_policy(self) -> dict[str, bytes]:
+        """The policy as files: the LoRA adapter (peft format) under adapter/ and a merged model under merged/."""
+        from detached_rl.models.export import policy_files
+
+        core = self._core()
+        with core.weights_lock:
+            actor = core.strategy.unwrap(core.learner.actor)
+            return policy_files(actor.model, actor.tokenizer)
 
     @ray.method(concurrency_group="buffer_sample")
     def buffer_peek(self, count: int = 5, maker: str | None = None, min_reward: float | None = None,

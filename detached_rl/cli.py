@@ -1,4 +1,4 @@
-"""The `detached-rl` console script: check, trainer, maker, status, inspect, export, stop.
+"""The `detached-rl` console script: run, check, trainer, maker, status, inspect, export, stop.
 
 Every command has `--help`. Failures (bad config, unknown actor name, unreachable cluster)
 print one line on stderr and exit with status 2, never a traceback (set DETACHED_RL_DEBUG=1
@@ -31,6 +31,26 @@ def _check(args: argparse.Namespace) -> int:
     )
     print(format_report(report))
     return 0 if report.ok else 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from detached_rl.run import RunInterrupted, run_config, run_job
+
+    overrides = list(args.set or [])
+    if args.namespace:
+        overrides.append(f"namespace={args.namespace}")
+    if args.output:
+        overrides.append(f"run.output_dir={args.output}")
+    if args.no_progress:
+        overrides.append("run.progress=false")
+    config = run_config(args.config, overrides, steps=args.steps, makers=args.makers, model=args.model,
+                        task=args.task, name=args.name)
+    try:
+        run_job(config, address=args.address)
+    except RunInterrupted as error:
+        print(f"detached-rl: {error}; the run's actors were shut down", file=sys.stderr)
+        return 130
+    return 0
 
 
 def _config(args: argparse.Namespace):
@@ -146,6 +166,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="detached-rl", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"detached-rl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser(
+        "run", help="the main job: 1 trainer + N makers train a model, then held-out accuracy before/after",
+        description="Start (or join) a Ray cluster, train with one named trainer and N named makers, grade the "
+                    "held-out split before and after, and write runs/<name>/ (metrics, TensorBoard, plot, adapter, "
+                    "merged model). Defaults: SmolLM2-135M-Instruct + LoRA, GRPO, arithmetic word problems.")
+    run.add_argument("--steps", type=int, default=None, help="training steps (default 30)")
+    run.add_argument("--makers", type=int, default=None, help="experience makers (default 2)")
+    run.add_argument("--model", default=None, help="smollm2 (default) | tiny[-<model_type>] | a local model directory")
+    run.add_argument("--task", default=None, choices=("word_problems", "addition"), help="default word_problems")
+    run.add_argument("--name", default=None, help="run name: actor-name prefix and runs/<name> (default: dated)")
+    run.add_argument("--output", default=None, help="parent directory of the run directory (default runs)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--config", default=None, help="YAML laid over the run defaults (detached_rl/configs/run.yaml)")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set grpo.actor_optimizer.lr=1e-4 (repeatable)")
+    run.add_argument("--address", default=None,
+                     help="join this Ray cluster (host:port, ray://host:port or auto) instead of starting one")
+    run.add_argument("--namespace", default=None, help="Ray namespace of the actors (default: detached_rl)")
+    run.set_defaults(handler=_run)
 
     check = commands.add_parser("check", help="load a model, apply LoRA, generate, score and take one GRPO step (no Ray)",
                                 description="End-to-end check of the toolkit's core in one process.")

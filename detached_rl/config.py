@@ -28,7 +28,7 @@ from detached_rl.ppo import PPOConfig
 from detached_rl.rewards import REWARD_FUNCTIONS
 from detached_rl.trainer import TrainerConfig
 
-TASKS = ("addition",)
+TASKS = ("addition", "word_problems")
 ALGORITHMS = ("ppo", "grpo")
 
 
@@ -64,6 +64,7 @@ class TaskConfig:
 
     name: str = "addition"
     train_size: int = 256
+    eval_size: int = 64  # held-out problems for `detached-rl run`'s before/after accuracy
     seed: int = 0
     reward: str = "numeric_answer"
 
@@ -72,8 +73,41 @@ class TaskConfig:
             raise ValueError(f"TaskConfig.name must be one of {TASKS}, got {self.name!r}")
         if self.reward not in REWARD_FUNCTIONS:
             raise ValueError(f"TaskConfig.reward must be one of {tuple(REWARD_FUNCTIONS)}, got {self.reward!r}")
-        if self.train_size < 1:
-            raise ValueError(f"TaskConfig.train_size must be >= 1, got {self.train_size}")
+        for name in ("train_size", "eval_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TaskConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+TASK_REWARDS = {"addition": "numeric_answer", "word_problems": "answer_line"}
+
+
+@dataclass
+class RunSection:
+    """How `detached-rl run` drives a whole job: how long, how many makers, where the results go."""
+
+    name: str | None = None  # None: "<algorithm>-<model>-<date>-<time>"
+    steps: int = 30
+    makers: int = 2
+    output_dir: str = "runs"
+    examples: int = 4  # decoded held-out examples shown before/after
+    trainer_threads: int = 0  # torch threads per actor; 0: torch's default
+    maker_threads: int = 0
+    progress: bool = True
+    poll_interval_s: float = 1.0
+    timeout_s: float = 3600.0  # the whole run, from start to shutdown
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "makers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RunSection.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("examples", "trainer_threads", "maker_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RunSection.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("poll_interval_s", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RunSection.{name} must be > 0, got {getattr(self, name)}")
+        if self.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
+            raise ValueError(f"RunSection.name must be letters, digits, '.', '_' or '-', got {self.name!r}")
 
 
 @dataclass
@@ -89,6 +123,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    run: RunSection = field(default_factory=RunSection)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -113,12 +148,23 @@ class RunConfig:
         """A picklable zero-argument factory of a maker's models (GRPO makers hold only the policy)."""
         return functools.partial(build_maker_models, self.model, self.task, self.algorithm == "ppo")
 
-    def prompts(self):
-        """The training prompts as a cycling prompt source."""
+    def prompts(self, shard: int = 0, num_shards: int = 1):
+        """The training prompts as a cycling prompt source; makers take disjoint shards (`shard` of `num_shards`)."""
         from detached_rl.prompts import CyclingPrompts
-        from detached_rl.tasks import addition_problems
+        from detached_rl.tasks import make_problems
 
-        return CyclingPrompts(addition_problems(self.task.train_size, seed=self.task.seed), seed=self.task.seed)
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"prompts: shard must be in [0, {num_shards}), got {shard}")
+        problems = make_problems(self.task.name, self.task.train_size, seed=self.task.seed)[shard::num_shards]
+        if not problems:
+            raise ValueError(f"task.train_size={self.task.train_size} is smaller than the {num_shards} prompt shards")
+        return CyclingPrompts(problems, seed=self.task.seed + shard)
+
+    def eval_problems(self) -> list:
+        """The held-out problems `detached-rl run` grades before and after training."""
+        from detached_rl.tasks import make_problems
+
+        return make_problems(self.task.name, self.task.eval_size, seed=self.task.seed, split="test")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (as YAML would hold it); sampling appears once, at the top."""
@@ -255,20 +301,40 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read a YAML config (or the defaults when `path` is None), apply overrides, validate."""
-    data: dict[str, Any] = {}
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """A YAML file's top-level mapping (empty for an empty file); refuses missing files and bad YAML."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(path)!r}: the top level must be a mapping")
+    return loaded or {}
+
+
+def merge_mappings(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """`update` laid over `base`: nested mappings merge key by key, anything else replaces."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_mappings(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    base: str | os.PathLike | None = None,
+) -> RunConfig:
+    """Read a YAML config (laid over the `base` YAML, else the defaults), apply overrides, validate."""
+    data: dict[str, Any] = read_yaml(base) if base is not None else {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as error:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r}: the top level must be a mapping")
-        data = loaded or {}
+        data = merge_mappings(data, read_yaml(path))
     for text in overrides:
         keys, value = parse_override(text)
         node = data

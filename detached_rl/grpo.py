@@ -16,6 +16,7 @@ initial policy, optionally moved towards the policy by `update_ref_policy` (Poly
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import time
@@ -73,6 +74,9 @@ class GRPOConfig:
     micro_batch_size: int = 8
     mini_batch_size: int | None = None
     train_epochs: int = 1
+    # Forward passes on the trainer under torch.autocast to this dtype (e.g. "bfloat16": ~1.8x faster
+    # training of SmolLM2 on CPUs with AMX); weights, gradients and the optimizer stay in their dtype.
+    autocast_dtype: str | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
@@ -95,6 +99,8 @@ class GRPOConfig:
                 raise ValueError(f"GRPOConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.ref_update_alpha <= 1:
             raise ValueError(f"GRPOConfig.ref_update_alpha must be in (0, 1], got {self.ref_update_alpha}")
+        if self.autocast_dtype is not None and self.autocast_dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"GRPOConfig.autocast_dtype must be 'bfloat16', 'float16' or null, got {self.autocast_dtype!r}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"GRPOConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
         if self.overlong_buffer is not None and not 0 < self.overlong_buffer < self.sampling.max_new_tokens:
@@ -321,19 +327,27 @@ class GRPOLearner:
         })
         return metrics
 
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """torch.autocast to `autocast_dtype` on the strategy's device, or nothing."""
+        if self.config.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.strategy.device.type, dtype=getattr(torch, self.config.autocast_dtype))
+
     def _forward_in_micro_batches(self, actor: nn.Module, batch: ExperienceBatch) -> torch.Tensor:
         out = torch.zeros_like(batch.log_probs)
         for start in range(0, batch.size, self.config.micro_batch_size):
             rows = torch.arange(start, min(start + self.config.micro_batch_size, batch.size))
             micro = batch.select(rows)
-            lp = actor(micro.sequences, micro.attention_mask, micro.response_mask, self.config.sampling)
+            with self._autocast():
+                lp = actor(micro.sequences, micro.attention_mask, micro.response_mask, self.config.sampling)
             out[rows, : lp.shape[1]] = lp.float()
         return out
 
     def _micro_step(self, micro: ExperienceBatch, weight: float) -> dict[str, Any]:
         config, mask = self.config, micro.response_mask
-        log_probs, entropy = self.actor(micro.sequences, micro.attention_mask, mask, config.sampling,
-                                        return_entropy=True)
+        with self._autocast():
+            log_probs, entropy = self.actor(micro.sequences, micro.attention_mask, mask, config.sampling,
+                                            return_entropy=True)
         policy_loss, stats = algorithms.policy_loss(
             log_probs, micro.old_log_probs, micro.advantages, mask, config.clip_low, config.clip_high,
             config.dual_clip, config.loss_agg, weights=micro.loss_weights, max_length=config.sampling.max_new_tokens,

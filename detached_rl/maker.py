@@ -8,9 +8,11 @@ update becomes visible only between two batches and a batch never mixes two vers
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +25,7 @@ from detached_rl.models.lora import lora_backend
 from detached_rl.models.lora_merge import LoraMergeTarget, base_fingerprint
 from detached_rl.models.reward import RewardScorer
 from detached_rl.models.scalar_heads import Critic
-from detached_rl.prompts import PromptSource
+from detached_rl.prompts import PromptSource, as_prompt_item
 from detached_rl.strategies import NaiveStrategy, Strategy
 from detached_rl.weight_sync import ApplyResult, Fetch, WeightReceiver, WeightUpdate, WeightUpdateError
 
@@ -211,6 +213,45 @@ class ExperienceMaker:
         self.tokens_made += sum(e.response_length for e in experiences)
         self.generate_seconds += elapsed
         return experiences
+
+    def evaluate(self, items: Sequence[Any], sampling: SamplingConfig | None = None,
+                 batch_size: int = 32) -> list[dict[str, Any]]:
+        """Answer held-out prompts (greedy by default) and grade them with this maker's reward; one dict each.
+
+        Each dict holds the prompt, the decoded response, the reward and its components, and
+        the policy version that answered. Counters and the prompt cursor are left alone.
+        """
+        if not self.synced:
+            raise RuntimeError(f"maker {self.name!r} has no complete weights from a trainer yet")
+        if batch_size < 1:
+            raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
+        sampling = sampling or dataclasses.replace(self.config.sampling, do_sample=False)
+        prompt_items = [as_prompt_item(item) for item in items]
+        results: list[dict[str, Any]] = []
+        tokenizer = self.actor.tokenizer
+        for begin in range(0, len(prompt_items), batch_size):
+            chunk = prompt_items[begin : begin + batch_size]
+            with self.generation_lock, torch.no_grad():
+                version = self.receiver.servable_version
+                out = self.actor.generate([item.prompt for item in chunk], sampling)
+            placeholder = [Experience(p, r, lp, torch.tensor(0.0))
+                           for p, r, lp in zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)]
+            batch = collate(placeholder, tokenizer.pad_token_id).to(self.strategy.device)
+            metadata = [item.metadata for item in chunk]
+            with torch.no_grad():
+                if hasattr(self.reward, "score_detailed"):
+                    rewards, components = self.reward.score_detailed(
+                        batch.sequences, batch.attention_mask, batch.response_mask, metadata)
+                else:
+                    rewards = self.reward.score(batch.sequences, batch.attention_mask, batch.response_mask, metadata)
+                    components = [{} for _ in chunk]
+            texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+            for item, text, reward, parts, ids in zip(chunk, texts, rewards.tolist(), components, out.response_ids,
+                                                       strict=True):
+                results.append({"prompt": item.prompt if isinstance(item.prompt, str) else str(item.prompt),
+                                "response": text, "reward": float(reward), **parts,
+                                "response_length": len(ids), "policy_version": version})
+        return results
 
     def state_dict(self) -> dict[str, Any]:
         """The prompt cursor and counters, to resume a maker where it stopped."""

@@ -87,6 +87,56 @@ def _result(correct: float, has_format: float, format_weight: float) -> dict[str
     return {"reward": correct + format_weight * has_format, "correct": correct, "format": has_format}
 
 
+# ------------------------------------------------------------------ final "Answer: <number>" line
+
+_EQUATION = re.compile(r"\d\s*[-+*/x×]\s*\d[^=\n]*=\s*-?\d")
+_ANSWER_LINE = re.compile(r"^[*\s]*answer\s*:\s*\$?\s*(-?\d+(?:,\d{3})*(?:\.\d+)?)[\s.*]*$",
+                          re.IGNORECASE | re.MULTILINE)
+
+
+def extract_answer_line(response: str) -> float | None:
+    """The number of the last line of the form 'Answer: <number>' anywhere in the response, or None."""
+    matches = _ANSWER_LINE.findall(response)
+    return float(matches[-1].replace(",", "")) if matches else None
+
+
+_ANSWER_MENTION = re.compile(r"\banswer\b\W{0,3}(?:is|=|:)?\W{0,3}-?\d", re.IGNORECASE)
+
+
+def answer_line_format(response: str) -> float:
+    """How closely the response follows 'calculation, then a last line Answer: <number>', in four steps.
+
+    1.0: the last non-empty line is 'Answer: <number>' and an equation ('12 - 5 = 7') comes before it;
+    0.5: an 'Answer: <number>' line somewhere; 0.25: the answer stated in words ('the answer is 7');
+    0.0: none of these. The steps give a policy that never writes the format a gradient towards it.
+    """
+    lines = [line for line in response.strip().splitlines() if line.strip()]
+    if extract_answer_line(response) is None:
+        return 0.25 if _ANSWER_MENTION.search(response) else 0.0
+    ends = bool(_ANSWER_LINE.fullmatch(lines[-1]))
+    shows_work = _EQUATION.search("\n".join(lines[:-1])) is not None
+    return 1.0 if ends and shows_work else 0.5
+
+
+def answer_line_reward(
+    prompt: str, response: str, answer: float, format_weight: float = 0.2, tolerance: float = 1e-6,
+    **_metadata: object,
+) -> dict[str, float]:
+    """reward = correct + format_weight * format, for prompts that ask for a final 'Answer: <number>' line.
+
+    correct = 1 when the number on the last 'Answer: <number>' line (case-insensitive, optional
+    '$', '*' and full stop) equals `answer` within `tolerance`; an answer not given on such a
+    line is not graded. format (see `answer_line_format`) is 0, 0.25, 0.5 or 1. `lenient` = 1 when
+    the last number anywhere in the response is right: reported, never rewarded.
+    """
+    predicted = extract_answer_line(response)
+    correct = float(predicted is not None and abs(predicted - answer) <= tolerance)
+    last = last_number(response)
+    result = _result(correct, answer_line_format(response), format_weight)
+    result["lenient"] = float(last is not None and abs(last - answer) <= tolerance)
+    return result
+
+
 # ------------------------------------------------------------------ <think>…</think><answer>…</answer>
 
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
@@ -356,6 +406,7 @@ def code_reward(
 
 REWARD_FUNCTIONS: dict[str, Callable[..., dict[str, float]]] = {
     "numeric_answer": numeric_answer_reward,
+    "answer_line": answer_line_reward,
     "think_answer_tags": think_answer_tags_reward,
     "boxed": boxed_reward,
     "code": code_reward,

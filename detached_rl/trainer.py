@@ -72,6 +72,19 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.{name} must be > 0, got {getattr(self, name)}")
 
 
+def info_means(experiences: list[Any]) -> dict[str, float]:
+    """Batch means of the numeric `info` entries every sample carries (reward components, "finished"), as "info/<key>"."""
+    if not experiences:
+        return {}
+    common = set.intersection(*(set(getattr(e, "info", None) or {}) for e in experiences))
+    means = {}
+    for key in sorted(common):
+        values = [e.info[key] for e in experiences]
+        if all(isinstance(v, int | float) for v in values):  # bools count as 0/1
+            means[f"info/{key}"] = float(sum(values)) / len(values)
+    return means
+
+
 class TrainerCore:
     """Owns the learner, the replay buffer and the policy version; runs `fit`."""
 
@@ -257,6 +270,7 @@ class TrainerCore:
         metrics.update(batch_metrics)
         self.samples_trained += len(experiences)
         metrics = self.strategy.reduce_metrics(metrics, weight=metrics["tokens"])
+        metrics.update(info_means(experiences))  # this rank's samples (ranks may see different info keys)
         for version, count in Counter(e.policy_version for e in experiences).items():
             metrics[f"staleness/hist_{self.policy_version - 1 - version}"] = float(count)  # this rank's samples
         stats = self.buffer.stats()

@@ -104,6 +104,19 @@ def default_target_modules(model: nn.Module) -> tuple[str, ...]:
     return _DEFAULT_TARGETS[model_type]
 
 
+ALL_LINEAR = "all-linear"
+
+
+def all_linear_targets(model: nn.Module) -> tuple[str, ...]:
+    """The distinct leaf names of every Linear / Conv1D layer except the output head (peft's "all-linear")."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {name.rpartition(".")[2] for name, module in model.named_modules()
+             if isinstance(module, nn.Linear | Conv1D) and module is not output}
+    if not names:
+        raise ValueError("LoRA target 'all-linear': the model has no Linear layers besides its output head")
+    return tuple(sorted(names))
+
+
 def _name_matches(name: str, targets: tuple[str, ...]) -> bool:
     # Same rule as peft for a list of names: the full name, or a suffix after a dot.
     return any(name == t or name.endswith("." + t) for t in targets)
@@ -122,6 +135,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     if lora_backend(model) is not None:
         raise ValueError("model already has LoRA modules")
     targets = settings.target_modules or default_target_modules(model)
+    if targets == (ALL_LINEAR,):
+        targets = all_linear_targets(model)
     matched = _matching_modules(model, targets)
     fan_in_fan_out = settings.fan_in_fan_out
     if fan_in_fan_out is None:

@@ -1,0 +1,398 @@
+"""`detached-rl run`: one command that trains with named detached actors and shows what was learned.
+
+It starts (or joins) a Ray cluster, creates one named trainer and `run.makers` named
+experience makers, grades the held-out split before training, trains for `run.steps`
+steps while a progress bar shows step, reward, KL, samples/s and the policy version each
+maker serves, grades the held-out split again with the final weights, and writes
+`runs/<name>/`: config.yaml, metrics.jsonl, TensorBoard events, metrics.png, eval.json,
+summary.json, the LoRA adapter (adapter/) and a merged model (merged/). Everything it
+started is shut down at the end, also on failure or Ctrl-C.
+
+The packaged `configs/run.yaml` holds the defaults (SmolLM2-135M-Instruct + LoRA, GRPO,
+word problems); `--config` lays a YAML file over it and `--set key.path=value` overrides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from detached_rl.config import TASK_REWARDS, RunConfig, dump_config, load_config
+from detached_rl.reporting import MetricsRecorder, evaluation_summary, plot_metrics, side_by_side
+
+DEFAULT_RUN_CONFIG = Path(__file__).parent / "configs" / "run.yaml"
+logger = logging.getLogger(__name__)
+
+
+class RunError(RuntimeError):
+    """The run failed for a reason the message names (an actor's error, a timeout, a name in use)."""
+
+
+class RunInterrupted(RunError):
+    """Ctrl-C or SIGTERM: the run stopped early and shut down what it started."""
+
+
+def run_config(
+    config_path: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    steps: int | None = None,
+    makers: int | None = None,
+    model: str | None = None,
+    task: str | None = None,
+    name: str | None = None,
+) -> RunConfig:
+    """The packaged run defaults, then `config_path`, then the command-line flags, then `overrides`."""
+    flags = []
+    if steps is not None:
+        flags.append(f"run.steps={steps}")
+    if makers is not None:
+        flags.append(f"run.makers={makers}")
+    if model is not None:
+        flags.append(f"model.policy={model}")
+    if task is not None:
+        flags += [f"task.name={task}", f"task.reward={TASK_REWARDS.get(task, 'numeric_answer')}"]
+    if name is not None:
+        flags.append(f"run.name={name}")
+    return load_config(config_path, [*flags, *overrides], base=DEFAULT_RUN_CONFIG)
+
+
+def default_run_name(config: RunConfig) -> str:
+    """"<variant>-<model>-<YYYYmmdd-HHMMSS>", e.g. grpo-smollm2-20261122-031500."""
+    model = Path(config.model.policy).name or "model"
+    variant = config.grpo.algorithm if config.algorithm == "grpo" else config.algorithm
+    return f"{variant}-{model}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def with_threads(threads: int, factory: Callable[[], Any]) -> Any:
+    """Call `factory` after capping this process's torch threads (0: leave torch's default)."""
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+    return factory()
+
+
+@dataclass
+class RunResult:
+    """What `run_job` produced: where, how long, and the held-out figures before and after."""
+
+    name: str
+    directory: Path
+    seconds: float
+    steps: int
+    before: dict[str, float]
+    after: dict[str, float]
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def split_evenly(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    """`items` in `parts` contiguous chunks whose sizes differ by at most one (empty chunks dropped)."""
+    size, extra = divmod(len(items), parts)
+    chunks, start = [], 0
+    for index in range(parts):
+        end = start + size + (1 if index < extra else 0)
+        chunks.append(list(items[start:end]))
+        start = end
+    return [chunk for chunk in chunks if chunk]
+
+
+class JobRunner:
+    """Drives one run on a connected Ray driver; `run()` returns a `RunResult` and always cleans up."""
+
+    def __init__(self, config: RunConfig, output: Path, echo: Callable[[str], None] = print,
+                 interrupted: threading.Event | None = None) -> None:
+        self.config = config
+        self.name = config.run.name or default_run_name(config)
+        self.directory = output / self.name
+        self.echo = echo
+        self.trainer_name = f"{self.name}-trainer"
+        self.maker_names = [f"{self.name}-maker-{i}" for i in range(config.run.makers)]
+        self.handles: dict[str, Any] = {}
+        self.deadline = time.monotonic() + config.run.timeout_s
+        self.interrupted = interrupted or threading.Event()  # set by Ctrl-C / SIGTERM (see `run_job`)
+
+    # ------------------------------------------------------------------ helpers
+    def _remaining(self, cap: float | None = None) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RunError(f"the run exceeded run.timeout_s={self.config.run.timeout_s:.0f} s")
+        return min(left, cap) if cap is not None else left
+
+    def _get(self, refs: Any, what: str, cap: float | None = None) -> Any:
+        """`ray.get` bounded by `cap` and the run's deadline, in one-second slices so Ctrl-C is noticed."""
+        import ray
+
+        deadline = time.monotonic() + self._remaining(cap)
+        try:
+            while True:
+                if self.interrupted.is_set():
+                    raise RunInterrupted(f"interrupted while waiting for {what}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RunError(f"{what} did not answer in time")
+                try:
+                    return ray.get(refs, timeout=min(1.0, left))
+                except ray.exceptions.GetTimeoutError:
+                    continue
+        except ray.exceptions.RayActorError as error:
+            raise RunError(f"{what}: an actor died ({str(error).splitlines()[0]})") from None
+        except ray.exceptions.RayTaskError as error:
+            cause = error.cause if getattr(error, "cause", None) is not None else error
+            raise RunError(f"{what} failed: {type(cause).__name__}: {str(cause).splitlines()[0]}") from None
+
+    # ------------------------------------------------------------------ phases
+    def start_actors(self) -> None:
+        """Create the named trainer and makers (refusing names already in use in the namespace)."""
+        import ray
+
+        from detached_rl.actors import DetachedGRPOTrainer, DetachedPPOTrainer, ExperienceMakerHolder
+
+        config = self.config
+        for name in [self.trainer_name, *self.maker_names]:
+            try:
+                ray.get_actor(name, namespace=config.namespace)
+            except ValueError:
+                continue
+            raise RunError(f"an actor named {name!r} already exists in namespace {config.namespace!r}; "
+                           "choose another run.name")
+        trainer_class = DetachedGRPOTrainer if config.algorithm == "grpo" else DetachedPPOTrainer
+        self.handles[self.trainer_name] = trainer_class.options(name=self.trainer_name).remote(
+            self.trainer_name, functools.partial(with_threads, config.run.trainer_threads, config.trainer_factory()),
+            config.trainer, config.algorithm_config, config.namespace,
+        )
+        for index, name in enumerate(self.maker_names):
+            self.handles[name] = ExperienceMakerHolder.options(name=name).remote(
+                name, [self.trainer_name],
+                functools.partial(with_threads, config.run.maker_threads, config.maker_factory()),
+                config.prompts(shard=index, num_shards=len(self.maker_names)), config.maker, config.namespace,
+            )
+        versions = self._get([self.handles[n].sync.remote() for n in self.maker_names], "loading the models",
+                             cap=900)
+        if any(v < 0 for v in versions):
+            raise RunError(f"makers did not receive the trainer's weights (versions {versions})")
+
+    def evaluate(self, label: str) -> list[dict[str, Any]]:
+        """Grade the held-out split, shared across the makers; every answer comes from one policy version."""
+        problems = self.config.eval_problems()
+        makers = [self.handles[n] for n in self.maker_names]
+        chunks = split_evenly(problems, len(makers))
+        start = time.perf_counter()
+        parts = self._get([m.evaluate.remote(c) for m, c in zip(makers, chunks, strict=False)],
+                          f"held-out evaluation ({label})")
+        results = [r for part in parts for r in part]
+        versions = sorted({r["policy_version"] for r in results})
+        if len(versions) != 1:
+            raise RunError(f"held-out evaluation ({label}) mixed policy versions {versions}")
+        summary = evaluation_summary(results)
+        self.echo(f"held-out {label}: accuracy {summary['accuracy']:.1%} on {len(results)} problems "
+                  f"(policy version {versions[0]}, {time.perf_counter() - start:.1f} s)")
+        return results
+
+    def train(self, recorder: MetricsRecorder) -> dict[str, Any]:
+        """Start `fit` and the makers; poll progress into the bar and the recorder until the trainer ends."""
+        from tqdm import tqdm
+
+        config = self.config
+        trainer = self.handles[self.trainer_name]
+        self._get(trainer.start_fit.remote(config.run.steps), "starting the trainer", cap=60)
+        maker_runs = [self.handles[n].run.remote() for n in self.maker_names]
+        started = time.monotonic()
+        recorded = 0
+        bar = tqdm(total=config.run.steps, desc="training", unit="step", disable=not config.run.progress,
+                   dynamic_ncols=True, file=sys.stderr)
+        try:
+            while True:
+                status = self._get(trainer.status.remote(), "trainer status", cap=60)
+                new = status["steps"] - recorded
+                rows = self._get(trainer.metrics.remote(last=new), "trainer metrics", cap=60) if new > 0 else []
+                maker_status = self._maker_status()
+                versions = {n: s.get("policy_version") for n, s in maker_status.items()}
+                for row in rows:
+                    step = int(row["policy_version"])
+                    if step <= recorded:
+                        continue
+                    row = {**row, "time/elapsed": time.monotonic() - started, "maker_versions": versions}
+                    recorder.record(step, row)
+                    recorded = step
+                    elapsed = time.monotonic() - started
+                    bar.set_postfix_str(self._postfix(row, status, elapsed, versions), refresh=False)
+                    bar.update(step - bar.n)
+                if status["state"] in ("done", "stopped", "failed"):
+                    break
+                for name, state in maker_status.items():  # a maker that ends while the trainer trains has failed
+                    if state.get("state") not in (None, "running") and state.get("last_error"):
+                        raise RunError(f"maker {name!r} stopped: {state['last_error']}")
+                if self.interrupted.wait(config.run.poll_interval_s):
+                    raise RunInterrupted("interrupted during training")
+        finally:
+            bar.close()
+        if status["state"] == "failed":
+            raise RunError(f"the trainer failed: {status['last_error']}")
+        # The trainer pushed the final weights and stopped the makers; their `run` calls return.
+        maker_final = self._get(maker_runs, "stopping the makers", cap=300)
+        return {"trainer": status, "makers": maker_final, "seconds": time.monotonic() - started}
+
+    def _maker_status(self) -> dict[str, dict[str, Any]]:
+        import ray
+
+        refs = {n: self.handles[n].status.remote() for n in self.maker_names}
+        out = {}
+        for name, ref in refs.items():
+            try:
+                out[name] = ray.get(ref, timeout=10)
+            except Exception as error:  # noqa: BLE001 - a slow status answer must not end the run
+                out[name] = {"policy_version": None, "error": str(error)}
+        return out
+
+    @staticmethod
+    def _postfix(row: dict[str, Any], status: dict[str, Any], elapsed: float, versions: dict[str, Any]) -> str:
+        served = " ".join(f"m{i}:v{v}" for i, v in enumerate(versions.values()))
+        kl = row.get("loss/kl_avg")
+        parts = [f"reward {row.get('reward/mean', float('nan')):.3f}"]
+        if "info/correct" in row:
+            parts.append(f"correct {row['info/correct']:.0%}")
+        parts += [f"KL {kl:.4f}" if kl is not None else "KL n/a",
+                  f"{status['samples_trained'] / max(elapsed, 1e-9):.2f} samples/s", f"makers {served}"]
+        return ", ".join(parts)
+
+    def export(self) -> dict[str, str]:
+        """Write the adapter and the merged model under the run directory."""
+        from detached_rl.models.export import ADAPTER_DIR, MERGED_DIR, write_files
+
+        files = self._get(self.handles[self.trainer_name].export_policy.remote(), "exporting the policy", cap=600)
+        write_files(files, self.directory)
+        out = {}
+        for kind in (ADAPTER_DIR, MERGED_DIR):
+            if (self.directory / kind).is_dir():
+                out[kind] = str(self.directory / kind)
+        return out
+
+    def shutdown(self) -> None:
+        """Kill every actor this run created (by then they hold nothing worth draining)."""
+        import ray
+
+        for handle in self.handles.values():
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(handle, no_restart=True)
+        self.handles.clear()
+
+    # ------------------------------------------------------------------ the whole job
+    def run(self) -> RunResult:
+        """Start, evaluate, train, evaluate, export, report; the actors are gone when this returns or raises."""
+        config = self.config
+        start = time.monotonic()
+        if self.directory.exists() and any(self.directory.iterdir()):
+            raise RunError(f"the run directory {self.directory} exists and is not empty; choose another run.name")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "config.yaml").write_text(dump_config(config))
+        self.echo(f"run {self.name!r}: {config.algorithm}/{config.algorithm_config.algorithm if config.algorithm == 'grpo' else 'ppo'}"
+                  f" on {config.model.policy} ({'LoRA r=' + str(config.model.lora.r) if config.model.lora else 'full'}), "
+                  f"task {config.task.name}, {config.run.steps} steps, 1 trainer + {config.run.makers} makers "
+                  f"in namespace {config.namespace!r}; writing {self.directory}")
+        try:
+            self.start_actors()
+            self.echo(f"actors up in {time.monotonic() - start:.1f} s: {self.trainer_name}, {', '.join(self.maker_names)}")
+            before = self.evaluate("before training")
+            with MetricsRecorder(self.directory) as recorder:
+                trained = self.train(recorder)
+            after = self.evaluate("after training")
+            files = self.export()
+        finally:
+            self.shutdown()
+        return self._report(before, after, trained, files, time.monotonic() - start)
+
+    def _report(self, before: list[dict[str, Any]], after: list[dict[str, Any]], trained: dict[str, Any],
+                files: dict[str, str], seconds: float) -> RunResult:
+        from detached_rl.reporting import read_metrics
+
+        rows = read_metrics(self.directory / "metrics.jsonl")
+        plot_metrics(rows, self.directory / "metrics.png", title=self.name)
+        summary_before, summary_after = evaluation_summary(before), evaluation_summary(after)
+        (self.directory / "eval.json").write_text(json.dumps({"before": before, "after": after}, indent=1))
+        result = RunResult(self.name, self.directory, seconds, int(trained["trainer"]["steps"]), summary_before,
+                           summary_after, {**files, "metrics": str(self.directory / "metrics.jsonl"),
+                                           "plot": str(self.directory / "metrics.png"),
+                                           "tensorboard": str(self.directory / "tensorboard")})
+        summary = {"name": self.name, "seconds": seconds, "train_seconds": trained["seconds"],
+                   "steps": result.steps, "held_out_before": summary_before, "held_out_after": summary_after,
+                   "makers": [{k: m.get(k) for k in ("name", "policy_version", "samples_made", "tokens_per_s")}
+                              for m in trained["makers"]],
+                   "cpu_count": os.cpu_count(), "files": result.files}
+        (self.directory / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.echo("")
+        self.echo(f"{'':24}{'before':>10}{'after':>10}")
+        labels = (("accuracy", "held-out accuracy"), ("format_rate", "answer format"),
+                  ("lenient_accuracy", "last number right"), ("reward", "mean reward"),
+                  ("response_length", "response tokens"))
+        for key, label in labels:
+            if key in summary_before and key in summary_after:
+                b, a = summary_before[key], summary_after[key]
+                shown = (f"{b:>10.1%}{a:>10.1%}" if key not in ("reward", "response_length")
+                         else f"{b:>10.2f}{a:>10.2f}")
+                self.echo(f"{label:<24}{shown}")
+        if self.config.run.examples:
+            self.echo("\nexamples (held-out):")
+            self.echo(side_by_side(before, after, self.config.run.examples))
+        self.echo(f"\n{result.steps} steps, {seconds:.0f} s in all ({trained['seconds']:.0f} s training); "
+                  f"results in {self.directory}")
+        return result
+
+
+@contextlib.contextmanager
+def stop_on_signals(echo: Callable[[str], None]) -> Iterator[threading.Event]:
+    """While inside: the first Ctrl-C / SIGTERM sets the yielded event (the run stops and cleans up); a second
+    Ctrl-C raises KeyboardInterrupt. Outside the main thread nothing is installed."""
+    interrupted = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+
+    def handle(signum: int, _frame: Any) -> None:
+        if interrupted.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        echo(f"\n{signal.Signals(signum).name}: stopping the run and its actors (Ctrl-C again to abort)")
+        interrupted.set()
+
+    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield interrupted
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def run_job(config: RunConfig, address: str | None = None, echo: Callable[[str], None] = print) -> RunResult:
+    """Run the whole job on a local embedded Ray cluster (or the cluster at `address`)."""
+    import ray
+
+    from detached_rl import jobs
+
+    with stop_on_signals(echo) as interrupted:
+        started_ray = False
+        try:
+            if address:
+                jobs.connect(address, config.namespace)
+            elif not ray.is_initialized():
+                os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+                ray.init(address="local", namespace=config.namespace, include_dashboard=False, log_to_driver=False,
+                         _node_ip_address="127.0.0.1", configure_logging=True, logging_level=logging.WARNING)
+                started_ray = True
+            if interrupted.is_set():
+                raise RunInterrupted("interrupted while starting Ray")
+            return JobRunner(config, Path(config.run.output_dir), echo, interrupted).run()
+        finally:
+            if started_ray:
+                ray.shutdown()

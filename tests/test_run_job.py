@@ -1,0 +1,110 @@
+"""`detached-rl run --model tiny`: the main job's entry point end to end, and every artefact it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.ray
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> tuple[Path, str]:
+    """Run the console script once (its own embedded Ray cluster) and return the run directory and output."""
+    output = tmp_path_factory.mktemp("runs")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "detached_rl.cli", "run", "--model", "tiny", "--steps", str(STEPS),
+               "--name", "tiny-test", "--output", str(output), "--namespace", "detached_rl_run_test",
+               "--set", "task.eval_size=16", "--set", "sampling.max_new_tokens=12"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
+    return output / "tiny-test", done.stdout
+
+
+def test_reports_accuracy_before_and_after_with_examples(finished_run):
+    _, stdout = finished_run
+    assert "held-out before training: accuracy" in stdout
+    assert "held-out after training: accuracy" in stdout
+    assert "held-out accuracy" in stdout and "before" in stdout and "after" in stdout
+    assert stdout.count("  Q: ") == 4  # run.examples decoded examples, before and after
+    assert f"{STEPS} steps" in stdout
+
+
+def test_metrics_jsonl_has_one_row_per_step(finished_run):
+    from detached_rl.reporting import read_metrics
+
+    directory, _ = finished_run
+    rows = read_metrics(directory / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    for row in rows:
+        for key in ("reward/mean", "loss/kl_avg", "response_length/mean", "time/weight_sync", "info/correct",
+                    "weight_sync/bytes", "maker_versions"):
+            assert key in row, key
+        assert set(row["maker_versions"]) == {"tiny-test-maker-0", "tiny-test-maker-1"}
+    # LoRA-only updates after the first full one: a few hundred kB, not the whole model.
+    assert rows[-1]["weight_sync/bytes"] < 1_000_000
+
+
+def test_tensorboard_events_hold_the_scalars(finished_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    directory, _ = finished_run
+    events = EventAccumulator(str(directory / "tensorboard"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert "reward/mean" in scalars and "time/weight_sync" in scalars
+    assert [e.step for e in events.Scalars("reward/mean")] == list(range(1, STEPS + 1))
+
+
+def test_plot_is_a_png(finished_run):
+    from PIL import Image
+
+    directory, _ = finished_run
+    with Image.open(directory / "metrics.png") as image:
+        assert image.format == "PNG" and image.size[0] > 400
+
+
+def test_eval_and_summary_parse(finished_run):
+    directory, _ = finished_run
+    evaluation = json.loads((directory / "eval.json").read_text())
+    assert len(evaluation["before"]) == len(evaluation["after"]) == 16
+    assert {r["policy_version"] for r in evaluation["before"]} == {0}
+    assert {r["policy_version"] for r in evaluation["after"]} == {STEPS}
+    summary = json.loads((directory / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+    assert set(summary["held_out_before"]) >= {"accuracy", "format_rate", "lenient_accuracy"}
+    assert "grpo" in (directory / "config.yaml").read_text()
+
+
+def test_adapter_and_merged_model_load_and_agree(finished_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from detached_rl.models import load_causal_lm
+
+    directory, _ = finished_run
+    merged = AutoModelForCausalLM.from_pretrained(directory / "merged").eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory / "merged")
+    base, _ = load_causal_lm("tiny", seed=0)
+    adapted = PeftModel.from_pretrained(base, directory / "adapter").eval()
+    ids = torch.tensor([tokenizer("Mia has 3 apples.")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-4, rtol=1e-4)
+        untrained, _ = load_causal_lm("tiny", seed=0)
+        assert not torch.allclose(merged(ids).logits, untrained(ids).logits)  # training changed the policy
+
+
+def test_leaves_no_actor_behind(finished_run):
+    """The job shut down what it started: its cluster is gone, so nothing of it is still running."""
+    done = subprocess.run(["pgrep", "-f", "detached_rl_run_test"], capture_output=True, text=True)
+    assert done.stdout.strip() == ""

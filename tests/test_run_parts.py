@@ -1,0 +1,229 @@
+"""The pieces of `detached-rl run` that need no Ray: task, reward, config, recorder, plot, export, evaluation."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from detached_rl.config import ConfigError, load_config
+from detached_rl.models import LoraSettings, apply_lora, load_causal_lm
+from detached_rl.models.export import policy_files, save_adapter, save_merged, write_files
+from detached_rl.models.lora import all_linear_targets, lora_state_dict
+from detached_rl.reporting import (
+    MetricsRecorder,
+    evaluation_summary,
+    plot_metrics,
+    read_metrics,
+    side_by_side,
+)
+from detached_rl.rewards import answer_line_format, answer_line_reward, extract_answer_line
+from detached_rl.run import DEFAULT_RUN_CONFIG, run_config, split_evenly
+from detached_rl.tasks import make_problems, word_problems
+from detached_rl.trainer import info_means
+from tests.helpers import make_experience
+
+# ------------------------------------------------------------------ task
+
+
+def _numbers(prompt: str) -> tuple[int, int]:
+    a, b = (int(x) for x in re.findall(r"\d+", prompt)[:2])
+    return a, b
+
+
+def test_word_problems_are_deterministic_and_answers_follow_the_operation():
+    problems = word_problems(300, seed=7)
+    assert problems == word_problems(300, seed=7) and problems != word_problems(300, seed=8)
+    for problem in problems:
+        a, b = _numbers(problem.prompt)
+        assert problem.answer in (a + b, a - b)
+        assert problem.prompt.endswith("'Answer: <number>'.")
+        if problem.answer == a - b:
+            assert problem.answer > 0  # subtraction keeps a > b
+
+
+def test_word_problem_splits_share_no_numbers_and_operation():
+    def keys(split: str) -> set[tuple[int, int, int]]:
+        return {(*_numbers(p.prompt), p.answer) for p in word_problems(400, seed=1, split=split)}
+
+    assert not keys("train") & keys("test")
+
+
+def test_held_out_problems_are_distinct_and_unknown_tasks_are_refused():
+    held_out = make_problems("word_problems", 64, split="test")
+    assert len({p.prompt for p in held_out}) == 64
+    with pytest.raises(ValueError, match="unknown task 'riddles'"):
+        make_problems("riddles", 4)
+    with pytest.raises(ValueError, match="split"):
+        word_problems(4, split="dev")
+
+
+# ------------------------------------------------------------------ reward
+
+
+@pytest.mark.parametrize(("response", "correct", "format_score"), [
+    ("7 + 5 = 12\nAnswer: 12", 1.0, 1.0),
+    ("She has 7 + 5 = 12 apples.\n\n**Answer: 12.**", 1.0, 1.0),
+    ("Answer: 12", 1.0, 0.5),  # right, but no calculation shown
+    ("7 + 5 = 12\nAnswer: 12\nThe answer is 12.", 1.0, 0.5),  # the answer line is not the last
+    ("7 + 5 = 13\nAnswer: 13", 0.0, 1.0),
+    ("7 + 5 = 12", 0.0, 0.0),  # right number, not in the asked format: not graded
+    ("Answer: twelve", 0.0, 0.0),
+    ("", 0.0, 0.0),
+])
+def test_answer_line_reward(response, correct, format_score):
+    result = answer_line_reward("q", response, 12)
+    assert result["correct"] == correct and result["format"] == format_score
+    assert result["reward"] == pytest.approx(correct + 0.2 * format_score)
+    assert result["lenient"] == float(response.count("12") > 0 and "13" not in response)
+
+
+def test_answer_line_takes_the_last_answer_line():
+    assert extract_answer_line("Answer: 3\nno, wait\nAnswer: 1,204") == 1204
+    assert extract_answer_line("The Answer: is 4") is None
+    assert answer_line_format("1 - 1 = 0\nanswer: -0") == 1.0
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_run_defaults_load_and_flags_override():
+    config = run_config()
+    assert config.algorithm == "grpo" and config.model.policy == "smollm2"
+    assert config.trainer.weight_sync == "lora" and config.task.name == "word_problems"
+    assert config.run.makers == 2 and config.model.lora.target_modules == ("all-linear",)
+    config = run_config(steps=3, makers=1, model="tiny", task="addition", name="x1", overrides=["grpo.kl_coef=0"])
+    assert (config.run.steps, config.run.makers, config.model.policy) == (3, 1, "tiny")
+    assert (config.task.name, config.task.reward, config.run.name, config.grpo.kl_coef) == (
+        "addition", "numeric_answer", "x1", 0.0)
+
+
+def test_run_config_file_is_laid_over_the_defaults(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("run:\n  steps: 7\ngrpo:\n  actor_optimizer:\n    lr: 1.0e-5\n")
+    config = run_config(path)
+    assert config.run.steps == 7 and config.grpo.actor_optimizer.lr == 1e-5
+    assert config.model.policy == "smollm2" and config.run.makers == 2  # the rest stays the packaged default
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("run.makers=0", "run.makers"), ("run.name=a/b", "run.name"), ("run.stepz=3", "run.stepz"),
+    ("task.eval_size=0", "task.eval_size"),
+])
+def test_bad_run_settings_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(None, [override], base=DEFAULT_RUN_CONFIG)
+
+
+def test_shards_of_the_training_prompts_are_disjoint():
+    config = run_config(overrides=["task.train_size=40"])
+    shards = [config.prompts(shard=i, num_shards=2).items for i in range(2)]
+    assert len(shards[0]) == len(shards[1]) == 20
+    assert not {p.prompt for p in shards[0]} & {p.prompt for p in shards[1]}
+    with pytest.raises(ValueError, match="shard"):
+        config.prompts(shard=2, num_shards=2)
+
+
+def test_split_evenly():
+    assert split_evenly(list(range(5)), 2) == [[0, 1, 2], [3, 4]]
+    assert split_evenly([1], 3) == [[1]]
+
+
+# ------------------------------------------------------------------ metrics, plot, evaluation
+
+
+def test_recorder_writes_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsRecorder(tmp_path) as recorder:
+        recorder.record(1, {"reward/mean": 0.5, "maker_versions": {"m0": 1}, "bad": float("nan")})
+        recorder.record(2, {"reward/mean": 0.75, "time/weight_sync": 0.01})
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert rows[0] == {"step": 1, "reward/mean": 0.5, "maker_versions": {"m0": 1}, "bad": None}
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.5), (2, 0.75)]
+    assert "maker_versions" not in events.Tags()["scalars"]
+
+
+def test_plot_metrics_draws_a_png_even_with_missing_series(tmp_path):
+    from PIL import Image
+
+    path = plot_metrics([{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.3}], tmp_path / "m.png")
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+
+
+def test_evaluation_summary_and_side_by_side():
+    before = [{"prompt": "q1", "response": "x", "correct": 0.0, "format": 0.0, "lenient": 1.0, "reward": 0.0,
+               "response_length": 4}]
+    after = [{"prompt": "q1", "response": "1 + 1 = 2\nAnswer: 2", "correct": 1.0, "format": 1.0, "lenient": 1.0,
+              "reward": 1.2, "response_length": 8}]
+    assert evaluation_summary(after) == {"accuracy": 1.0, "reward": 1.2, "response_length": 8.0, "count": 1.0,
+                                         "format_rate": 1.0, "lenient_accuracy": 1.0}
+    text = side_by_side(before, after, 1)
+    assert "[wrong] x" in text and "[right] 1 + 1 = 2 | Answer: 2" in text
+
+
+def test_info_means_average_what_every_sample_reports():
+    experiences = [make_experience(info={"correct": 1.0, "finished": True, "note": "a"}),
+                   make_experience(info={"correct": 0.0, "finished": False})]
+    assert info_means(experiences) == {"info/correct": 0.5, "info/finished": 0.5}
+
+
+# ------------------------------------------------------------------ export
+
+
+@pytest.fixture
+def trained_lora_model():
+    model, tokenizer = load_causal_lm("tiny", seed=3)
+    model = apply_lora(model, LoraSettings(r=4, alpha=8, target_modules=("all-linear",)))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)  # as if trained: B = 0 would merge to the base weights
+    return model.eval(), tokenizer
+
+
+def test_all_linear_targets_every_linear_layer_but_the_head(trained_lora_model):
+    model, _ = trained_lora_model
+    assert all_linear_targets(load_causal_lm("tiny")[0]) == (
+        "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+    assert not any("lm_head" in key for key in lora_state_dict(model))
+
+
+def test_exported_adapter_and_merged_model_reproduce_the_policy(tmp_path, trained_lora_model):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = trained_lora_model
+    files = policy_files(model, tokenizer)
+    assert "adapter/adapter_config.json" in files and "merged/config.json" in files
+    write_files(files, tmp_path)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(ids).logits, expected, atol=1e-4, rtol=1e-4)
+        adapted = PeftModel.from_pretrained(load_causal_lm("tiny", seed=3)[0], tmp_path / "adapter").eval()
+        torch.testing.assert_close(adapted(ids).logits, expected, atol=1e-4, rtol=1e-4)
+    assert json.loads(files["adapter/adapter_config.json"])["r"] == 4
+
+
+def test_loralib_adapter_and_plain_models_export(tmp_path):
+    model, tokenizer = load_causal_lm("tiny", seed=1)
+    save_merged(model, tokenizer, tmp_path / "plain")  # no adapter: the model as it is
+    assert (tmp_path / "plain" / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="no LoRA adapter"):
+        save_adapter(model, tmp_path / "none")
+    lora = apply_lora(model, LoraSettings(backend="loralib", r=2, alpha=4))
+    save_adapter(lora, tmp_path / "loralib")
+    assert json.loads((tmp_path / "loralib" / "lora_config.json").read_text())["backend"] == "loralib"
+
+
+def test_write_files_refuses_paths_outside_the_root(tmp_path):
+    with pytest.raises(ValueError, match="leaves"):
+        write_files({"../escape.txt": b"x"}, tmp_path / "root")
+    assert not (tmp_path / "escape.txt").exists()
