@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/detached-rl check
+	$(VENV)/bin/detached-rl run
 
 test: install
 	$(PY) -m pytest -q

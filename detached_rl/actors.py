@@ -189,6 +189,10 @@ class ExperienceMakerHolder:
                     time.sleep(0.05)
                     continue
                 self.pusher.push(self.core.make_experience())
+                # Backpressure, not a failure: a full trainer takes the push once it trains. A trainer that is
+                # gone makes the pusher drop the push after its retries, which ends this wait too.
+                while config.wait_for_ack and not self.pusher.flush(timeout=1.0) and not self._stop.is_set():
+                    pass
                 made += 1
                 stats = self.pusher.stats()
                 if stats["dropped_stale_by_trainer"] > stale_seen:

@@ -92,6 +92,9 @@ class RunSection:
     examples: int = 4  # decoded held-out examples shown before/after
     trainer_threads: int = 0  # torch threads per actor; 0: torch's default
     maker_threads: int = 0
+    # Makers run this much nicer than the trainer: on a machine they share, the trainer (the bottleneck
+    # when makers can run ahead) gets the CPU first and makers use what is left.
+    maker_nice: int = 0
     progress: bool = True
     poll_interval_s: float = 1.0
     timeout_s: float = 3600.0  # the whole run, from start to shutdown
@@ -100,7 +103,7 @@ class RunSection:
         for name in ("steps", "makers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunSection.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("examples", "trainer_threads", "maker_threads"):
+        for name in ("examples", "trainer_threads", "maker_threads", "maker_nice"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RunSection.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("poll_interval_s", "timeout_s"):

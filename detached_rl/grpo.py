@@ -69,6 +69,10 @@ class GRPOConfig:
     overlong_buffer: int | None = None  # the last N tokens before max_new_tokens are penalised; default 20 %
     overlong_penalty: float = 1.0
     tis_cap: float | None = 2.0  # truncated importance weight cap for stale samples; None: off
+    # Stale or multi-pass batches: recompute the "old" log-probs with the trainer's weights (the proximal
+    # policy) and weight tokens by truncated importance weights. False: ratios and clipping are taken
+    # against the behaviour policy itself (one forward pass less per step).
+    proximal_recompute: bool = True
     ref_update_every: int = 0  # Polyak-update the reference every N steps (0: never)
     ref_update_alpha: float = 1.0  # ref <- alpha * policy + (1 - alpha) * ref
     micro_batch_size: int = 8
@@ -280,7 +284,8 @@ class GRPOLearner:
         batch = collate(experiences, self.policy.tokenizer.pad_token_id).to(self.strategy.device)
         staleness = (policy_version - batch.policy_versions) if policy_version is not None else None
         multi_pass = config.train_epochs > 1 or (config.mini_batch_size or batch.size) < batch.size
-        recompute_old = multi_pass or (staleness is not None and bool((staleness > 0).any()))
+        recompute_old = config.proximal_recompute and (
+            multi_pass or (staleness is not None and bool((staleness > 0).any())))
         extra_forwards = 0
         with torch.no_grad():
             kl = None

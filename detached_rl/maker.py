@@ -49,6 +49,9 @@ class MakerConfig:
     weight_cast_dtype: str | None = None  # e.g. "bfloat16": cast incoming weights
     record_weights_fingerprint: bool = False  # tag each sample with the weights' fingerprint (costs a checksum)
     lora_mode: str = "keep"  # LoRA policies: "keep" the adapters, or "merge" W = W0 + scaling*B*A on update
+    # Generate the next batch only once the last push is accepted: less overlap, but samples are fresher
+    # (a maker is then never more than one batch ahead of the trainer's buffer).
+    wait_for_ack: bool = False
 
 
     def __post_init__(self) -> None:
@@ -67,6 +70,16 @@ class MakerConfig:
         if self.weight_cast_dtype is not None and not isinstance(getattr(torch, self.weight_cast_dtype, None),
                                                                  torch.dtype):
             raise ValueError(f"MakerConfig.weight_cast_dtype {self.weight_cast_dtype!r} is not a torch dtype")
+
+
+def prompt_text(prompt: Any) -> str:
+    """A prompt as one line of text: the text itself, or the last user message of a chat."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Sequence) and prompt and isinstance(prompt[-1], dict):
+        users = [m.get("content", "") for m in prompt if m.get("role") == "user"]
+        return str(users[-1] if users else prompt[-1].get("content", ""))
+    return str(prompt)
 
 
 @dataclass
@@ -248,7 +261,7 @@ class ExperienceMaker:
             texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
             for item, text, reward, parts, ids in zip(chunk, texts, rewards.tolist(), components, out.response_ids,
                                                        strict=True):
-                results.append({"prompt": item.prompt if isinstance(item.prompt, str) else str(item.prompt),
+                results.append({"prompt": prompt_text(item.prompt),
                                 "response": text, "reward": float(reward), **parts,
                                 "response_length": len(ids), "policy_version": version})
         return results

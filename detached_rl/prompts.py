@@ -29,7 +29,8 @@ def as_prompt_item(item: Any) -> PromptItem:
     if isinstance(item, str):
         return PromptItem(item)
     if hasattr(item, "prompt"):
-        return PromptItem(item.prompt, dict(getattr(item, "metadata", {}) or {}))
+        prompt = item.messages if hasattr(item, "messages") else item.prompt  # task problems: chat messages
+        return PromptItem(prompt, dict(getattr(item, "metadata", {}) or {}))
     raise TypeError(f"cannot use {type(item).__name__} as a prompt (need str, PromptItem or .prompt)")
 
 

@@ -75,12 +75,15 @@ def default_run_name(config: RunConfig) -> str:
     return f"{variant}-{model}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def with_threads(threads: int, factory: Callable[[], Any]) -> Any:
-    """Call `factory` after capping this process's torch threads (0: leave torch's default)."""
+def with_threads(threads: int, factory: Callable[[], Any], nice: int = 0) -> Any:
+    """Call `factory` after capping this process's torch threads (0: leave torch's default) and raising its nice
+    value by `nice` (lower CPU priority)."""
     if threads > 0:
         import torch
 
         torch.set_num_threads(threads)
+    if nice > 0:
+        os.nice(nice)
     return factory()
 
 
@@ -175,7 +178,8 @@ class JobRunner:
         for index, name in enumerate(self.maker_names):
             self.handles[name] = ExperienceMakerHolder.options(name=name).remote(
                 name, [self.trainer_name],
-                functools.partial(with_threads, config.run.maker_threads, config.maker_factory()),
+                functools.partial(with_threads, config.run.maker_threads, config.maker_factory(),
+                                  config.run.maker_nice),
                 config.prompts(shard=index, num_shards=len(self.maker_names)), config.maker, config.namespace,
             )
         versions = self._get([self.handles[n].sync.remote() for n in self.maker_names], "loading the models",

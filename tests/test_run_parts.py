@@ -28,8 +28,9 @@ from tests.helpers import make_experience
 # ------------------------------------------------------------------ task
 
 
-def _numbers(prompt: str) -> tuple[int, int]:
-    a, b = (int(x) for x in re.findall(r"\d+", prompt)[:2])
+def _numbers(prompt) -> tuple[int, int]:
+    question = prompt if isinstance(prompt, str) else dict(prompt)["user"]
+    a, b = (int(x) for x in re.findall(r"\d+", question)[:2])
     return a, b
 
 
@@ -39,7 +40,9 @@ def test_word_problems_are_deterministic_and_answers_follow_the_operation():
     for problem in problems:
         a, b = _numbers(problem.prompt)
         assert problem.answer in (a + b, a - b)
-        assert problem.prompt.endswith("'Answer: <number>'.")
+        system = dict(problem.prompt)["system"]
+        assert "'Answer: <number>'" in system and "Answer: 7" in system  # the instruction and its example
+        assert problem.messages[1] == {"role": "user", "content": dict(problem.prompt)["user"]}
         if problem.answer == a - b:
             assert problem.answer > 0  # subtraction keeps a > b
 
