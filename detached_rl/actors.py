@@ -84,10 +84,10 @@ def _ray_fetch(timeout: float) -> Callable[[Any], dict[str, torch.Tensor]]:
     return lambda ref: fetch_chunk(ref, timeout)
 
 
-def deliver_weight_update(
-    update: WeightUpdate, makers: Sequence[str], namespace: str, timeout: float
-) -> dict[str, ApplyResult | BaseException]:
-    """Send the same update (the same chunk refs) to every maker concurrently; per-maker result or error."""
+def dispatch_weight_update(update: WeightUpdate, makers: Sequence[str], namespace: str, timeout: float
+                           ) -> Callable[[], dict[str, ApplyResult | BaseException]]:
+    """Send the same update (the same chunk refs) to every maker at once; returns a function that waits
+    (at most `timeout` seconds from now) and gives each maker's result or error."""
     pending: dict[str, Any] = {}
     results: dict[str, ApplyResult | BaseException] = {}
     for name in makers:
@@ -98,12 +98,24 @@ def deliver_weight_update(
             continue
         pending[name] = handle.apply_weight_update.remote(update)
     deadline = time.monotonic() + timeout
-    for name, ref in pending.items():
-        try:
-            results[name] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01))
-        except Exception as error:  # noqa: BLE001
-            results[name] = error
-    return results
+
+    def collect() -> dict[str, ApplyResult | BaseException]:
+        for name, ref in pending.items():
+            try:
+                results[name] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01))
+            except Exception as error:  # noqa: BLE001
+                results[name] = error
+        pending.clear()
+        return results
+
+    return collect
+
+
+def deliver_weight_update(
+    update: WeightUpdate, makers: Sequence[str], namespace: str, timeout: float
+) -> dict[str, ApplyResult | BaseException]:
+    """Send the same update to every maker concurrently and wait; per-maker result or error."""
+    return dispatch_weight_update(update, makers, namespace, timeout)()
 
 
 @ray.remote(concurrency_groups={"experience_io": 1, "model_io": 1, "compute": 1})
@@ -404,8 +416,9 @@ class _TrainerShell:
         """Train up to step `total_steps`; push weights every `update_steps` steps and at the end; checkpoint."""
         core = self._core()
 
-        def send(update: WeightUpdate, makers: list[str]) -> dict[str, Any]:
-            return deliver_weight_update(update, makers, self.namespace, self.config.weight_push_timeout_s)
+        def send(update: WeightUpdate, makers: list[str]) -> Any:
+            collect = dispatch_weight_update(update, makers, self.namespace, self.config.weight_push_timeout_s)
+            return collect if self.config.overlap_weight_push else collect()
 
         def stop_makers(makers: list[str]) -> None:
             pending = {}

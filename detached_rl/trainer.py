@@ -35,7 +35,8 @@ WEIGHT_SYNC_KINDS = ("full", "lora")
 class TrainingStopped(Exception):
     """`stop()` was called while `fit` waited for data."""
 Put = Callable[[dict[str, torch.Tensor]], Any]
-SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any]]
+# Returns each maker's result, or (overlapped pushes) a function that waits for and returns them.
+SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any] | Callable[[], Mapping[str, Any]]]
 
 
 @dataclass
@@ -55,6 +56,9 @@ class TrainerConfig:
     stop_makers_at_end: bool = True
     metrics_history: int = 10_000
     record_weights_fingerprint: bool = False  # keep version -> fingerprint of each update (audits, tests)
+    # Train the next step while makers apply an update (they swap between two generation batches, which can
+    # take a batch's time); the trainer waits for it only before sending the next one and at the end of `fit`.
+    overlap_weight_push: bool = False
 
     def __post_init__(self) -> None:
         for name in ("train_batch_size", "buffer_max_samples", "buffer_max_bytes", "weight_chunk_bytes"):
@@ -115,6 +119,7 @@ class TrainerCore:
         # Held while the weights change (a training step) and while they are snapshotted for an update.
         self.weights_lock = threading.Lock()
         self._stop = threading.Event()
+        self._pending_push: Callable[[], Mapping[str, Any]] | None = None
         self._started = time.monotonic()
         self.samples_trained = 0
 
@@ -182,18 +187,25 @@ class TrainerCore:
         return every[self.strategy.rank :: self.strategy.world_size]
 
     def sync_weights(self, put: Put, send_update: SendUpdate) -> dict[str, float]:
-        """Build an update of the current weights and deliver it to this rank's makers."""
+        """Build an update of the current weights and deliver it to this rank's makers.
+
+        With an overlapped push (`send_update` returns a function), the results of the previous
+        update are collected first and this one is left in flight; `finish_weight_push` collects it.
+        """
+        start = time.perf_counter()
+        previous = self.finish_weight_push()
+        waited = time.perf_counter() - start
         update, stats = self.build_update(put)
         makers = self.makers_of_this_rank()
         start = time.perf_counter()
-        results = send_update(update, makers) if makers else {}
-        failures = {name: result for name, result in results.items() if isinstance(result, BaseException)}
-        for name, error in failures.items():
-            if isinstance(error, LookupError):  # no actor by that name any more: stop paying for it
-                self.makers.discard(name)
-        if failures:
-            self.last_error = "; ".join(f"weight update to {name}: {error}" for name, error in failures.items())
-        push_seconds = time.perf_counter() - start
+        outcome = send_update(update, makers) if makers else {}
+        if callable(outcome):
+            self._pending_push = outcome
+            results = previous
+        else:
+            results = self._record_results(outcome)
+        push_seconds = time.perf_counter() - start + waited
+        failed = sum(isinstance(r, BaseException) for r in results.values())
         return {
             "time/weight_sync": stats.seconds + push_seconds,
             "weight_sync/version": float(update.manifest.version),
@@ -201,9 +213,23 @@ class TrainerCore:
             "weight_sync/chunks": float(stats.chunks),
             "weight_sync/build_s": stats.seconds,
             "weight_sync/push_s": push_seconds,
-            "weight_sync/makers_updated": float(len(results) - len(failures)),
-            "weight_sync/makers_failed": float(len(failures)),
+            "weight_sync/makers_updated": float(len(results) - failed),  # overlapped: of the previous update
+            "weight_sync/makers_failed": float(failed),
         }
+
+    def finish_weight_push(self) -> Mapping[str, Any]:
+        """Wait for an overlapped weight update still in flight; its per-maker results ({} if none)."""
+        pending, self._pending_push = self._pending_push, None
+        return self._record_results(pending()) if pending is not None else {}
+
+    def _record_results(self, results: Mapping[str, Any]) -> Mapping[str, Any]:
+        failures = {name: result for name, result in results.items() if isinstance(result, BaseException)}
+        for name, error in failures.items():
+            if isinstance(error, LookupError):  # no actor by that name any more: stop paying for it
+                self.makers.discard(name)
+        if failures:
+            self.last_error = "; ".join(f"weight update to {name}: {error}" for name, error in failures.items())
+        return results
 
     # ---------------------------------------------------------------- training
     def wait_for_batch(self) -> None:
@@ -345,8 +371,9 @@ class TrainerCore:
                 if checkpoint_every and (step % checkpoint_every == 0 or last):
                     self.save_checkpoint(checkpoint_dir)
                 self.history.append(metrics)
+            self.finish_weight_push()  # makers hold the last version before they are stopped
         except TrainingStopped:
-            pass  # asked to stop while waiting for data: end like a finished run, at this step
+            self.finish_weight_push()  # asked to stop while waiting for data: end like a finished run, at this step
         except BaseException as error:
             self.state = "failed"
             self.last_error = f"{type(error).__name__}: {error}"

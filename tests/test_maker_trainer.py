@@ -137,6 +137,29 @@ def test_fit_runs_against_a_producing_maker_thread():
     assert trainer.status()["state"] == "done"
 
 
+def test_overlapped_weight_push_is_collected_before_the_next_and_at_the_end():
+    maker, trainer, store = make_pair(overlap_weight_push=True)
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    events = []
+
+    def send(update, makers):
+        events.append(("sent", update.manifest.version))
+
+        def collect():
+            events.append(("collected", update.manifest.version))
+            return {name: maker.apply_weight_update(update, store.fetch) for name in makers}
+
+        return collect
+
+    for _ in range(3):
+        trainer.push_experience(maker.make_experience())
+    summary = trainer.fit(3, store.put, send)
+    assert summary["policy_version"] == 3 and maker.policy_version == 3
+    # One update in flight at a time; the last one is applied before fit returns (and makers are stopped).
+    assert events == [("sent", 1), ("collected", 1), ("sent", 2), ("collected", 2), ("sent", 3), ("collected", 3)]
+    assert [m["weight_sync/makers_updated"] for m in trainer.history] == [0.0, 1.0, 1.0]  # of the previous push
+
+
 def test_malformed_push_is_refused_whole_and_changes_nothing():
     maker, trainer, store = make_pair()
     maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
