@@ -139,12 +139,12 @@ def split_groups(experiences: list[Experience]) -> list[list[Experience]]:
 
 
 @functools.cache
-def matmul_peak_flops(device: str = "cpu", size: int = 1024, repeats: int = 5) -> float:
-    """Measured float32 matmul throughput (FLOP/s) of this device: the denominator of MFU on CPUs."""
+def matmul_peak_flops(device: str = "cpu", size: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
+    """Measured matmul throughput (FLOP/s) of this device in `dtype`: the denominator of MFU on CPUs."""
     # A private generator: measuring must not move the global RNG (exact resume depends on it).
     generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(size, size, device=device, generator=generator)
-    b = torch.randn(size, size, device=device, generator=generator)
+    a = torch.randn(size, size, device=device, generator=generator).to(getattr(torch, dtype))
+    b = torch.randn(size, size, device=device, generator=generator).to(getattr(torch, dtype))
     a @ b  # warm-up
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -327,7 +327,8 @@ class GRPOLearner:
             "time/training": elapsed,
             "perf/tokens_per_s": tokens / elapsed,
             "perf/samples_per_s": batch.size / elapsed,
-            "perf/mfu": flops / elapsed / matmul_peak_flops(str(self.strategy.device)),
+            "perf/mfu": flops / elapsed / matmul_peak_flops(str(self.strategy.device),
+                                                            dtype=config.autocast_dtype or "float32"),
             "lr/actor": self.optimizer.param_groups[0]["lr"],
         })
         return metrics

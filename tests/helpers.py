@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 
@@ -61,7 +62,7 @@ def arithmetic_prompts(count: int = 32) -> list:
 
 
 class ObjectStore:
-    """`put` / `fetch` over a dict, counting puts (stands in for the Ray object store)."""
+    """`put` / `fetch` over a dict, counting puts (stands in for the Ray object store, which copies at put time)."""
 
     def __init__(self) -> None:
         self.objects: dict[int, object] = {}
@@ -72,7 +73,7 @@ class ObjectStore:
     def put(self, value):
         with self._lock:
             key = next(self._ids)
-            self.objects[key] = value
+            self.objects[key] = copy.deepcopy(value)
             self.puts += 1
             return key
 

@@ -151,7 +151,7 @@ def test_overlapped_weight_push_is_collected_before_the_next_and_at_the_end():
 
         return collect
 
-    for _ in range(3):
+    for _ in range(6):  # 3 steps of 8 samples, pushes of 4
         trainer.push_experience(maker.make_experience())
     summary = trainer.fit(3, store.put, send)
     assert summary["policy_version"] == 3 and maker.policy_version == 3

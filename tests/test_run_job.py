@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,17 @@ pytestmark = pytest.mark.ray
 STEPS = 3
 
 
+def ray_processes() -> set[int]:
+    """PIDs of Ray's processes on this machine (raylet, GCS, workers)."""
+    done = subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray::"], capture_output=True, text=True)
+    return {int(pid) for pid in done.stdout.split()}
+
+
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> tuple[Path, str]:
-    """Run the console script once (its own embedded Ray cluster) and return the run directory and output."""
+def finished_run(tmp_path_factory) -> tuple[Path, str, set[int]]:
+    """Run the console script once (its own embedded Ray cluster); the run directory, its output, and the Ray
+    processes that existed before it."""
+    before = ray_processes()
     output = tmp_path_factory.mktemp("runs")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "detached_rl.cli", "run", "--model", "tiny", "--steps", str(STEPS),
@@ -28,11 +37,11 @@ def finished_run(tmp_path_factory) -> tuple[Path, str]:
                "--set", "task.eval_size=16", "--set", "sampling.max_new_tokens=12"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
-    return output / "tiny-test", done.stdout
+    return output / "tiny-test", done.stdout, before
 
 
 def test_reports_accuracy_before_and_after_with_examples(finished_run):
-    _, stdout = finished_run
+    _, stdout, _ = finished_run
     assert "held-out before training: accuracy" in stdout
     assert "held-out after training: accuracy" in stdout
     assert "held-out accuracy" in stdout and "before" in stdout and "after" in stdout
@@ -43,7 +52,7 @@ def test_reports_accuracy_before_and_after_with_examples(finished_run):
 def test_metrics_jsonl_has_one_row_per_step(finished_run):
     from detached_rl.reporting import read_metrics
 
-    directory, _ = finished_run
+    directory, *_ = finished_run
     rows = read_metrics(directory / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     for row in rows:
@@ -58,7 +67,7 @@ def test_metrics_jsonl_has_one_row_per_step(finished_run):
 def test_tensorboard_events_hold_the_scalars(finished_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    directory, _ = finished_run
+    directory, *_ = finished_run
     events = EventAccumulator(str(directory / "tensorboard"))
     events.Reload()
     scalars = events.Tags()["scalars"]
@@ -69,13 +78,13 @@ def test_tensorboard_events_hold_the_scalars(finished_run):
 def test_plot_is_a_png(finished_run):
     from PIL import Image
 
-    directory, _ = finished_run
+    directory, *_ = finished_run
     with Image.open(directory / "metrics.png") as image:
         assert image.format == "PNG" and image.size[0] > 400
 
 
 def test_eval_and_summary_parse(finished_run):
-    directory, _ = finished_run
+    directory, *_ = finished_run
     evaluation = json.loads((directory / "eval.json").read_text())
     assert len(evaluation["before"]) == len(evaluation["after"]) == 16
     assert {r["policy_version"] for r in evaluation["before"]} == {0}
@@ -92,7 +101,7 @@ def test_adapter_and_merged_model_load_and_agree(finished_run):
 
     from detached_rl.models import load_causal_lm
 
-    directory, _ = finished_run
+    directory, *_ = finished_run
     merged = AutoModelForCausalLM.from_pretrained(directory / "merged").eval()
     tokenizer = AutoTokenizer.from_pretrained(directory / "merged")
     base, _ = load_causal_lm("tiny", seed=0)
@@ -100,11 +109,14 @@ def test_adapter_and_merged_model_load_and_agree(finished_run):
     ids = torch.tensor([tokenizer("Mia has 3 apples.")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-4, rtol=1e-4)
-        untrained, _ = load_causal_lm("tiny", seed=0)
-        assert not torch.allclose(merged(ids).logits, untrained(ids).logits)  # training changed the policy
+    config = json.loads((directory / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 16 and set(config["target_modules"]) >= {"q_proj", "down_proj"}  # all-linear, as run.yaml says
 
 
-def test_leaves_no_actor_behind(finished_run):
-    """The job shut down what it started: its cluster is gone, so nothing of it is still running."""
-    done = subprocess.run(["pgrep", "-f", "detached_rl_run_test"], capture_output=True, text=True)
-    assert done.stdout.strip() == ""
+def test_leaves_no_process_behind(finished_run):
+    """The job shut down what it started: no Ray process that appeared during the run is still alive."""
+    *_, before = finished_run
+    deadline = time.monotonic() + 15  # the driver has exited; give the OS a moment to reap
+    while (left_over := ray_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left_over == set()

@@ -124,7 +124,7 @@ def test_shards_of_the_training_prompts_are_disjoint():
     config = run_config(overrides=["task.train_size=40"])
     shards = [config.prompts(shard=i, num_shards=2).items for i in range(2)]
     assert len(shards[0]) == len(shards[1]) == 20
-    assert not {p.prompt for p in shards[0]} & {p.prompt for p in shards[1]}
+    assert not {str(p.prompt) for p in shards[0]} & {str(p.prompt) for p in shards[1]}
     with pytest.raises(ValueError, match="shard"):
         config.prompts(shard=2, num_shards=2)
 
