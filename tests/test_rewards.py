@@ -81,7 +81,7 @@ def _block(code: str, language: str = "python") -> str:
 
 
 def test_registry_names_and_lookup():
-    assert set(REWARD_FUNCTIONS) == {"numeric_answer", "think_answer_tags", "boxed", "code"}
+    assert set(REWARD_FUNCTIONS) == {"numeric_answer", "answer_line", "think_answer_tags", "boxed", "code"}
     assert get_reward_function("numeric_answer") is numeric_answer_reward
     assert get_reward_function("boxed") is boxed_reward
     with pytest.raises(ValueError, match="boxed.*code.*numeric_answer.*think_answer_tags"):
