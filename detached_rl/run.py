@@ -170,6 +170,10 @@ class JobRunner:
                 continue
             raise RunError(f"an actor named {name!r} already exists in namespace {config.namespace!r}; "
                            "choose another run.name")
+        if config.model.policy == "smollm2":
+            from detached_rl.models.loaders import smollm2_dir
+
+            smollm2_dir()  # convert the packaged GGUF once here, not three times at once in the actors
         trainer_class = DetachedGRPOTrainer if config.algorithm == "grpo" else DetachedPPOTrainer
         self.handles[self.trainer_name] = trainer_class.options(name=self.trainer_name).remote(
             self.trainer_name, functools.partial(with_threads, config.run.trainer_threads, config.trainer_factory()),

@@ -230,3 +230,13 @@ def test_write_files_refuses_paths_outside_the_root(tmp_path):
     with pytest.raises(ValueError, match="leaves"):
         write_files({"../escape.txt": b"x"}, tmp_path / "root")
     assert not (tmp_path / "escape.txt").exists()
+
+
+def test_a_run_config_file_round_trips_for_separate_jobs(tmp_path):
+    """runs/<name>/config.yaml is what `detached-rl trainer|maker --config` read to run the same job as jobs."""
+    from detached_rl.config import dump_config
+
+    config = run_config(model="tiny", steps=3)
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(config))
+    assert load_config(path) == config
