@@ -183,22 +183,12 @@ class ExperienceMaker:
             fingerprint = self.receiver.fingerprint if config.record_weights_fingerprint else None
             prompts = [item.prompt for item in items for _ in range(config.group_size)]
             out = self.actor.generate(prompts, config.sampling)
-            placeholder = [
-                Experience(p, r, lp, torch.tensor(0.0))
-                for p, r, lp in zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)
-            ]
-            batch = collate(placeholder, self.actor.tokenizer.pad_token_id).to(self.strategy.device)
+            placeholder, batch = self._collate_output(out)
             args = (batch.sequences, batch.attention_mask, batch.response_mask)
             values = self.critic(*args).cpu() if self.critic is not None else None
             ref = self.reference.log_probs(*args, config.sampling).cpu() if self.reference is not None else None
         # Scoring needs no synced weights: outside the lock, so a slow verifier never delays a swap.
-        metadata = [item.metadata for item in items for _ in range(config.group_size)]
-        components: list[dict[str, float]] = [{} for _ in prompts]
-        with torch.no_grad():
-            if hasattr(self.reward, "score_detailed"):
-                rewards, components = self.reward.score_detailed(*args, metadata)
-            else:
-                rewards = self.reward.score(*args, metadata)
+        rewards, components = self._score(batch, [item.metadata for item in items for _ in range(config.group_size)])
         elapsed = time.perf_counter() - start
         group_ids = [uuid.uuid4().hex for _ in items]
         experiences = []
@@ -227,6 +217,20 @@ class ExperienceMaker:
         self.generate_seconds += elapsed
         return experiences
 
+    def _collate_output(self, out: Any) -> tuple[list[Experience], Any]:
+        """Generated responses as placeholder experiences (reward 0) and their padded batch on the device."""
+        placeholder = [Experience(p, r, lp, torch.tensor(0.0))
+                       for p, r, lp in zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)]
+        return placeholder, collate(placeholder, self.actor.tokenizer.pad_token_id).to(self.strategy.device)
+
+    def _score(self, batch: Any, metadata: list[dict[str, Any]]) -> tuple[torch.Tensor, list[dict[str, float]]]:
+        """Rewards [B] of a batch and, per sample, the components the scorer reports (empty if it reports none)."""
+        args = (batch.sequences, batch.attention_mask, batch.response_mask)
+        with torch.no_grad():
+            if hasattr(self.reward, "score_detailed"):
+                return self.reward.score_detailed(*args, metadata)
+            return self.reward.score(*args, metadata), [{} for _ in metadata]
+
     def evaluate(self, items: Sequence[Any], sampling: SamplingConfig | None = None,
                  batch_size: int = 32) -> list[dict[str, Any]]:
         """Answer held-out prompts (greedy by default) and grade them with this maker's reward; one dict each.
@@ -247,17 +251,8 @@ class ExperienceMaker:
             with self.generation_lock, torch.no_grad():
                 version = self.receiver.servable_version
                 out = self.actor.generate([item.prompt for item in chunk], sampling)
-            placeholder = [Experience(p, r, lp, torch.tensor(0.0))
-                           for p, r, lp in zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)]
-            batch = collate(placeholder, tokenizer.pad_token_id).to(self.strategy.device)
-            metadata = [item.metadata for item in chunk]
-            with torch.no_grad():
-                if hasattr(self.reward, "score_detailed"):
-                    rewards, components = self.reward.score_detailed(
-                        batch.sequences, batch.attention_mask, batch.response_mask, metadata)
-                else:
-                    rewards = self.reward.score(batch.sequences, batch.attention_mask, batch.response_mask, metadata)
-                    components = [{} for _ in chunk]
+            _, batch = self._collate_output(out)
+            rewards, components = self._score(batch, [item.metadata for item in chunk])
             texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
             for item, text, reward, parts, ids in zip(chunk, texts, rewards.tolist(), components, out.response_ids,
                                                        strict=True):

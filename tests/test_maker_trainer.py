@@ -262,3 +262,18 @@ def test_gone_makers_are_forgotten_and_a_resume_keeps_live_pushes(tmp_path):
     trainer.load_checkpoint(tmp_path / "ckpt", store.put)
     assert {e.id for e in live} <= {e.id for e in trainer.buffer.experiences()}
     assert trainer.buffer.stats()["accounting_ok"]
+
+
+def test_evaluate_grades_greedy_answers_and_leaves_counters_and_cursor_alone():
+    maker, trainer, store = make_pair()
+    with pytest.raises(RuntimeError, match="no complete weights"):
+        maker.evaluate(arithmetic_prompts(2))
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    cursor = maker.prompts.state_dict()
+    problems = arithmetic_prompts(5)
+    first, second = maker.evaluate(problems, batch_size=2), maker.evaluate(problems, batch_size=5)
+    assert len(first) == 5 and [r["prompt"] for r in first] == [p.prompt for p in problems]
+    assert {r["policy_version"] for r in first} == {0}
+    assert [r["response"] for r in first] == [r["response"] for r in second]  # greedy: batching does not matter
+    assert all({"reward", "response", "response_length"} <= set(r) and 0 <= r["reward"] <= 1 for r in first)
+    assert maker.samples_made == 0 and maker.prompts.state_dict() == cursor
