@@ -149,14 +149,17 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default=None,
-                        help="Ray cluster: host:port, ray://host:port (Ray client) or auto (default: $RAY_ADDRESS or auto)")
+def _cluster_options(
+    parser: argparse.ArgumentParser,
+    address_help: str = "Ray cluster: host:port, ray://host:port (Ray client) or auto (default: $RAY_ADDRESS or auto)",
+) -> None:
+    parser.add_argument("--address", default=None, help=address_help)
     parser.add_argument("--namespace", default=None, help="Ray namespace of the actors (default: detached_rl)")
 
 
-def _config_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
+def _config_options(parser: argparse.ArgumentParser, config_help: str = "YAML config (default: built-in defaults)"
+                    ) -> None:
+    parser.add_argument("--config", default=None, help=config_help)
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="override a config value, e.g. --set trainer.train_batch_size=16 (repeatable)")
 
@@ -179,12 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", default=None, help="run name: actor-name prefix and runs/<name> (default: dated)")
     run.add_argument("--output", default=None, help="parent directory of the run directory (default runs)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run.add_argument("--config", default=None, help="YAML laid over the run defaults (detached_rl/configs/run.yaml)")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE",
-                     help="override a config value, e.g. --set grpo.actor_optimizer.lr=1e-4 (repeatable)")
-    run.add_argument("--address", default=None,
-                     help="join this Ray cluster (host:port, ray://host:port or auto) instead of starting one")
-    run.add_argument("--namespace", default=None, help="Ray namespace of the actors (default: detached_rl)")
+    _config_options(run, "YAML laid over the run defaults (detached_rl/configs/run.yaml)")
+    _cluster_options(run, "join this Ray cluster (host:port, ray://host:port or auto) instead of starting an "
+                          "embedded one on 127.0.0.1")
     run.set_defaults(handler=_run)
 
     check = commands.add_parser("check", help="load a model, apply LoRA, generate, score and take one GRPO step (no Ray)",

@@ -49,12 +49,7 @@ class MetricsRecorder:
                 SummaryWriter = None  # noqa: N806
             if SummaryWriter is not None:
                 self._writer = SummaryWriter(log_dir=str(self.directory / "tensorboard"))
-        self.steps_written = 0
 
-    @property
-    def tensorboard_dir(self) -> Path | None:
-        """Where the event files go (None without tensorboard)."""
-        return self.directory / "tensorboard" if self._writer is not None else None
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         """Write one step's metrics (numbers become scalars; anything else is kept in the JSONL only)."""
@@ -65,7 +60,6 @@ class MetricsRecorder:
             for key, value in metrics.items():
                 if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                     self._writer.add_scalar(key, value, global_step=step)
-        self.steps_written += 1
 
     def close(self) -> None:
         """Flush and close the files."""
