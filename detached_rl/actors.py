@@ -13,6 +13,7 @@ around by a driver, so makers and trainers may start in any order and in separat
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -33,7 +34,7 @@ from detached_rl.prompts import PromptSource
 from detached_rl.pusher import ExperiencePusher
 from detached_rl.replay_buffer import AppendResult
 from detached_rl.strategies import NaiveStrategy, Strategy
-from detached_rl.trainer import TrainerConfig, TrainerCore
+from detached_rl.trainer import TrainerConfig, TrainerCore, TrainerGroupConfig
 from detached_rl.weight_sync import ApplyResult, WeightUpdate, state_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -303,7 +304,9 @@ class _TrainerShell:
         self.core: TrainerCore | None = None
         self._fit_thread: threading.Thread | None = None
         self._ready = threading.Event()
-        if strategy == "naive" and world_size == 1:
+        if strategy == "naive":
+            if world_size != 1:
+                raise ValueError(f"trainer {name!r}: strategy 'naive' trains in one process, not {world_size}")
             self._build(NaiveStrategy())
 
     def _make_learner(self, strategy: Strategy) -> Any:
@@ -327,12 +330,12 @@ class _TrainerShell:
         return ray.util.get_node_ip_address(), find_free_port()
 
     @ray.method(concurrency_group="compute")
-    def join_process_group(self, master_addr: str, master_port: int) -> None:
+    def join_process_group(self, master_addr: str, master_port: int, options: dict[str, Any] | None = None) -> None:
         """Form the data-parallel process group with the other ranks (all ranks call this together)."""
         from detached_rl.strategies import make_strategy
 
         strategy = make_strategy(self.strategy_name, rank=self.rank, world_size=self.world_size,
-                                 master_addr=master_addr, master_port=master_port)
+                                 master_addr=master_addr, master_port=master_port, **(options or {}))
         strategy.setup()
         self._build(strategy)
 
@@ -519,6 +522,11 @@ def trainer_names(prefix: str, world_size: int) -> list[str]:
     return [f"{prefix}_{rank}" for rank in range(world_size)]
 
 
+def placement_group_name(prefix: str) -> str:
+    """Name of the placement group that holds the ranks of trainer group `prefix`."""
+    return f"{prefix}-placement"
+
+
 def start_trainer_group(
     prefix: str,
     world_size: int,
@@ -529,20 +537,77 @@ def start_trainer_group(
     strategy: str = "ddp",
     actor_options: dict[str, Any] | None = None,
     timeout: float = 300.0,
+    group: TrainerGroupConfig | None = None,
 ) -> list[Any]:
-    """Create `world_size` named trainer ranks and form their process group at rank 0's own address."""
+    """Create `world_size` named trainer ranks (prefix_0 ...) in a placement group and form their process group.
+
+    The ranks are detached actors, one per bundle of a detached placement group named
+    `<prefix>-placement` (`group.placement_strategy`, PACK by default). Rank 0 hosts the process
+    group at its own node address and a port free there. If any rank fails to start or join
+    (e.g. a strategy that needs CUDA on a CPU node), every rank and the placement group are
+    removed and the error is raised.
+    """
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if group is None:
+        group = TrainerGroupConfig(strategy=strategy, world_size=world_size)
+    elif (group.world_size, group.strategy) != (world_size, strategy):
+        raise ValueError(f"start_trainer_group: world_size/strategy ({world_size}, {strategy!r}) disagree with "
+                         f"group ({group.world_size}, {group.strategy!r})")
     namespace = namespace or DEFAULT_NAMESPACE
-    options = {"lifetime": "detached", "namespace": namespace, **(actor_options or {})}
-    names = trainer_names(prefix, world_size)
-    trainer_class = DetachedGRPOTrainer if isinstance(algorithm, GRPOConfig) else DetachedPPOTrainer
-    handles = [
-        trainer_class.options(name=name, **options).remote(
-            name, model_factory, config, algorithm, namespace, rank, world_size, strategy
-        )
-        for rank, name in enumerate(names)
-    ]
-    if strategy != "naive" or world_size > 1:
-        address, port = ray.get(handles[0].master_address.remote(), timeout=timeout)
-        ray.get([h.join_process_group.remote(address, port) for h in handles], timeout=timeout)
+    bundle = {"CPU": group.num_cpus_per_rank} if group.num_cpus_per_rank else {}
+    if group.num_gpus_per_rank:
+        bundle["GPU"] = group.num_gpus_per_rank
+    pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=group.placement_strategy,
+                         name=placement_group_name(prefix), lifetime="detached")
+    handles: list[Any] = []
+    try:
+        if not pg.wait(timeout_seconds=timeout):
+            raise TimeoutError(
+                f"trainer group {prefix!r}: {world_size} bundles of {bundle} ({group.placement_strategy}) could not be "
+                f"placed within {timeout:.0f} s; the cluster has {ray.available_resources()} available"
+            )
+        trainer_class = DetachedGRPOTrainer if isinstance(algorithm, GRPOConfig) else DetachedPPOTrainer
+        for rank, name in enumerate(trainer_names(prefix, world_size)):
+            options = {
+                "lifetime": "detached", "namespace": namespace, "name": name,
+                "num_cpus": group.num_cpus_per_rank, "num_gpus": group.num_gpus_per_rank,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                **(actor_options or {}),
+            }
+            handles.append(trainer_class.options(**options).remote(
+                name, model_factory, config, algorithm, namespace, rank, world_size, group.strategy))
+        if group.strategy != "naive":
+            address, port = ray.get(handles[0].master_address.remote(), timeout=timeout)
+            ray.get([h.join_process_group.remote(address, port, group.strategy_options()) for h in handles],
+                    timeout=timeout)
+        else:
+            ray.get(handles[0].policy_version.remote(), timeout=timeout)  # built in its constructor: surface errors
+    except BaseException:
+        for handle in handles:
+            ray.kill(handle)
+        remove_placement_group(pg)
+        raise
     return handles
 
+
+def stop_trainer_group(prefix: str, world_size: int, namespace: str | None = None, timeout: float = 60.0) -> None:
+    """Free each rank's models, kill the ranks and remove their placement group (missing parts are skipped)."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    namespace = namespace or DEFAULT_NAMESPACE
+    handles = []
+    for name in trainer_names(prefix, world_size):
+        try:
+            handles.append(ray.get_actor(name, namespace=namespace))
+        except ValueError:
+            continue
+    try:  # all ranks at once: a DDP model freed after its group is gone can hang
+        ray.get([h.shutdown.remote() for h in handles], timeout=timeout)
+    except Exception as error:  # noqa: BLE001 - killing them below is what matters
+        logger.warning("trainer group %s did not shut down cleanly: %s", prefix, error)
+    for handle in handles:
+        ray.kill(handle)
+    with contextlib.suppress(ValueError):
+        remove_placement_group(get_placement_group(placement_group_name(prefix)))

@@ -162,8 +162,7 @@ class GRPOLearner:
     def __init__(self, actor: Actor, strategy: Strategy, config: GRPOConfig | None = None) -> None:
         self.config = config or GRPOConfig()
         self.strategy = strategy
-        self.actor = strategy.prepare_model(actor)
-        self.optimizer, self.scheduler = strategy.create_optimizer(self.actor, self.config.actor_optimizer)
+        self.actor, self.optimizer, self.scheduler = strategy.prepare_training(actor, self.config.actor_optimizer)
         self.reference: Actor | None = None
         if self.config.kl_coef > 0:
             plain = self._effective_policy()
@@ -184,6 +183,10 @@ class GRPOLearner:
     def synced_models(self) -> dict[str, nn.Module]:
         """What makers mirror: the policy only (no critic)."""
         return {"actor": self.policy.model}
+
+    def synced_sources(self) -> dict[str, tuple[nn.Module, str]]:
+        """Each synced model as (prepared model, key prefix) for the strategy to gather."""
+        return {"actor": (self.actor, "model.")}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything training changes: policy, reference (Polyak-updated), optimizer, schedule, counters."""
@@ -307,7 +310,8 @@ class GRPOLearner:
         means = TokenWeightedMeans()
         self.actor.train()
         for micro, weight, mini_tokens, last in micro_batches(
-            batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size, config.loss_agg
+            batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size, config.loss_agg,
+            share=self.strategy.gradient_share,
         ):
             means.add(self._micro_step(micro, weight), micro.num_response_tokens)
             if last:

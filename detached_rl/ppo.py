@@ -10,7 +10,7 @@ is the behaviour policy: the log-probs the maker sampled with.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,14 +96,16 @@ def ppo_advantages(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Ten
 
 def micro_batches(
     batch: ExperienceBatch, epochs: int, mini_batch_size: int | None, micro_batch_size: int,
-    loss_agg: str = "token-mean",
+    loss_agg: str = "token-mean", share: Callable[[float], float] | None = None,
 ) -> Iterator[tuple[ExperienceBatch, float, int, bool]]:
     """(micro-batch, loss weight, mini-batch tokens, last micro-batch of its mini-batch) over shuffled epochs.
 
     Gradient accumulation that equals one pass over the mini-batch: a micro-batch's loss is
     weighted by its share of the mini-batch's tokens for "token-mean", and by its share of the
     sequences for the "seq-mean-*" modes (they average over sequences). An optimizer step
-    belongs after each `last`.
+    belongs after each `last`. `share` (a strategy's `gradient_share`) scales each mini-batch so
+    that data-parallel ranks holding different amounts of data still average over all of it;
+    it is called once per mini-batch, on every rank alike.
     """
     mini_size = mini_batch_size or batch.size
     by_tokens = loss_agg == "token-mean"
@@ -111,12 +113,14 @@ def micro_batches(
         order = torch.randperm(batch.size)
         for mini_start in range(0, batch.size, mini_size):
             rows = order[mini_start : mini_start + mini_size]
-            mini_tokens = max(int(batch.response_mask[rows].sum()), 1)
+            tokens = int(batch.response_mask[rows].sum())
+            mini_tokens = max(tokens, 1)
+            scale = share(tokens if by_tokens else len(rows)) if share is not None else 1.0
             starts = range(0, len(rows), micro_batch_size)
             for micro_start in starts:
                 micro = batch.select(rows[micro_start : micro_start + micro_batch_size])
                 weight = micro.num_response_tokens / mini_tokens if by_tokens else micro.size / len(rows)
-                yield micro, weight, mini_tokens, micro_start == starts[-1]
+                yield micro, weight * scale, mini_tokens, micro_start == starts[-1]
 
 
 class TokenWeightedMeans:
@@ -141,17 +145,19 @@ class PPOLearner:
     def __init__(self, actor: Actor, critic: Critic, strategy: Strategy, config: PPOConfig | None = None) -> None:
         self.config = config or PPOConfig()
         self.strategy = strategy
-        self.actor = strategy.prepare_model(actor)
-        self.critic = strategy.prepare_model(critic)
-        self.actor_optimizer, self.actor_scheduler = strategy.create_optimizer(self.actor, self.config.actor_optimizer)
-        self.critic_optimizer, self.critic_scheduler = strategy.create_optimizer(
-            self.critic, self.config.critic_optimizer
-        )
+        self.actor, self.actor_optimizer, self.actor_scheduler = strategy.prepare_training(
+            actor, self.config.actor_optimizer)
+        self.critic, self.critic_optimizer, self.critic_scheduler = strategy.prepare_training(
+            critic, self.config.critic_optimizer)
         self.optimizer_steps = 0
 
     def synced_models(self) -> dict[str, torch.nn.Module]:
         """What makers mirror: the policy's model and the critic."""
         return {"actor": self.strategy.unwrap(self.actor).model, "critic": self.strategy.unwrap(self.critic)}
+
+    def synced_sources(self) -> dict[str, tuple[torch.nn.Module, str]]:
+        """Each synced model as (prepared model, key prefix) for the strategy to gather."""
+        return {"actor": (self.actor, "model."), "critic": (self.critic, "")}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything training changes: models, optimizers, schedules, counters."""
@@ -187,7 +193,8 @@ class PPOLearner:
         self.actor.train()
         self.critic.train()
         for micro, weight, mini_tokens, last in micro_batches(
-            batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size, config.loss_agg
+            batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size, config.loss_agg,
+            share=self.strategy.gradient_share,
         ):
             means.add(self._micro_step(micro, weight), micro.num_response_tokens)
             if last:

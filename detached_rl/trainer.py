@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,48 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.{name} must be > 0, got {getattr(self, name)}")
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass
+class TrainerGroupConfig:
+    """How many trainer ranks, trained with which strategy, placed how (one Ray placement-group bundle per rank)."""
+
+    strategy: str = "naive"  # naive | ddp | colossalai_ddp | colossalai_zero2 | colossalai_gemini
+    world_size: int = 1
+    placement_strategy: str = "PACK"  # PACK: ranks on as few nodes as fit; SPREAD: over as many as possible
+    num_cpus_per_rank: float = 1.0
+    num_gpus_per_rank: float = 0.0
+    backend: str | None = None  # process-group backend: gloo (CPU) or nccl (GPU); None picks by device
+    timeout_s: float = 300.0  # collectives and forming the group fail after this long
+
+    def __post_init__(self) -> None:
+        from detached_rl.strategies import STRATEGIES
+
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"TrainerGroupConfig.strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"TrainerGroupConfig.world_size must be an int >= 1, got {self.world_size!r}")
+        if self.strategy == "naive" and self.world_size != 1:
+            raise ValueError(f"TrainerGroupConfig.world_size is {self.world_size} but strategy 'naive' trains in one "
+                             "process; choose ddp or colossalai_ddp for more ranks")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"TrainerGroupConfig.placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
+                             f"got {self.placement_strategy!r}")
+        for name in ("num_cpus_per_rank", "num_gpus_per_rank"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"TrainerGroupConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.num_cpus_per_rank == 0 and self.num_gpus_per_rank == 0:
+            raise ValueError("TrainerGroupConfig: a rank needs num_cpus_per_rank or num_gpus_per_rank > 0 "
+                             "(a placement-group bundle cannot be empty)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"TrainerGroupConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+
+    def strategy_options(self) -> dict[str, Any]:
+        """Keyword arguments of the strategy besides rank, world size and address."""
+        return {"backend": self.backend, "timeout_s": self.timeout_s}
+
+
 def info_means(experiences: list[Any]) -> dict[str, float]:
     """Batch means of the numeric `info` entries every sample carries (reward components, "finished"), as "info/<key>"."""
     if not experiences:
@@ -87,6 +129,11 @@ def info_means(experiences: list[Any]) -> dict[str, float]:
         if all(isinstance(v, int | float) for v in values):  # bools count as 0/1
             means[f"info/{key}"] = float(sum(values)) / len(values)
     return means
+
+
+def _discard(chunk: Any) -> None:
+    """A `put` that keeps nothing (ranks that do not push)."""
+    return None
 
 
 class TrainerCore:
@@ -135,12 +182,19 @@ class TrainerCore:
 
     def synced_state(self, trainable_only: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """State dicts of the synced models; with `trainable_only`, just what training changes (LoRA)."""
-        if not trainable_only:
-            return {name: model.state_dict() for name, model in self.synced_models().items()}
+        return {name: dict(tensors) for name, tensors in self._synced_tensors(trainable_only).items()}
+
+    def _synced_tensors(self, trainable_only: bool) -> dict[str, Iterator[tuple[str, torch.Tensor]]]:
+        """(name, tensor) streams of the synced models, gathered by the strategy shard by shard."""
         return {
-            name: {key: p.detach() for key, p in model.named_parameters() if p.requires_grad}
-            for name, model in self.synced_models().items()
+            name: self.strategy.named_tensors(model, prefix, only_trainable=trainable_only)
+            for name, (model, prefix) in self.learner.synced_sources().items()
         }
+
+    @property
+    def pushes_weights(self) -> bool:
+        """False on ranks other than 0 of a strategy that shards the weights (rank 0 pushes for all)."""
+        return not self.strategy.shards_weights or self.strategy.is_rank_zero
 
     def build_update(self, put: Put, kind: str | None = None) -> tuple[WeightUpdate, SendStats]:
         """Snapshot the current weights into an update ("full", or "lora": trainable tensors only)."""
@@ -156,8 +210,14 @@ class TrainerCore:
                         "lora": lora_config_dict(self.synced_models()["actor"])}
         # `put` copies each chunk (ray.put serialises it), so the lock covers the snapshot only.
         with self.weights_lock:
+            tensors = self._synced_tensors(trainable_only=kind == "lora")
+            if not self.pushes_weights:
+                for stream in tensors.values():  # take part in the gather; rank 0 builds the update
+                    for _ in stream:
+                        pass
+                put = _discard
             update, stats = build_weight_update(
-                self.synced_state(trainable_only=kind == "lora"), self.policy_version, put,
+                tensors, self.policy_version, put,
                 chunk_bytes=self.config.weight_chunk_bytes, kind=kind, metadata=metadata,
             )
             if self.config.record_weights_fingerprint:
@@ -179,11 +239,20 @@ class TrainerCore:
             return latest
         if put is None:
             raise ValueError("register_maker: this maker needs a full update but no `put` was given")
+        if self.strategy.shards_weights:
+            # Gathering sharded weights is a collective all ranks must join; one RPC cannot start it.
+            raise ValueError(
+                f"maker {name!r} holds other base weights (fingerprint {base_fingerprint}) than trainer "
+                f"{self.name!r} ({self.base_fingerprint}), which shards its weights (strategy "
+                f"{self.strategy.name!r}) and sends LoRA-only updates; start the maker from the trainer's base model"
+            )
         return self._build(put, "full")[0]
 
     def makers_of_this_rank(self) -> list[str]:
         """This rank's share of every maker registered with any rank (same answer on every rank)."""
         every = sorted({m for names in self.strategy.all_gather_object(sorted(self.makers)) for m in names})
+        if self.strategy.shards_weights:  # only rank 0 holds a whole update
+            return every if self.strategy.is_rank_zero else []
         return every[self.strategy.rank :: self.strategy.world_size]
 
     def sync_weights(self, put: Put, send_update: SendUpdate) -> dict[str, float]:

@@ -13,6 +13,7 @@ from detached_rl.actors import (
     attach,
     put_chunk,
     start_trainer_group,
+    stop_trainer_group,
 )
 from detached_rl.maker import MakerConfig
 from detached_rl.models import SamplingConfig
@@ -102,7 +103,8 @@ def test_two_makers_feed_a_two_rank_ddp_trainer(ray_cluster):
             for sample in ray.get(trainer.buffer_peek.remote(count=s["size"])):
                 assert sample["info"]["weights_fingerprint"] == fingerprints[0][sample["policy_version"]]
     finally:
-        kill(*trainers, *makers)
+        kill(*makers)
+        stop_trainer_group("trainer", 2, NAMESPACE)
 
 
 def test_a_long_compute_call_does_not_delay_buffer_calls(ray_cluster):

@@ -1,4 +1,5 @@
-"""The DDP strategy: two gloo ranks in spawned processes train in lock-step and agree through collectives."""
+"""The DDP strategies (torch DDP, ColossalAI's TorchDDPPlugin): two gloo ranks in spawned processes train in
+lock-step and agree through collectives."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from detached_rl.models import Actor, LoraSettings, apply_lora, tiny_causal_lm
 from detached_rl.optim import OptimizerConfig
-from detached_rl.strategies import DDPStrategy, NaiveStrategy, make_strategy
+from detached_rl.strategies import DDPStrategy, NaiveStrategy, colossalai_available, make_strategy
 from detached_rl.strategies.ddp import find_free_port, node_address
 
 WORLD_SIZE = 2
@@ -43,8 +44,7 @@ def _loss(model: torch.nn.Module, sequences: torch.Tensor) -> torch.Tensor:
 
 def _train(strategy, model: torch.nn.Module, batches: list[torch.Tensor]) -> tuple[torch.nn.Module, list[float]]:
     """Prepare `model` and take one optimizer step per batch; returns the prepared model and grad norms."""
-    model = strategy.prepare_model(model)
-    optimizer, _ = strategy.create_optimizer(model, OPTIM)
+    model, optimizer, _ = strategy.prepare_training(model, OPTIM)
     norms = []
     for sequences in batches:
         strategy.backward(_loss(model, sequences), model, optimizer)
@@ -68,22 +68,21 @@ def _scenarios(strategy: DDPStrategy) -> dict[str, Any]:
     batches = [_batch(rank, step, len(tokenizer)) for step in range(STEPS)]
     trained, norms = _train(strategy, Actor(model, tokenizer), batches)
     results["train"] = {
-        "wrapped": isinstance(trained, DistributedDataParallel),
+        "wrapped": strategy.unwrap(trained) is not trained,
         "unwrapped_is_actor": type(strategy.unwrap(trained)) is Actor,
         "params": _params(strategy.unwrap(trained)),
         "norms": norms,
     }
 
     lora_model = apply_lora(tiny_causal_lm("llama", seed=0)[0], LoraSettings(r=4))
-    lora = strategy.prepare_model(Actor(lora_model, tokenizer))
-    optimizer, _ = strategy.create_optimizer(lora, OPTIM)
+    lora, optimizer, _ = strategy.prepare_training(Actor(lora_model, tokenizer), OPTIM)
     initial = _params(strategy.unwrap(lora), only_trainable=True)
     for sequences in batches[:2]:
         strategy.backward(_loss(lora, sequences), lora, optimizer)
         grads = {name: p.grad.clone() for name, p in strategy.unwrap(lora).named_parameters() if p.grad is not None}
         strategy.optimizer_step(optimizer, lora, OPTIM.max_grad_norm)
     results["lora"] = {
-        "wrapped": isinstance(lora, DistributedDataParallel),
+        "wrapped": strategy.unwrap(lora) is not lora,
         "trainable": sorted(n for n, p in strategy.unwrap(lora).named_parameters() if p.requires_grad),
         "grads": grads,
         "initial": initial,
@@ -117,10 +116,12 @@ def _scenarios(strategy: DDPStrategy) -> dict[str, Any]:
     return results
 
 
-def _rank_main(target: Callable[[DDPStrategy], Any], rank: int, world_size: int, port: int, out: mp.Queue) -> None:
+def _rank_main(target: Callable[[DDPStrategy], Any], rank: int, world_size: int, port: int, out: mp.Queue,
+               name: str = "ddp") -> None:
     """Child process: join the group, run `target`, report (rank, ok, pickled result or traceback)."""
     torch.set_num_threads(1)
-    strategy = DDPStrategy(rank, world_size, "127.0.0.1", port, backend="gloo", timeout_s=60.0)
+    strategy = make_strategy(name, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
+                             backend="gloo", timeout_s=60.0)
     try:
         out.put((rank, True, pickle.dumps(target(strategy))))
     except BaseException:
@@ -129,13 +130,13 @@ def _rank_main(target: Callable[[DDPStrategy], Any], rank: int, world_size: int,
         strategy.destroy()
 
 
-def run_ranks(target: Callable[[DDPStrategy], Any], world_size: int = WORLD_SIZE) -> list[Any]:
+def run_ranks(target: Callable[[DDPStrategy], Any], world_size: int = WORLD_SIZE, strategy: str = "ddp") -> list[Any]:
     """Run `target(strategy)` on `world_size` spawned gloo ranks; returns each rank's result, by rank."""
     context = mp.get_context("spawn")
     out = context.Queue()
     port = find_free_port()
     processes = [
-        context.Process(target=_rank_main, args=(target, rank, world_size, port, out), daemon=True)
+        context.Process(target=_rank_main, args=(target, rank, world_size, port, out, strategy), daemon=True)
         for rank in range(world_size)
     ]
     results: dict[int, Any] = {}
@@ -170,9 +171,14 @@ def run_ranks(target: Callable[[DDPStrategy], Any], world_size: int = WORLD_SIZE
     return [results[rank] for rank in range(world_size)]
 
 
-@pytest.fixture(scope="module")
-def ranks() -> list[dict[str, Any]]:
-    return run_ranks(_scenarios)
+NO_COLOSSALAI = "colossalai is not installed (`make colossalai` installs it beside torch)"
+
+
+@pytest.fixture(scope="module", params=[
+    "ddp", pytest.param("colossalai_ddp", marks=pytest.mark.skipif(not colossalai_available(), reason=NO_COLOSSALAI)),
+])
+def ranks(request) -> list[dict[str, Any]]:
+    return run_ranks(_scenarios, strategy=request.param)
 
 
 def test_ranks_train_to_identical_parameters_equal_to_one_process_on_all_data(ranks):

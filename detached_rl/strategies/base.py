@@ -20,6 +20,9 @@ class Strategy(ABC):
     """One way to train a model (one process, DDP, ColossalAI ...). Logic that does not depend on it lives elsewhere."""
 
     name: str = "base"
+    # True when ranks hold shards of the weights (ZeRO, Gemini): gathering them is a collective
+    # every rank joins, and only rank 0 pushes weight updates to makers.
+    shards_weights: bool = False
 
     @property
     @abstractmethod
@@ -53,6 +56,26 @@ class Strategy(ABC):
         if not params:
             raise ValueError("the model has no trainable parameters")
         return build_optimizer(params, config or OptimizerConfig())
+
+    def prepare_training(
+        self, model: nn.Module, config: OptimizerConfig | None = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        """Prepare a trainable model with its optimizer and schedule; returns (model to call, optimizer, schedule).
+
+        Strategies that must see model and optimizer together (ColossalAI's `Booster.boost`) override this.
+        """
+        model = self.prepare_model(model)
+        optimizer, scheduler = self.create_optimizer(model, config)
+        return model, optimizer, scheduler
+
+    def gradient_share(self, local_count: float) -> float:
+        """Factor for this rank's loss so that averaging gradients over ranks gives the mean over all ranks' data.
+
+        A rank's loss is a mean over its `local_count` tokens (or sequences); data-parallel wrappers
+        average gradients over ranks, which equals the mean over all data only when every rank holds
+        as much. Scaling by world_size * local / total makes it exact. Every rank must call this.
+        """
+        return 1.0
 
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Back-propagate a loss."""
@@ -100,21 +123,33 @@ class Strategy(ABC):
         """The plain model inside any wrapper this strategy added."""
         return model
 
+    def named_tensors(
+        self, model: nn.Module, prefix: str = "", only_trainable: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the full state dict of the part of `model` under `prefix` (prefix removed), in order.
+
+        `model` is what `prepare_model` returned. Sharded strategies gather one shard at a time
+        (a collective: every rank iterates) and yield tensors on rank 0 only.
+        """
+        plain = self.unwrap(model)
+        trainable = {name for name, p in plain.named_parameters() if p.requires_grad} if only_trainable else None
+        for name, tensor in plain.state_dict().items():
+            if not name.startswith(prefix) or (trainable is not None and name not in trainable):
+                continue
+            yield name[len(prefix):], tensor.detach()
+
     def iter_state_dict(
         self, model: nn.Module, chunk_bytes: int = 64 * 2**20, only_trainable: bool = False
     ) -> Iterator[dict[str, torch.Tensor]]:
         """The full state dict in chunks of at most `chunk_bytes` (a tensor larger than that is its own chunk)."""
         chunk: dict[str, torch.Tensor] = {}
         size = 0
-        trainable = {name for name, p in self.unwrap(model).named_parameters() if p.requires_grad}
-        for name, tensor in self.unwrap(model).state_dict().items():
-            if only_trainable and name not in trainable:
-                continue
+        for name, tensor in self.named_tensors(model, only_trainable=only_trainable):
             nbytes = tensor.numel() * tensor.element_size()
             if chunk and size + nbytes > chunk_bytes:
                 yield chunk
                 chunk, size = {}, 0
-            chunk[name] = tensor.detach()
+            chunk[name] = tensor
             size += nbytes
         if chunk:
             yield chunk

@@ -180,6 +180,18 @@ class DDPStrategy(Strategy):
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
         return bool(value.item())
 
+    def gradient_share(self, local_count: float) -> float:
+        """world_size * local / sum of every rank's local count (1.0 when every rank holds as much data)."""
+        local_count = float(local_count)
+        if not (math.isfinite(local_count) and local_count >= 0):
+            raise ValueError(f"gradient_share: local_count must be a finite number >= 0, got {local_count!r}")
+        if self._world_size == 1:
+            return 1.0
+        self.setup()
+        total = torch.tensor([local_count], dtype=torch.float64, device=self._device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return self._world_size * local_count / float(total) if float(total) > 0 else 0.0
+
     def barrier(self) -> None:
         """Wait until every rank has reached this point."""
         if self._world_size == 1:

@@ -1,0 +1,225 @@
+"""ColossalAI strategies: a `Booster` with `TorchDDPPlugin` (CPU or GPU), ZeRO-2 or Gemini (CUDA only).
+
+colossalai 0.5.0 pins torch<=2.5.1, so it is not a dependency of this package: `make colossalai`
+installs it beside torch 2.13 with `pip install --no-deps` (see README). These classes import it
+only when they are built, and refuse with an error that says what to do when it is missing.
+
+The process group is formed the same way as for `DDPStrategy` (rank 0's node address and a free
+port there); the plugins need it before they are constructed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from detached_rl.optim import OptimizerConfig, build_optimizer
+from detached_rl.strategies.ddp import DDPStrategy
+
+CPU_STRATEGIES = ("naive", "ddp", "colossalai_ddp")
+INSTALL_HINT = (
+    "install it beside torch with `make colossalai` "
+    "(pip install --no-deps colossalai==0.5.0 einops galore-torch bitsandbytes)"
+)
+
+
+class StrategyUnavailableError(RuntimeError):
+    """A strategy cannot run here (missing package or device); the message says which strategies can."""
+
+
+def colossalai_available() -> bool:
+    """True when the colossalai package can be imported."""
+    return importlib.util.find_spec("colossalai") is not None
+
+
+def _import_colossalai(strategy: str) -> Any:
+    if not colossalai_available():
+        raise StrategyUnavailableError(f"strategy {strategy!r} needs the colossalai package, which is not installed; "
+                                       f"{INSTALL_HINT}. Without it, use 'naive' or 'ddp'.")
+    with warnings.catch_warnings():  # optional kernels (apex, tensornvme, bitsandbytes CPU) it will not use
+        warnings.simplefilter("ignore")
+        import colossalai.booster
+        import colossalai.booster.plugin
+    return colossalai
+
+
+class ColossalAIStrategy(DDPStrategy):
+    """Data-parallel training through a ColossalAI `Booster`; subclasses choose the plugin.
+
+    `prepare_training` boosts a model together with its optimizer and schedule, as the plugins
+    require; `prepare_model` boosts a model alone (or only moves it, when it has nothing to train).
+    """
+
+    name = "colossalai"
+    needs_cuda = False
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, backend: str | None = None,
+                 timeout_s: float = 300.0, device: torch.device | str | None = None,
+                 plugin_options: dict[str, Any] | None = None) -> None:
+        if self.needs_cuda and not torch.cuda.is_available():
+            raise StrategyUnavailableError(
+                f"strategy {self.name!r} needs CUDA GPUs ({self._needs_cuda_because}) and this machine has none; "
+                f"on CPU use one of {', '.join(CPU_STRATEGIES)}"
+            )
+        _import_colossalai(self.name)
+        super().__init__(rank, world_size, master_addr, master_port, backend, timeout_s, device)
+        self.plugin_options = dict(plugin_options or {})
+        self._boosters: dict[float | None, Any] = {}
+
+    _needs_cuda_because = ""
+
+    def _plugin(self, max_grad_norm: float | None) -> Any:
+        raise NotImplementedError
+
+    def booster(self, max_grad_norm: float | None = None) -> Any:
+        """The Booster (one per clipping norm: ZeRO and Gemini plugins clip inside their optimizer step)."""
+        self.setup()
+        key = max_grad_norm if self.clips_in_plugin else None
+        if key not in self._boosters:
+            from colossalai.booster import Booster
+
+            self._boosters[key] = Booster(plugin=self._plugin(key))
+        return self._boosters[key]
+
+    clips_in_plugin = False
+
+    def _optimizer(self, params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
+        return build_optimizer(params, config)[0]
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Move a frozen model to the device; boost a trainable one (without an optimizer)."""
+        if not any(p.requires_grad for p in model.parameters()):
+            return model.to(self.device)
+        return self.booster().boost(model)[0]
+
+    def prepare_training(
+        self, model: nn.Module, config: OptimizerConfig | None = None
+    ) -> tuple[nn.Module, Any, torch.optim.lr_scheduler.LRScheduler]:
+        """Boost the model with its optimizer and schedule; returns the wrapped model, optimizer and schedule."""
+        config = config or OptimizerConfig()
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameters")
+        optimizer = self._optimizer(params, config)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_factor)
+        boosted, optimizer, _, _, scheduler = self.booster(config.max_grad_norm).boost(
+            model, optimizer, lr_scheduler=scheduler)
+        return boosted, optimizer, scheduler
+
+    def create_optimizer(self, model: nn.Module, config: OptimizerConfig | None = None) -> tuple[Any, Any]:
+        """Refused: a Booster must see model and optimizer together; use `prepare_training`."""
+        raise NotImplementedError(f"strategy {self.name!r} boosts model and optimizer together: use prepare_training")
+
+    def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any) -> None:
+        """Back-propagate as `Booster.backward` does: through the plugin's optimizer (it may scale or shard)."""
+        optimizer.backward(loss)
+
+    def optimizer_step(self, optimizer: Any, model: nn.Module, max_grad_norm: float | None = None) -> float:
+        """Clip (when asked), step, zero gradients; returns the gradient norm before clipping."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if max_grad_norm is not None and params:
+            norm = float(optimizer.clip_grad_by_norm(max_grad_norm))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
+        optimizer.step()
+        optimizer.zero_grad()
+        return norm
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain model inside a ColossalAI wrapper (peft models stay peft models)."""
+        from colossalai.interface import ModelWrapper
+
+        return model.unwrap(unwrap_peft=False) if isinstance(model, ModelWrapper) else model
+
+    def destroy(self) -> None:
+        """Drop the Boosters, then leave the process group."""
+        self._boosters.clear()
+        super().destroy()
+
+
+class ColossalAIDDPStrategy(ColossalAIStrategy):
+    """ColossalAI `TorchDDPPlugin`: torch DDP under a Booster; runs on CPU (gloo) and GPU (NCCL)."""
+
+    name = "colossalai_ddp"
+
+    def _plugin(self, max_grad_norm: float | None) -> Any:
+        from colossalai.booster.plugin import TorchDDPPlugin
+
+        return TorchDDPPlugin(**self.plugin_options)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain model inside the Booster's DDP wrapper."""
+        from colossalai.booster.plugin.torch_ddp_plugin import TorchDDPModel
+
+        return model.module.module if isinstance(model, TorchDDPModel) else model
+
+
+class _ShardedColossalAIStrategy(ColossalAIStrategy):
+    """ZeRO-2 / Gemini: HybridAdam, clipping inside the plugin, only rank 0 pushes weights."""
+
+    needs_cuda = True
+    shards_weights = True
+    clips_in_plugin = True
+
+    def __init__(self, *args: Any, precision: str = "bf16", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.precision = precision
+
+    def _optimizer(self, params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
+        from colossalai.nn.optimizer import HybridAdam
+
+        return HybridAdam(params, lr=config.lr, betas=config.betas, eps=config.eps,
+                          weight_decay=config.weight_decay, adamw_mode=True)
+
+    def optimizer_step(self, optimizer: Any, model: nn.Module, max_grad_norm: float | None = None) -> float:
+        """Step (the plugin clips to the optimizer config's norm) and zero gradients; returns the norm if known."""
+        optimizer.step()
+        norm = optimizer.get_grad_norm() if hasattr(optimizer, "get_grad_norm") else None
+        optimizer.zero_grad()
+        return float(norm) if norm is not None else math.nan
+
+
+class ColossalAIZero2Strategy(_ShardedColossalAIStrategy):
+    """ColossalAI `LowLevelZeroPlugin(stage=2)`: optimizer states and gradients sharded over ranks (CUDA)."""
+
+    name = "colossalai_zero2"
+    _needs_cuda_because = "LowLevelZeroPlugin shards optimizer states and gradients on GPUs"
+
+    def _plugin(self, max_grad_norm: float | None) -> Any:
+        from colossalai.booster.plugin import LowLevelZeroPlugin
+
+        options = {"stage": 2, "precision": self.precision, "max_norm": max_grad_norm or 0.0, **self.plugin_options}
+        return LowLevelZeroPlugin(**options)
+
+
+class ColossalAIGeminiStrategy(_ShardedColossalAIStrategy):
+    """ColossalAI `GeminiPlugin`: parameters, gradients and optimizer states in chunks sharded over ranks (CUDA)."""
+
+    name = "colossalai_gemini"
+    _needs_cuda_because = "GeminiPlugin manages parameter chunks in GPU memory"
+
+    def _plugin(self, max_grad_norm: float | None) -> Any:
+        from colossalai.booster.plugin import GeminiPlugin
+
+        options = {"precision": self.precision, "max_norm": max_grad_norm or 0.0, **self.plugin_options}
+        return GeminiPlugin(**options)
+
+    def named_tensors(
+        self, model: nn.Module, prefix: str = "", only_trainable: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Gather the parameters chunk by chunk (`state_dict_shard`, a collective); tensors arrive on rank 0 only."""
+        plain = self.unwrap(model)
+        if not hasattr(model, "state_dict_shard"):  # a frozen model was not boosted: it is whole on every rank
+            yield from super().named_tensors(model, prefix, only_trainable)
+            return
+        trainable = {name for name, p in plain.named_parameters() if p.requires_grad} if only_trainable else None
+        for shard, _ in model.state_dict_shard(max_shard_size=64, only_rank_0=True):
+            for name, tensor in shard.items():
+                if name.startswith(prefix) and (trainable is None or name in trainable):
+                    yield name[len(prefix):], tensor.detach()
