@@ -57,6 +57,9 @@ def _config(args: argparse.Namespace):
     from detached_rl.config import load_config
 
     overrides = list(args.set or [])
+    for flag, key in (("world_size", "world_size"), ("strategy", "strategy"), ("placement", "placement_strategy")):
+        if getattr(args, flag, None) is not None:
+            overrides.append(f"trainer_group.{key}={getattr(args, flag)}")
     if getattr(args, "namespace", None):
         overrides.append(f"namespace={args.namespace}")
     return load_config(args.config, overrides)
@@ -76,9 +79,14 @@ def _trainer(args: argparse.Namespace) -> int:
     checkpointing = {"checkpoint_every": args.checkpoint_every,
                      "checkpoint_dir": str(Path(args.checkpoint_dir).resolve()) if args.checkpoint_dir else None,
                      "resume_from": str(Path(args.resume_from).resolve()) if args.resume_from else None}
-    jobs.start_trainer(config, args.name, args.steps, args.update_steps, **checkpointing)
-    print(f"trainer {args.name!r} started in namespace {config.namespace!r} ({args.steps} steps)")
-    return _follow(args.name, config.namespace) if args.wait else 0
+    names = jobs.start_trainer(config, args.name, args.steps, args.update_steps, **checkpointing)
+    group = config.trainer_group
+    if len(names) > 1 or group.strategy != "naive":
+        print(f"trainer group {args.name!r} started in namespace {config.namespace!r}: ranks {', '.join(names)} "
+              f"({group.strategy}, {group.placement_strategy}; {args.steps} steps); makers push to any of them")
+    else:
+        print(f"trainer {args.name!r} started in namespace {config.namespace!r} ({args.steps} steps)")
+    return _follow(names[0], config.namespace) if args.wait else 0
 
 
 def _maker(args: argparse.Namespace) -> int:
@@ -196,9 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=0)
     check.set_defaults(handler=_check)
 
-    trainer = commands.add_parser("trainer", help="start a named detached PPO trainer on a running cluster",
-                                  description="Start a named, detached trainer; it outlives this command.")
-    trainer.add_argument("--name", required=True, help="actor name, e.g. trainer_0")
+    trainer = commands.add_parser(
+        "trainer", help="start a named detached trainer (PPO or GRPO; one rank or a data-parallel group)",
+        description="Start a named, detached trainer; it outlives this command. With --world-size N > 1 it starts "
+                    "ranks <name>_0 ... <name>_{N-1} in one placement group, forming one process group.")
+    trainer.add_argument("--name", required=True, help="actor name (a group's ranks are <name>_<rank>)")
+    trainer.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default 1)")
+    trainer.add_argument("--strategy", default=None,
+                         choices=("naive", "ddp", "colossalai_ddp", "colossalai_zero2", "colossalai_gemini"),
+                         help="how ranks train (default naive; ddp or colossalai_ddp on CPU; zero2/gemini need CUDA)")
+    trainer.add_argument("--placement", default=None, choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+                         help="placement-group strategy for the ranks (default PACK)")
     trainer.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     trainer.add_argument("--update-steps", type=int, default=1, help="push weights every N steps (default 1)")
     trainer.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps")

@@ -26,7 +26,7 @@ from detached_rl.maker import MakerConfig, MakerModels
 from detached_rl.models.generation import SamplingConfig
 from detached_rl.ppo import PPOConfig
 from detached_rl.rewards import REWARD_FUNCTIONS
-from detached_rl.trainer import TrainerConfig
+from detached_rl.trainer import TrainerConfig, TrainerGroupConfig
 
 TASKS = ("addition", "word_problems")
 ALGORITHMS = ("ppo", "grpo")
@@ -124,6 +124,7 @@ class RunConfig:
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
     maker: MakerConfig = field(default_factory=MakerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer_group: TrainerGroupConfig = field(default_factory=TrainerGroupConfig)  # ranks, strategy, placement
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     run: RunSection = field(default_factory=RunSection)

@@ -84,19 +84,40 @@ def connect(address: str | None, namespace: str, timeout: float = 60.0) -> None:
         done.set()
 
 
-def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: int, **checkpointing: Any) -> Any:
-    """Create a detached, named trainer (PPO or GRPO, by `config.algorithm`) and start its `fit` in the background."""
+def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: int, **checkpointing: Any
+                  ) -> list[str]:
+    """Create a detached, named trainer (or trainer group) and start `fit` in the background; returns rank names.
+
+    PPO or GRPO by `config.algorithm`. With `config.trainer_group` asking for more than one rank
+    or a distributed strategy, the ranks are `<name>_0` ... in one placement group.
+    """
     import ray
 
-    from detached_rl.actors import DetachedGRPOTrainer, DetachedPPOTrainer
+    from detached_rl.actors import DetachedGRPOTrainer, DetachedPPOTrainer, start_trainer_group, trainer_names
 
-    _refuse_existing(name, config.namespace)
-    trainer_class = DetachedGRPOTrainer if config.algorithm == "grpo" else DetachedPPOTrainer
-    handle = trainer_class.options(name=name, namespace=config.namespace, lifetime="detached").remote(
-        name, config.trainer_factory(), config.trainer, config.algorithm_config, config.namespace
-    )
-    ray.get(handle.start_fit.remote(total_steps, update_steps, **checkpointing), timeout=600)
-    return handle
+    group = config.trainer_group
+    if group.world_size == 1 and group.strategy == "naive":
+        _refuse_existing(name, config.namespace)
+        trainer_class = DetachedGRPOTrainer if config.algorithm == "grpo" else DetachedPPOTrainer
+        handles = [trainer_class.options(name=name, namespace=config.namespace, lifetime="detached").remote(
+            name, config.trainer_factory(), config.trainer, config.algorithm_config, config.namespace
+        )]
+        names = [name]
+    else:
+        names = trainer_names(name, group.world_size)
+        for rank_name in names:
+            _refuse_existing(rank_name, config.namespace)
+        try:
+            handles = start_trainer_group(
+                name, group.world_size, config.trainer_factory(), config.trainer, config.algorithm_config,
+                config.namespace, strategy=group.strategy, group=group, timeout=group.timeout_s,
+            )
+        except ray.exceptions.RayTaskError as error:  # the rank's own error (e.g. a strategy that needs CUDA)
+            raise JobError(f"trainer group {name!r} did not start: {_first_line(error.cause)}") from None
+        except TimeoutError as error:
+            raise JobError(str(error)) from None
+    ray.get([h.start_fit.remote(total_steps, update_steps, **checkpointing) for h in handles], timeout=600)
+    return names
 
 
 def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: int | None) -> Any:
@@ -265,7 +286,25 @@ def stop(names: list[str], namespace: str, force: bool, timeout: float) -> list[
                 logging.getLogger(__name__).warning("%s did not stop gracefully: %s", name, _first_line(error))
         ray.kill(handle, no_restart=True)
         stopped.append(name)
+    _remove_placement_groups_of(stopped, namespace)
     return stopped
+
+
+def _remove_placement_groups_of(stopped: list[str], namespace: str) -> None:
+    """Remove the placement group of each trainer group whose ranks are now all gone."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    from detached_rl.actors import placement_group_name
+
+    live = set(actor_names(namespace))
+    prefixes = {name.rpartition("_")[0] for name in stopped if name.rpartition("_")[2].isdigit()}
+    for prefix in prefixes:
+        if any(n.rpartition("_")[0] == prefix and n.rpartition("_")[2].isdigit() for n in live):
+            continue
+        try:
+            remove_placement_group(get_placement_group(placement_group_name(prefix)))
+        except ValueError:
+            pass  # not a group's rank, or already removed
 
 
 def _wait_until_idle(name: str, namespace: str, timeout: float) -> None:

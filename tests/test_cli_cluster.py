@@ -132,12 +132,48 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
     assert "no detached-rl actors" in cli(cluster, "status", *address, "--namespace", "cli_test").stdout
 
 
+PLACEMENT_GROUPS = ("import json, ray; ray.init(address='{address}', namespace='cli_test', log_to_driver=False); "
+                    "print(json.dumps({{t['name']: t['state'] for t in ray.util.placement_group_table().values()}}))")
+
+
+def test_a_two_rank_ddp_trainer_group_from_the_cli_trains_and_stops_with_its_placement_group(cluster, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(CONFIG)
+    address = ["--address", cluster["address"]]
+    out = cli(cluster, "trainer", "--config", str(config), "--name", "grp", "--world-size", "2", "--strategy", "ddp",
+              "--steps", "2", *address)
+    assert "ranks grp_0, grp_1 (ddp, PACK" in out.stdout
+    cli(cluster, "maker", "--config", str(config), "--name", "grp_maker", "--trainers", "grp_0,grp_1", *address)
+    deadline = time.monotonic() + 150
+    while True:
+        rows = {r["name"]: r for r in json.loads(cli(cluster, "status", "--json", *address,
+                                                     "--namespace", "cli_test").stdout)}
+        ranks = [rows.get("grp_0", {}), rows.get("grp_1", {})]
+        if all(r.get("state") == "done" for r in ranks) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert [(r["rank"], r["world_size"], r["state"], r["policy_version"]) for r in ranks] == [
+        (0, 2, "done", 2), (1, 2, "done", 2)]
+    groups = subprocess.run([sys.executable, "-c", PLACEMENT_GROUPS.format(address=cluster["address"])],
+                            env=cluster["env"], check=True, timeout=120, capture_output=True, text=True)
+    assert json.loads(groups.stdout.strip().splitlines()[-1])["grp-placement"] == "CREATED"
+
+    out = cli(cluster, "stop", *address, "--namespace", "cli_test", "--timeout", "60")
+    assert {"grp_0", "grp_1", "grp_maker"} <= set(out.stdout.replace(",", " ").split())
+    groups = subprocess.run([sys.executable, "-c", PLACEMENT_GROUPS.format(address=cluster["address"])],
+                            env=cluster["env"], check=True, timeout=120, capture_output=True, text=True)
+    assert json.loads(groups.stdout.strip().splitlines()[-1])["grp-placement"] == "REMOVED"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["inspect", "nobody"], "no actor named 'nobody'"),
         (["trainer", "--name", "t", "--set", "trainer.train_batch_size=oops"], "trainer.train_batch_size"),
         (["maker", "--name", "m", "--trainers", "t", "--set", "maker.bogus=1"], "maker.bogus: unknown key"),
+        (["trainer", "--name", "t", "--world-size", "2"], "strategy 'naive' trains in one process"),
+        (["trainer", "--name", "z", "--world-size", "2", "--strategy", "colossalai_zero2", "--set",
+          "model.policy=tiny"], "strategy 'colossalai_zero2' needs CUDA GPUs"),
         (["status", "--address", "127.0.0.1:1"], "cannot reach a Ray cluster at 127.0.0.1:1"),
         (["status", "--address", "ray://127.0.0.1:1"], "cannot reach a Ray cluster at ray://127.0.0.1:1"),
     ],
