@@ -6,6 +6,7 @@ client at `ray://host:port`); the CLI adds argument parsing and one-line errors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -301,10 +302,8 @@ def _remove_placement_groups_of(stopped: list[str], namespace: str) -> None:
     for prefix in prefixes:
         if any(n.rpartition("_")[0] == prefix and n.rpartition("_")[2].isdigit() for n in live):
             continue
-        try:
+        with contextlib.suppress(ValueError):  # not a group's rank, or already removed
             remove_placement_group(get_placement_group(placement_group_name(prefix)))
-        except ValueError:
-            pass  # not a group's rank, or already removed
 
 
 def _wait_until_idle(name: str, namespace: str, timeout: float) -> None:

@@ -99,8 +99,8 @@ class TrainerGroupConfig:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"TrainerGroupConfig.world_size must be an int >= 1, got {self.world_size!r}")
         if self.strategy == "naive" and self.world_size != 1:
-            raise ValueError(f"TrainerGroupConfig.world_size is {self.world_size} but strategy 'naive' trains in one "
-                             "process; choose ddp or colossalai_ddp for more ranks")
+            raise ValueError(f"TrainerGroupConfig.world_size must be 1 with strategy 'naive' (one process), got "
+                             f"{self.world_size}; choose ddp or colossalai_ddp for more ranks")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"TrainerGroupConfig.placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                              f"got {self.placement_strategy!r}")
@@ -108,7 +108,7 @@ class TrainerGroupConfig:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"TrainerGroupConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.num_cpus_per_rank == 0 and self.num_gpus_per_rank == 0:
-            raise ValueError("TrainerGroupConfig: a rank needs num_cpus_per_rank or num_gpus_per_rank > 0 "
+            raise ValueError("TrainerGroupConfig.num_cpus_per_rank must be > 0 when num_gpus_per_rank is 0 "
                              "(a placement-group bundle cannot be empty)")
         if not self.timeout_s > 0:
             raise ValueError(f"TrainerGroupConfig.timeout_s must be > 0, got {self.timeout_s!r}")

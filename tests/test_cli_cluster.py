@@ -171,7 +171,7 @@ def test_a_two_rank_ddp_trainer_group_from_the_cli_trains_and_stops_with_its_pla
         (["inspect", "nobody"], "no actor named 'nobody'"),
         (["trainer", "--name", "t", "--set", "trainer.train_batch_size=oops"], "trainer.train_batch_size"),
         (["maker", "--name", "m", "--trainers", "t", "--set", "maker.bogus=1"], "maker.bogus: unknown key"),
-        (["trainer", "--name", "t", "--world-size", "2"], "strategy 'naive' trains in one process"),
+        (["trainer", "--name", "t", "--world-size", "2"], "trainer_group.world_size: must be 1 with strategy 'naive'"),
         (["trainer", "--name", "z", "--world-size", "2", "--strategy", "colossalai_zero2", "--set",
           "model.policy=tiny"], "strategy 'colossalai_zero2' needs CUDA GPUs"),
         (["status", "--address", "127.0.0.1:1"], "cannot reach a Ray cluster at 127.0.0.1:1"),

@@ -48,6 +48,11 @@ def test_yaml_file_and_overrides(tmp_path):
         (["task.reward=vibes"], "task.reward: must be one of"),
         (["trainer=3"], "trainer: expected a mapping"),
         (["noequals"], "expected key.path=value"),
+        (["trainer_group.strategy=zero9"], "trainer_group.strategy: must be one of"),
+        (["trainer_group.world_size=2"], "trainer_group.world_size: must be 1 with strategy 'naive'"),
+        (["trainer_group.strategy=ddp", "trainer_group.world_size=0"], "trainer_group.world_size: must be an int >= 1"),
+        (["trainer_group.placement_strategy=RANDOM"], "trainer_group.placement_strategy: must be one of"),
+        (["trainer_group.num_cpus_per_rank=0"], "trainer_group.num_cpus_per_rank: must be > 0 when num_gpus_per_rank is 0"),
     ],
 )
 def test_bad_values_are_refused_with_the_dotted_key(overrides, message):
@@ -89,3 +94,11 @@ def test_grpo_run_config_builds_a_critic_free_setup():
     assert models.critic is None and models.reference is None
     with pytest.raises(ConfigError, match="algorithm"):
         load_config(None, ["algorithm=sac"])
+
+
+def test_trainer_group_section_loads_from_yaml(tmp_path):
+    path = tmp_path / "group.yaml"
+    path.write_text("trainer_group: {strategy: colossalai_ddp, world_size: 4, placement_strategy: SPREAD}\n")
+    group = load_config(path).trainer_group
+    assert (group.strategy, group.world_size, group.placement_strategy) == ("colossalai_ddp", 4, "SPREAD")
+    assert group.strategy_options() == {"backend": None, "timeout_s": 300.0}

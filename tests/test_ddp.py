@@ -93,6 +93,24 @@ def _scenarios(strategy: DDPStrategy) -> dict[str, Any]:
     prepared = strategy.prepare_model(frozen)
     results["frozen"] = {"same_object": prepared is frozen, "unwrap_same": strategy.unwrap(prepared) is frozen}
 
+    results["share"] = [strategy.gradient_share(1.0 if rank == 0 else 3.0), strategy.gradient_share(2.0)]
+
+    # A strategy that shards weights: every rank joins the gather, rank 0 alone builds and pushes the update.
+    from detached_rl.grpo import GRPOConfig, GRPOLearner
+    from detached_rl.trainer import TrainerCore
+
+    strategy.shards_weights = True
+    try:
+        core = TrainerCore(f"t{rank}", GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), strategy, GRPOConfig()))
+        core.makers.update({f"maker_{rank}", f"maker_{rank + 2}"})
+        puts: list[int] = []
+        update, _ = core.build_update(lambda chunk: puts.append(len(chunk)) or len(puts))
+        results["sharded"] = {"makers": core.makers_of_this_rank(), "puts": sum(puts),
+                              "specs": len(update.manifest.tensors), "pushes": core.pushes_weights}
+        del core
+    finally:
+        del strategy.shards_weights
+
     results["all_true"] = [strategy.all_true(True), strategy.all_true(rank == 0), strategy.all_true(rank == 1)]
     metrics = {"loss": 1.0, "kl": 0.5, "tokens": 10.0, "num_samples": 2.0}
     if rank == 1:
@@ -199,6 +217,17 @@ def test_ranks_train_to_identical_parameters_equal_to_one_process_on_all_data(ra
     for name, expected in _params(reference).items():
         torch.testing.assert_close(first["params"][name], expected, rtol=0, atol=1e-5, msg=name)
     assert any(not torch.equal(initial[k], v) for k, v in first["params"].items())
+
+
+def test_gradient_share_weights_each_rank_by_its_part_of_all_data(ranks):
+    assert [r["share"] for r in ranks] == [[0.5, 1.0], [1.5, 1.0]]
+
+
+def test_with_sharded_weights_only_rank_zero_builds_and_pushes_to_every_maker(ranks):
+    first, second = (r["sharded"] for r in ranks)
+    assert first["makers"] == ["maker_0", "maker_1", "maker_2", "maker_3"] and second["makers"] == []
+    assert first["pushes"] and not second["pushes"]
+    assert first["puts"] > 0 and first["specs"] >= first["puts"] and second["puts"] == second["specs"] == 0
 
 
 def test_all_true_is_false_when_any_rank_says_false(ranks):

@@ -1,11 +1,13 @@
-"""The naive strategy: optimizer over trainable parameters, stepping, chunked state dicts, atomic checkpoints."""
+"""The naive strategy: optimizer over trainable parameters, stepping, chunked state dicts, atomic checkpoints;
+strategies that cannot run here refuse at construction."""
 
 import pytest
 import torch
 
 from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
 from detached_rl.optim import OptimizerConfig
-from detached_rl.strategies import NaiveStrategy, make_strategy
+from detached_rl.strategies import NaiveStrategy, StrategyUnavailableError, make_strategy
+from detached_rl.strategies import colossalai as colossalai_strategies
 
 
 def test_make_strategy_refuses_unknown_names():
@@ -90,3 +92,32 @@ def test_learning_rate_schedules(schedule, expected):
 def test_optimizer_config_refuses_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=f"OptimizerConfig.{field}"):
         OptimizerConfig(**kwargs)
+
+
+GROUP = {"rank": 0, "world_size": 2, "master_addr": "127.0.0.1", "master_port": 29500}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA these strategies run")
+@pytest.mark.parametrize(("name", "plugin"), [("colossalai_zero2", "LowLevelZeroPlugin"),
+                                              ("colossalai_gemini", "GeminiPlugin")])
+def test_sharded_colossalai_strategies_refuse_cpu_naming_what_works(name, plugin):
+    with pytest.raises(StrategyUnavailableError) as error:
+        make_strategy(name, **GROUP)
+    message = str(error.value)
+    assert f"strategy '{name}' needs CUDA GPUs ({plugin}" in message
+    assert message.endswith("on CPU use one of naive, ddp, colossalai_ddp")
+
+
+def test_colossalai_strategies_say_how_to_install_it_when_it_is_missing(monkeypatch):
+    monkeypatch.setattr(colossalai_strategies, "colossalai_available", lambda: False)
+    with pytest.raises(StrategyUnavailableError, match=r"needs the colossalai package.*make colossalai.*'naive' or 'ddp'"):
+        make_strategy("colossalai_ddp", **GROUP)
+
+
+def test_prepare_training_is_prepare_model_plus_optimizer_and_gradient_share_is_one():
+    strategy = NaiveStrategy()
+    model, optimizer, scheduler = strategy.prepare_training(tiny_causal_lm("llama")[0], OptimizerConfig(lr=1e-3))
+    assert scheduler.optimizer is optimizer and optimizer.param_groups[0]["lr"] == 1e-3
+    assert strategy.gradient_share(17.0) == 1.0 and not strategy.shards_weights
+    names = [name for name, _ in strategy.named_tensors(model, prefix="model.layers.0.")]
+    assert names and all(not n.startswith("model.") for n in names)
