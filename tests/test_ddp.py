@@ -93,6 +93,22 @@ def _scenarios(strategy: DDPStrategy) -> dict[str, Any]:
     prepared = strategy.prepare_model(frozen)
     results["frozen"] = {"same_object": prepared is frozen, "unwrap_same": strategy.unwrap(prepared) is frozen}
 
+    # Checkpoint round trip through the strategy: a freshly prepared model and optimizer get the trained state.
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        lora_state = _params(strategy.unwrap(lora), only_trainable=True)
+        strategy.save_checkpoint(f"{directory}/ckpt", lora, optimizer, extra={"step": 2})
+        fresh = apply_lora(tiny_causal_lm("llama", seed=0)[0], LoraSettings(r=4))
+        fresh, fresh_optimizer, _ = strategy.prepare_training(Actor(fresh, tokenizer), OPTIM)
+        extra = strategy.load_checkpoint(f"{directory}/ckpt", fresh, fresh_optimizer)
+        restored = _params(strategy.unwrap(fresh), only_trainable=True)
+        results["checkpoint"] = {
+            "extra": extra,
+            "equal": all(torch.equal(restored[k], v) for k, v in lora_state.items()),
+            "optimizer_steps": [int(st["step"]) for st in fresh_optimizer.state_dict()["state"].values()][:1],
+        }
+
     results["share"] = [strategy.gradient_share(1.0 if rank == 0 else 3.0), strategy.gradient_share(2.0)]
 
     # A strategy that shards weights: every rank joins the gather, rank 0 alone builds and pushes the update.
@@ -217,6 +233,11 @@ def test_ranks_train_to_identical_parameters_equal_to_one_process_on_all_data(ra
     for name, expected in _params(reference).items():
         torch.testing.assert_close(first["params"][name], expected, rtol=0, atol=1e-5, msg=name)
     assert any(not torch.equal(initial[k], v) for k, v in first["params"].items())
+
+
+def test_checkpoints_round_trip_model_and_optimizer(ranks):
+    for r in ranks:
+        assert r["checkpoint"] == {"extra": {"step": 2}, "equal": True, "optimizer_steps": [2]}
 
 
 def test_gradient_share_weights_each_rank_by_its_part_of_all_data(ranks):
