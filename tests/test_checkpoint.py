@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from detached_rl.checkpoint import load_state, save_atomic
+import json
+import pickle
+import random
+
+import numpy as np
+
+from detached_rl.checkpoint import CheckpointError, load_state, rng_state, save_atomic
 from detached_rl.grpo import GRPOConfig, GRPOLearner
 from detached_rl.maker import ExperienceMaker, MakerConfig, MakerModels
 from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
@@ -25,6 +31,49 @@ def test_save_atomic_replaces_whole_and_refuses_non_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     with pytest.raises(FileNotFoundError, match="not a detached-rl checkpoint"):
         load_state(tmp_path)
+
+
+def test_state_round_trips_through_safetensors_and_json_without_pickle(tmp_path):
+    shared = torch.arange(6.0)
+    state = {
+        "weights": {"a": shared, "view": shared[:3], "bf16": torch.ones(2, 2, dtype=torch.bfloat16),
+                    "empty": torch.zeros(0, 4)},
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"betas": (0.9, 0.99)}]},
+        "rng": rng_state(), "numbers": [1, 2.5, float("inf"), None, True], "blob": b"\x00\xff",
+        "histogram": {(1, "a"): 2},
+    }
+    save_atomic(state, tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["state.json", "tensors.safetensors"]
+    loaded = load_state(tmp_path / "ckpt")
+    assert torch.equal(loaded["weights"]["view"], torch.arange(3.0)) and loaded["weights"]["bf16"].dtype == torch.bfloat16
+    assert loaded["weights"]["empty"].shape == (0, 4)
+    assert loaded["optimizer"]["state"][0]["step"].item() == 3.0
+    assert loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
+    assert loaded["numbers"] == state["numbers"] and loaded["blob"] == b"\x00\xff" and loaded["histogram"] == {(1, "a"): 2}
+    assert loaded["rng"]["python"] == random.getstate()
+    assert np.array_equal(loaded["rng"]["numpy"][1], np.random.get_state()[1])
+    assert torch.equal(loaded["rng"]["torch"], torch.get_rng_state())
+
+
+def test_unstorable_state_is_refused_with_its_path_and_a_pickle_is_never_loaded(tmp_path):
+    with pytest.raises(CheckpointError, match=r"at \.learner\.hook: cannot store a function"):
+        save_atomic({"learner": {"hook": lambda: None}}, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('unpickled')",))
+
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / "state.pt").write_bytes(pickle.dumps(Boom()))
+    with pytest.raises(FileNotFoundError, match="not a detached-rl checkpoint"):
+        load_state(tmp_path / "evil")
+    save_atomic({"x": torch.ones(1)}, tmp_path / "ckpt")
+    document = json.loads((tmp_path / "ckpt" / "state.json").read_text())
+    document["state"]["x"]["__tensor__"] = "t9"
+    (tmp_path / "ckpt" / "state.json").write_text(json.dumps(document))
+    with pytest.raises(CheckpointError, match="references tensor 't9'"):
+        load_state(tmp_path / "ckpt")
 
 
 def make_trainer(algorithm):

@@ -68,8 +68,9 @@ def test_checkpoint_round_trip_and_atomic_replace(tmp_path):
     assert strategy.load_checkpoint(path, other, other_optimizer) == {"step": 2}
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
     assert other_optimizer.state_dict()["state"][0]["step"] == 1
-    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+    with pytest.raises(FileNotFoundError, match="not a detached-rl checkpoint"):
         strategy.load_checkpoint(tmp_path / "nothing", other)
+    assert sorted(p.name for p in path.iterdir()) == ["state.json", "tensors.safetensors"]
 
 
 @pytest.mark.parametrize(

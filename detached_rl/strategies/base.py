@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from detached_rl.checkpoint import write_directory_atomically
+from detached_rl.checkpoint import load_state, save_atomic
 from detached_rl.optim import OptimizerConfig, build_optimizer
 
 
@@ -158,24 +157,19 @@ class Strategy(ABC):
         self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         extra: dict[str, Any] | None = None,
     ) -> Path:
-        """Write model, optimizer and `extra` (JSON) atomically: a crash mid-save keeps the old checkpoint."""
-        def write(staging: Path) -> None:
-            torch.save(self.unwrap(model).state_dict(), staging / "model.pt")
-            if optimizer is not None:
-                torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-            (staging / "extra.json").write_text(json.dumps(extra or {}, indent=2))
-
-        return write_directory_atomically(path, write)
+        """Write model, optimizer and `extra` atomically as safetensors + JSON: a crash mid-save keeps the old one."""
+        state = {"model": self.unwrap(model).state_dict(), "extra": extra or {},
+                 "optimizer": optimizer.state_dict() if optimizer is not None else None}
+        return save_atomic(state, path)
 
     def load_checkpoint(
         self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> dict[str, Any]:
         """Restore what `save_checkpoint` wrote; returns `extra`."""
-        path = Path(path)
-        if not (path / "model.pt").exists():
-            raise FileNotFoundError(f"{path} is not a checkpoint (no model.pt)")
-        state = torch.load(path / "model.pt", map_location=self.device, weights_only=True)
-        self.unwrap(model).load_state_dict(state)
+        state = load_state(path)
+        self.unwrap(model).load_state_dict(state["model"])
         if optimizer is not None:
-            optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
-        return json.loads((path / "extra.json").read_text())
+            if state["optimizer"] is None:
+                raise ValueError(f"{path}: the checkpoint holds no optimizer state")
+            optimizer.load_state_dict(state["optimizer"])
+        return state["extra"]
