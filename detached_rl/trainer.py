@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -151,6 +152,9 @@ class TrainerCore:
             overflow=self.config.buffer_overflow, vocab_size=vocab_size,
         )
         self.policy_version = 0
+        # Identifies this trainer process (all ranks share rank 0's): makers accept a full update from a new
+        # run even at an older version, which is how they follow a trainer resumed from a checkpoint.
+        self.run_id = self.strategy.broadcast_object(uuid.uuid4().hex)
         self.state = "idle"
         self.last_error: str | None = None
         self.history: deque[dict[str, float]] = deque(maxlen=self.config.metrics_history)
@@ -204,10 +208,10 @@ class TrainerCore:
         return update, stats
 
     def _build(self, put: Put, kind: str) -> tuple[WeightUpdate, SendStats]:
-        metadata: dict[str, Any] = {}
+        metadata: dict[str, Any] = {"trainer_run": self.run_id}
         if self.base_fingerprint is not None:
-            metadata = {"base_fingerprint": self.base_fingerprint,
-                        "lora": lora_config_dict(self.synced_models()["actor"])}
+            metadata.update({"base_fingerprint": self.base_fingerprint,
+                             "lora": lora_config_dict(self.synced_models()["actor"])})
         # `put` copies each chunk (ray.put serialises it), so the lock covers the snapshot only.
         with self.weights_lock:
             tensors = self._synced_tensors(trainable_only=kind == "lora")

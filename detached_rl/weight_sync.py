@@ -282,6 +282,7 @@ class WeightReceiver:
         self.after_swap = after_swap
         self.last_error: WeightUpdateError | None = None
         self._version = version
+        self.trainer_run: str | None = None  # `trainer_run` of the last update applied (see `_apply`)
         self._dirty: set[str] = set()  # models left half-written by a failed update
         self._apply_lock = threading.Lock()  # one apply at a time
         # Guards the weights against the lazy fingerprint computation. Lock order: `lock`, then this.
@@ -357,9 +358,16 @@ class WeightReceiver:
         start = time.perf_counter()
         manifest = update.manifest
         version = manifest.version
-        if version == self._version and not self._dirty:
+        run = manifest.metadata.get("trainer_run")
+        # A trainer resumed from a checkpoint (a new run id) may legitimately go back to an older version;
+        # only a full update can roll back (a LoRA update assumes the adapter it was computed against).
+        rollback = run is not None and run != self.trainer_run and self.trainer_run is not None
+        if rollback and manifest.kind != "full":
+            raise WeightUpdateError(f"v{version}: a {manifest.kind} update from a new trainer run {run!r} "
+                                    f"(this maker follows {self.trainer_run!r}) needs a full update first")
+        if version == self._version and not self._dirty and not rollback:
             return ApplyResult(applied=False, version=version, reason="same version")
-        if version < self._version:
+        if version < self._version and not rollback:
             raise WeightUpdateError(f"stale version {version} < current {self._version}")
         plan = self._validate(update)
         deadline = None if timeout is None else start + timeout
@@ -532,6 +540,7 @@ class WeightReceiver:
                     self._entries = self._fingerprint = None
                     raise WeightUpdateError(f"v{manifest.version}: swap failed: {error}") from error
                 self._version = manifest.version
+                self.trainer_run = manifest.metadata.get("trainer_run", self.trainer_run)
                 self._entries, self._fingerprint = entries, fingerprint
                 if manifest.kind == "full":
                     self._dirty -= plan.models
@@ -584,6 +593,7 @@ class WeightReceiver:
                         f"v{manifest.version}: in-place update failed: {error}"
                     ) from error
                 self._version = manifest.version
+                self.trainer_run = manifest.metadata.get("trainer_run", self.trainer_run)
                 if manifest.kind == "full":
                     self._dirty -= plan.models
                 self._fingerprint = None if entries is None else _fingerprint_of(entries)

@@ -486,3 +486,28 @@ def test_after_swap_hook_runs_under_the_lock_with_the_written_names():
     receiver.apply(update, store.__getitem__)
     assert len(calls) == 1 and calls[0][0] is True
     assert calls[0][1] == {f"actor/{k}" for k in trainer_model.state_dict()}
+
+
+def test_a_resumed_trainer_run_may_roll_makers_back_with_a_full_update_only():
+    store, maker = Store(), llama(seed=1)
+    receiver = WeightReceiver({"actor": maker})
+    first_run = llama(seed=2)
+    update, _ = build_weight_update({"actor": first_run.state_dict()}, 5, store.put, metadata={"trainer_run": "a"})
+    receiver.apply(update, store.fetch)
+    assert (receiver.version, receiver.trainer_run) == (5, "a")
+
+    stale, _ = build_weight_update({"actor": first_run.state_dict()}, 3, store.put, metadata={"trainer_run": "a"})
+    with pytest.raises(WeightUpdateError, match="stale version 3 < current 5"):
+        receiver.apply(stale, store.fetch)
+    resumed = llama(seed=3)  # resumed from its step-3 checkpoint in a new process
+    lora_like, _ = build_weight_update({"actor": {Q_PROJ: resumed.state_dict()[Q_PROJ]}}, 3, store.put, kind="lora",
+                                       metadata={"trainer_run": "b"})
+    with pytest.raises(WeightUpdateError, match="new trainer run 'b'.*needs a full update first"):
+        receiver.apply(lora_like, store.fetch)
+    assert (receiver.version, receiver.trainer_run) == (5, "a")
+    assert_state_equal(maker, first_run.state_dict())
+
+    rollback, _ = build_weight_update({"actor": resumed.state_dict()}, 3, store.put, metadata={"trainer_run": "b"})
+    assert receiver.apply(rollback, store.fetch).applied
+    assert (receiver.version, receiver.trainer_run) == (3, "b")
+    assert_state_equal(maker, resumed.state_dict())
