@@ -14,8 +14,10 @@ around by a driver, so makers and trainers may start in any order and in separat
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
+import os
 import threading
 import time
 import warnings
@@ -133,6 +135,7 @@ class ExperienceMakerHolder:
         namespace: str | None = None,
         strategy_factory: Callable[[], Strategy] | None = None,
         attach_timeout_s: float = 120.0,
+        resume_on_restart: bool = True,
     ) -> None:
         if not trainer_names:
             raise ValueError("ExperienceMakerHolder: trainer_names is empty")
@@ -146,6 +149,14 @@ class ExperienceMakerHolder:
         self.pusher: ExperiencePusher | None = None
         self._stop = threading.Event()
         self._running = False
+        self._handles: dict[str, Any] = {}  # trainer name -> handle; dropped when that trainer dies
+        self.first_batch_version: int | None = None  # policy version of this process's first batch
+        self._handles_lock = threading.Lock()
+        self.restarts = ray.get_runtime_context().was_current_actor_reconstructed if ray.is_initialized() else False
+        if self.restarts and resume_on_restart:
+            # Ray restarted this actor after its process died: carry on feeding the trainers. `run`
+            # re-attaches by name and pulls the trainers' current weights before it generates.
+            self.start()
 
     def _attach_trainers(self) -> dict[str, Any]:
         handles = {t: attach(t, self.namespace, self.attach_timeout_s) for t in self.trainer_names}
@@ -153,12 +164,45 @@ class ExperienceMakerHolder:
         base = self.core.base_fingerprint
         updates = ray.get([h.register_maker.remote(self.name, base) for h in handles.values()],
                           timeout=self.core.config.weight_timeout_s)
-        offered = [u for u in updates if u is not None]
-        if offered:
-            newest = max(offered, key=lambda u: u.manifest.version)
-            if newest.manifest.version > self.core.policy_version:
-                self.core.apply_weight_update(newest, _ray_fetch(self.core.config.weight_timeout_s))
+        self._take_offered(updates)
+        with self._handles_lock:
+            self._handles = dict(handles)
         return handles
+
+    def _take_offered(self, updates: Sequence[WeightUpdate | None]) -> None:
+        """Apply the newest update offered, or one from a trainer run this maker does not follow (a resumed trainer)."""
+        offered = [u for u in updates if u is not None]
+        if not offered:
+            return
+        newest = max(offered, key=lambda u: u.manifest.version)
+        receiver = self.core.receiver
+        new_run = newest.manifest.metadata.get("trainer_run") not in (None, receiver.trainer_run)
+        if newest.manifest.version > self.core.policy_version or new_run:
+            self.core.apply_weight_update(newest, _ray_fetch(self.core.config.weight_timeout_s))
+
+    def _trainer_handle(self, trainer: str) -> Any:
+        """The live handle of `trainer`; after it died, the actor now under its name, registered with afresh."""
+        with self._handles_lock:
+            handle = self._handles.get(trainer)
+        if handle is not None:
+            return handle
+        try:
+            handle = ray.get_actor(trainer, namespace=self.namespace)
+        except ValueError:
+            # Not a ValueError: the pusher treats those as a refused push and would not retry it.
+            raise ConnectionError(f"trainer {trainer!r} is not running (waiting for it to come back)") from None
+        update = ray.get(handle.register_maker.remote(self.name, self.core.base_fingerprint),
+                         timeout=self.core.config.weight_timeout_s)
+        self._take_offered([update])
+        with self._handles_lock:
+            self._handles[trainer] = handle
+        return handle
+
+    def _forget_if_dead(self, trainer: str, handle: Any, future: Future) -> None:
+        if isinstance(future.exception(), ray.exceptions.RayActorError):
+            with self._handles_lock:
+                if self._handles.get(trainer) is handle:
+                    del self._handles[trainer]
 
     def _trainers_finished(self, handles: dict[str, Any]) -> bool:
         """True when every trainer has ended its `fit` and would have stopped this maker (it has nobody to feed)."""
@@ -189,7 +233,10 @@ class ExperienceMakerHolder:
                 self._stop.set()
 
             def submit(trainer: str, experiences: list) -> Future:
-                return handles[trainer].push_experience.remote(experiences).future()
+                handle = self._trainer_handle(trainer)
+                future = handle.push_experience.remote(experiences).future()
+                future.add_done_callback(functools.partial(self._forget_if_dead, trainer, handle))
+                return future
 
             self.pusher = ExperiencePusher(
                 submit, self.trainer_names, max_in_flight=config.max_pushes_in_flight, policy=config.push_policy,
@@ -201,7 +248,10 @@ class ExperienceMakerHolder:
                 if not self.core.synced:  # not yet given weights (or half-updated): wait for an update
                     time.sleep(0.05)
                     continue
-                self.pusher.push(self.core.make_experience())
+                experiences = self.core.make_experience()
+                if self.first_batch_version is None:
+                    self.first_batch_version = experiences[0].policy_version if experiences else None
+                self.pusher.push(experiences)
                 # Backpressure, not a failure: a full trainer takes the push once it trains. A trainer that is
                 # gone makes the pusher drop the push after its retries, which ends this wait too.
                 while config.wait_for_ack and not self.pusher.flush(timeout=1.0) and not self._stop.is_set():
@@ -269,6 +319,8 @@ class ExperienceMakerHolder:
         status = self.core.status()
         status["state"] = "running" if self._running else ("stopped" if self._stop.is_set() else "idle")
         status["trainers"] = self.trainer_names
+        status.update(pid=os.getpid(), restarted=self.restarts, first_batch_version=self.first_batch_version,
+                      trainer_run=self.core.receiver.trainer_run)
         status["push"] = self.pusher.stats() if self.pusher else None
         return status
 
@@ -356,8 +408,9 @@ class _TrainerShell:
 
     @ray.method(concurrency_group="buffer_length")
     def status(self) -> dict[str, Any]:
-        """State, version, steps, buffer fill, samples/s, last error."""
-        return self._core().status()
+        """State, version, steps, buffer fill, samples/s, last error, process id and run id."""
+        core = self._core()
+        return {**core.status(), "pid": os.getpid(), "trainer_run": core.run_id}
 
     @ray.method(concurrency_group="buffer_length")
     def metrics(self, last: int | None = None) -> list[dict[str, float]]:

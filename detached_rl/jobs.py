@@ -130,7 +130,8 @@ def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: 
     if not trainers:
         raise JobError("a maker needs --trainers (comma-separated trainer names)")
     _refuse_existing(name, config.namespace)
-    handle = ExperienceMakerHolder.options(name=name, namespace=config.namespace, lifetime="detached").remote(
+    handle = ExperienceMakerHolder.options(name=name, namespace=config.namespace, lifetime="detached",
+                                           max_restarts=config.maker.max_restarts).remote(
         name, trainers, config.maker_factory(), config.prompts(), config.maker, config.namespace
     )
     ray.get(handle.start.remote(num_batches), timeout=600)

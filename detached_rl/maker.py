@@ -52,6 +52,9 @@ class MakerConfig:
     # Generate the next batch only once the last push is accepted: less overlap, but samples are fresher
     # (a maker is then never more than one batch ahead of the trainer's buffer).
     wait_for_ack: bool = False
+    # Ray restarts a maker actor whose process died this many times (-1: always); the restarted maker
+    # re-attaches to its trainers by name and takes their current weights before generating.
+    max_restarts: int = 3
 
 
     def __post_init__(self) -> None:

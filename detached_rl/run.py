@@ -180,7 +180,7 @@ class JobRunner:
             config.trainer, config.algorithm_config, config.namespace,
         )
         for index, name in enumerate(self.maker_names):
-            self.handles[name] = ExperienceMakerHolder.options(name=name).remote(
+            self.handles[name] = ExperienceMakerHolder.options(name=name, max_restarts=config.maker.max_restarts).remote(
                 name, [self.trainer_name],
                 functools.partial(with_threads, config.run.maker_threads, config.maker_factory(),
                                   config.run.maker_nice),

@@ -1,0 +1,142 @@
+"""Faults on a real local Ray cluster (tiny models, CPU): a maker or a trainer process is killed with SIGKILL
+by its PID mid-run, and the run goes on without losing or double counting experience."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from detached_rl.actors import DetachedGRPOTrainer, ExperienceMakerHolder
+from detached_rl.grpo import GRPOConfig
+from detached_rl.maker import MakerConfig
+from detached_rl.models import SamplingConfig
+from detached_rl.prompts import CyclingPrompts
+from detached_rl.trainer import TrainerConfig
+
+from .helpers import arithmetic_prompts, grpo_maker_models, tiny_policy
+
+pytestmark = pytest.mark.ray
+
+NAMESPACE = "detached_rl_tests"
+SAMPLING = SamplingConfig(max_new_tokens=8)
+TIMEOUT = 180
+STEPS = 8
+
+
+def new_trainer(name: str, **config):
+    config = {"train_batch_size": 8, "batch_timeout_s": 120, **config}
+    # Detached, as `detached-rl trainer` starts it: a dead detached actor's name is free at once for a successor
+    # (a non-detached one keeps it while its owner holds a handle).
+    return DetachedGRPOTrainer.options(name=name, namespace=NAMESPACE, lifetime="detached").remote(
+        name, tiny_policy, TrainerConfig(**config), GRPOConfig(sampling=SAMPLING), NAMESPACE)
+
+
+def new_maker(name: str, trainers: list[str], max_restarts: int = 2):
+    config = MakerConfig(experience_batch_size=2, group_size=4, sampling=SAMPLING, max_pushes_in_flight=1,
+                         max_restarts=max_restarts)
+    return ExperienceMakerHolder.options(name=name, namespace=NAMESPACE, max_restarts=max_restarts).remote(
+        name, trainers, grpo_maker_models, CyclingPrompts(arithmetic_prompts()), config, NAMESPACE)
+
+
+def wait_for(predicate, what: str, timeout: float = TIMEOUT, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
+
+
+def status_or_none(ray, handle):
+    try:
+        return ray.get(handle.status.remote(), timeout=10)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def test_a_maker_killed_mid_generation_restarts_takes_the_latest_weights_and_the_run_completes(ray_cluster):
+    ray = ray_cluster
+    trainer = new_trainer("fault_trainer")
+    maker = new_maker("fault_maker", ["fault_trainer"])
+    try:
+        ray.get(maker.start.remote(), timeout=TIMEOUT)
+        assert ray.get(trainer.start_fit.remote(STEPS), timeout=TIMEOUT)
+        wait_for(lambda: ray.get(trainer.policy_version.remote()) >= 2, "two training steps")
+        before = ray.get(maker.status.remote(), timeout=TIMEOUT)
+        assert not before["restarted"] and before["state"] == "running"
+        os.kill(before["pid"], signal.SIGKILL)
+
+        # Ray restarts the process; the new maker resumes by itself, re-attached and re-synced.
+        after = wait_for(lambda: (s := status_or_none(ray, maker)) and s["pid"] != before["pid"]
+                         and s["first_batch_version"] is not None and s, "the restarted maker's first batch")
+        version_at_restart = after["first_batch_version"]
+        assert after["restarted"] and version_at_restart >= 2  # not -1 / 0: it pulled the trainer's weights first
+        summary = wait_for(lambda: (s := ray.get(trainer.status.remote())) and s["state"] == "done" and s,
+                           "the trainer to finish")
+        assert summary["policy_version"] == STEPS
+        # A weight push that met the maker while it was restarting is reported, naming it, and did not stop training.
+        assert summary["last_error"] is None or "fault_maker" in summary["last_error"]
+        stats = ray.get(trainer.buffer_stats.remote())
+        # Every sample that reached the trainer is trained, in the buffer or dropped with a reason; none twice.
+        assert stats["accounting_ok"] and stats["duplicates"] == 0
+        assert stats["sampled"] == STEPS * 8
+        final = wait_for(lambda: (s := status_or_none(ray, maker)) and s["state"] != "running" and s,
+                         "the maker to be stopped by the trainer")
+        assert final["policy_version"] == STEPS and final["pid"] == after["pid"]
+    finally:
+        ray.kill(maker, no_restart=True)
+        ray.kill(trainer)
+
+
+def test_a_killed_trainer_resumes_from_its_checkpoint_and_its_makers_re_attach_by_name(ray_cluster, tmp_path):
+    ray = ray_cluster
+    checkpoints = str(tmp_path / "ckpt")
+    trainer = new_trainer("resumed_trainer")
+    maker = new_maker("resumed_maker", ["resumed_trainer"])
+    replacement = None
+    try:
+        ray.get(maker.start.remote(), timeout=TIMEOUT)
+        ray.get(trainer.start_fit.remote(STEPS, checkpoint_every=1, checkpoint_dir=checkpoints), timeout=TIMEOUT)
+        wait_for(lambda: ray.get(trainer.policy_version.remote()) >= 3, "three training steps")
+        first = ray.get(trainer.status.remote(), timeout=TIMEOUT)
+        os.kill(first["pid"], signal.SIGKILL)
+        wait_for(lambda: status_or_none(ray, trainer) is None, "the trainer to be gone")
+        wait_for(lambda: _name_free(ray, "resumed_trainer"), "the trainer's name to be released")
+
+        # A new trainer under the same name resumes from the last whole checkpoint.
+        replacement = new_trainer("resumed_trainer")
+        assert ray.get(replacement.start_fit.remote(STEPS, checkpoint_every=1, checkpoint_dir=checkpoints,
+                                                    resume_from=checkpoints), timeout=TIMEOUT)
+        done = wait_for(lambda: (s := ray.get(replacement.status.remote())) and s["state"] in ("done", "failed") and s,
+                        "the resumed trainer to finish")
+        assert done["state"] == "done" and done["policy_version"] == STEPS, done["last_error"]
+        assert done["trainer_run"] != first["trainer_run"]
+        history = ray.get(replacement.metrics.remote())
+        assert history and history[0]["policy_version"] >= first["policy_version"]  # picked up, not from scratch
+        assert ray.get(replacement.buffer_stats.remote())["accounting_ok"]
+
+        # The maker never restarted: it found the new trainer by name and follows its run and versions.
+        maker_status = wait_for(lambda: (s := ray.get(maker.status.remote())) and s["state"] != "running" and s,
+                                "the maker to be stopped by the new trainer")
+        assert not maker_status["restarted"]
+        assert maker_status["trainer_run"] == done["trainer_run"] and maker_status["policy_version"] == STEPS
+        push = maker_status["push"]
+        pushed = push["accepted"] + push["duplicates"] + push["dropped_stale_by_trainer"] + sum(push["dropped"].values())
+        assert pushed == push["samples_pushed"]  # every push acked or dropped with a reason
+    finally:
+        ray.kill(maker, no_restart=True)
+        for handle in (trainer, replacement):
+            if handle is not None:
+                ray.kill(handle)
+
+
+def _name_free(ray, name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return True
+    return False
