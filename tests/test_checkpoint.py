@@ -1,13 +1,12 @@
 """Checkpoints: atomic writes, and resuming a trainer ends with the weights of an uninterrupted run."""
 
-import pytest
-import torch
-
 import json
 import pickle
 import random
 
 import numpy as np
+import pytest
+import torch
 
 from detached_rl.checkpoint import CheckpointError, load_state, rng_state, save_atomic
 from detached_rl.grpo import GRPOConfig, GRPOLearner
