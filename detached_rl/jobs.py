@@ -179,8 +179,52 @@ def status_of(name: str, namespace: str, timeout: float = DEFAULT_STATUS_TIMEOUT
 
 
 def all_status(namespace: str) -> list[dict[str, Any]]:
-    """Status rows of every named actor in the namespace."""
-    return [status_of(name, namespace) for name in actor_names(namespace)]
+    """Status rows of every named actor in the namespace, then of named actors that died there (not replaced)."""
+    live = actor_names(namespace)
+    table = actor_table(namespace)
+    rows = []
+    for name in live:
+        if table.get(name, {}).get("state") == "RESTARTING":
+            rows.append({"name": name, "role": table[name]["role"], "state": "restarting",
+                         "last_error": table[name]["death_cause"]})
+        else:
+            rows.append(status_of(name, namespace))
+    for name, entry in sorted(table.items()):
+        if name not in live and entry["state"] == "DEAD":
+            rows.append({"name": name, "role": entry["role"], "state": "dead", "last_error": entry["death_cause"],
+                         "restarts": entry["restarts"]})
+    return rows
+
+
+ROLES = {"ExperienceMakerHolder": "maker", "PPOTrainerShell": "trainer", "GRPOTrainerShell": "trainer"}
+
+
+def actor_table(namespace: str) -> dict[str, dict[str, Any]]:
+    """The newest actor of each name in `namespace` from Ray's actor table (dead ones too): state, role, cause.
+
+    Reads the GCS directly (Ray's state API needs the dashboard); through a Ray client, where that
+    is not possible, it returns {} and `status` shows live actors only.
+    """
+    try:
+        from ray._private.state import state as global_state
+        from ray.core.generated import gcs_pb2
+
+        raw_table = global_state._connect_and_get_accessor().get_actor_table(None, None)
+    except Exception:  # noqa: BLE001 - a Ray client, or a Ray whose internals moved: live actors only
+        return {}
+    newest: dict[str, dict[str, Any]] = {}
+    for raw in raw_table:
+        data = gcs_pb2.ActorTableData.FromString(raw)
+        if data.ray_namespace != namespace or not data.name:
+            continue
+        cause = data.death_cause.actor_died_error_context.error_message if data.HasField("death_cause") else ""
+        entry = {"state": gcs_pb2.ActorTableData.ActorState.Name(data.state),
+                 "role": ROLES.get(data.class_name, data.class_name or "?"),
+                 "death_cause": cause.split(". ")[0] if cause else "", "restarts": int(data.num_restarts),
+                 "started": int(data.start_time)}
+        if data.name not in newest or entry["started"] >= newest[data.name]["started"]:
+            newest[data.name] = entry
+    return newest
 
 
 def format_status(rows: list[dict[str, Any]]) -> str:

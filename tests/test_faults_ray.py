@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from detached_rl import jobs
 from detached_rl.actors import DetachedGRPOTrainer, ExperienceMakerHolder
 from detached_rl.grpo import GRPOConfig
 from detached_rl.maker import MakerConfig
@@ -106,6 +107,13 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_its_makers_re_attach_b
         os.kill(first["pid"], signal.SIGKILL)
         wait_for(lambda: status_or_none(ray, trainer) is None, "the trainer to be gone")
         wait_for(lambda: _name_free(ray, "resumed_trainer"), "the trainer's name to be released")
+        # `detached-rl status` shows the dead trainer, and the maker's pushes fail with an error naming it.
+        rows = {row["name"]: row for row in jobs.all_status(NAMESPACE)}
+        assert rows["resumed_trainer"]["state"] == "dead" and rows["resumed_trainer"]["role"] == "trainer"
+        assert "worker process has died" in rows["resumed_trainer"]["last_error"]
+        assert rows["resumed_maker"]["state"] == "running"
+        wait_for(lambda: "resumed_trainer" in (ray.get(maker.status.remote())["push"]["last_error"] or ""),
+                 "the maker to report the dead trainer by name", timeout=60)
 
         # A new trainer under the same name resumes from the last whole checkpoint.
         replacement = new_trainer("resumed_trainer")
