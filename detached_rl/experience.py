@@ -13,6 +13,7 @@ every response starts at column `prompt_len` of `sequences`.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -107,6 +108,11 @@ class Experience:
             raise ExperienceValidationError("group_id", f"must be a str or None, got {self.group_id!r}")
         if not isinstance(self.info, dict):
             raise ExperienceValidationError("info", f"must be a dict, got {type(self.info).__name__}")
+        _check_info(self.info)
+        known = {f.name for f in fields(self)}
+        unknown = sorted(name for name in vars(self) if name not in known)
+        if unknown:
+            raise ExperienceValidationError(unknown[0], f"unknown field (known: {sorted(known)})")
         return self
 
     def to(self, device: torch.device | str) -> Experience:
@@ -141,6 +147,20 @@ class Experience:
             if kwargs.get(name) is not None:
                 kwargs[name] = torch.tensor(kwargs[name], dtype=torch.float32)
         return cls(**kwargs)
+
+
+MAX_INFO_BYTES = 64 * 1024  # decoded text and reward components fit easily; megabytes of it do not belong here
+
+
+def _check_info(info: dict[str, Any]) -> None:
+    if any(not isinstance(key, str) for key in info):
+        raise ExperienceValidationError("info", "keys must be strings")
+    try:
+        size = len(json.dumps(info, allow_nan=True))
+    except (TypeError, ValueError) as error:
+        raise ExperienceValidationError("info", f"must hold JSON data (str, numbers, lists, dicts): {error}") from None
+    if size > MAX_INFO_BYTES:
+        raise ExperienceValidationError("info", f"is {size} bytes as JSON, over the {MAX_INFO_BYTES}-byte limit")
 
 
 def _check_ids(value: Any, name: str, vocab_size: int | None) -> None:

@@ -78,6 +78,7 @@ class ReplayBuffer:
         overflow: str = "refuse",
         vocab_size: int | None = None,
         dedupe_window: int = 1_000_000,
+        max_sequence_length: int | None = None,
     ) -> None:
         self.max_samples = _check_int("max_samples", max_samples, minimum=1)
         self.max_bytes = _check_int("max_bytes", max_bytes, minimum=1)
@@ -88,6 +89,9 @@ class ReplayBuffer:
         self.overflow = overflow
         self.vocab_size = None if vocab_size is None else _check_int("vocab_size", vocab_size, minimum=1)
         self.dedupe_window = _check_int("dedupe_window", dedupe_window, minimum=0)
+        # Longest prompt + response the trainer's model can take (its max_position_embeddings).
+        self.max_sequence_length = (None if max_sequence_length is None
+                                    else _check_int("max_sequence_length", max_sequence_length, minimum=2))
 
         self._cond = threading.Condition()
         # The same entries in two orders: `_queue` is the sampling order (reused samples
@@ -334,6 +338,11 @@ class ReplayBuffer:
                         "policy_version",
                         f"{exp.policy_version} is newer than the trainer's current version {current_version}",
                     )
+                total = exp.prompt_ids.numel() + exp.response_length
+                if self.max_sequence_length is not None and total > self.max_sequence_length:
+                    raise ExperienceValidationError(
+                        "response_ids", f"prompt + response is {total} tokens, over the trainer model's limit of "
+                                        f"{self.max_sequence_length}")
                 if exp.id in ids_in_push:
                     raise ExperienceValidationError("id", "appears twice in this push")
             except ExperienceValidationError as err:

@@ -145,8 +145,11 @@ class TrainerCore:
         self.learner = learner
         self.strategy = learner.strategy
         self.config = config or TrainerConfig()
-        vocab_size = int(self.strategy.unwrap(learner.actor).model.config.vocab_size)
+        model_config = self.strategy.unwrap(learner.actor).model.config
+        vocab_size = int(model_config.vocab_size)
+        max_positions = getattr(model_config, "max_position_embeddings", None)
         self.buffer = ReplayBuffer(
+            max_sequence_length=int(max_positions) if isinstance(max_positions, int) and max_positions > 1 else None,
             max_samples=self.config.buffer_max_samples, max_bytes=self.config.buffer_max_bytes,
             max_staleness=self.config.max_staleness, max_reuse=self.config.max_reuse,
             overflow=self.config.buffer_overflow, vocab_size=vocab_size,

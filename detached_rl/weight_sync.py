@@ -16,6 +16,7 @@ input embeddings and LM head) travel once; the second key is an alias in the man
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 import weakref
@@ -411,6 +412,10 @@ class WeightReceiver:
             dtype = _parse_dtype(spec.dtype)
             if dtype is None:
                 raise WeightUpdateError(f"{v}: unknown dtype {spec.dtype!r} for {spec.name!r}")
+            expected_bytes = math.prod(spec.shape) * dtype.itemsize
+            if spec.nbytes != expected_bytes:
+                raise WeightUpdateError(f"{v}: {spec.name!r} lists {spec.nbytes} bytes; shape {spec.shape} of "
+                                        f"{spec.dtype} is {expected_bytes}")
             castable = (
                 self.cast_dtype is not None and dtype.is_floating_point and target.dtype.is_floating_point
             )
