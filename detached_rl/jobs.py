@@ -85,6 +85,20 @@ def connect(address: str | None, namespace: str, timeout: float = 60.0) -> None:
         done.set()
 
 
+def init_local_ray(namespace: str, **options: Any) -> None:
+    """Start an embedded single-node Ray bound to 127.0.0.1 (nothing listens on other interfaces).
+
+    Ray has no authentication of its own unless token auth is on: a cluster reachable from the
+    network runs whatever any client sends it. For a real multi-node cluster, start it with
+    `ray start --head --node-ip-address=<private address>` on a trusted network (and token auth).
+    """
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # else Ray swaps 127.0.0.1 for the LAN address
+    import ray
+
+    ray.init(address="local", namespace=namespace, _node_ip_address="127.0.0.1", **options)
+
+
 def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: int, **checkpointing: Any
                   ) -> list[str]:
     """Create a detached, named trainer (or trainer group) and start `fit` in the background; returns rank names.

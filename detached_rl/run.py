@@ -393,10 +393,8 @@ def run_job(config: RunConfig, address: str | None = None, echo: Callable[[str],
             if address:
                 jobs.connect(address, config.namespace)
             elif not ray.is_initialized():
-                os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-                ray.init(address="local", namespace=config.namespace, include_dashboard=False, log_to_driver=False,
-                         _node_ip_address="127.0.0.1", configure_logging=True, logging_level=logging.WARNING)
+                jobs.init_local_ray(config.namespace, include_dashboard=False, log_to_driver=False,
+                                    configure_logging=True, logging_level=logging.WARNING)
                 started_ray = True
             if interrupted.is_set():
                 raise RunInterrupted("interrupted while starting Ray")

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Keep Ray quiet and self-contained: no token auth prompts from a stray ~/.ray/auth_token,
 # no dashboard, no usage stats.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # lets a local cluster bind to 127.0.0.1
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -21,10 +22,12 @@ def ray_cluster():
     """A local Ray cluster shared by one test module, shut down after it."""
     import ray
 
-    ray.init(
+    from detached_rl.jobs import init_local_ray
+
+    init_local_ray(
+        "detached_rl_tests",
         num_cpus=8,  # logical slots: actors here are mostly idle or single-threaded
         include_dashboard=False,
-        namespace="detached_rl_tests",
         runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
         log_to_driver=False,
     )

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from detached_rl import jobs
@@ -148,3 +149,17 @@ def _name_free(ray, name: str) -> bool:
     except ValueError:
         return True
     return False
+
+
+def test_the_local_cluster_binds_to_loopback(ray_cluster):
+    ray = ray_cluster
+    assert [node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]] == ["127.0.0.1"]
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    session = ray.get_runtime_context().gcs_address.rpartition(":")[2]
+    ray_processes = {proc.pid for proc in psutil.process_iter(["cmdline"])
+                     if any(part in " ".join(proc.info["cmdline"] or []) for part in ("gcs_server", "raylet"))
+                     and session in " ".join(proc.info["cmdline"] or [])}
+    assert ray_processes, "found no GCS or raylet process of this cluster"
+    listening = {conn.laddr.ip for conn in psutil.net_connections("inet")
+                 if conn.status == psutil.CONN_LISTEN and conn.pid in ray_processes}
+    assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
