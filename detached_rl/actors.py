@@ -136,6 +136,7 @@ class ExperienceMakerHolder:
         strategy_factory: Callable[[], Strategy] | None = None,
         attach_timeout_s: float = 120.0,
         resume_on_restart: bool = True,
+        state_path: str | None = None,
     ) -> None:
         if not trainer_names:
             raise ValueError("ExperienceMakerHolder: trainer_names is empty")
@@ -151,6 +152,12 @@ class ExperienceMakerHolder:
         self._running = False
         self._handles: dict[str, Any] = {}  # trainer name -> handle; dropped when that trainer dies
         self.first_batch_version: int | None = None  # policy version of this process's first batch
+        # Where the prompt cursor and counters are saved after every pushed batch, and resumed from.
+        self.state_path = state_path
+        if state_path is not None and os.path.isdir(state_path):
+            from detached_rl.checkpoint import load_state
+
+            self.core.load_state_dict(load_state(state_path))
         self._handles_lock = threading.Lock()
         self.restarts = ray.get_runtime_context().was_current_actor_reconstructed if ray.is_initialized() else False
         if self.restarts and resume_on_restart:
@@ -252,6 +259,10 @@ class ExperienceMakerHolder:
                 if self.first_batch_version is None:
                     self.first_batch_version = experiences[0].policy_version if experiences else None
                 self.pusher.push(experiences)
+                if self.state_path is not None:
+                    from detached_rl.checkpoint import save_atomic
+
+                    save_atomic(self.core.state_dict(), self.state_path)
                 # Backpressure, not a failure: a full trainer takes the push once it trains. A trainer that is
                 # gone makes the pusher drop the push after its retries, which ends this wait too.
                 while config.wait_for_ack and not self.pusher.flush(timeout=1.0) and not self._stop.is_set():

@@ -95,7 +95,7 @@ def _maker(args: argparse.Namespace) -> int:
     config = _config(args)
     trainers = [t for t in (args.trainers or "").split(",") if t]
     jobs.connect(args.address, config.namespace)
-    jobs.start_maker(config, args.name, trainers, args.batches)
+    jobs.start_maker(config, args.name, trainers, args.batches, args.state_dir)
     print(f"maker {args.name!r} started in namespace {config.namespace!r}, feeding {', '.join(trainers)}")
     return _follow(args.name, config.namespace) if args.wait else 0
 
@@ -230,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     maker.add_argument("--name", required=True, help="actor name, e.g. maker_0")
     maker.add_argument("--trainers", required=True, help="comma-separated trainer names, e.g. trainer_0,trainer_1")
     maker.add_argument("--batches", type=int, default=None, help="stop after N batches (default: until stopped)")
+    maker.add_argument("--state-dir", default=None,
+                       help="save the prompt cursor to <dir>/<name> after every batch; resume from it on (re)start")
     maker.add_argument("--wait", action="store_true", help="follow the maker until it stops")
     _config_options(maker)
     _cluster_options(maker)

@@ -135,8 +135,13 @@ def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: 
     return names
 
 
-def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: int | None) -> Any:
-    """Create a detached, named experience maker feeding `trainers` and start it in the background."""
+def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: int | None,
+                state_dir: str | None = None) -> Any:
+    """Create a detached, named experience maker feeding `trainers` and start it in the background.
+
+    With `state_dir`, the maker saves its prompt cursor and counters to `<state_dir>/<name>` after
+    every pushed batch and resumes from there when it (or a successor under its name) starts.
+    """
     import ray
 
     from detached_rl.actors import ExperienceMakerHolder
@@ -146,7 +151,8 @@ def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: 
     _refuse_existing(name, config.namespace)
     handle = ExperienceMakerHolder.options(name=name, namespace=config.namespace, lifetime="detached",
                                            max_restarts=config.maker.max_restarts).remote(
-        name, trainers, config.maker_factory(), config.prompts(), config.maker, config.namespace
+        name, trainers, config.maker_factory(), config.prompts(), config.maker, config.namespace,
+        state_path=str(Path(state_dir).resolve() / name) if state_dir else None,
     )
     ray.get(handle.start.remote(num_batches), timeout=600)
     return handle

@@ -25,22 +25,24 @@ pytestmark = pytest.mark.ray
 NAMESPACE = "detached_rl_tests"
 SAMPLING = SamplingConfig(max_new_tokens=8)
 TIMEOUT = 180
-STEPS = 8
+STEPS = 16
 
 
 def new_trainer(name: str, **config):
-    config = {"train_batch_size": 8, "batch_timeout_s": 120, **config}
+    # A small buffer throttles makers to the trainer's pace, so a fault lands mid-run, not after it.
+    config = {"train_batch_size": 8, "buffer_max_samples": 16, "batch_timeout_s": 120, **config}
     # Detached, as `detached-rl trainer` starts it: a dead detached actor's name is free at once for a successor
     # (a non-detached one keeps it while its owner holds a handle).
     return DetachedGRPOTrainer.options(name=name, namespace=NAMESPACE, lifetime="detached").remote(
         name, tiny_policy, TrainerConfig(**config), GRPOConfig(sampling=SAMPLING), NAMESPACE)
 
 
-def new_maker(name: str, trainers: list[str], max_restarts: int = 2):
+def new_maker(name: str, trainers: list[str], max_restarts: int = 2, state_path: str | None = None):
     config = MakerConfig(experience_batch_size=2, group_size=4, sampling=SAMPLING, max_pushes_in_flight=1,
-                         max_restarts=max_restarts)
+                         wait_for_ack=True, max_restarts=max_restarts)
     return ExperienceMakerHolder.options(name=name, namespace=NAMESPACE, max_restarts=max_restarts).remote(
-        name, trainers, grpo_maker_models, CyclingPrompts(arithmetic_prompts()), config, NAMESPACE)
+        name, trainers, grpo_maker_models, CyclingPrompts(arithmetic_prompts()), config, NAMESPACE,
+        state_path=state_path)
 
 
 def wait_for(predicate, what: str, timeout: float = TIMEOUT, interval: float = 0.2):
@@ -60,10 +62,11 @@ def status_or_none(ray, handle):
         return None
 
 
-def test_a_maker_killed_mid_generation_restarts_takes_the_latest_weights_and_the_run_completes(ray_cluster):
+def test_a_maker_killed_mid_generation_restarts_takes_the_latest_weights_and_the_run_completes(ray_cluster,
+                                                                                               tmp_path):
     ray = ray_cluster
     trainer = new_trainer("fault_trainer")
-    maker = new_maker("fault_maker", ["fault_trainer"])
+    maker = new_maker("fault_maker", ["fault_trainer"], state_path=str(tmp_path / "maker_state"))
     try:
         ray.get(maker.start.remote(), timeout=TIMEOUT)
         assert ray.get(trainer.start_fit.remote(STEPS), timeout=TIMEOUT)
@@ -77,6 +80,7 @@ def test_a_maker_killed_mid_generation_restarts_takes_the_latest_weights_and_the
                          and s["first_batch_version"] is not None and s, "the restarted maker's first batch")
         version_at_restart = after["first_batch_version"]
         assert after["restarted"] and version_at_restart >= 2  # not -1 / 0: it pulled the trainer's weights first
+        assert after["batches"] > before["batches"]  # its prompt cursor and counters went on from the saved state
         summary = wait_for(lambda: (s := ray.get(trainer.status.remote())) and s["state"] == "done" and s,
                            "the trainer to finish")
         assert summary["policy_version"] == STEPS
