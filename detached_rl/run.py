@@ -249,8 +249,29 @@ class JobRunner:
         if status["state"] == "failed":
             raise RunError(f"the trainer failed: {status['last_error']}")
         # The trainer pushed the final weights and stopped the makers; their `run` calls return.
-        maker_final = self._get(maker_runs, "stopping the makers", cap=300)
+        maker_final = [self._maker_result(name, ref) for name, ref in zip(self.maker_names, maker_runs, strict=True)]
         return {"trainer": status, "makers": maker_final, "seconds": time.monotonic() - started}
+
+    def _maker_result(self, name: str, run_ref: Any) -> dict[str, Any]:
+        """What a maker's `run` returned; for a maker Ray restarted (its first `run` died with it), its status
+        once the restarted process, which resumed by itself, has been stopped by the trainer."""
+        import ray
+
+        try:
+            return self._get(run_ref, f"stopping maker {name!r}", cap=300)
+        except RunError:
+            deadline = time.monotonic() + self._remaining(300)
+            while time.monotonic() < deadline:
+                state = self._get(self.handles[name].status.remote(), f"maker {name!r} status", cap=60)
+                if state.get("state") != "running":
+                    if not state.get("restarted"):
+                        raise
+                    return state
+                if self.interrupted.wait(0.5):
+                    raise RunInterrupted("interrupted while stopping the makers") from None
+            raise
+        except ray.exceptions.RayError as error:
+            raise RunError(f"maker {name!r}: {error}") from None
 
     def _maker_status(self) -> dict[str, dict[str, Any]]:
         import ray
