@@ -25,6 +25,7 @@ import ray
 import torch
 
 from detached_rl.actors import fetch_chunk, put_chunk
+from detached_rl.jobs import init_local_ray
 from detached_rl.models import LoraSettings, apply_lora, load_smollm2
 from detached_rl.models.lora_merge import LoraMergeTarget
 from detached_rl.weight_sync import WeightReceiver, build_weight_update
@@ -69,7 +70,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=3)
+    init_local_ray("bench", include_dashboard=False, log_to_driver=False, num_cpus=3)
     policy = lora_policy(seed=0)
     makers = [Maker.remote("keep"), Maker.remote("merge")]
     version = 0

@@ -29,6 +29,7 @@ import ray
 import torch
 
 from detached_rl.actors import fetch_chunk, put_chunk
+from detached_rl.jobs import init_local_ray
 from detached_rl.weight_sync import WeightReceiver, build_weight_update
 
 
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("--chunk-mb", type=float, default=64)
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(args.makers) + 1)
+    init_local_ray("bench", include_dashboard=False, log_to_driver=False, num_cpus=max(args.makers) + 1)
     state = load_state(args.model)
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
     chunk_bytes = int(args.chunk_mb * 2**20)

@@ -10,12 +10,11 @@ the makers at the end.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import ray
 
-from detached_rl import DetachedPPOTrainer, ExperienceMakerHolder
+from detached_rl import DetachedPPOTrainer, ExperienceMakerHolder, jobs
 from detached_rl.config import load_config
 
 DEFAULT_CONFIG = Path(__file__).parent / "jobs" / "tiny.yaml"
@@ -30,8 +29,10 @@ def main() -> None:
     parser.add_argument("--address", default=None, help="join a running cluster (default: start a local one)")
     args = parser.parse_args()
     config = load_config(args.config, args.set)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address=args.address, namespace=config.namespace, include_dashboard=False, log_to_driver=False)
+    if args.address:
+        jobs.connect(args.address, config.namespace)
+    else:
+        jobs.init_local_ray(config.namespace, include_dashboard=False, log_to_driver=False)  # on 127.0.0.1
     trainer = DetachedPPOTrainer.options(name="trainer_0").remote(
         "trainer_0", config.trainer_factory(), config.trainer, config.algorithm_config, config.namespace
     )
