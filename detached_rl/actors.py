@@ -44,6 +44,29 @@ logger = logging.getLogger(__name__)
 DEFAULT_NAMESPACE = "detached_rl"
 
 
+def get_all(refs: Sequence[Any], timeout: float) -> list[Any]:
+    """`ray.get` of every ref within `timeout`; on errors, raise the first only after all were retrieved.
+
+    A plain `ray.get(list)` raises at the first failed ref and leaves the others unretrieved, so Ray
+    later logs their errors as unhandled (a second traceback on the user's terminal).
+    """
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+    results: list[Any] = []
+    first_error: BaseException | None = None
+    for ref in refs:
+        if ref not in ready:
+            continue
+        try:
+            results.append(ray.get(ref))
+        except Exception as error:  # noqa: BLE001 - raised below, after every ref was retrieved
+            first_error = first_error or error
+    if first_error is not None:
+        raise first_error
+    if pending:
+        raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls did not finish within {timeout:.0f} s")
+    return results
+
+
 def attach(name: str, namespace: str | None = None, timeout: float = 60.0, poll_interval: float = 0.2):
     """The handle of the named actor, waiting up to `timeout` s for it to exist."""
     namespace = namespace or DEFAULT_NAMESPACE
@@ -146,7 +169,13 @@ class ExperienceMakerHolder:
         self.attach_timeout_s = attach_timeout_s
         source = prompts() if callable(prompts) and not hasattr(prompts, "next_batch") else prompts
         strategy = strategy_factory() if strategy_factory else NaiveStrategy()
-        self.core = ExperienceMaker(name, model_factory(), source, config, strategy)
+        scoring = None
+        if config is not None and config.scorers:
+            from detached_rl.scorer_actors import RemoteScoring
+
+            scoring = RemoteScoring(config.scorers, self.namespace, attach_timeout_s, config.scorer_timeout_s,
+                                    config.scorer_attempts)
+        self.core = ExperienceMaker(name, model_factory(), source, config, strategy, scoring)
         self.pusher: ExperiencePusher | None = None
         self._stop = threading.Event()
         self._running = False
@@ -169,7 +198,7 @@ class ExperienceMakerHolder:
         handles = {t: attach(t, self.namespace, self.attach_timeout_s) for t in self.trainer_names}
         # Register with every trainer; start from the newest weights any of them offers.
         base = self.core.base_fingerprint
-        updates = ray.get([h.register_maker.remote(self.name, base) for h in handles.values()],
+        updates = get_all([h.register_maker.remote(self.name, base) for h in handles.values()],
                           timeout=self.core.config.weight_timeout_s)
         self._take_offered(updates)
         with self._handles_lock:
@@ -213,7 +242,7 @@ class ExperienceMakerHolder:
 
     def _trainers_finished(self, handles: dict[str, Any]) -> bool:
         """True when every trainer has ended its `fit` and would have stopped this maker (it has nobody to feed)."""
-        states = ray.get([h.status.remote() for h in handles.values()], timeout=self.core.config.push_timeout_s)
+        states = get_all([h.status.remote() for h in handles.values()], timeout=self.core.config.push_timeout_s)
         return all(s["state"] == "done" and s["stops_makers_at_end"] for s in states)
 
     @ray.method(concurrency_group="compute")
@@ -644,7 +673,7 @@ def start_trainer_group(
                 name, model_factory, config, algorithm, namespace, rank, world_size, group.strategy))
         if group.strategy != "naive":
             address, port = ray.get(handles[0].master_address.remote(), timeout=timeout)
-            ray.get([h.join_process_group.remote(address, port, group.strategy_options()) for h in handles],
+            get_all([h.join_process_group.remote(address, port, group.strategy_options()) for h in handles],
                     timeout=timeout)
         else:
             ray.get(handles[0].policy_version.remote(), timeout=timeout)  # built in its constructor: surface errors
@@ -668,7 +697,7 @@ def stop_trainer_group(prefix: str, world_size: int, namespace: str | None = Non
         except ValueError:
             continue
     try:  # all ranks at once: a DDP model freed after its group is gone can hang
-        ray.get([h.shutdown.remote() for h in handles], timeout=timeout)
+        get_all([h.shutdown.remote() for h in handles], timeout=timeout)
     except Exception as error:  # noqa: BLE001 - killing them below is what matters
         logger.warning("trainer group %s did not shut down cleanly: %s", prefix, error)
     for handle in handles:

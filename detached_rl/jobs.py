@@ -108,7 +108,13 @@ def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: 
     """
     import ray
 
-    from detached_rl.actors import DetachedGRPOTrainer, DetachedPPOTrainer, start_trainer_group, trainer_names
+    from detached_rl.actors import (
+        DetachedGRPOTrainer,
+        DetachedPPOTrainer,
+        get_all,
+        start_trainer_group,
+        trainer_names,
+    )
 
     group = config.trainer_group
     if group.world_size == 1 and group.strategy == "naive":
@@ -131,7 +137,7 @@ def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: 
             raise JobError(f"trainer group {name!r} did not start: {_first_line(error.cause)}") from None
         except TimeoutError as error:
             raise JobError(str(error)) from None
-    ray.get([h.start_fit.remote(total_steps, update_steps, **checkpointing) for h in handles], timeout=600)
+    get_all([h.start_fit.remote(total_steps, update_steps, **checkpointing) for h in handles], timeout=600)
     return names
 
 
@@ -199,7 +205,10 @@ def status_of(name: str, namespace: str, timeout: float = DEFAULT_STATUS_TIMEOUT
 
 
 def all_status(namespace: str) -> list[dict[str, Any]]:
-    """Status rows of every named actor in the namespace, then of named actors that died there (not replaced)."""
+    """Status rows of every named actor in the namespace, then of named actors that died there (not replaced).
+
+    Actors removed on purpose (`ray.kill`, as `detached-rl stop` does) are gone, not dead: they are not listed.
+    """
     live = actor_names(namespace)
     table = actor_table(namespace)
     rows = []
@@ -210,7 +219,7 @@ def all_status(namespace: str) -> list[dict[str, Any]]:
         else:
             rows.append(status_of(name, namespace))
     for name, entry in sorted(table.items()):
-        if name not in live and entry["state"] == "DEAD":
+        if name not in live and entry["state"] == "DEAD" and not entry["killed_on_purpose"]:
             rows.append({"name": name, "role": entry["role"], "state": "dead", "last_error": entry["death_cause"],
                          "restarts": entry["restarts"]})
     return rows
@@ -227,7 +236,7 @@ def actor_table(namespace: str) -> dict[str, dict[str, Any]]:
     """
     try:
         from ray._private.state import state as global_state
-        from ray.core.generated import gcs_pb2
+        from ray.core.generated import common_pb2, gcs_pb2
 
         raw_table = global_state._connect_and_get_accessor().get_actor_table(None, None)
     except Exception:  # noqa: BLE001 - a Ray client, or a Ray whose internals moved: live actors only
@@ -237,10 +246,13 @@ def actor_table(namespace: str) -> dict[str, dict[str, Any]]:
         data = gcs_pb2.ActorTableData.FromString(raw)
         if data.ray_namespace != namespace or not data.name:
             continue
-        cause = data.death_cause.actor_died_error_context.error_message if data.HasField("death_cause") else ""
+        died = data.death_cause.actor_died_error_context if data.HasField("death_cause") else None
+        cause = died.error_message if died is not None else ""
+        killed_on_purpose = died is not None and died.reason == common_pb2.ActorDiedErrorContext.Reason.RAY_KILL
         entry = {"state": gcs_pb2.ActorTableData.ActorState.Name(data.state),
                  "role": ROLES.get(data.class_name, data.class_name or "?"),
-                 "death_cause": cause.split(". ")[0] if cause else "", "restarts": int(data.num_restarts),
+                 "death_cause": cause.split(". ")[0] if cause else "", "killed_on_purpose": killed_on_purpose,
+                 "restarts": int(data.num_restarts),
                  "started": int(data.start_time)}
         if data.name not in newest or entry["started"] >= newest[data.name]["started"]:
             newest[data.name] = entry
