@@ -150,7 +150,8 @@ class RunConfig:
 
     def maker_factory(self) -> functools.partial:
         """A picklable zero-argument factory of a maker's models (GRPO makers hold only the policy)."""
-        return functools.partial(build_maker_models, self.model, self.task, self.algorithm == "ppo")
+        return functools.partial(build_maker_models, self.model, self.task, self.algorithm == "ppo",
+                                 frozenset(self.maker.scorers))
 
     def prompts(self, shard: int = 0, num_shards: int = 1):
         """The training prompts as a cycling prompt source; makers take disjoint shards (`shard` of `num_shards`)."""
@@ -188,26 +189,46 @@ def build_policy(model: ModelConfig):
     return Actor(policy, tokenizer)
 
 
-def build_actor_critic(model: ModelConfig):
-    """The policy and a critic, from the model config."""
+def build_critic(model: ModelConfig):
+    """The critic (a value head on the critic's, else the policy's, architecture), from the model config."""
     from detached_rl.models import Critic, load_causal_lm
     from detached_rl.models.scalar_heads import backbone_of
 
     critic_model, _ = load_causal_lm(model.critic or model.policy, seed=model.seed + 1)
-    return build_policy(model), Critic(backbone_of(critic_model))
+    return Critic(backbone_of(critic_model))
 
 
-def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool = True) -> MakerModels:
-    """A maker's policy, reward function and, for PPO, critic and reference model."""
+def build_actor_critic(model: ModelConfig):
+    """The policy and a critic, from the model config."""
+    return build_policy(model), build_critic(model)
+
+
+def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool = True,
+                       remote_roles: frozenset[str] = frozenset()) -> MakerModels:
+    """A maker's policy, reward function and, for PPO, critic and reference model (none for `remote_roles`)."""
     from detached_rl.models import Actor, FunctionReward, load_causal_lm
 
-    if with_critic:
+    if with_critic and "critic" not in remote_roles:
         actor, critic = build_actor_critic(model)
-        reference = Actor(*load_causal_lm(model.policy, seed=model.seed)) if model.reference else None
-    else:  # GRPO: critic-free, and the reference model lives on the trainer
-        actor, critic, reference = build_policy(model), None, None
-    return MakerModels(actor=actor, critic=critic, reference=reference,
-                       reward=FunctionReward(REWARD_FUNCTIONS[task.reward], actor.tokenizer))
+    else:  # GRPO is critic-free; a remote critic is a scorer group's
+        actor, critic = build_policy(model), None
+    local_reference = with_critic and model.reference and "reference" not in remote_roles
+    reference = Actor(*load_causal_lm(model.policy, seed=model.seed)) if local_reference else None
+    reward = None if "reward" in remote_roles else FunctionReward(REWARD_FUNCTIONS[task.reward], actor.tokenizer)
+    return MakerModels(actor=actor, critic=critic, reference=reference, reward=reward)
+
+
+def build_scorer_model(model: ModelConfig, task: TaskConfig, role: str):
+    """The model a scorer group serves: the reward function, the frozen reference policy, or the critic."""
+    from detached_rl.models import Actor, FunctionReward, load_causal_lm
+
+    if role == "reward":
+        return FunctionReward(REWARD_FUNCTIONS[task.reward], load_causal_lm(model.policy, seed=model.seed)[1])
+    if role == "reference":
+        return Actor(*load_causal_lm(model.policy, seed=model.seed))
+    if role == "critic":
+        return build_critic(model)
+    raise ValueError(f"build_scorer_model: unknown role {role!r}")
 
 
 # ------------------------------------------------------------------ dict -> dataclass

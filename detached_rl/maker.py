@@ -26,8 +26,16 @@ from detached_rl.models.lora_merge import LoraMergeTarget, base_fingerprint
 from detached_rl.models.reward import RewardScorer
 from detached_rl.models.scalar_heads import Critic
 from detached_rl.prompts import PromptSource, as_prompt_item
+from detached_rl.scorers import PendingScores, ScoreAnswer, ScoreRequest, ScoringService
 from detached_rl.strategies import NaiveStrategy, Strategy
-from detached_rl.weight_sync import ApplyResult, Fetch, WeightReceiver, WeightUpdate, WeightUpdateError
+from detached_rl.weight_sync import (
+    ApplyResult,
+    Fetch,
+    WeightReceiver,
+    WeightUpdate,
+    WeightUpdateError,
+    restrict_update,
+)
 
 PUSH_POLICIES = ("round_robin", "least_full")
 LORA_MODES = ("keep", "merge")
@@ -55,7 +63,15 @@ class MakerConfig:
     # Ray restarts a maker actor whose process died this many times (-1: always); the restarted maker
     # re-attaches to its trainers by name and takes their current weights before generating.
     max_restarts: int = 3
-
+    # Seed the sampler before each batch with (seed, batch index): a maker then makes the same experience
+    # from the same weights and prompts, run after run. None: unseeded.
+    seed: int | None = None
+    # Scorer groups (their actor-name prefixes) that serve a role instead of a local model; see `scorers`.
+    reward_scorer: str | None = None
+    reference_scorer: str | None = None
+    critic_scorer: str | None = None
+    scorer_timeout_s: float = 120.0  # one answer of a scorer, per attempt
+    scorer_attempts: int = 3  # tries (on the group's other workers) before a scorer is reported down
 
     def __post_init__(self) -> None:
         for name in ("experience_batch_size", "group_size", "max_pushes_in_flight"):
@@ -67,12 +83,20 @@ class MakerConfig:
             raise ValueError(f"MakerConfig.weight_sync_mode must be 'staged' or 'in_place', got {self.weight_sync_mode!r}")
         if self.lora_mode not in LORA_MODES:
             raise ValueError(f"MakerConfig.lora_mode must be one of {LORA_MODES}, got {self.lora_mode!r}")
-        for name in ("push_timeout_s", "weight_timeout_s"):
+        if self.scorer_attempts < 1:
+            raise ValueError(f"MakerConfig.scorer_attempts must be >= 1, got {self.scorer_attempts}")
+        for name in ("push_timeout_s", "weight_timeout_s", "scorer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MakerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.weight_cast_dtype is not None and not isinstance(getattr(torch, self.weight_cast_dtype, None),
                                                                  torch.dtype):
             raise ValueError(f"MakerConfig.weight_cast_dtype {self.weight_cast_dtype!r} is not a torch dtype")
+
+    @property
+    def scorers(self) -> dict[str, str]:
+        """Role -> scorer group name, for the roles served by scorer groups instead of local models."""
+        named = {"reward": self.reward_scorer, "reference": self.reference_scorer, "critic": self.critic_scorer}
+        return {role: name for role, name in named.items() if name}
 
 
 def prompt_text(prompt: Any) -> str:
@@ -90,7 +114,7 @@ class MakerModels:
     """What a maker's model factory builds."""
 
     actor: Actor
-    reward: RewardScorer
+    reward: RewardScorer | None = None  # None when a reward scorer group serves the role
     critic: Critic | None = None
     reference: Actor | None = None
 
@@ -105,10 +129,17 @@ class ExperienceMaker:
         prompts: PromptSource,
         config: MakerConfig | None = None,
         strategy: Strategy | None = None,
+        scoring: ScoringService | None = None,
     ) -> None:
         self.name = name
         self.config = config or MakerConfig()
         self.strategy = strategy or NaiveStrategy()
+        # Roles `scoring` serves replace the local models of those roles.
+        self.scoring = scoring
+        remote = scoring.roles if scoring is not None else frozenset()
+        if models.reward is None and "reward" not in remote:
+            raise ValueError(f"maker {name!r} has no reward: give MakerModels.reward or a 'reward' scorer")
+        models = dataclasses.replace(models, **{role: None for role in remote})
         device = self.strategy.device
         self.actor = models.actor.to(device).eval()
         self.critic = models.critic.to(device).eval() if models.critic is not None else None
@@ -116,6 +147,7 @@ class ExperienceMaker:
         self.reward = models.reward
         self.prompts = prompts
         self.generation_lock = threading.Lock()
+        self.remote_roles = remote
         is_lora = lora_backend(self.actor.model) is not None
         self.lora_target: LoraMergeTarget | None = None
         synced: dict[str, torch.nn.Module] = {"actor": self.actor.model}
@@ -156,6 +188,10 @@ class ExperienceMaker:
 
     def apply_weight_update(self, update: WeightUpdate, fetch: Fetch) -> ApplyResult:
         """Apply a versioned weight update (see `WeightReceiver.apply`); refused updates change nothing."""
+        if "critic" in self.remote_roles:
+            # The trainer's updates carry its critic too; the critic scorers take that part themselves.
+            held = {spec.name.partition("/")[0] for spec in update.manifest.tensors} - {"critic"}
+            update, fetch = restrict_update(update, held, fetch)
         manifest = update.manifest
         try:
             if manifest.kind == "lora" and manifest.version > self.receiver.version:
@@ -180,18 +216,28 @@ class ExperienceMaker:
             raise RuntimeError(f"maker {self.name!r} has no complete weights from a trainer yet")
         config = self.config
         items = self.prompts.next_batch(config.experience_batch_size)
+        metadata = [item.metadata for item in items for _ in range(config.group_size)]
         start = time.perf_counter()
         with self.generation_lock, torch.no_grad():
             version = self.receiver.servable_version
             fingerprint = self.receiver.fingerprint if config.record_weights_fingerprint else None
             prompts = [item.prompt for item in items for _ in range(config.group_size)]
+            if config.seed is not None:
+                torch.manual_seed(config.seed * 1_000_003 + self.batches)
             out = self.actor.generate(prompts, config.sampling)
             placeholder, batch = self._collate_output(out)
+            # Remote roles are asked at once, all together; their answers are collected after the lock.
+            pending = self._submit_remote(batch, metadata, version)
             args = (batch.sequences, batch.attention_mask, batch.response_mask)
             values = self.critic(*args).cpu() if self.critic is not None else None
             ref = self.reference.log_probs(*args, config.sampling).cpu() if self.reference is not None else None
+        remote = pending(config.scorer_timeout_s * config.scorer_attempts) if pending is not None else {}
+        if "critic" in remote:
+            values = remote["critic"].token_scores
+        if "reference" in remote:
+            ref = remote["reference"].token_scores
         # Scoring needs no synced weights: outside the lock, so a slow verifier never delays a swap.
-        rewards, components = self._score(batch, [item.metadata for item in items for _ in range(config.group_size)])
+        rewards, components = self._score(batch, metadata, remote.get("reward"))
         elapsed = time.perf_counter() - start
         group_ids = [uuid.uuid4().hex for _ in items]
         experiences = []
@@ -202,6 +248,8 @@ class ExperienceMaker:
                 info["kl"] = float((base.log_probs - ref[row, :length]).mean())
             if fingerprint is not None:
                 info["weights_fingerprint"] = fingerprint
+            if "critic" in remote:
+                info["critic_version"] = remote["critic"].version
             experiences.append(Experience(
                 prompt_ids=base.prompt_ids,
                 response_ids=base.response_ids,
@@ -226,8 +274,25 @@ class ExperienceMaker:
                        for p, r, lp in zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)]
         return placeholder, collate(placeholder, self.actor.tokenizer.pad_token_id).to(self.strategy.device)
 
-    def _score(self, batch: Any, metadata: list[dict[str, Any]]) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    def _submit_remote(self, batch: Any, metadata: list[dict[str, Any]], version: int,
+                       roles: frozenset[str] | None = None) -> PendingScores | None:
+        """Send the padded batch to the scoring service's roles (`roles`, default all); None without one."""
+        if self.scoring is None:
+            return None
+        request = ScoreRequest(batch.sequences.cpu(), batch.attention_mask.cpu(), batch.response_mask.cpu(),
+                               list(metadata), min_version=version, maker=self.name)
+        if roles is not None:
+            return self.scoring.submit(request, roles)
+        return self.scoring.submit(request)
+
+    def _score(self, batch: Any, metadata: list[dict[str, Any]], answer: ScoreAnswer | None = None
+               ) -> tuple[torch.Tensor, list[dict[str, float]]]:
         """Rewards [B] of a batch and, per sample, the components the scorer reports (empty if it reports none)."""
+        if answer is None and self.reward is None:
+            pending = self._submit_remote(batch, metadata, NOT_SYNCED, frozenset({"reward"}))
+            answer = pending(self.config.scorer_timeout_s * self.config.scorer_attempts)["reward"]
+        if answer is not None:
+            return answer.rewards, answer.components or [{} for _ in metadata]
         args = (batch.sequences, batch.attention_mask, batch.response_mask)
         with torch.no_grad():
             if hasattr(self.reward, "score_detailed"):

@@ -205,6 +205,37 @@ def build_weight_update(
     return WeightUpdate(manifest, refs), stats
 
 
+def restrict_update(update: WeightUpdate, models: Iterable[str], fetch: Fetch) -> tuple[WeightUpdate, Fetch]:
+    """The part of `update` for `models` only, and a `fetch` that drops the other models' tensors.
+
+    For a receiver that mirrors some of the trainer's models (e.g. a critic scorer that gets
+    the `critic/` tensors of a PPO update, not the `actor/` ones). Chunks holding none of
+    `models` are never fetched; the version, kind and metadata stay those of the update.
+    """
+    keep = set(models)
+    specs = [spec for spec in update.manifest.tensors if spec.name.partition("/")[0] in keep]
+    used = sorted({spec.chunk for spec in specs})
+    if any(index >= len(update.chunk_refs) for index in used):
+        raise WeightUpdateError(f"v{update.manifest.version}: manifest names chunk {used[-1]} "
+                                f"of {len(update.chunk_refs)} chunk refs")
+    renumber = {old: new for new, old in enumerate(used)}
+    names = {spec.name for spec in specs}
+    manifest = replace(
+        update.manifest,
+        tensors=tuple(replace(spec, chunk=renumber[spec.chunk]) for spec in specs),
+        num_chunks=len(used),
+        total_bytes=sum(spec.nbytes for spec in specs if spec.alias_of is None),
+    )
+
+    def fetch_kept(ref: Any) -> Mapping[str, Tensor]:
+        chunk = fetch(ref)
+        if not isinstance(chunk, Mapping):
+            return chunk  # the receiver refuses it, naming the type
+        return {name: tensor for name, tensor in chunk.items() if name in names}
+
+    return WeightUpdate(manifest, [update.chunk_refs[index] for index in used]), fetch_kept
+
+
 def _entries_of(models: Mapping[str, Mapping[str, Tensor]]) -> dict[str, _Entry]:
     entries = {}
     for name, tensor in _named_tensors(models):

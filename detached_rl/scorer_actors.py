@@ -1,0 +1,315 @@
+"""Ray shells for scorer groups: named workers that serve one role (reward, reference, critic) to many makers.
+
+A scorer group `<prefix>` is `num_nodes x max(1, num_gpus_per_node)` detached, named workers
+`<prefix>_0` ... in one detached placement group `<prefix>-placement`, one bundle per worker
+(`ScorerGroupConfig`). Each worker wraps a `Scorer` and a `RequestBatcher`: requests of
+several makers that arrive within `max_wait_s` are answered by one forward pass.
+
+A maker configured with scorer group names talks to them through `RemoteScoring`: it puts its
+batch into the object store once, asks every role at once (object refs; it waits for none
+before asking the next) and collects the answers. A worker that is down or does not answer in
+time is retried on the group's next worker; after `attempts` tries the scorer is reported
+down with its name.
+
+A critic scorer mirrors the trainer's critic: it registers with the trainers like a maker, so
+the trainers push their weight updates to it too, and it keeps only the `critic/` tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from detached_rl.actors import DEFAULT_NAMESPACE, _ray_fetch, attach, get_all
+from detached_rl.models.generation import SamplingConfig
+from detached_rl.scorers import SCORER_ROLES, PendingScores, RequestBatcher, ScoreAnswer, Scorer, ScoreRequest
+from detached_rl.trainer import PLACEMENT_STRATEGIES
+from detached_rl.weight_sync import ApplyResult, WeightUpdate
+
+logger = logging.getLogger(__name__)
+
+
+class ScorerUnavailableError(RuntimeError):
+    """A scorer group did not answer after its retries; the message names the group and the worker."""
+
+
+@dataclass
+class ScorerGroupConfig:
+    """How many workers serve a role and where they go (one placement-group bundle per worker)."""
+
+    num_nodes: int = 1
+    num_gpus_per_node: int = 0  # 0: CPU workers, one per node; else one worker per GPU
+    num_cpus_per_worker: float = 1.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom resources per bundle, to pick nodes
+    placement_strategy: str = "PACK"
+    max_batch_rows: int = 64  # rows merged into one forward pass
+    max_wait_s: float = 0.01  # how long a request waits for others to merge with
+    timeout_s: float = 300.0  # placing and starting the group
+
+    def __post_init__(self) -> None:
+        for name in ("num_nodes", "max_batch_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ScorerGroupConfig.{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.num_gpus_per_node, bool) or not isinstance(self.num_gpus_per_node, int) \
+                or self.num_gpus_per_node < 0:
+            raise ValueError(f"ScorerGroupConfig.num_gpus_per_node must be an int >= 0, got {self.num_gpus_per_node!r}")
+        if not self.num_cpus_per_worker >= 0 or (self.num_cpus_per_worker == 0 and self.num_gpus_per_node == 0
+                                                 and not self.resources):
+            raise ValueError(f"ScorerGroupConfig.num_cpus_per_worker must be > 0 for CPU workers, got "
+                             f"{self.num_cpus_per_worker!r}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"ScorerGroupConfig.placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
+                             f"got {self.placement_strategy!r}")
+        for key, amount in self.resources.items():
+            if not isinstance(key, str) or isinstance(amount, bool) or not isinstance(amount, int | float) \
+                    or amount <= 0:
+                raise ValueError(f"ScorerGroupConfig.resources: {key!r} must map to a number > 0, got {amount!r}")
+        if not self.max_wait_s >= 0 or not self.timeout_s > 0:
+            raise ValueError("ScorerGroupConfig.max_wait_s must be >= 0 and timeout_s > 0")
+
+    @property
+    def num_workers(self) -> int:
+        """Workers in the group: one per GPU, or one per node for CPU workers."""
+        return self.num_nodes * max(1, self.num_gpus_per_node)
+
+    def bundle(self) -> dict[str, float]:
+        """The resources of one worker's bundle."""
+        bundle: dict[str, float] = {"CPU": self.num_cpus_per_worker} if self.num_cpus_per_worker else {}
+        if self.num_gpus_per_node:
+            bundle["GPU"] = 1
+        bundle.update(self.resources)
+        return bundle
+
+
+def scorer_names(prefix: str, num_workers: int) -> list[str]:
+    """The worker names of a scorer group."""
+    return [f"{prefix}_{index}" for index in range(num_workers)]
+
+
+@ray.remote(concurrency_groups={"score": 16, "model_io": 1, "control": 1})
+class ScorerWorker:
+    """A named scorer worker: one role, requests batched across makers, critic weights from the trainers."""
+
+    def __init__(
+        self,
+        name: str,
+        group: str,
+        group_size: int,
+        role: str,
+        model_factory: Callable[[], Any],
+        sampling: SamplingConfig | None = None,
+        namespace: str | None = None,
+        trainer_names: Sequence[str] = (),
+        max_batch_rows: int = 64,
+        max_wait_s: float = 0.01,
+        attach_timeout_s: float = 300.0,
+    ) -> None:
+        if role not in SCORER_ROLES:
+            raise ValueError(f"ScorerWorker {name!r}: role must be one of {SCORER_ROLES}, got {role!r}")
+        self.name, self.group, self.group_size = name, group, group_size
+        self.namespace = namespace or DEFAULT_NAMESPACE
+        device = torch.device("cuda", 0) if ray.get_gpu_ids() else torch.device("cpu")
+        self.core = Scorer(role, model_factory(), sampling, device=device)
+        self.batcher = RequestBatcher(self.core.answer, max_batch_rows=max_batch_rows, max_wait_s=max_wait_s)
+        self.trainer_names = list(trainer_names)
+        self.last_error: str | None = None
+        if role == "critic":
+            if not self.trainer_names:
+                raise ValueError(f"critic scorer {name!r} needs the trainer names (its weights come from them)")
+            # Register in the background: trainers may start after their scorers.
+            threading.Thread(target=self._register, args=(attach_timeout_s,), daemon=True,
+                             name="scorer-register").start()
+
+    def _register(self, timeout: float) -> None:
+        try:
+            handles = [attach(t, self.namespace, timeout) for t in self.trainer_names]
+            offered = get_all([h.register_maker.remote(self.name, None) for h in handles], timeout=timeout)
+            updates = [u for u in offered if u is not None]
+            if updates:
+                newest = max(updates, key=lambda u: u.manifest.version)
+                if newest.manifest.version > self.core.version:
+                    self.apply_weight_update_local(newest)
+        except Exception as error:  # noqa: BLE001 - shown by status; requests wait for weights meanwhile
+            self.last_error = f"registering with trainers {self.trainer_names}: {error}"
+            logger.exception("scorer %s could not register with its trainers", self.name)
+
+    def apply_weight_update_local(self, update: WeightUpdate) -> ApplyResult:
+        try:
+            return self.core.apply_weight_update(update, _ray_fetch(self.core.weight_timeout_s))
+        except Exception as error:
+            self.last_error = f"weight update v{update.manifest.version}: {error}"
+            raise
+
+    @ray.method(concurrency_group="score")
+    def score(self, request: ScoreRequest, timeout: float = 300.0) -> ScoreAnswer:
+        """Answer one maker's request (merged with others that arrive meanwhile)."""
+        return self.batcher.submit(request).result(timeout=timeout)
+
+    @ray.method(concurrency_group="model_io")
+    def apply_weight_update(self, update: WeightUpdate) -> ApplyResult:
+        """Critic: take the `critic/` tensors of a trainer's update (refused as a whole on any error)."""
+        return self.apply_weight_update_local(update)
+
+    @ray.method(concurrency_group="control")
+    def group_info(self) -> dict[str, Any]:
+        """The group this worker belongs to: prefix, size and role."""
+        return {"group": self.group, "size": self.group_size, "role": self.core.role}
+
+    @ray.method(concurrency_group="control")
+    def status(self) -> dict[str, Any]:
+        """Role, counters, critic version and where the worker runs; answers while requests are scored."""
+        status = self.core.status()
+        context = ray.get_runtime_context()
+        status.update(name=self.name, scorer_role=status.pop("role"), role="scorer", state="serving",
+                      policy_version=status["version"] if status["version"] is not None else "",
+                      group=self.group, node_id=context.get_node_id(), pid=os.getpid(),
+                      last_error=self.last_error)
+        return status
+
+    @ray.method(concurrency_group="control")
+    def stop(self) -> None:
+        """Nothing to drain: a scorer serves until it is removed (trainers call this on their makers at the end)."""
+
+
+def start_scorer_group(
+    prefix: str,
+    role: str,
+    model_factory: Callable[[], Any],
+    group: ScorerGroupConfig | None = None,
+    sampling: SamplingConfig | None = None,
+    namespace: str | None = None,
+    trainer_names: Sequence[str] = (),
+) -> list[Any]:
+    """Create a scorer group's named workers in a detached placement group; wait until each has its model.
+
+    If any worker fails to start, every worker and the placement group are removed and the error is raised.
+    """
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = group or ScorerGroupConfig()
+    namespace = namespace or DEFAULT_NAMESPACE
+    count = group.num_workers
+    pg = placement_group([group.bundle() for _ in range(count)], strategy=group.placement_strategy,
+                         name=f"{prefix}-placement", lifetime="detached")
+    handles: list[Any] = []
+    try:
+        if not pg.wait(timeout_seconds=group.timeout_s):
+            raise TimeoutError(f"scorer group {prefix!r}: {count} bundles of {group.bundle()} "
+                               f"({group.placement_strategy}) could not be placed within {group.timeout_s:.0f} s; "
+                               f"the cluster has {ray.available_resources()} available")
+        for index, name in enumerate(scorer_names(prefix, count)):
+            handles.append(ScorerWorker.options(
+                name=name, namespace=namespace, lifetime="detached",
+                num_cpus=group.num_cpus_per_worker, num_gpus=1 if group.num_gpus_per_node else 0,
+                resources=dict(group.resources) or None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+            ).remote(name, prefix, count, role, model_factory, sampling, namespace, list(trainer_names),
+                     group.max_batch_rows, group.max_wait_s))
+        get_all([h.group_info.remote() for h in handles], timeout=group.timeout_s)
+    except BaseException:
+        for handle in handles:
+            ray.kill(handle)
+        remove_placement_group(pg)
+        raise
+    return handles
+
+
+def stop_scorer_group(prefix: str, num_workers: int, namespace: str | None = None) -> None:
+    """Kill a scorer group's workers and remove its placement group (missing parts are skipped)."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    namespace = namespace or DEFAULT_NAMESPACE
+    for name in scorer_names(prefix, num_workers):
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:
+            continue
+    with contextlib.suppress(ValueError):
+        remove_placement_group(get_placement_group(f"{prefix}-placement"))
+
+
+class RemoteScoring:
+    """A maker's client of scorer groups (a `ScoringService`): ask all roles at once, retry, report."""
+
+    RETRIED = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
+
+    def __init__(self, groups: dict[str, str], namespace: str | None = None, attach_timeout_s: float = 120.0,
+                 timeout_s: float = 120.0, attempts: int = 3) -> None:
+        unknown = sorted(set(groups) - set(SCORER_ROLES))
+        if unknown:
+            raise ValueError(f"RemoteScoring: unknown role {unknown[0]!r} (roles: {SCORER_ROLES})")
+        self.groups = dict(groups)
+        self.roles = frozenset(groups)
+        self.namespace = namespace or DEFAULT_NAMESPACE
+        self.attach_timeout_s = attach_timeout_s
+        self.timeout_s = timeout_s
+        self.attempts = attempts
+        self._workers: dict[str, list[str]] = {}
+        self._turn: dict[str, int] = dict.fromkeys(groups, 0)
+        self.retries = 0
+
+    def workers(self, role: str) -> list[str]:
+        """The worker names of the role's group (asked of worker 0, which is waited for)."""
+        if role not in self._workers:
+            prefix = self.groups[role]
+            info = ray.get(attach(f"{prefix}_0", self.namespace, self.attach_timeout_s).group_info.remote(),
+                           timeout=self.timeout_s)
+            if info["role"] != role:
+                raise ValueError(f"scorer group {prefix!r} serves role {info['role']!r}, not {role!r}")
+            self._workers[role] = scorer_names(prefix, info["size"])
+        return self._workers[role]
+
+    def _ask(self, role: str, request_ref: Any) -> tuple[str, Any]:
+        workers = self.workers(role)
+        name = workers[self._turn[role] % len(workers)]
+        self._turn[role] += 1
+        try:
+            handle = ray.get_actor(name, namespace=self.namespace)
+        except ValueError:
+            return name, None
+        return name, handle.score.remote(request_ref, self.timeout_s)
+
+    def submit(self, request: ScoreRequest, roles: frozenset[str] | None = None) -> PendingScores:
+        """Put the request once and ask each role's next worker; the returned function collects and retries."""
+        request.validate()
+        request_ref = ray.put(request)
+        asked = {role: self._ask(role, request_ref) for role in (self.roles if roles is None else roles)}
+
+        def collect(timeout: float) -> dict[str, ScoreAnswer]:
+            deadline = time.monotonic() + timeout
+            answers = {}
+            for role, (name, ref) in asked.items():
+                answers[role] = self._collect(role, name, ref, request_ref, deadline)
+            return answers
+
+        return collect
+
+    def _collect(self, role: str, name: str, ref: Any, request_ref: Any, deadline: float) -> ScoreAnswer:
+        last = "not found"
+        for attempt in range(self.attempts):
+            if ref is not None:
+                remaining = max(0.01, min(self.timeout_s, deadline - time.monotonic()))
+                try:
+                    return ray.get(ref, timeout=remaining)
+                except self.RETRIED as error:
+                    text = str(error).strip()
+                    last = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+            if attempt + 1 < self.attempts and time.monotonic() < deadline:
+                self.retries += 1
+                logger.warning("scorer %s (%s) failed (%s); retrying on the next worker", name, role, last)
+                name, ref = self._ask(role, request_ref)
+        raise ScorerUnavailableError(
+            f"{role} scorer group {self.groups[role]!r} did not answer after {self.attempts} attempts "
+            f"(last worker {name!r}: {last})"
+        )
