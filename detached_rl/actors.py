@@ -359,7 +359,8 @@ class ExperienceMakerHolder:
         status = self.core.status()
         status["state"] = "running" if self._running else ("stopped" if self._stop.is_set() else "idle")
         status["trainers"] = self.trainer_names
-        status.update(pid=os.getpid(), restarted=self.restarts, first_batch_version=self.first_batch_version,
+        status.update(pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(), restarted=self.restarts,
+                      first_batch_version=self.first_batch_version,
                       trainer_run=self.core.receiver.trainer_run)
         status["push"] = self.pusher.stats() if self.pusher else None
         return status
@@ -450,7 +451,8 @@ class _TrainerShell:
     def status(self) -> dict[str, Any]:
         """State, version, steps, buffer fill, samples/s, last error, process id and run id."""
         core = self._core()
-        return {**core.status(), "pid": os.getpid(), "trainer_run": core.run_id}
+        return {**core.status(), "pid": os.getpid(), "trainer_run": core.run_id,
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     @ray.method(concurrency_group="buffer_length")
     def metrics(self, last: int | None = None) -> list[dict[str, float]]:
@@ -652,6 +654,7 @@ def start_trainer_group(
     bundle = {"CPU": group.num_cpus_per_rank} if group.num_cpus_per_rank else {}
     if group.num_gpus_per_rank:
         bundle["GPU"] = group.num_gpus_per_rank
+    bundle.update(group.resources)
     pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=group.placement_strategy,
                          name=placement_group_name(prefix), lifetime="detached")
     handles: list[Any] = []
@@ -666,6 +669,7 @@ def start_trainer_group(
             options = {
                 "lifetime": "detached", "namespace": namespace, "name": name,
                 "num_cpus": group.num_cpus_per_rank, "num_gpus": group.num_gpus_per_rank,
+                "resources": dict(group.resources) or None,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
                 **(actor_options or {}),
             }

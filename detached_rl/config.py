@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from detached_rl.grpo import GRPOConfig
@@ -26,6 +27,7 @@ from detached_rl.maker import MakerConfig, MakerModels
 from detached_rl.models.generation import SamplingConfig
 from detached_rl.ppo import PPOConfig
 from detached_rl.rewards import REWARD_FUNCTIONS
+from detached_rl.scorers import ScorerGroupConfig
 from detached_rl.trainer import TrainerConfig, TrainerGroupConfig
 
 TASKS = ("addition", "word_problems")
@@ -114,6 +116,15 @@ class RunSection:
 
 
 @dataclass
+class ScorersConfig:
+    """The shape and placement of each scorer group (used for the roles `maker.<role>_scorer` names)."""
+
+    reward: ScorerGroupConfig = field(default_factory=ScorerGroupConfig)
+    reference: ScorerGroupConfig = field(default_factory=ScorerGroupConfig)
+    critic: ScorerGroupConfig = field(default_factory=ScorerGroupConfig)
+
+
+@dataclass
 class RunConfig:
     """Everything a detached run needs; every field has a default that works."""
 
@@ -128,6 +139,7 @@ class RunConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     run: RunSection = field(default_factory=RunSection)
+    scorers: ScorersConfig = field(default_factory=ScorersConfig)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -152,6 +164,10 @@ class RunConfig:
         """A picklable zero-argument factory of a maker's models (GRPO makers hold only the policy)."""
         return functools.partial(build_maker_models, self.model, self.task, self.algorithm == "ppo",
                                  frozenset(self.maker.scorers))
+
+    def scorer_factory(self, role: str) -> functools.partial:
+        """A picklable zero-argument factory of the model a `role` scorer group serves."""
+        return functools.partial(build_scorer_model, self.model, self.task, role)
 
     def prompts(self, shard: int = 0, num_shards: int = 1):
         """The training prompts as a cycling prompt source; makers take disjoint shards (`shard` of `num_shards`)."""
@@ -195,7 +211,9 @@ def build_critic(model: ModelConfig):
     from detached_rl.models.scalar_heads import backbone_of
 
     critic_model, _ = load_causal_lm(model.critic or model.policy, seed=model.seed + 1)
-    return Critic(backbone_of(critic_model))
+    with torch.random.fork_rng(devices=[]):  # the value head too: the same config gives the same critic
+        torch.manual_seed(model.seed + 1)
+        return Critic(backbone_of(critic_model))
 
 
 def build_actor_critic(model: ModelConfig):
@@ -278,6 +296,11 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {hint}")
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value, path)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        key_hint, value_hint = typing.get_args(hint)
+        return {_convert(key_hint, k, f"{path}.{k}"): _convert(value_hint, v, f"{path}.{k}") for k, v in value.items()}
     if origin is tuple:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{path}: expected a list, got {value!r}")

@@ -120,7 +120,8 @@ def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: 
     if group.world_size == 1 and group.strategy == "naive":
         _refuse_existing(name, config.namespace)
         trainer_class = DetachedGRPOTrainer if config.algorithm == "grpo" else DetachedPPOTrainer
-        handles = [trainer_class.options(name=name, namespace=config.namespace, lifetime="detached").remote(
+        handles = [trainer_class.options(name=name, namespace=config.namespace, lifetime="detached",
+                                         resources=dict(group.resources) or None).remote(
             name, config.trainer_factory(), config.trainer, config.algorithm_config, config.namespace
         )]
         names = [name]
@@ -156,12 +157,45 @@ def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: 
         raise JobError("a maker needs --trainers (comma-separated trainer names)")
     _refuse_existing(name, config.namespace)
     handle = ExperienceMakerHolder.options(name=name, namespace=config.namespace, lifetime="detached",
-                                           max_restarts=config.maker.max_restarts).remote(
+                                           max_restarts=config.maker.max_restarts,
+                                           resources=dict(config.maker.resources) or None).remote(
         name, trainers, config.maker_factory(), config.prompts(), config.maker, config.namespace,
         state_path=str(Path(state_dir).resolve() / name) if state_dir else None,
     )
     ray.get(handle.start.remote(num_batches), timeout=600)
     return handle
+
+
+def start_scorers(config: RunConfig, trainers: list[str]) -> list[str]:
+    """Start the scorer groups the makers' config names (`maker.<role>_scorer`); returns the worker names.
+
+    Each group is shaped and placed by `config.scorers.<role>`; a critic group takes its weights
+    from `trainers`. A group whose first worker already runs is left as it is (shared by makers).
+    """
+    import ray
+
+    from detached_rl.scorer_actors import scorer_names, start_scorer_group
+
+    started: list[str] = []
+    for role, prefix in config.maker.scorers.items():
+        group = getattr(config.scorers, role)
+        names = scorer_names(prefix, group.num_workers)
+        try:
+            ray.get_actor(names[0], namespace=config.namespace)
+            continue
+        except ValueError:
+            pass
+        if role == "critic" and not trainers:
+            raise JobError("a critic scorer group needs the trainer names (its weights come from them)")
+        try:
+            start_scorer_group(prefix, role, config.scorer_factory(role), group, config.sampling, config.namespace,
+                               trainers if role == "critic" else ())
+        except ray.exceptions.RayTaskError as error:
+            raise JobError(f"scorer group {prefix!r} ({role}) did not start: {_first_line(error.cause)}") from None
+        except TimeoutError as error:
+            raise JobError(str(error)) from None
+        started.extend(names)
+    return started
 
 
 def _refuse_existing(name: str, namespace: str) -> None:
@@ -225,7 +259,8 @@ def all_status(namespace: str) -> list[dict[str, Any]]:
     return rows
 
 
-ROLES = {"ExperienceMakerHolder": "maker", "PPOTrainerShell": "trainer", "GRPOTrainerShell": "trainer"}
+ROLES = {"ExperienceMakerHolder": "maker", "PPOTrainerShell": "trainer", "GRPOTrainerShell": "trainer",
+         "ScorerWorker": "scorer"}
 
 
 def actor_table(namespace: str) -> dict[str, dict[str, Any]]:

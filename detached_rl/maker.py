@@ -28,6 +28,7 @@ from detached_rl.models.scalar_heads import Critic
 from detached_rl.prompts import PromptSource, as_prompt_item
 from detached_rl.scorers import PendingScores, ScoreAnswer, ScoreRequest, ScoringService
 from detached_rl.strategies import NaiveStrategy, Strategy
+from detached_rl.trainer import check_resources
 from detached_rl.weight_sync import (
     ApplyResult,
     Fetch,
@@ -72,6 +73,8 @@ class MakerConfig:
     critic_scorer: str | None = None
     scorer_timeout_s: float = 120.0  # one answer of a scorer, per attempt
     scorer_attempts: int = 3  # tries (on the group's other workers) before a scorer is reported down
+    # Custom Ray resources the maker actor asks for (e.g. {"maker_node": 1} to place it on such a node).
+    resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("experience_batch_size", "group_size", "max_pushes_in_flight"):
@@ -83,6 +86,7 @@ class MakerConfig:
             raise ValueError(f"MakerConfig.weight_sync_mode must be 'staged' or 'in_place', got {self.weight_sync_mode!r}")
         if self.lora_mode not in LORA_MODES:
             raise ValueError(f"MakerConfig.lora_mode must be one of {LORA_MODES}, got {self.lora_mode!r}")
+        check_resources(self.resources, "MakerConfig.resources")
         if self.scorer_attempts < 1:
             raise ValueError(f"MakerConfig.scorer_attempts must be >= 1, got {self.scorer_attempts}")
         for name in ("push_timeout_s", "weight_timeout_s", "scorer_timeout_s"):

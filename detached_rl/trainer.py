@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,17 @@ class TrainerConfig:
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
+def check_resources(resources: Any, where: str) -> None:
+    """Refuse custom resources that are not a mapping of names to amounts > 0, naming `where`."""
+    if not isinstance(resources, dict):
+        raise ValueError(f"{where} must be a mapping of resource names to amounts, got {resources!r}")
+    for key, amount in resources.items():
+        if not isinstance(key, str) or isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0:
+            raise ValueError(f"{where}: {key!r} must map to a number > 0, got {amount!r}")
+        if key in ("CPU", "GPU", "memory"):
+            raise ValueError(f"{where}: {key!r} is not a custom resource (set the CPU/GPU counts instead)")
+
+
 @dataclass
 class TrainerGroupConfig:
     """How many trainer ranks, trained with which strategy, placed how (one Ray placement-group bundle per rank)."""
@@ -91,9 +102,13 @@ class TrainerGroupConfig:
     num_gpus_per_rank: float = 0.0
     backend: str | None = None  # process-group backend: gloo (CPU) or nccl (GPU); None picks by device
     timeout_s: float = 300.0  # collectives and forming the group fail after this long
+    # Custom Ray resources each rank asks for (e.g. {"trainer_node": 1} to place ranks on nodes that offer it).
+    resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from detached_rl.strategies import STRATEGIES
+
+        check_resources(self.resources, "TrainerGroupConfig.resources")
 
         if self.strategy not in STRATEGIES:
             raise ValueError(f"TrainerGroupConfig.strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
