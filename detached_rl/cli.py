@@ -1,4 +1,4 @@
-"""The `detached-rl` console script: run, check, trainer, maker, status, inspect, export, stop.
+"""The `detached-rl` console script: run, ppo-on-ray, check, trainer, maker, status, inspect, export, stop.
 
 Every command has `--help`. Failures (bad config, unknown actor name, unreachable cluster)
 print one line on stderr and exit with status 2, never a traceback (set DETACHED_RL_DEBUG=1
@@ -50,6 +50,13 @@ def _run(args: argparse.Namespace) -> int:
     except RunInterrupted as error:
         print(f"detached-rl: {error}; the run's actors were shut down", file=sys.stderr)
         return 130
+    return 0
+
+
+def _ppo_on_ray(args: argparse.Namespace) -> int:
+    from detached_rl.ppo_on_ray import launch
+
+    launch(args, echo=lambda line: print(line, flush=True))
     return 0
 
 
@@ -194,6 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
     _cluster_options(run, "join this Ray cluster (host:port, ray://host:port or auto) instead of starting an "
                           "embedded one on 127.0.0.1")
     run.set_defaults(handler=_run)
+
+    ppo_on_ray = commands.add_parser(
+        "ppo-on-ray", help="PPO with actor, critic, initial and reward models in separate Ray groups (the "
+                           "ancestor's train_prompts_on_ray shape)",
+        description="Start the actor (trainer) group, the critic, initial (reference) and reward scorer groups and "
+                    "the makers as named actors, each group in its own placement group; train "
+                    "num_episodes x max_timesteps / update_timesteps PPO steps; save the policy; remove them all. "
+                    "Without --address it starts an embedded Ray on 127.0.0.1. Place groups on nodes with custom "
+                    "resources, e.g. --set scorers.reward.resources={reward_node: 1}.")
+    from detached_rl.ppo_on_ray import add_arguments
+
+    add_arguments(ppo_on_ray)
+    _config_options(ppo_on_ray, "YAML laid over what the flags set (any RunConfig key)")
+    _cluster_options(ppo_on_ray, "join this Ray cluster (host:port, ray://host:port or auto) instead of starting an "
+                                 "embedded one on 127.0.0.1")
+    ppo_on_ray.set_defaults(handler=_ppo_on_ray)
 
     check = commands.add_parser("check", help="load a model, apply LoRA, generate, score and take one GRPO step (no Ray)",
                                 description="End-to-end check of the toolkit's core in one process.")

@@ -56,6 +56,8 @@ class ModelConfig:
     policy: str = "tiny"
     critic: str | None = None  # None: a critic on the policy's architecture (spec `policy`)
     reference: bool = True  # makers hold a frozen copy of the initial policy for the KL term
+    # A reward model (spec as `policy`: a scalar head on that backbone) instead of the task's reward function.
+    reward_model: str | None = None
     lora: LoraConfig | None = None
     seed: int = 0
 
@@ -69,6 +71,8 @@ class TaskConfig:
     eval_size: int = 64  # held-out problems for `detached-rl run`'s before/after accuracy
     seed: int = 0
     reward: str = "numeric_answer"
+    # Prompts from a file (.csv/.jsonl/.json with a `prompt` and an optional `answer` column) instead of `name`'s.
+    prompt_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in TASKS:
@@ -176,7 +180,14 @@ class RunConfig:
 
         if not 0 <= shard < num_shards:
             raise ValueError(f"prompts: shard must be in [0, {num_shards}), got {shard}")
-        problems = make_problems(self.task.name, self.task.train_size, seed=self.task.seed)[shard::num_shards]
+        if self.task.prompt_file is not None:
+            from detached_rl.prompts import load_prompt_file
+
+            problems = load_prompt_file(self.task.prompt_file)[shard::num_shards]
+        else:
+            problems = make_problems(self.task.name, self.task.train_size, seed=self.task.seed)[shard::num_shards]
+        if not problems and self.task.prompt_file is not None:
+            raise ValueError(f"task.prompt_file has fewer prompts than the {num_shards} makers that share it")
         if not problems:
             raise ValueError(f"task.train_size={self.task.train_size} is smaller than the {num_shards} prompt shards")
         return CyclingPrompts(problems, seed=self.task.seed + shard)
@@ -224,7 +235,7 @@ def build_actor_critic(model: ModelConfig):
 def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool = True,
                        remote_roles: frozenset[str] = frozenset()) -> MakerModels:
     """A maker's policy, reward function and, for PPO, critic and reference model (none for `remote_roles`)."""
-    from detached_rl.models import Actor, FunctionReward, load_causal_lm
+    from detached_rl.models import Actor, load_causal_lm
 
     if with_critic and "critic" not in remote_roles:
         actor, critic = build_actor_critic(model)
@@ -232,16 +243,29 @@ def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool =
         actor, critic = build_policy(model), None
     local_reference = with_critic and model.reference and "reference" not in remote_roles
     reference = Actor(*load_causal_lm(model.policy, seed=model.seed)) if local_reference else None
-    reward = None if "reward" in remote_roles else FunctionReward(REWARD_FUNCTIONS[task.reward], actor.tokenizer)
+    reward = None if "reward" in remote_roles else build_reward(model, task, actor.tokenizer)
     return MakerModels(actor=actor, critic=critic, reference=reference, reward=reward)
+
+
+def build_reward(model: ModelConfig, task: TaskConfig, tokenizer):
+    """The reward: a reward model when `model.reward_model` names one, else the task's reward function."""
+    from detached_rl.models import FunctionReward, load_causal_lm
+    from detached_rl.models.scalar_heads import RewardModel, backbone_of
+
+    if model.reward_model is None:
+        return FunctionReward(REWARD_FUNCTIONS[task.reward], tokenizer)
+    backbone, _ = load_causal_lm(model.reward_model, seed=model.seed + 2)
+    with torch.random.fork_rng(devices=[]):  # a seeded head: the same config gives the same reward model
+        torch.manual_seed(model.seed + 2)
+        return RewardModel(backbone_of(backbone)).eval()
 
 
 def build_scorer_model(model: ModelConfig, task: TaskConfig, role: str):
     """The model a scorer group serves: the reward function, the frozen reference policy, or the critic."""
-    from detached_rl.models import Actor, FunctionReward, load_causal_lm
+    from detached_rl.models import Actor, load_causal_lm
 
     if role == "reward":
-        return FunctionReward(REWARD_FUNCTIONS[task.reward], load_causal_lm(model.policy, seed=model.seed)[1])
+        return build_reward(model, task, load_causal_lm(model.policy, seed=model.seed)[1])
     if role == "reference":
         return Actor(*load_causal_lm(model.policy, seed=model.seed))
     if role == "critic":

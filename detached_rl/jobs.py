@@ -143,11 +143,12 @@ def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: 
 
 
 def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: int | None,
-                state_dir: str | None = None) -> Any:
+                state_dir: str | None = None, shard: tuple[int, int] = (0, 1)) -> Any:
     """Create a detached, named experience maker feeding `trainers` and start it in the background.
 
     With `state_dir`, the maker saves its prompt cursor and counters to `<state_dir>/<name>` after
     every pushed batch and resumes from there when it (or a successor under its name) starts.
+    `shard` = (index, count): the maker takes that share of the prompts.
     """
     import ray
 
@@ -159,7 +160,7 @@ def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: 
     handle = ExperienceMakerHolder.options(name=name, namespace=config.namespace, lifetime="detached",
                                            max_restarts=config.maker.max_restarts,
                                            resources=dict(config.maker.resources) or None).remote(
-        name, trainers, config.maker_factory(), config.prompts(), config.maker, config.namespace,
+        name, trainers, config.maker_factory(), config.prompts(*shard), config.maker, config.namespace,
         state_path=str(Path(state_dir).resolve() / name) if state_dir else None,
     )
     ray.get(handle.start.remote(num_batches), timeout=600)
