@@ -642,7 +642,7 @@ def start_trainer_group(
     (e.g. a strategy that needs CUDA on a CPU node), every rank and the placement group are
     removed and the error is raised.
     """
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if group is None:
@@ -682,11 +682,18 @@ def start_trainer_group(
         else:
             ray.get(handles[0].policy_version.remote(), timeout=timeout)  # built in its constructor: surface errors
     except BaseException:
-        for handle in handles:
-            ray.kill(handle)
-        remove_placement_group(pg)
+        remove_group(pg, handles)
         raise
     return handles
+
+
+def remove_group(pg: Any, handles: Sequence[Any]) -> None:
+    """Kill a group's actors and remove its placement group (a group that failed to start)."""
+    from ray.util.placement_group import remove_placement_group
+
+    for handle in handles:
+        ray.kill(handle)
+    remove_placement_group(pg)
 
 
 def stop_trainer_group(prefix: str, world_size: int, namespace: str | None = None, timeout: float = 60.0) -> None:

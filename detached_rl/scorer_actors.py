@@ -28,7 +28,7 @@ from typing import Any
 import ray
 import torch
 
-from detached_rl.actors import DEFAULT_NAMESPACE, _ray_fetch, attach, get_all
+from detached_rl.actors import DEFAULT_NAMESPACE, _ray_fetch, attach, get_all, remove_group
 from detached_rl.models.generation import SamplingConfig
 from detached_rl.scorers import (
     SCORER_ROLES,
@@ -151,7 +151,7 @@ def start_scorer_group(
 
     If any worker fails to start, every worker and the placement group are removed and the error is raised.
     """
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     group = group or ScorerGroupConfig()
@@ -175,9 +175,7 @@ def start_scorer_group(
                      group.max_batch_rows, group.max_wait_s))
         get_all([h.group_info.remote() for h in handles], timeout=group.timeout_s)
     except BaseException:
-        for handle in handles:
-            ray.kill(handle)
-        remove_placement_group(pg)
+        remove_group(pg, handles)
         raise
     return handles
 
