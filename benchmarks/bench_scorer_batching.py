@@ -8,7 +8,7 @@ response `--response-tokens` tokens, random ids) as fast as answers come back, t
 wait for their scores. "unbatched" answers each request alone (max_wait_s=0, max_batch_rows=1
 request); "batched" merges what arrives within `--max-wait` seconds. Reported: rows/s, forward
 passes, requests per pass; median [min-max] over repeats. JSON goes to
-`benchmarks/results/scorer_batching.json`.
+`benchmarks/results/scorer_batching-<model>.json`.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> None:
     print(f"batched / unbatched rows/s: {ratio:.2f}")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "scorer_batching.json").write_text(json.dumps(
+    (out / f"scorer_batching-{Path(args.model).name}.json").write_text(json.dumps(
         {"args": vars(args), "machine": platform.machine(), "cores": os.cpu_count(), "table": table,
          "ratio": ratio, "runs": results}, indent=2))
 
