@@ -13,6 +13,10 @@ Throughput is bytes delivered to all makers / wall time, from the first put to t
 maker done. "trainer CPU s" is the sender process's CPU time for one sync (build + put +
 dispatch), which should not grow with the number of makers. Prints a table (median, min,
 max over repeats) and writes `benchmarks/results/weight_sync-<model>.json`.
+
+The same table is printed for the LoRA-only update of the default run's adapter (SmolLM2 +
+peft LoRA r=16 on all linear layers: only the adapter tensors travel), and a chunk-size sweep
+(`--chunk-sweep`, protocol only, `--sweep-makers` makers) shows what the byte budget costs.
 """
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ def load_state(model: str) -> dict[str, torch.Tensor]:
 
     loaded, _ = load_causal_lm(model)
     return {k: v.detach().clone() for k, v in loaded.state_dict().items()}
+
+
+def load_lora_state(model: str) -> dict[str, torch.Tensor]:
+    """The tensors a LoRA-only update carries: the trainable adapter of the default run (r=16, all-linear)."""
+    from detached_rl.models import LoraSettings, apply_lora, load_causal_lm
+
+    loaded, _ = load_causal_lm(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        lora = apply_lora(loaded, LoraSettings(r=16, alpha=32, target_modules=("all-linear",)))
+    return {k: v.detach().clone() for k, v in lora.named_parameters() if v.requires_grad}
 
 
 @ray.remote
@@ -108,6 +123,55 @@ def summarize(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def measure(state: dict[str, torch.Tensor], counts: list[int], repeats: int, chunk_bytes: int,
+            raw: bool = True) -> list[dict]:
+    """One row per maker count: protocol (and raw) MB/s, seconds and the trainer's CPU time per sync."""
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    rows = []
+    for count in counts:
+        receivers = [Receiver.remote(shapes) for _ in range(count)]
+        ray.get([r.raw_get.remote([]) for r in receivers])
+        one_sync(state, receivers, 0, chunk_bytes)  # warm-up: first allocation of staging buffers
+        protocol, plain, zero_copy = [], [], []
+        for repeat in range(repeats):
+            protocol.append(one_sync(state, receivers, repeat + 1, chunk_bytes))
+            if raw:
+                plain.append(one_raw(state, receivers, chunk_bytes))
+                zero_copy.append(one_raw(state, receivers, chunk_bytes, put=put_chunk))
+        nbytes = protocol[0][2]
+        row = {
+            "makers": count, "bytes": nbytes, "chunk_bytes": chunk_bytes,
+            "protocol_MBps": summarize([nbytes * count / 2**20 / w for w, _, _ in protocol]),
+            "protocol_s": summarize([w for w, _, _ in protocol]),
+            "trainer_cpu_s": summarize([c for _, c, _ in protocol]),
+        }
+        if raw:
+            row["raw_MBps"] = summarize([nbytes * count / 2**20 / w for w, _, _ in plain])
+            row["raw_zero_copy_MBps"] = summarize([nbytes * count / 2**20 / w for w, _, _ in zero_copy])
+            row["raw_s"] = summarize([w for w, _, _ in plain])
+            row["ratio"] = row["protocol_MBps"]["median"] / row["raw_MBps"]["median"]
+        rows.append(row)
+        for r in receivers:
+            ray.kill(r)
+    return rows
+
+
+def cell(value: dict[str, float], digits: int = 0) -> str:
+    """median [min-max]."""
+    return f"{value['median']:.{digits}f} [{value['min']:.{digits}f}-{value['max']:.{digits}f}]"
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    """The protocol vs raw table of one kind of update."""
+    print(f"{title}: {rows[0]['bytes'] / 2**20:.2f} MiB per sync")
+    print(f"{'makers':>6} | {'protocol MB/s':>20} | {'raw MB/s':>20} | {'ratio':>5} | {'zero-copy raw MB/s':>20} | "
+          f"{'sync s':>20} | {'trainer CPU s':>13}")
+    for row in rows:
+        print(f"{row['makers']:>6} | {cell(row['protocol_MBps']):>20} | {cell(row['raw_MBps']):>20} | "
+              f"{row['ratio']:>5.2f} | {cell(row['raw_zero_copy_MBps']):>20} | {cell(row['protocol_s'], 3):>20} | "
+              f"{row['trainer_cpu_s']['median']:>13.3f}")
+
+
 def main() -> None:
     """Run and print the benchmark."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,53 +179,39 @@ def main() -> None:
     parser.add_argument("--makers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-mb", type=float, default=64)
+    parser.add_argument("--chunk-sweep", type=float, nargs="*", default=[4, 16, 64, 256],
+                        help="chunk sizes (MiB) for the sweep; none: no sweep")
+    parser.add_argument("--sweep-makers", type=int, default=2)
+    parser.add_argument("--no-lora", action="store_true", help="skip the LoRA-only table")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     init_local_ray("bench", include_dashboard=False, log_to_driver=False, num_cpus=max(args.makers) + 1)
-    state = load_state(args.model)
-    shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
     chunk_bytes = int(args.chunk_mb * 2**20)
-    rows = []
-    for count in args.makers:
-        receivers = [Receiver.remote(shapes) for _ in range(count)]
-        ray.get([r.raw_get.remote([]) for r in receivers])
-        one_sync(state, receivers, 0, chunk_bytes)  # warm-up: first allocation of staging buffers
-        protocol, raw, raw_bytes = [], [], []
-        for repeat in range(args.repeats):
-            protocol.append(one_sync(state, receivers, repeat + 1, chunk_bytes))
-            raw.append(one_raw(state, receivers, chunk_bytes))
-            raw_bytes.append(one_raw(state, receivers, chunk_bytes, put=put_chunk))
-        nbytes = protocol[0][2]
-        row = {
-            "makers": count,
-            "bytes": nbytes,
-            "protocol_MBps": summarize([nbytes * count / 2**20 / w for w, _, _ in protocol]),
-            "raw_MBps": summarize([nbytes * count / 2**20 / w for w, _, _ in raw]),
-            "raw_zero_copy_MBps": summarize([nbytes * count / 2**20 / w for w, _, _ in raw_bytes]),
-            "protocol_s": summarize([w for w, _, _ in protocol]),
-            "raw_s": summarize([w for w, _, _ in raw]),
-            "trainer_cpu_s": summarize([c for _, c, _ in protocol]),
-        }
-        row["ratio"] = row["protocol_MBps"]["median"] / row["raw_MBps"]["median"]
-        rows.append(row)
-        for r in receivers:
-            ray.kill(r)
+    state = load_state(args.model)
+    results = {"full": measure(state, args.makers, args.repeats, chunk_bytes)}
+    if not args.no_lora:
+        results["lora"] = measure(load_lora_state(args.model), args.makers, args.repeats, chunk_bytes)
+    results["chunk_sweep"] = [row for mb in args.chunk_sweep
+                              for row in measure(state, [args.sweep_makers], args.repeats, int(mb * 2**20), raw=False)]
     ray.shutdown()
-    print(f"model {args.model}: {rows[0]['bytes'] / 2**20:.1f} MiB per sync, chunks of {args.chunk_mb:g} MiB, "
-          f"{args.repeats} repeats; {platform.machine()}, {os.cpu_count()} cores")
-    print("MB/s = bytes delivered to all makers / wall time; median [min-max]. raw: ray.put + ray.get of the "
-          "tensors; zero-copy: the same bytes as arrays, fetched and not touched")
-    print(f"{'makers':>6} | {'protocol':>18} | {'raw':>18} | {'ratio':>5} | {'zero-copy raw':>18} | {'trainer CPU s':>13}")
-    for row in rows:
-        cells = []
-        for key in ("protocol_MBps", "raw_MBps", "raw_zero_copy_MBps"):
-            v = row[key]
-            cells.append(f"{v['median']:>5.0f} [{v['min']:.0f}-{v['max']:.0f}]".rjust(18))
-        print(f"{row['makers']:>6} | {cells[0]} | {cells[1]} | {row['ratio']:>5.2f} | {cells[2]} | "
-              f"{row['trainer_cpu_s']['median']:>13.3f}")
+    print(f"model {args.model}, chunks of {args.chunk_mb:g} MiB, {args.repeats} repeats; {platform.machine()}, "
+          f"{os.cpu_count()} cores. MB/s = bytes delivered to all makers / wall time; median [min-max]. raw: "
+          "ray.put + ray.get of the tensors; zero-copy: the same bytes as arrays, fetched and not touched")
+    print_table("full update", results["full"])
+    if "lora" in results:
+        print_table("LoRA-only update", results["lora"])
+        full, lora = results["full"][0], results["lora"][0]
+        print(f"LoRA / full: bytes {lora['bytes'] / full['bytes']:.4f}, sync time "
+              f"{lora['protocol_s']['median'] / full['protocol_s']['median']:.4f} ({full['makers']} maker)")
+    if results["chunk_sweep"]:
+        print(f"chunk-size sweep, full update, {args.sweep_makers} makers")
+        print(f"{'chunk MiB':>9} | {'protocol MB/s':>20} | {'sync s':>20} | {'trainer CPU s':>13}")
+        for row in results["chunk_sweep"]:
+            print(f"{row['chunk_bytes'] / 2**20:>9g} | {cell(row['protocol_MBps']):>20} | "
+                  f"{cell(row['protocol_s'], 3):>20} | {row['trainer_cpu_s']['median']:>13.3f}")
     out = Path(__file__).parent / "results" / f"weight_sync-{args.model}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
+    out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
 
 
