@@ -379,8 +379,13 @@ class TrainerCore:
         return experiences, stats
 
     def train_step(self) -> dict[str, float]:
-        """Sample a batch, train on it, advance the version; returns metrics reduced across ranks."""
+        """Sample a batch, train on it, advance the version; returns metrics reduced across ranks.
+
+        `time/wait_for_batch` is how long the step waited for samples (the trainer's idle time).
+        """
+        wait_start = time.perf_counter()
         experiences, batch_metrics = self.next_batch()
+        batch_metrics = {**batch_metrics, "time/wait_for_batch": time.perf_counter() - wait_start}
         with self.weights_lock:
             metrics = self.learner.train_step(experiences, policy_version=self.policy_version)
             self.policy_version += 1
