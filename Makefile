@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install colossalai demo test lint bench clean
+.PHONY: install colossalai demo test lint bench-env bench clean
 
 install: $(STAMP)
 
@@ -43,11 +43,20 @@ test: install colossalai
 lint: install
 	$(VENV)/bin/ruff check .
 
-bench: install
+# The benchmark environment: the project plus the peer it is measured against (TRL), kept out of the main deps.
+# torch stays at the CPU build (pinned in the same command so pip cannot replace it).
+bench-env: install
+	$(PIP) install --quiet -e '.[bench]' torch==2.13.0
+
+bench: bench-env
 	$(PY) benchmarks/bench_core.py --model smollm2 --repeats 3
 	$(PY) benchmarks/bench_weight_sync.py --model smollm2 --makers 1 2 4 --repeats 3
 	$(PY) benchmarks/bench_lora_sync.py --repeats 3
 	$(PY) benchmarks/bench_scorer_batching.py --model smollm2 --makers 4 --repeats 3
+	$(PY) benchmarks/bench_pipeline.py --steps 10 --repeats 3
+	$(PY) benchmarks/bench_scaling.py --model tiny --makers 1 2 4 --steps 30 --repeats 3
+	$(PY) benchmarks/bench_scaling.py --model smollm2 --makers 2 --steps 6 --repeats 3
+	$(PY) benchmarks/bench_peer_trl.py --repeats 3
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
