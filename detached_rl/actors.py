@@ -263,6 +263,8 @@ class ExperienceMakerHolder:
         self._running = True
         try:
             handles = self._attach_trainers()
+            if self.core.scoring is not None and hasattr(self.core.scoring, "attach"):
+                self.core.scoring.attach()  # scorer groups found before the first batch holds the generation lock
             config = self.core.config
             if num_batches is None and self._trainers_finished(handles):
                 # Arrived after the trainers finished (they stop their makers at the end): nothing to do.

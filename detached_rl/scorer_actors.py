@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
-import torch
 
 from detached_rl.actors import DEFAULT_NAMESPACE, _ray_fetch, attach, get_all, remove_group
 from detached_rl.models.generation import SamplingConfig
@@ -73,16 +72,17 @@ class ScorerWorker:
     ) -> None:
         if role not in SCORER_ROLES:
             raise ValueError(f"ScorerWorker {name!r}: role must be one of {SCORER_ROLES}, got {role!r}")
+        if role == "critic" and not trainer_names:
+            raise ValueError(f"critic scorer {name!r} needs the trainer names (its weights come from them)")
         self.name, self.group, self.group_size = name, group, group_size
         self.namespace = namespace or DEFAULT_NAMESPACE
-        device = torch.device("cuda", 0) if ray.get_gpu_ids() else torch.device("cpu")
-        self.core = Scorer(role, model_factory(), sampling, device=device)
+        from detached_rl.strategies import NaiveStrategy
+
+        self.core = Scorer(role, model_factory(), sampling, device=NaiveStrategy().device)
         self.batcher = RequestBatcher(self.core.answer, max_batch_rows=max_batch_rows, max_wait_s=max_wait_s)
         self.trainer_names = list(trainer_names)
         self.last_error: str | None = None
         if role == "critic":
-            if not self.trainer_names:
-                raise ValueError(f"critic scorer {name!r} needs the trainer names (its weights come from them)")
             # Register in the background: trainers may start after their scorers.
             threading.Thread(target=self._register, args=(attach_timeout_s,), daemon=True,
                              name="scorer-register").start()
@@ -213,6 +213,11 @@ class RemoteScoring:
         self._workers: dict[str, list[str]] = {}
         self._turn: dict[str, int] = dict.fromkeys(groups, 0)
         self.retries = 0
+
+    def attach(self) -> None:
+        """Find every role's group now (waiting for its first worker), not inside the first batch."""
+        for role in self.roles:
+            self.workers(role)
 
     def workers(self, role: str) -> list[str]:
         """The worker names of the role's group (asked of worker 0, which is waited for)."""
