@@ -1,4 +1,4 @@
-"""The `detached-rl` console script: run, ppo-on-ray, check, trainer, maker, status, inspect, export, stop.
+"""The `detached-rl` console script: run, ppo-on-ray, check, trainer, maker, scorers, status, inspect, export, stop.
 
 Every command has `--help`. Failures (bad config, unknown actor name, unreachable cluster)
 print one line on stderr and exit with status 2, never a traceback (set DETACHED_RL_DEBUG=1
@@ -105,6 +105,22 @@ def _maker(args: argparse.Namespace) -> int:
     jobs.start_maker(config, args.name, trainers, args.batches, args.state_dir)
     print(f"maker {args.name!r} started in namespace {config.namespace!r}, feeding {', '.join(trainers)}")
     return _follow(args.name, config.namespace) if args.wait else 0
+
+
+def _scorers(args: argparse.Namespace) -> int:
+    from detached_rl import jobs
+
+    config = _config(args)
+    if not config.maker.scorers:
+        raise ValueError("no scorer groups configured: set maker.reward_scorer, maker.reference_scorer or "
+                         "maker.critic_scorer (the group names makers will use)")
+    trainers = [t for t in (args.trainers or "").split(",") if t]
+    jobs.connect(args.address, config.namespace)
+    started = jobs.start_scorers(config, trainers)
+    groups = ", ".join(f"{role}: {name}" for role, name in config.maker.scorers.items())
+    print(f"scorer groups ({groups}) in namespace {config.namespace!r}: "
+          + (f"started {', '.join(started)}" if started else "already running"))
+    return 0
 
 
 def _follow(name: str, namespace: str) -> int:
@@ -259,6 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
     _config_options(maker)
     _cluster_options(maker)
     maker.set_defaults(handler=_maker)
+
+    scorers = commands.add_parser(
+        "scorers", help="start the scorer groups (reward, reference, critic) the config's makers name",
+        description="Start named scorer groups that serve a role to many makers: maker.<role>_scorer names each "
+                    "group, scorers.<role> shapes and places it (num_nodes, num_gpus_per_node, resources). A critic "
+                    "group takes its weights from --trainers. Groups already running are left as they are.")
+    scorers.add_argument("--trainers", default="", help="comma-separated trainer names (needed by a critic group)")
+    _config_options(scorers)
+    _cluster_options(scorers)
+    scorers.set_defaults(handler=_scorers)
 
     status = commands.add_parser("status", help="every actor of the namespace: role, state, version, buffer, rate",
                                  description="One row per named actor of the namespace.")

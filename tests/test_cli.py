@@ -28,3 +28,15 @@ def test_check_report_figures():
     assert report.ok, report.failures
     assert report.figures["responses"] == 4 and report.figures["log_prob_recompute_max_abs_diff"] < 1e-4
     assert 0 < report.figures["trainable_parameters"] < report.figures["parameters"]
+
+
+def test_every_command_has_help_and_a_scorers_command_without_groups_is_refused(capsys):
+    from detached_rl.cli import build_parser, main
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert {"run", "ppo-on-ray", "check", "trainer", "maker", "scorers", "status", "inspect", "export",
+            "stop"} <= set(commands)
+    for name, parser in commands.items():
+        assert parser.description, f"{name} has no description"
+    assert main(["scorers", "--address", "127.0.0.1:1"]) == 2
+    assert "no scorer groups configured: set maker.reward_scorer" in capsys.readouterr().err
