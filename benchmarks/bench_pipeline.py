@@ -15,7 +15,7 @@ per step, LoRA-only weight updates, `max_staleness=1`.
 
 Time per step is measured from the end of step 1 to the end of step N, divided by N-1, so model
 loading and first-call warm-up are left out of both. Median [min-max] over repeats; JSON goes to
-`benchmarks/results/pipeline.json`.
+`benchmarks/results/pipeline-staleness<N>.json`.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from detached_rl.trainer import TrainerCore
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
-def config_for(steps: int, model: str, name: str, output: str) -> RunConfig:
-    """The default job's config with one maker, `max_staleness=1` and a token held-out split."""
-    return run_config(None, ["trainer.max_staleness=1", "task.eval_size=2", "run.examples=0",
+def config_for(steps: int, model: str, name: str, output: str, max_staleness: int = 1) -> RunConfig:
+    """The default job's config with one maker, `max_staleness` (1 by default) and a token held-out split."""
+    return run_config(None, [f"trainer.max_staleness={max_staleness}", "task.eval_size=2", "run.examples=0",
                              "run.progress=false", f"run.output_dir={output}"],
                       steps=steps, makers=1, model=model, name=name)
 
@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--bound-steps", type=int, default=3, help="1-thread steps measured for the bound")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--max-staleness", type=int, default=1, help="the trainer's staleness bound (default 1)")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2")
@@ -125,9 +126,9 @@ def main() -> None:
     runs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as output:
         for repeat in range(args.repeats):
-            config = config_for(args.steps, args.model, f"pipeline-{repeat}", output)
+            config = config_for(args.steps, args.model, f"pipeline-{repeat}", output, args.max_staleness)
             in_process = one_process(config, args.steps, args.bound_steps)
-            split = detached(config_for(args.steps, args.model, f"pipeline-{repeat}", output))
+            split = detached(config_for(args.steps, args.model, f"pipeline-{repeat}", output, args.max_staleness))
             runs.append({"one_process_s": in_process["step_s"], "detached_s": split["step_s"],
                          "bound_s": max(in_process["generate_1thread_s"], in_process["train_1thread_s"]),
                          "generate_1thread_s": in_process["generate_1thread_s"],
@@ -136,7 +137,8 @@ def main() -> None:
                          "ratio": in_process["step_s"] / split["step_s"]})
             print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1].items()), flush=True)
     table = {key: summary([run[key] for run in runs]) for key in runs[0]}
-    print(f"GRPO, {args.model} + LoRA, 16 samples x <=40 tokens per step, {args.steps} steps, {args.repeats} repeats; "
+    print(f"GRPO, {args.model} + LoRA, 16 samples x <=40 tokens per step, max_staleness {args.max_staleness}, "
+          f"{args.steps} steps, {args.repeats} repeats; "
           f"{platform.machine()}, {os.cpu_count()} cores")
     for key, label in (("one_process_s", "(a) one process, generate then train, 2 threads"),
                        ("detached_s", "(b) detached, 1 maker + 1 trainer, 1 thread each"),
@@ -149,7 +151,7 @@ def main() -> None:
           f"{100 * table['trainer_idle_fraction']['median']:.0f} %")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "pipeline.json").write_text(json.dumps({"args": vars(args), "runs": runs, "table": table}, indent=2))
+    (out / f"pipeline-staleness{args.max_staleness}.json").write_text(json.dumps({"args": vars(args), "runs": runs, "table": table}, indent=2))
 
 
 if __name__ == "__main__":
