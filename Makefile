@@ -54,6 +54,7 @@ bench: bench-env
 	$(PY) benchmarks/bench_lora_sync.py --repeats 3
 	$(PY) benchmarks/bench_scorer_batching.py --model smollm2 --makers 4 --repeats 3
 	$(PY) benchmarks/bench_pipeline.py --steps 10 --repeats 3
+	$(PY) benchmarks/bench_pipeline.py --steps 10 --repeats 3 --max-staleness 4
 	$(PY) benchmarks/bench_scaling.py --model tiny --makers 1 2 4 --steps 30 --repeats 3
 	$(PY) benchmarks/bench_scaling.py --model smollm2 --makers 2 --steps 6 --repeats 3
 	$(PY) benchmarks/bench_peer_trl.py --repeats 3
