@@ -263,7 +263,7 @@ class ExperienceMakerHolder:
         self._running = True
         try:
             handles = self._attach_trainers()
-            if self.core.scoring is not None and hasattr(self.core.scoring, "attach"):
+            if self.core.scoring is not None:
                 self.core.scoring.attach()  # scorer groups found before the first batch holds the generation lock
             config = self.core.config
             if num_batches is None and self._trainers_finished(handles):

@@ -186,10 +186,9 @@ class RunConfig:
             problems = load_prompt_file(self.task.prompt_file)[shard::num_shards]
         else:
             problems = make_problems(self.task.name, self.task.train_size, seed=self.task.seed)[shard::num_shards]
-        if not problems and self.task.prompt_file is not None:
-            raise ValueError(f"task.prompt_file has fewer prompts than the {num_shards} makers that share it")
         if not problems:
-            raise ValueError(f"task.train_size={self.task.train_size} is smaller than the {num_shards} prompt shards")
+            source = "task.prompt_file" if self.task.prompt_file is not None else f"task.train_size={self.task.train_size}"
+            raise ValueError(f"{source} has fewer prompts than the {num_shards} prompt shards")
         return CyclingPrompts(problems, seed=self.task.seed + shard)
 
     def eval_problems(self) -> list:
@@ -263,9 +262,10 @@ def build_reward(model: ModelConfig, task: TaskConfig, tokenizer):
 def build_scorer_model(model: ModelConfig, task: TaskConfig, role: str):
     """The model a scorer group serves: the reward function, the frozen reference policy, or the critic."""
     from detached_rl.models import Actor, load_causal_lm
+    from detached_rl.models.loaders import load_tokenizer
 
-    if role == "reward":
-        return build_reward(model, task, load_causal_lm(model.policy, seed=model.seed)[1])
+    if role == "reward":  # the policy's tokenizer decodes the responses; its weights are not needed
+        return build_reward(model, task, load_tokenizer(model.policy))
     if role == "reference":
         return Actor(*load_causal_lm(model.policy, seed=model.seed))
     if role == "critic":

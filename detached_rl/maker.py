@@ -284,7 +284,7 @@ class ExperienceMaker:
         if self.scoring is None:
             return None
         request = ScoreRequest(batch.sequences.cpu(), batch.attention_mask.cpu(), batch.response_mask.cpu(),
-                               list(metadata), min_version=version, maker=self.name)
+                               list(metadata), min_version=version)
         if roles is not None:
             return self.scoring.submit(request, roles)
         return self.scoring.submit(request)

@@ -95,7 +95,6 @@ class ScoreRequest:
     response_mask: torch.Tensor
     metadata: list[dict[str, Any]] = field(default_factory=list)
     min_version: int = -1  # critic: answer with weights of at least this policy version
-    maker: str = ""
 
     @property
     def size(self) -> int:
@@ -155,6 +154,10 @@ class ScoringService(Protocol):
 
     roles: frozenset[str]
 
+    def attach(self) -> None:
+        """Find the services of every role (may wait); called before the first batch."""
+        ...
+
     def submit(self, request: ScoreRequest, roles: frozenset[str] | None = None) -> PendingScores:
         """Ask every role (or `roles`) at once, without waiting; the returned function collects the answers."""
         ...
@@ -169,6 +172,9 @@ class LocalScoring:
                 raise ValueError(f"LocalScoring: scorer under {role!r} serves role {scorer.role!r}")
         self.scorers = dict(scorers)
         self.roles = frozenset(scorers)
+
+    def attach(self) -> None:
+        """Nothing to find: the scorers are in this process."""
 
     def submit(self, request: ScoreRequest, roles: frozenset[str] | None = None) -> PendingScores:
         """Answer at once; the returned function only hands the answers over."""

@@ -235,6 +235,17 @@ def tiny_causal_lm(
     return model.eval(), tokenizer
 
 
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model spec (as `load_causal_lm`) without loading the model's weights."""
+    if spec == "smollm2":
+        return ensure_pad_token(AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True))
+    if spec == "tiny" or spec.startswith("tiny-"):
+        return tiny_tokenizer()
+    if Path(spec).is_dir():
+        return ensure_pad_token(AutoTokenizer.from_pretrained(spec, local_files_only=True))
+    raise ValueError(f"model spec {spec!r} is neither 'smollm2', 'tiny[-<model_type>]' nor an existing model directory")
+
+
 @contextlib.contextmanager
 def _seeded(seed: int):
     """Run a block under a fixed torch seed without disturbing the caller's RNG stream."""
