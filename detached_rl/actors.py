@@ -299,6 +299,9 @@ class ExperienceMakerHolder:
                 while config.wait_for_ack and not self.pusher.flush(timeout=1.0) and not self._stop.is_set():
                     pass
                 made += 1
+                needed = self.pusher.oldest_useful_version
+                if config.wait_for_fresh_weights and needed is not None and self.core.policy_version < needed:
+                    self._wait_for_version(needed, config.weight_timeout_s)
                 stats = self.pusher.stats()
                 if stats["dropped_stale_by_trainer"] > stale_seen:
                     # Samples arrived too old: catch up with the trainers' version before generating more.

@@ -61,6 +61,10 @@ class MakerConfig:
     # Generate the next batch only once the last push is accepted: less overlap, but samples are fresher
     # (a maker is then never more than one batch ahead of the trainer's buffer).
     wait_for_ack: bool = False
+    # Before generating, wait (up to `weight_timeout_s`) for weights new enough that the batch will not be
+    # dropped as stale by the time the trainer reaches it (trainers with `max_staleness` say how new in
+    # their acknowledgements). Off: generate with whatever weights are there, and waste batches that go stale.
+    wait_for_fresh_weights: bool = True
     # Ray restarts a maker actor whose process died this many times (-1: always); the restarted maker
     # re-attaches to its trainers by name and takes their current weights before generating.
     max_restarts: int = 3

@@ -54,6 +54,7 @@ class _Trainer:
     accepted: int = 0
     last_size: int | None = None
     last_version: int | None = None  # the trainer's policy version at its latest acknowledgement
+    oldest_useful_version: int | None = None  # from that acknowledgement (see `AppendResult`)
     failures: int = 0
     avoid_until: float = field(default=-math.inf)  # set after a failure or a "full" answer
 
@@ -110,6 +111,7 @@ class ExperiencePusher:
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
         self._last_error: str | None = None
+        self._latest_ack: str | None = None  # the trainer that acknowledged a push last
 
     def push(self, experiences: Sequence[Experience]) -> None:
         """Send one push to a trainer, first blocking while `max_in_flight` pushes are outstanding."""
@@ -146,11 +148,17 @@ class ExperiencePusher:
                 "waiting_retry": len(self._waiting),
                 "per_trainer": {
                     name: {"accepted": t.accepted, "last_size": t.last_size, "failures": t.failures,
-                           "last_version": t.last_version}
+                           "last_version": t.last_version, "oldest_useful_version": t.oldest_useful_version}
                     for name, t in self._state.items()
                 },
                 "last_error": self._last_error,
             }
+
+    @property
+    def oldest_useful_version(self) -> int | None:
+        """The latest acknowledgement's oldest useful policy version for the next batch (None: no bound known)."""
+        with self._lock:
+            return None if self._latest_ack is None else self._state[self._latest_ack].oldest_useful_version
 
     def _outstanding(self) -> int:
         """Pushes sent and unanswered, or waiting for a retry: both count against `max_in_flight`."""
@@ -242,6 +250,8 @@ class ExperiencePusher:
         trainer = self._state[push.trainer]
         trainer.last_size = result.size
         trainer.last_version = getattr(result, "current_version", None)
+        trainer.oldest_useful_version = getattr(result, "oldest_useful_version", None)
+        self._latest_ack = push.trainer
         if result.full:
             self._counts["full_retries"] += 1
             trainer.avoid_until = now + self.backoff_max

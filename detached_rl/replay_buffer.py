@@ -50,6 +50,10 @@ class AppendResult:
     size: int  # buffer size after the push
     nbytes: int  # buffer bytes after the push
     current_version: int = -1  # the trainer's policy version the push was judged against
+    # The oldest policy version a batch pushed next may carry and still be trained rather than dropped as
+    # stale, estimated by the trainer from its version, its step in progress and the samples queued before
+    # it (None: no staleness bound). Makers wait for weights this new before they generate the next batch.
+    oldest_useful_version: int | None = None
 
     @property
     def received(self) -> int:

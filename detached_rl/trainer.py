@@ -13,6 +13,7 @@ end of `fit`), so a sample's staleness is `policy_version - sample.policy_versio
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -31,6 +32,21 @@ from detached_rl.replay_buffer import AppendResult, ReplayBuffer
 from detached_rl.weight_sync import SendStats, WeightUpdate, build_weight_update, state_fingerprint
 
 WEIGHT_SYNC_KINDS = ("full", "lora")
+
+
+def oldest_useful_version(policy_version: int, step_in_progress: bool, queued: int, train_batch_size: int,
+                          max_staleness: int, update_steps: int = 1) -> int:
+    """The oldest policy version a batch pushed now can carry and still be trained (not dropped as stale).
+
+    The batch is trained at version `policy_version + step_in_progress + queued // train_batch_size`
+    (the step under way, then the full batches queued before it) and may then be `max_staleness` old.
+    Makers only receive versions that are multiples of `update_steps`, so the answer is capped at the
+    newest such version the trainer reaches with the samples it already holds: a maker waiting for it
+    never waits for samples only it could provide.
+    """
+    trained_at = policy_version + int(step_in_progress) + queued // train_batch_size
+    pushed_by_then = trained_at - trained_at % update_steps
+    return max(0, min(trained_at - max_staleness, pushed_by_then))
 
 
 class TrainingStopped(Exception):
@@ -191,11 +207,24 @@ class TrainerCore:
         self._pending_push: Callable[[], Mapping[str, Any]] | None = None
         self._started = time.monotonic()
         self.samples_trained = 0
+        self._step_in_progress = False  # a batch has left the buffer and its step has not advanced the version yet
+        self._update_steps = 1  # `fit`'s: makers only ever receive versions that are multiples of it
 
     # ---------------------------------------------------------------- experience in
     def push_experience(self, experiences: list[Any]) -> AppendResult:
         """Append one push to the buffer, tagged against the current version (all-or-nothing)."""
-        return self.buffer.append(experiences, current_version=self.policy_version)
+        result = self.buffer.append(experiences, current_version=self.policy_version)
+        return dataclasses.replace(result, oldest_useful_version=self.oldest_useful_version(result.size))
+
+    def oldest_useful_version(self, queued: int) -> int | None:
+        """The oldest weights a batch pushed after `queued` buffered samples can come from and still be trained.
+
+        None without a staleness bound or outside `fit` (nothing is being trained, so no wait would end).
+        """
+        if self.config.max_staleness is None or self.state != "training":
+            return None
+        return oldest_useful_version(self.policy_version, self._step_in_progress, queued,
+                                     self.config.train_batch_size, self.config.max_staleness, self._update_steps)
 
     # ---------------------------------------------------------------- weights out
     def synced_models(self) -> dict[str, torch.nn.Module]:
@@ -386,9 +415,13 @@ class TrainerCore:
         wait_start = time.perf_counter()
         experiences, batch_metrics = self.next_batch()
         batch_metrics = {**batch_metrics, "time/wait_for_batch": time.perf_counter() - wait_start}
-        with self.weights_lock:
-            metrics = self.learner.train_step(experiences, policy_version=self.policy_version)
-            self.policy_version += 1
+        self._step_in_progress = True
+        try:
+            with self.weights_lock:
+                metrics = self.learner.train_step(experiences, policy_version=self.policy_version)
+                self.policy_version += 1
+        finally:
+            self._step_in_progress = False
         metrics.update(batch_metrics)
         self.samples_trained += len(experiences)
         metrics = self.strategy.reduce_metrics(metrics, weight=metrics["tokens"])
@@ -458,6 +491,7 @@ class TrainerCore:
                 self.learner.config.train_epochs = train_epochs
             if resume_from is not None:
                 self.load_checkpoint(resume_from, put)
+            self._update_steps = update_steps
             while self.policy_version < total_steps and not self._stop.is_set():
                 metrics = self.train_step()
                 step = self.policy_version

@@ -12,7 +12,7 @@ from detached_rl.ppo import PPOConfig, PPOLearner
 from detached_rl.prompts import CyclingPrompts
 from detached_rl.replay_buffer import RejectedPushError
 from detached_rl.strategies import NaiveStrategy
-from detached_rl.trainer import TrainerConfig, TrainerCore
+from detached_rl.trainer import TrainerConfig, TrainerCore, oldest_useful_version
 from detached_rl.weight_sync import WeightUpdateError, state_fingerprint
 
 from .helpers import ObjectStore, arithmetic_prompts, tiny_actor_critic, tiny_maker_models
@@ -277,3 +277,48 @@ def test_evaluate_grades_greedy_answers_and_leaves_counters_and_cursor_alone():
     assert [r["response"] for r in first] == [r["response"] for r in second]  # greedy: batching does not matter
     assert all({"reward", "response", "response_length"} <= set(r) and 0 <= r["reward"] <= 1 for r in first)
     assert maker.samples_made == 0 and maker.prompts.state_dict() == cursor
+
+
+def test_oldest_useful_version_counts_the_step_under_way_and_the_queue():
+    # Trainer at v3 mid-step with one full batch queued: the next batch is trained at v5.
+    assert oldest_useful_version(3, True, 8, 8, max_staleness=1) == 4
+    assert oldest_useful_version(3, False, 8, 8, max_staleness=1) == 3
+    assert oldest_useful_version(3, False, 7, 8, max_staleness=1) == 2  # a partial batch trains with ours
+    assert oldest_useful_version(3, True, 8, 8, max_staleness=4) == 1
+    assert oldest_useful_version(0, False, 0, 8, max_staleness=2) == 0
+    # Weights go out every 2 steps: v5 is never pushed, so waiting for it would never end; v4 is.
+    assert oldest_useful_version(3, True, 8, 8, max_staleness=0, update_steps=2) == 4
+    assert oldest_useful_version(4, True, 8, 8, max_staleness=0, update_steps=2) == 6
+
+
+def test_a_maker_waiting_for_the_acknowledged_version_never_generates_stale_batches():
+    maker, trainer, store = make_pair(max_staleness=1, buffer_max_samples=16)
+    assert trainer.push_experience([]).oldest_useful_version is None  # outside fit: no bound to wait for
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    stop, waits = threading.Event(), []
+
+    def produce():
+        needed = None
+        while not stop.is_set():
+            if needed is not None and maker.policy_version < needed:
+                waits.append(needed)
+                while maker.policy_version < needed and not stop.is_set():
+                    stop.wait(0.005)
+            experiences = maker.make_experience()
+            result = trainer.push_experience(experiences)
+            while not stop.is_set() and result.full:
+                stop.wait(0.01)
+                result = trainer.push_experience(experiences)
+            needed = result.oldest_useful_version
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        trainer.fit(6, store.put, deliver(maker, store))
+    finally:
+        stop.set()
+        producer.join()
+    stats = trainer.buffer.stats()
+    assert stats["dropped"].get("stale", 0) == 0 and stats["accounting_ok"]
+    assert waits, "the producer never had to wait: the test did not exercise the bound"
+    assert all(0.0 <= m.get("staleness/max", 0.0) <= 1.0 for m in trainer.history)

@@ -1,5 +1,6 @@
 """ExperiencePusher with real ReplayBuffers on a thread pool: acks, policies, backpressure, retries, drops."""
 
+import dataclasses
 import itertools
 import json
 import threading
@@ -73,7 +74,9 @@ def test_one_trainer_acks_everything(executor):
     assert pusher.flush(timeout=5)
     stats = assert_accounted(pusher, 15)
     assert stats["accepted"] == 15 and stats["acked_pushes"] == stats["pushes"] == 5
-    assert stats["per_trainer"]["t0"] == {"accepted": 15, "last_size": 15, "failures": 0, "last_version": 0}
+    assert stats["per_trainer"]["t0"] == {"accepted": 15, "last_size": 15, "failures": 0, "last_version": 0,
+                                          "oldest_useful_version": None}
+    assert pusher.oldest_useful_version is None  # a bare buffer states no bound
     assert sorted(buffer_ids(buffers["t0"])) == sorted(exp.id for push in pushes for exp in push)
     assert stats["last_error"] is None and stats["dropped"] == {"rejected": 0, "failed": 0, "stopped": 0}
 
@@ -443,3 +446,21 @@ def test_a_timed_out_push_is_retried_on_the_same_trainer(executor):
     assert calls == ["t0", "t0"]
     assert len(buffers["t0"]) == 3 and len(buffers["t1"]) == 0
     assert_accounted(pusher, 3)
+
+
+def test_the_latest_acknowledgement_says_how_new_the_next_batch_must_be(executor):
+    buffers = {"t0": ReplayBuffer(), "t1": ReplayBuffer()}
+    bounds = {"t0": 3, "t1": 5}
+
+    def submit(trainer: str, experiences: list[Experience]) -> Future:
+        def append():
+            result = buffers[trainer].append(experiences, 0)
+            return dataclasses.replace(result, oldest_useful_version=bounds[trainer])
+        return executor.submit(append)
+
+    pusher = ExperiencePusher(submit, ["t0", "t1"], max_in_flight=1)
+    pusher.push(batches(1)[0])
+    assert pusher.flush(timeout=5) and pusher.oldest_useful_version == 3
+    pusher.push(batches(1)[0])  # round robin: t1 answers last
+    assert pusher.flush(timeout=5) and pusher.oldest_useful_version == 5
+    assert pusher.stats()["per_trainer"]["t0"]["oldest_useful_version"] == 3
