@@ -357,7 +357,7 @@ class GRPOLearner:
         config, mask = self.config, micro.response_mask
         with self._autocast():
             log_probs, entropy = self.actor(micro.sequences, micro.attention_mask, mask, config.sampling,
-                                            return_entropy=True)
+                                            return_entropy=True, entropy_grad=config.entropy_coef > 0)
         policy_loss, stats = algorithms.policy_loss(
             log_probs, micro.old_log_probs, micro.advantages, mask, config.clip_low, config.clip_high,
             config.dual_clip, config.loss_agg, weights=micro.loss_weights, max_length=config.sampling.max_new_tokens,

@@ -215,7 +215,8 @@ class PPOLearner:
         config = self.config
         mask = micro.response_mask
         log_probs, entropy = self.actor(
-            micro.sequences, micro.attention_mask, mask, config.sampling, return_entropy=True
+            micro.sequences, micro.attention_mask, mask, config.sampling, return_entropy=True,
+            entropy_grad=config.entropy_coef > 0,
         )
         policy_loss, stats = algorithms.policy_loss(
             log_probs, micro.log_probs, micro.advantages, mask, config.clip_low, config.clip_high,

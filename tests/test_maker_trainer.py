@@ -1,6 +1,7 @@
 """Maker and trainer logic wired together in one process (no Ray): versions, weight sync, refusals."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -295,6 +296,13 @@ def test_a_maker_waiting_for_the_acknowledged_version_never_generates_stale_batc
     maker, trainer, store = make_pair(max_staleness=1, buffer_max_samples=16)
     assert trainer.push_experience([]).oldest_useful_version is None  # outside fit: no bound to wait for
     maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    train_step = trainer.learner.train_step
+
+    def slow_train_step(*args, **kwargs):  # the maker outruns the trainer, so the queue fills and the bound binds
+        time.sleep(0.1)
+        return train_step(*args, **kwargs)
+
+    trainer.learner.train_step = slow_train_step
     stop, waits = threading.Event(), []
 
     def produce():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from detached_rl.models.generation import (
     process_logits,
     token_log_probs,
 )
+from detached_rl.models.shared_prefix import shared_prefix_logits, supports_shared_prefix
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
 
@@ -31,7 +33,9 @@ class Actor(nn.Module):
     response tokens, which occupy the last R columns. `log_probs[:, t]` is the
     log-probability of `sequences[:, P+t]` given everything before it; 0 where masked.
     With `deterministic` (default) dropout is switched off, so an unchanged policy
-    reproduces its behaviour log-probs in train mode too.
+    reproduces its behaviour log-probs in train mode too. With `share_prompts` (default),
+    rows with the same prompt (a GRPO group) run that prompt through the model once
+    (`shared_prefix`), on the architectures where that reproduces the plain forward.
     """
 
     def __init__(
@@ -40,9 +44,11 @@ class Actor(nn.Module):
         tokenizer: PreTrainedTokenizerBase,
         backend: GenerationBackend | None = None,
         deterministic: bool = True,
+        share_prompts: bool = True,
     ) -> None:
         super().__init__()
         self.model = disable_dropout(model) if deterministic else model
+        self.share_prompts = share_prompts and supports_shared_prefix(model)
         self.tokenizer = tokenizer
         self.backend = backend or HFGenerationBackend(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
 
@@ -84,12 +90,14 @@ class Actor(nn.Module):
         response_mask: torch.Tensor,
         sampling: SamplingConfig | None = None,
         return_entropy: bool = False,
+        entropy_grad: bool = True,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [B, R] of the response tokens, from one forward pass (0 where masked).
 
         With `sampling`, logits are processed as during generation (temperature, top-k,
         top-p), so an unchanged model reproduces the behaviour log-probs. With
-        `return_entropy`, also the entropy [B, R] of each position's (processed) distribution.
+        `return_entropy`, also the entropy [B, R] of each position's (processed) distribution;
+        `entropy_grad=False` computes it outside autograd (a metric only: no graph over [B, R, V]).
         """
         if sequences.shape != attention_mask.shape:
             raise ValueError(
@@ -102,17 +110,23 @@ class Actor(nn.Module):
                 f"Actor.log_probs: response_mask shape {tuple(response_mask.shape)} does not fit "
                 f"sequences shape {tuple(sequences.shape)}"
             )
-        kwargs: dict[str, Any] = forward_kwargs(self.model, attention_mask)
-        if accepts_argument(self.model, "logits_to_keep"):
-            kwargs["logits_to_keep"] = response_length + 1  # skip the LM head on prompt positions
-        logits = self.model(input_ids=sequences, **kwargs).logits
-        # logits at position i predict token i + 1: the R positions before each response token.
-        logits = logits[:, -(response_length + 1) : -1].float()
+        logits = None
+        if self.share_prompts:
+            logits = shared_prefix_logits(self.model, sequences, attention_mask, response_length)
+        if logits is None:
+            kwargs: dict[str, Any] = forward_kwargs(self.model, attention_mask)
+            if accepts_argument(self.model, "logits_to_keep"):
+                kwargs["logits_to_keep"] = response_length + 1  # skip the LM head on prompt positions
+            # logits at position i predict token i + 1: the R positions before each response token.
+            logits = self.model(input_ids=sequences, **kwargs).logits[:, -(response_length + 1) : -1]
+        logits = logits.float()
         logits = process_logits(logits, sampling)
         targets = sequences[:, -response_length:]
         log_probs = token_log_probs(logits, targets).masked_fill(response_mask == 0, 0.0)
         if not return_entropy:
             return log_probs
-        return log_probs, entropy_from_logits(logits).masked_fill(response_mask == 0, 0.0)
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        return log_probs, entropy.masked_fill(response_mask == 0, 0.0)
 
     log_probs = forward

@@ -1,0 +1,85 @@
+"""Shared-prompt forward passes: the same logits, log-probs and gradients as the plain forward."""
+
+import pytest
+import torch
+
+from detached_rl.models import Actor, SamplingConfig
+from detached_rl.models._forward import forward_kwargs
+from detached_rl.models.loaders import tiny_causal_lm
+from detached_rl.models.shared_prefix import (
+    SUPPORTED_MODEL_TYPES,
+    distinct_prompts,
+    shared_prefix_logits,
+    supports_shared_prefix,
+)
+
+PROMPT, RESPONSE = 7, 5
+
+
+def grouped_batch(groups: int = 2, group_size: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts (the second one shorter) repeated per group, then ragged right-padded responses."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 50, (groups, PROMPT), generator=generator)
+    prompt_mask = torch.ones(groups, PROMPT, dtype=torch.long)
+    prompt_mask[1, :2] = 0
+    prompts[1, :2] = 0
+    rows = groups * group_size
+    sequences = torch.cat([prompts.repeat_interleave(group_size, 0),
+                           torch.randint(3, 50, (rows, RESPONSE), generator=generator)], 1)
+    mask = torch.cat([prompt_mask.repeat_interleave(group_size, 0), torch.ones(rows, RESPONSE, dtype=torch.long)], 1)
+    mask[-1, -2:] = 0
+    sequences[-1, -2:] = 0
+    return sequences, mask
+
+
+def gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES))
+def test_shared_prompt_forward_equals_the_plain_forward_with_gradients(model_type):
+    model, _ = tiny_causal_lm(model_type, seed=0)
+    assert supports_shared_prefix(model)
+    sequences, mask = grouped_batch()
+    plain = model(input_ids=sequences, **forward_kwargs(model, mask)).logits[:, PROMPT - 1:-1]
+    plain.square().mean().backward()
+    plain_grads = gradients(model)
+    shared = shared_prefix_logits(model, sequences, mask, RESPONSE)
+    shared.square().mean().backward()
+    shared_grads = gradients(model)
+    scored = mask[:, PROMPT:].bool()
+    torch.testing.assert_close(shared[scored], plain[scored], atol=1e-5, rtol=1e-5)
+    assert len(shared_grads) == len(plain_grads) > 0
+    for got, want in zip(shared_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_distinct_prompts_maps_rows_to_their_prompt_and_distinct_batches_use_the_plain_forward():
+    sequences, mask = grouped_batch(groups=2, group_size=3)
+    first, inverse = distinct_prompts(sequences, mask, PROMPT)
+    assert sorted(first.tolist()) == [0, 3]  # the first row of each group
+    assert inverse.tolist() in ([0, 0, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0])
+    assert torch.equal(sequences[first[inverse], :PROMPT], sequences[:, :PROMPT])
+    model, _ = tiny_causal_lm("llama", seed=0)
+    one_each = sequences[[0, 3]], mask[[0, 3]]
+    assert shared_prefix_logits(model, *one_each, RESPONSE) is None
+
+
+def test_actor_log_probs_and_entropy_are_the_same_with_and_without_sharing():
+    model, tokenizer = tiny_causal_lm("llama", seed=0)
+    sequences, mask = grouped_batch()
+    response_mask = mask[:, PROMPT:]
+    sampling = SamplingConfig(temperature=0.7, top_k=20)
+    shared, plain = Actor(model, tokenizer), Actor(model, tokenizer, share_prompts=False)
+    assert shared.share_prompts and not plain.share_prompts
+    for got, want in zip(shared(sequences, mask, response_mask, sampling, return_entropy=True),
+                         plain(sequences, mask, response_mask, sampling, return_entropy=True), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "opt", "bloom"])
+def test_architectures_whose_cache_does_not_reproduce_the_plain_forward_are_not_shared(model_type):
+    model, tokenizer = tiny_causal_lm(model_type, seed=0)
+    assert not supports_shared_prefix(model) and not Actor(model, tokenizer).share_prompts
