@@ -83,3 +83,25 @@ def test_actor_log_probs_and_entropy_are_the_same_with_and_without_sharing():
 def test_architectures_whose_cache_does_not_reproduce_the_plain_forward_are_not_shared(model_type):
     model, tokenizer = tiny_causal_lm(model_type, seed=0)
     assert not supports_shared_prefix(model) and not Actor(model, tokenizer).share_prompts
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_generation_prefills_each_distinct_prompt_once_and_samples_the_same(do_sample):
+    model, tokenizer = tiny_causal_lm("llama", seed=0)
+    shared, plain = Actor(model, tokenizer), Actor(model, tokenizer, share_prompts=False)
+    assert shared.backend.share_prompts and not plain.backend.share_prompts
+    prompts = [p for p in ("What is 2 + 3?", "Name a colour.") for _ in range(4)]
+    sampling = SamplingConfig(max_new_tokens=8, do_sample=do_sample, temperature=0.9)
+    prompt_forwards = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: prompt_forwards.append(
+        kwargs["input_ids"].shape), with_kwargs=True)
+    torch.manual_seed(3)
+    got = shared.generate(prompts, sampling)
+    hook.remove()
+    torch.manual_seed(3)
+    want = plain.generate(prompts, sampling)
+    assert prompt_forwards[0][0] == 2  # the prefill ran on the 2 distinct prompts, not on 8 rows
+    for got_ids, want_ids, got_lp, want_lp in zip(got.response_ids, want.response_ids, got.log_probs,
+                                                  want.log_probs, strict=True):
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_lp, want_lp, atol=1e-5, rtol=1e-5)

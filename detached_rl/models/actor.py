@@ -50,7 +50,8 @@ class Actor(nn.Module):
         self.model = disable_dropout(model) if deterministic else model
         self.share_prompts = share_prompts and supports_shared_prefix(model)
         self.tokenizer = tokenizer
-        self.backend = backend or HFGenerationBackend(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        self.backend = backend or HFGenerationBackend(model, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                                                       share_prompts=share_prompts)
 
     def encode_prompts(self, prompts: Sequence[Prompt], chat: bool = True) -> list[torch.Tensor]:
         """Token ids of each prompt: strings and message lists go through the chat template when there is one."""

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
+
+from detached_rl.models._forward import position_ids_from_mask
+from detached_rl.models.shared_prefix import distinct_prompts, supports_shared_prefix
 
 
 @dataclass(frozen=True)
@@ -111,8 +114,11 @@ def left_pad(sequences: Sequence[torch.Tensor], pad_token_id: int) -> tuple[torc
 class HFGenerationBackend:
     """Generation with Hugging Face `generate`; behaviour log-probs come from the processed scores."""
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int | Sequence[int]) -> None:
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int | Sequence[int],
+                 share_prompts: bool = True) -> None:
         self.model = model
+        # Rows with the same prompt (GRPO groups) prefill it once: see `detached_rl.models.shared_prefix`.
+        self.share_prompts = share_prompts and supports_shared_prefix(model)
         self.pad_token_id = pad_token_id
         self.eos_token_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
 
@@ -141,9 +147,10 @@ class HFGenerationBackend:
         self.model.eval()
         try:
             with torch.no_grad():
+                input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
                 out = self.model.generate(
-                    input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                    generation_config=config,
+                    input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                    **self._shared_prompt_cache(input_ids, attention_mask),
                 )
         finally:
             self.model.train(was_training)
@@ -163,3 +170,19 @@ class HFGenerationBackend:
             behaviour.append(log_probs[row, :length].clone())
             finished.append(bool(is_stop.numel()))
         return GenerationOutput(responses, behaviour, finished)
+
+    def _shared_prompt_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, Any]:
+        """`past_key_values` holding every row's prompt (but its last token) computed once per distinct prompt,
+        when rows repeat a prompt (GRPO groups) on an architecture that allows it; else nothing."""
+        if input_ids.shape[1] < 2 or not self.share_prompts:
+            return {}
+        cached = input_ids.shape[1] - 1  # generate runs the last prompt token itself, for the first logits
+        first, inverse = distinct_prompts(input_ids, attention_mask, cached)
+        if first.numel() == input_ids.shape[0]:
+            return {}
+        rows = first.to(input_ids.device)
+        prefix = self.model(input_ids=input_ids[rows, :cached], attention_mask=attention_mask[rows, :cached],
+                            position_ids=position_ids_from_mask(attention_mask)[rows, :cached],
+                            use_cache=True, logits_to_keep=1)
+        prefix.past_key_values.reorder_cache(inverse.to(input_ids.device))
+        return {"past_key_values": prefix.past_key_values}
