@@ -34,7 +34,8 @@ Figures, each a median [min-max] over `--repeats` runs (the two sides alternate)
 
 Settings that differ, and why:
 * staleness: ours trains on a batch the maker generated while the previous step trained
-  (policy up to one version behind; the PPO ratio is taken against the maker's float32 behaviour
+  (`trainer.max_staleness=1`, `--max-staleness`: the maker waits for weights fresh enough, so every
+  batch is one version behind; the PPO ratio is taken against the maker's float32 behaviour
   log-probs, `proximal_recompute: false`, so no TIS weights); TRL is on-policy (it
   generates with the weights it then trains, and its "old" log-probs are the trained forward's own,
   so the ratio is exactly 1). That overlap is what is being measured.
@@ -49,7 +50,9 @@ Settings that differ, and why:
 * seeds: repeat i seeds TRL with `--seed` + i and our maker's sampler (`maker.seed`) with the same;
   the runs differ in random streams, so rewards are comparable in distribution, not sample by sample.
 * TRL computes log-probs and entropy with its fused LM head (no full logits); ours materialises
-  the response logits. Both recompute the reference log-probs each step (ours: a merged copy of
+  the response logits. Ours runs each distinct prompt through the model once per step and shares
+  its key/value cache across the group's 8 answers (generation and training); TRL runs every row's
+  prompt. Both recompute the reference log-probs each step (ours: a merged copy of
   the initial policy; TRL: the same model with the adapter disabled).
 Run it on an otherwise idle machine: with others' work on the 2 cores (load average ~5), TRL's
 2-thread steps took 5x as long in one check. The 1-minute load average before each run is
@@ -93,10 +96,12 @@ LAST = 3  # steps whose mean reward is "the reward after N steps"
 TRL_THREADS = 2
 
 
-def job_config(steps: int, name: str, output: str, eval_size: int, seed: int) -> RunConfig:
-    """The default job (run.yaml) with one maker, a small held-out split and no progress bar."""
+def job_config(steps: int, name: str, output: str, eval_size: int, seed: int, max_staleness: int = 1) -> RunConfig:
+    """The default job (run.yaml) with one maker, `max_staleness` (1, as in the pipeline benchmark), a small
+    held-out split and no progress bar."""
     return run_config(None, [f"run.output_dir={output}", "run.progress=false", "run.examples=0",
-                             f"task.eval_size={eval_size}", f"maker.seed={seed}"],
+                             f"task.eval_size={eval_size}", f"maker.seed={seed}",
+                             f"trainer.max_staleness={max_staleness}"],
                       steps=steps, makers=1, name=name)
 
 
@@ -132,9 +137,9 @@ def last_mean(values: list[float], count: int = LAST) -> float:
     return statistics.mean(values[-count:])
 
 
-def run_ours(steps: int, output: str, eval_size: int, seed: int, name: str) -> dict[str, Any]:
+def run_ours(steps: int, output: str, eval_size: int, seed: int, name: str, max_staleness: int = 1) -> dict[str, Any]:
     """One `detached-rl run` job (1 maker + 1 trainer); figures from its metrics.jsonl and held-out result."""
-    config = job_config(steps, name, output, eval_size, seed)
+    config = job_config(steps, name, output, eval_size, seed, max_staleness)
     check_comparable(config)
     start = time.perf_counter()
     result = run_job(config, echo=lambda line: None)
@@ -303,6 +308,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("ours", "trl", "both"), default="both")
     parser.add_argument("--eval-size", type=int, default=16, help="held-out problems graded after training")
     parser.add_argument("--seed", type=int, default=0, help="repeat i uses seed + i on both sides")
+    parser.add_argument("--max-staleness", type=int, default=1, help="our trainer's staleness bound (default 1)")
     parser.add_argument("--trl-precision", choices=("bf16", "fp32"), default="bf16",
                         help="TRL training forward passes: bf16 autocast (as our trainer) or fp32")
     args = parser.parse_args()
@@ -321,7 +327,8 @@ def main() -> None:
             for side in sides:
                 load = os.getloadavg()[0]  # others' work on this machine skews both sides: kept with each run
                 if side == "ours":
-                    row = run_ours(args.steps, output, args.eval_size, seed, f"peer-ours-{stamp}-{repeat}")
+                    row = run_ours(args.steps, output, args.eval_size, seed, f"peer-ours-{stamp}-{repeat}",
+                                   args.max_staleness)
                 else:
                     row = run_trl(args.steps, str(Path(output) / f"trl-{repeat}"), args.eval_size, seed,
                                   args.trl_precision)

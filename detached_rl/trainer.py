@@ -40,13 +40,15 @@ def oldest_useful_version(policy_version: int, step_in_progress: bool, queued: i
 
     The batch is trained at version `policy_version + step_in_progress + queued // train_batch_size`
     (the step under way, then the full batches queued before it) and may then be `max_staleness` old.
-    Makers only receive versions that are multiples of `update_steps`, so the answer is capped at the
-    newest such version the trainer reaches with the samples it already holds: a maker waiting for it
-    never waits for samples only it could provide.
+    The answer is capped at the version the step under way produces (rounded down to a multiple of
+    `update_steps`, the versions makers receive): queued samples may themselves go stale and be dropped,
+    so only that version is sure to come without more samples, and a maker waiting for it never waits
+    for samples that only it could provide.
     """
     trained_at = policy_version + int(step_in_progress) + queued // train_batch_size
-    pushed_by_then = trained_at - trained_at % update_steps
-    return max(0, min(trained_at - max_staleness, pushed_by_then))
+    surely_reached = policy_version + int(step_in_progress)
+    surely_pushed = surely_reached - surely_reached % update_steps
+    return max(0, min(trained_at - max_staleness, surely_pushed))
 
 
 class TrainingStopped(Exception):
