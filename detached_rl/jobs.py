@@ -43,7 +43,7 @@ def check_reachable(address: str, timeout: float = 3.0) -> None:
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
-def connect(address: str | None, namespace: str, timeout: float = 60.0) -> None:
+def connect(address: str | None, namespace: str, timeout: float = 120.0) -> None:
     """Join a running Ray cluster (default: `$RAY_ADDRESS`, else `auto`) in `namespace`.
 
     Never waits forever: an address that does not answer fails at once, and if joining takes
