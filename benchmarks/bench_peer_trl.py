@@ -28,7 +28,7 @@ Figures, each a median [min-max] over `--repeats` runs (the two sides alternate)
   polling) is kept in the JSON as a cross-check. TRL: wall clock at each `on_step_end` callback.
 * reward after N steps: the mean over the last 3 steps of the batch mean reward (ours:
   `reward/mean` per metrics.jsonl row; TRL: the `reward` of its per-step log).
-* held-out accuracy after: the same 16 held-out problems (`task.eval_size`), greedy, graded by
+* held-out accuracy after: the same 64 held-out problems (`task.eval_size`, `--eval-size`), greedy, graded by
   `answer_line` (ours: `RunResult.after`, from the maker; TRL: the trained model, wrapped in
   detached-rl's `Actor`, outside the timed steps).
 
@@ -306,7 +306,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=("ours", "trl", "both"), default="both")
-    parser.add_argument("--eval-size", type=int, default=16, help="held-out problems graded after training")
+    parser.add_argument("--eval-size", type=int, default=64, help="held-out problems graded after training")
     parser.add_argument("--seed", type=int, default=0, help="repeat i uses seed + i on both sides")
     parser.add_argument("--max-staleness", type=int, default=1, help="our trainer's staleness bound (default 1)")
     parser.add_argument("--trl-precision", choices=("bf16", "fp32"), default="bf16",
