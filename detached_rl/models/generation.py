@@ -15,8 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from detached_rl.models._forward import position_ids_from_mask
-from detached_rl.models.shared_prefix import distinct_prompts, supports_shared_prefix
+from detached_rl.models.shared_prefix import run_distinct_prompts, supports_shared_prefix
 
 
 @dataclass(frozen=True)
@@ -176,13 +175,8 @@ class HFGenerationBackend:
         when rows repeat a prompt (GRPO groups) on an architecture that allows it; else nothing."""
         if input_ids.shape[1] < 2 or not self.share_prompts:
             return {}
-        cached = input_ids.shape[1] - 1  # generate runs the last prompt token itself, for the first logits
-        first, inverse = distinct_prompts(input_ids, attention_mask, cached)
-        if first.numel() == input_ids.shape[0]:
+        # generate runs the last prompt token itself, for the first logits: cache all but that column
+        shared = run_distinct_prompts(self.model, input_ids, attention_mask, input_ids.shape[1] - 1)
+        if shared is None:
             return {}
-        rows = first.to(input_ids.device)
-        prefix = self.model(input_ids=input_ids[rows, :cached], attention_mask=attention_mask[rows, :cached],
-                            position_ids=position_ids_from_mask(attention_mask)[rows, :cached],
-                            use_cache=True, logits_to_keep=1)
-        prefix.past_key_values.reorder_cache(inverse.to(input_ids.device))
-        return {"past_key_values": prefix.past_key_values}
+        return {"past_key_values": shared[0].past_key_values}

@@ -14,6 +14,8 @@ Layout (as `collate` builds it): `sequences` [B, P + R] is the left-padded promp
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -43,27 +45,38 @@ def distinct_prompts(sequences: torch.Tensor, attention_mask: torch.Tensor, prom
     return first, inverse
 
 
+def run_distinct_prompts(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                         prompt_length: int) -> tuple[Any, torch.Tensor] | None:
+    """Run the first `prompt_length` columns of each distinct prompt once, keeping the cache, and index that
+    cache out to every row: (the model's output for the distinct prompts, row -> distinct prompt index [B]);
+    None when no two rows share a prompt (the plain forward is as cheap)."""
+    first, inverse = distinct_prompts(sequences, attention_mask, prompt_length)
+    if first.numel() == sequences.shape[0]:
+        return None
+    prompt_rows, rows = first.to(sequences.device), inverse.to(sequences.device)
+    prefix = model(input_ids=sequences[prompt_rows, :prompt_length],
+                   attention_mask=attention_mask[prompt_rows, :prompt_length],
+                   position_ids=position_ids_from_mask(attention_mask)[prompt_rows, :prompt_length],
+                   use_cache=True, logits_to_keep=1)
+    prefix.past_key_values.reorder_cache(rows)  # distinct prompts -> every row (differentiable index_select)
+    return prefix, rows
+
+
 def shared_prefix_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
                          response_length: int) -> torch.Tensor | None:
     """Logits [B, R, V] predicting each response token (position j predicts response token j), with
     each distinct prompt run once; None when no two rows share a prompt (the plain forward is as cheap)."""
     prompt_length = sequences.shape[1] - response_length
-    first, inverse = distinct_prompts(sequences, attention_mask, prompt_length)
-    if first.numel() == sequences.shape[0]:
+    shared = run_distinct_prompts(model, sequences, attention_mask, prompt_length)
+    if shared is None:
         return None
-    positions = position_ids_from_mask(attention_mask)
-    prompt_rows = first.to(sequences.device)
-    prefix = model(input_ids=sequences[prompt_rows, :prompt_length],
-                   attention_mask=attention_mask[prompt_rows, :prompt_length],
-                   position_ids=positions[prompt_rows, :prompt_length],
-                   use_cache=True, logits_to_keep=1)
-    rows = inverse.to(sequences.device)
-    cache = prefix.past_key_values
-    cache.reorder_cache(rows)  # distinct prompts -> every row (differentiable index_select)
+    prefix, rows = shared
     first_token_logits = prefix.logits[:, -1:].index_select(0, rows)
     if response_length == 1:
         return first_token_logits
     end = prompt_length + response_length - 1  # the last response token predicts nothing we score
+    positions = position_ids_from_mask(attention_mask)
     rest = model(input_ids=sequences[:, prompt_length:end], attention_mask=attention_mask[:, :end],
-                 position_ids=positions[:, prompt_length:end], past_key_values=cache, use_cache=True).logits
+                 position_ids=positions[:, prompt_length:end], past_key_values=prefix.past_key_values,
+                 use_cache=True).logits
     return torch.cat([first_token_logits, rest], dim=1)
