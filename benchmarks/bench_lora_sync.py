@@ -24,11 +24,11 @@ from pathlib import Path
 import ray
 import torch
 
-from detached_rl.actors import fetch_chunk, put_chunk
-from detached_rl.jobs import init_local_ray
+from detached_rl.actors.transport import fetch_chunk, put_chunk
+from detached_rl.cli.jobs import init_local_ray
+from detached_rl.core.weight_sync import WeightReceiver, build_weight_update
 from detached_rl.models import LoraSettings, apply_lora, load_smollm2
 from detached_rl.models.lora_merge import LoraMergeTarget
-from detached_rl.weight_sync import WeightReceiver, build_weight_update
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 SETTINGS = LoraSettings(r=8, alpha=16, target_modules=("q_proj", "v_proj"))

@@ -15,7 +15,7 @@ group-normalised advantages (r - mean) / std, token-mean loss, bf16 autocast on 
 forward passes, float32 generation, dropout off, no gradient checkpointing (TRL's default turns
 it on).
 
-* ours: `detached_rl.run.run_job` (`detached-rl run`) with 1 maker and 1 trainer (one torch
+* ours: `detached_rl.cli.run.run_job` (`detached-rl run`) with 1 maker and 1 trainer (one torch
   thread each, the maker niced, as in run.yaml), which generate and train at the same time;
 * TRL: `trl.GRPOTrainer` in this process with 2 torch threads (it generates, then trains, so it
   gets both cores), transformers `generate`, no vLLM, `use_cpu=True`.
@@ -84,11 +84,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from detached_rl.cli.reporting import read_metrics  # noqa: E402
+from detached_rl.cli.run import run_config, run_job  # noqa: E402
 from detached_rl.config import RunConfig  # noqa: E402
 from detached_rl.models import Actor, load_causal_lm  # noqa: E402
-from detached_rl.reporting import read_metrics  # noqa: E402
-from detached_rl.rewards import REWARD_FUNCTIONS  # noqa: E402
-from detached_rl.run import run_config, run_job  # noqa: E402
+from detached_rl.rewards.functions import REWARD_FUNCTIONS  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 SIDES = ("ours", "trl")

@@ -32,12 +32,12 @@ from pathlib import Path
 
 import torch
 
+from detached_rl.algorithms.grpo import GRPOLearner
+from detached_rl.cli.run import run_config, run_job
 from detached_rl.config import RunConfig
-from detached_rl.grpo import GRPOLearner
-from detached_rl.maker import ExperienceMaker
-from detached_rl.run import run_config, run_job
+from detached_rl.maker.experience_maker import ExperienceMaker
 from detached_rl.strategies import NaiveStrategy
-from detached_rl.trainer import TrainerCore
+from detached_rl.trainer.core import TrainerCore
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
@@ -97,7 +97,7 @@ def one_process(config: RunConfig, steps: int, bound_steps: int) -> dict[str, fl
 
 def detached(config: RunConfig) -> dict[str, float]:
     """(b): `detached-rl run` with 1 maker + 1 trainer; time per step from its metrics."""
-    from detached_rl.reporting import read_metrics
+    from detached_rl.cli.reporting import read_metrics
 
     result = run_job(config, echo=lambda line: None)
     rows = read_metrics(result.directory / "metrics.jsonl")

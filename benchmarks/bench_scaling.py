@@ -25,7 +25,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from detached_rl.run import run_config, run_job
+from detached_rl.cli.run import run_config, run_job
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 ROLES = {"ray::ExperienceMakerHolder": "maker", "ray::GRPOTrainerShell": "trainer"}
@@ -92,7 +92,7 @@ class PeakSampler:
 
 def one_run(model: str, makers: int, steps: int, output: str, name: str) -> dict[str, float]:
     """One `detached-rl run`: trained samples/s, trainer idle fraction, peak RSS per role."""
-    from detached_rl.reporting import read_metrics
+    from detached_rl.cli.reporting import read_metrics
 
     config = run_config(None, ["task.eval_size=2", "run.examples=0", "run.progress=false",
                                f"run.output_dir={output}", f"trainer.buffer_max_samples={32 * makers}"],

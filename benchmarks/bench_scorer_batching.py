@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from detached_rl.maker.scoring import RequestBatcher, Scorer, ScoreRequest
 from detached_rl.models import Actor, SamplingConfig, load_causal_lm
-from detached_rl.scorers import RequestBatcher, Scorer, ScoreRequest
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 PROMPT_TOKENS = 40

@@ -32,9 +32,9 @@ from pathlib import Path
 import ray
 import torch
 
-from detached_rl.actors import fetch_chunk, put_chunk
-from detached_rl.jobs import init_local_ray
-from detached_rl.weight_sync import WeightReceiver, build_weight_update
+from detached_rl.actors.transport import fetch_chunk, put_chunk
+from detached_rl.cli.jobs import init_local_ray
+from detached_rl.core.weight_sync import WeightReceiver, build_weight_update
 
 
 def load_state(model: str) -> dict[str, torch.Tensor]:

@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from detached_rl.cli.jobs import init_local_ray
 from detached_rl.config import load_config
-from detached_rl.jobs import init_local_ray
 
 CONFIG = [
     "algorithm=grpo", "model.policy=tiny", "task.name=addition", "task.train_size=256",
@@ -67,7 +67,8 @@ def main() -> None:
                    runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     import ray
 
-    from detached_rl.actors import DetachedGRPOTrainer, ExperienceMakerHolder
+    from detached_rl.actors.maker import ExperienceMakerHolder
+    from detached_rl.actors.trainer import DetachedGRPOTrainer
 
     state_dir = Path(tempfile.mkdtemp(prefix="chaos-"))
     trainer = DetachedGRPOTrainer.options(name="chaos_trainer").remote(

@@ -12,8 +12,8 @@ import torch
 
 from detached_rl import Experience, collate
 from detached_rl.models import Actor, FunctionReward, SamplingConfig, load_causal_lm
-from detached_rl.rewards import numeric_answer_reward
-from detached_rl.tasks import addition_problems
+from detached_rl.rewards.functions import numeric_answer_reward
+from detached_rl.rewards.tasks import addition_problems
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ def ray_cluster():
     """A local Ray cluster shared by one test module, shut down after it."""
     import ray
 
-    from detached_rl.jobs import init_local_ray
+    from detached_rl.cli.jobs import init_local_ray
 
     init_local_ray(
         "detached_rl_tests",

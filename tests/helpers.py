@@ -8,10 +8,10 @@ import threading
 
 import torch
 
-from detached_rl.maker import MakerModels
+from detached_rl.maker.experience_maker import MakerModels
 from detached_rl.models import Actor, Critic, tiny_causal_lm
 from detached_rl.models.scalar_heads import backbone_of
-from detached_rl.tasks import addition_problems
+from detached_rl.rewards.tasks import addition_problems
 
 REWARDED_BELOW = 100
 

@@ -7,21 +7,17 @@ import pytest
 import torch
 
 from detached_rl import Experience
-from detached_rl.actors import (
-    DetachedPPOTrainer,
-    ExperienceMakerHolder,
-    attach,
-    put_chunk,
-    start_trainer_group,
-    stop_trainer_group,
-)
-from detached_rl.maker import MakerConfig
+from detached_rl.actors.group import start_trainer_group, stop_trainer_group
+from detached_rl.actors.maker import ExperienceMakerHolder
+from detached_rl.actors.trainer import DetachedPPOTrainer
+from detached_rl.actors.transport import attach, put_chunk
+from detached_rl.algorithms.ppo import PPOConfig
+from detached_rl.core.prompts import CyclingPrompts
+from detached_rl.core.replay_buffer import RejectedPushError
+from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update
+from detached_rl.maker.experience_maker import MakerConfig
 from detached_rl.models import SamplingConfig
-from detached_rl.ppo import PPOConfig
-from detached_rl.prompts import CyclingPrompts
-from detached_rl.replay_buffer import RejectedPushError
-from detached_rl.trainer import TrainerConfig
-from detached_rl.weight_sync import WeightUpdateError, build_weight_update
+from detached_rl.trainer.core import TrainerConfig
 
 from .helpers import arithmetic_prompts, tiny_actor_critic, tiny_maker_models
 
@@ -221,8 +217,8 @@ def test_lora_trainer_sends_lora_only_updates_to_a_merging_maker(ray_cluster):
 
 @pytest.mark.parametrize("max_staleness", [0, 2])
 def test_grpo_trainer_respects_the_staleness_bound(ray_cluster, max_staleness):
-    from detached_rl.actors import DetachedGRPOTrainer
-    from detached_rl.grpo import GRPOConfig
+    from detached_rl.actors.trainer import DetachedGRPOTrainer
+    from detached_rl.algorithms.grpo import GRPOConfig
 
     from .helpers import grpo_maker_models, tiny_policy
 

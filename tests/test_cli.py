@@ -4,15 +4,15 @@ import subprocess
 import sys
 
 import detached_rl
-from detached_rl.check import run_check
-from detached_rl.cli import main
+from detached_rl.cli.check import run_check
+from detached_rl.cli.main import main
 
 
 def test_version_and_help():
-    out = subprocess.run([sys.executable, "-m", "detached_rl.cli", "--version"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "detached_rl.cli.main", "--version"], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == f"detached-rl {detached_rl.__version__}"
-    out = subprocess.run([sys.executable, "-m", "detached_rl.cli", "check", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "detached_rl.cli.main", "check", "--help"], capture_output=True, text=True,
                          check=True)
     assert "--model" in out.stdout
 
@@ -31,7 +31,7 @@ def test_check_report_figures():
 
 
 def test_every_command_has_help_and_a_scorers_command_without_groups_is_refused(capsys):
-    from detached_rl.cli import build_parser, main
+    from detached_rl.cli.main import build_parser, main
 
     commands = build_parser()._subparsers._group_actions[0].choices
     assert {"run", "ppo-on-ray", "check", "trainer", "maker", "scorers", "status", "inspect", "export",

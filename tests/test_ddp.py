@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from detached_rl.models import Actor, LoraSettings, apply_lora, tiny_causal_lm
-from detached_rl.optim import OptimizerConfig
 from detached_rl.strategies import DDPStrategy, NaiveStrategy, colossalai_available, make_strategy
 from detached_rl.strategies.ddp import find_free_port, node_address
+from detached_rl.strategies.optim import OptimizerConfig
 
 WORLD_SIZE = 2
 TIMEOUT_S = 120.0  # a hung collective fails the test instead of blocking CI
@@ -112,8 +112,8 @@ def _scenarios(strategy: DDPStrategy) -> dict[str, Any]:
     results["share"] = [strategy.gradient_share(1.0 if rank == 0 else 3.0), strategy.gradient_share(2.0)]
 
     # A strategy that shards weights: every rank joins the gather, rank 0 alone builds and pushes the update.
-    from detached_rl.grpo import GRPOConfig, GRPOLearner
-    from detached_rl.trainer import TrainerCore
+    from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
+    from detached_rl.trainer.core import TrainerCore
 
     strategy.shards_weights = True
     try:

@@ -10,13 +10,14 @@ import time
 import psutil
 import pytest
 
-from detached_rl import jobs
-from detached_rl.actors import DetachedGRPOTrainer, ExperienceMakerHolder
-from detached_rl.grpo import GRPOConfig
-from detached_rl.maker import MakerConfig
+from detached_rl.actors.maker import ExperienceMakerHolder
+from detached_rl.actors.trainer import DetachedGRPOTrainer
+from detached_rl.algorithms.grpo import GRPOConfig
+from detached_rl.cli import jobs
+from detached_rl.core.prompts import CyclingPrompts
+from detached_rl.maker.experience_maker import MakerConfig
 from detached_rl.models import SamplingConfig
-from detached_rl.prompts import CyclingPrompts
-from detached_rl.trainer import TrainerConfig
+from detached_rl.trainer.core import TrainerConfig
 
 from .helpers import arithmetic_prompts, grpo_maker_models, tiny_policy
 

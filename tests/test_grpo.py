@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from detached_rl import Experience, collate
-from detached_rl.grpo import GRPOConfig, GRPOLearner, overlong_penalty, split_groups
-from detached_rl.maker import ExperienceMaker, MakerConfig, MakerModels
+from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner, overlong_penalty, split_groups
+from detached_rl.core.prompts import CyclingPrompts
+from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
 from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
-from detached_rl.optim import OptimizerConfig
-from detached_rl.prompts import CyclingPrompts
 from detached_rl.strategies import NaiveStrategy
-from detached_rl.trainer import TrainerConfig, TrainerCore
+from detached_rl.strategies.optim import OptimizerConfig
+from detached_rl.trainer.core import TrainerConfig, TrainerCore
 
 from .helpers import LowTokenReward, ObjectStore, arithmetic_prompts
 

@@ -7,9 +7,9 @@ import peft.tuners.lora
 import pytest
 import torch
 
+from detached_rl.core.weight_sync import WeightReceiver, build_weight_update
 from detached_rl.models import LoraSettings, apply_lora, lora_state_dict, tiny_causal_lm
 from detached_rl.models.lora_merge import LoraMergeTarget, base_fingerprint, base_keys
-from detached_rl.weight_sync import WeightReceiver, build_weight_update
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),

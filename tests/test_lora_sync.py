@@ -5,14 +5,14 @@ import pickle
 import pytest
 import torch
 
-from detached_rl.maker import ExperienceMaker, MakerConfig
+from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
+from detached_rl.core.prompts import CyclingPrompts
+from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update
+from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.models import SamplingConfig
-from detached_rl.optim import OptimizerConfig
-from detached_rl.ppo import PPOConfig, PPOLearner
-from detached_rl.prompts import CyclingPrompts
 from detached_rl.strategies import NaiveStrategy
-from detached_rl.trainer import TrainerConfig, TrainerCore
-from detached_rl.weight_sync import WeightUpdateError, build_weight_update
+from detached_rl.strategies.optim import OptimizerConfig
+from detached_rl.trainer.core import TrainerConfig, TrainerCore
 
 from .helpers import ObjectStore, arithmetic_prompts, lora_actor_critic, lora_maker_models
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from detached_rl import Experience
-from detached_rl.maker import ExperienceMaker, MakerConfig
+from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
+from detached_rl.core.prompts import CyclingPrompts
+from detached_rl.core.replay_buffer import RejectedPushError
+from detached_rl.core.weight_sync import WeightUpdateError, state_fingerprint
+from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.models import SamplingConfig
-from detached_rl.ppo import PPOConfig, PPOLearner
-from detached_rl.prompts import CyclingPrompts
-from detached_rl.replay_buffer import RejectedPushError
 from detached_rl.strategies import NaiveStrategy
-from detached_rl.trainer import TrainerConfig, TrainerCore, oldest_useful_version
-from detached_rl.weight_sync import WeightUpdateError, state_fingerprint
+from detached_rl.trainer.core import TrainerConfig, TrainerCore, oldest_useful_version
 
 from .helpers import ObjectStore, arithmetic_prompts, tiny_actor_critic, tiny_maker_models
 
@@ -223,7 +223,7 @@ def test_waiting_for_a_batch_times_out_with_a_clear_error():
 
 
 def test_maker_state_resumes_the_prompt_cursor(tmp_path):
-    from detached_rl.checkpoint import load_state, save_atomic
+    from detached_rl.core.checkpoint import load_state, save_atomic
 
     maker, trainer, store = make_pair()
     maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)

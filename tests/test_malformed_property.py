@@ -12,15 +12,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from detached_rl import Experience, ReplayBuffer
-from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
-from detached_rl.replay_buffer import RejectedPushError
-from detached_rl.weight_sync import (
+from detached_rl.core.replay_buffer import RejectedPushError
+from detached_rl.core.weight_sync import (
     WeightReceiver,
     WeightUpdate,
     WeightUpdateError,
     build_weight_update,
     state_fingerprint,
 )
+from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
 
 from .helpers import ObjectStore, make_experience
 

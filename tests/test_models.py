@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from detached_rl import Experience, collate
+from detached_rl.generation.base import left_pad
 from detached_rl.models import (
     Actor,
     Critic,
@@ -18,7 +19,6 @@ from detached_rl.models import (
     tiny_causal_lm,
     tiny_tokenizer,
 )
-from detached_rl.models.generation import left_pad
 from detached_rl.models.scalar_heads import backbone_of, last_token_index
 
 ARCHITECTURES = ["llama", "gpt2", "opt", "bloom", "gpt_neox", "qwen2", "mistral"]
@@ -276,7 +276,7 @@ def test_actor_forward_is_deterministic_in_train_mode(model_type):
 
 
 def test_entropy_of_uniform_and_filtered_distributions():
-    from detached_rl.models.generation import entropy_from_logits
+    from detached_rl.core.sampling import entropy_from_logits
 
     assert entropy_from_logits(torch.zeros(4)).item() == pytest.approx(torch.log(torch.tensor(4.0)).item())
     filtered = torch.tensor([0.0, 0.0, float("-inf"), float("-inf")])

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from detached_rl import Experience
+from detached_rl.algorithms.ppo import PPOConfig, PPOLearner, ppo_advantages
 from detached_rl.models import Actor, Critic, SamplingConfig, tiny_causal_lm
 from detached_rl.models.scalar_heads import backbone_of
-from detached_rl.optim import OptimizerConfig
-from detached_rl.ppo import PPOConfig, PPOLearner, ppo_advantages
 from detached_rl.strategies import NaiveStrategy
+from detached_rl.strategies.optim import OptimizerConfig
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
 TARGET_BELOW = 100  # reward: the fraction of response tokens with an id below this

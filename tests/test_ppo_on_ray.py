@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from detached_rl.cli import build_parser
-from detached_rl.ppo_on_ray import cpu_slots, launcher_config, training_steps
+from detached_rl.cli.main import build_parser
+from detached_rl.cli.ppo_on_ray import cpu_slots, launcher_config, training_steps
 from tests.conftest import ROOT
 
 FLAGS = ("prompt_csv", "model", "pretrain", "strategy", "save_path", "num_episodes", "max_timesteps",
@@ -84,7 +84,7 @@ def test_the_launcher_runs_end_to_end_on_cpu_and_saves_a_loadable_policy(prompt_
 
     save = tmp_path / "actor"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "detached_rl.cli", "ppo-on-ray", "--prompt_csv", str(prompt_csv),
+    command = [sys.executable, "-m", "detached_rl.cli.main", "ppo-on-ray", "--prompt_csv", str(prompt_csv),
                "--model", "gpt2", "--save_path", str(save), "--num_episodes", "2", "--max_timesteps", "2",
                "--update_timesteps", "2", "--experience_batch_size", "3", "--num_critic_nodes", "2",
                "--num_makers", "2", "--namespace", "ppo_on_ray_test", "--max_new_tokens", "8"]

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from detached_rl.prompts import CyclingPrompts, PromptItem, PromptSource, load_prompt_file
-from detached_rl.rewards import numeric_answer_reward
+from detached_rl.core.prompts import CyclingPrompts, PromptItem, PromptSource, load_prompt_file
+from detached_rl.rewards.functions import numeric_answer_reward
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
 

@@ -11,9 +11,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import torch
 
-from detached_rl.experience import Experience
-from detached_rl.pusher import ExperiencePusher
-from detached_rl.replay_buffer import ReplayBuffer
+from detached_rl.core.experience import Experience
+from detached_rl.core.replay_buffer import ReplayBuffer
+from detached_rl.maker.pusher import ExperiencePusher
 
 _ids = itertools.count()
 

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from detached_rl.experience import Experience
-from detached_rl.replay_buffer import AppendResult, RejectedPushError, ReplayBuffer
+from detached_rl.core.experience import Experience
+from detached_rl.core.replay_buffer import AppendResult, RejectedPushError, ReplayBuffer
 
 from .helpers import make_experience as make
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from detached_rl import Experience, collate, sandbox
-from detached_rl import rewards as rewards_module
+from detached_rl import Experience, collate
 from detached_rl.models import FunctionReward, tiny_tokenizer
-from detached_rl.rewards import (
+from detached_rl.rewards import functions as rewards_module
+from detached_rl.rewards import sandbox
+from detached_rl.rewards.functions import (
     REWARD_FUNCTIONS,
     answers_match,
     as_number,
@@ -27,7 +28,7 @@ from detached_rl.rewards import (
     numeric_answer_reward,
     think_answer_tags_reward,
 )
-from detached_rl.sandbox import run_python
+from detached_rl.rewards.sandbox import run_python
 
 SECRET = "hunter2-not-for-the-sandbox"
 

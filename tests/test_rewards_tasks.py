@@ -2,8 +2,8 @@
 
 import pytest
 
-from detached_rl.rewards import last_number, numeric_answer_reward
-from detached_rl.tasks import addition_problems
+from detached_rl.rewards.functions import last_number, numeric_answer_reward
+from detached_rl.rewards.tasks import addition_problems
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ def finished_run(tmp_path_factory) -> tuple[Path, str, set[int]]:
     before = ray_processes()
     output = tmp_path_factory.mktemp("runs")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "detached_rl.cli", "run", "--model", "tiny", "--steps", str(STEPS),
+    command = [sys.executable, "-m", "detached_rl.cli.main", "run", "--model", "tiny", "--steps", str(STEPS),
                "--name", "tiny-test", "--output", str(output), "--namespace", "detached_rl_run_test",
                "--set", "task.eval_size=16", "--set", "sampling.max_new_tokens=12"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
@@ -50,7 +50,7 @@ def test_reports_accuracy_before_and_after_with_examples(finished_run):
 
 
 def test_metrics_jsonl_has_one_row_per_step(finished_run):
-    from detached_rl.reporting import read_metrics
+    from detached_rl.cli.reporting import read_metrics
 
     directory, *_ = finished_run
     rows = read_metrics(directory / "metrics.jsonl")

@@ -8,21 +8,21 @@ import re
 import pytest
 import torch
 
-from detached_rl.config import ConfigError, load_config
-from detached_rl.models import LoraSettings, apply_lora, load_causal_lm
-from detached_rl.models.export import policy_files, save_adapter, save_merged, write_files
-from detached_rl.models.lora import all_linear_targets, lora_state_dict
-from detached_rl.reporting import (
+from detached_rl.cli.reporting import (
     MetricsRecorder,
     evaluation_summary,
     plot_metrics,
     read_metrics,
     side_by_side,
 )
-from detached_rl.rewards import answer_line_format, answer_line_reward, extract_answer_line
-from detached_rl.run import DEFAULT_RUN_CONFIG, run_config, split_evenly
-from detached_rl.tasks import make_problems, word_problems
-from detached_rl.trainer import info_means
+from detached_rl.cli.run import DEFAULT_RUN_CONFIG, run_config, split_evenly
+from detached_rl.config import ConfigError, load_config
+from detached_rl.models import LoraSettings, apply_lora, load_causal_lm
+from detached_rl.models.export import policy_files, save_adapter, save_merged, write_files
+from detached_rl.models.lora import all_linear_targets, lora_state_dict
+from detached_rl.rewards.functions import answer_line_format, answer_line_reward, extract_answer_line
+from detached_rl.rewards.tasks import make_problems, word_problems
+from detached_rl.trainer.core import info_means
 from tests.helpers import make_experience
 
 # ------------------------------------------------------------------ task

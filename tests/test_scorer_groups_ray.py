@@ -8,14 +8,14 @@ import pytest
 import ray
 import torch
 
-from detached_rl.scorer_actors import (
+from detached_rl.actors.scorer import (
     RemoteScoring,
     ScorerUnavailableError,
     scorer_names,
     start_scorer_group,
     stop_scorer_group,
 )
-from detached_rl.scorers import ScoreRequestError, ScorerGroupConfig
+from detached_rl.maker.scoring import ScoreRequestError, ScorerGroupConfig
 
 from .helpers import LowTokenReward
 from .test_scorers import request

@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from detached_rl.maker import ExperienceMaker, MakerConfig, MakerModels
-from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
-from detached_rl.prompts import CyclingPrompts
-from detached_rl.scorers import (
+from detached_rl.core.prompts import CyclingPrompts
+from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update, restrict_update
+from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
+from detached_rl.maker.scoring import (
     LocalScoring,
     RequestBatcher,
     ScoreAnswer,
@@ -18,7 +18,7 @@ from detached_rl.scorers import (
     ScoreRequestError,
     merge_requests,
 )
-from detached_rl.weight_sync import WeightUpdateError, build_weight_update, restrict_update
+from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
 
 from .helpers import LowTokenReward, ObjectStore, arithmetic_prompts, tiny_actor_critic, tiny_maker_models
 

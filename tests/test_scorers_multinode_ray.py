@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from detached_rl.config import RunConfig, load_config
-from detached_rl.maker import ExperienceMaker
-from detached_rl.weight_sync import build_weight_update
+from detached_rl.core.weight_sync import build_weight_update
+from detached_rl.maker.experience_maker import ExperienceMaker
 
 from .conftest import ROOT
 from .helpers import ObjectStore
@@ -87,7 +87,7 @@ def wait_for(condition, timeout: float, what: str):
 def test_roles_on_their_nodes_equal_experience_and_a_short_ppo_run(cluster):
     import ray
 
-    from detached_rl import jobs
+    from detached_rl.cli import jobs
 
     config = run_config()
     jobs.start_trainer(config, "trainer", total_steps=2, update_steps=1)

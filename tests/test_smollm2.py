@@ -7,7 +7,7 @@ import torch
 
 from detached_rl import Experience, collate
 from detached_rl.models import Actor, SamplingConfig, load_smollm2, smollm2_dir
-from detached_rl.rewards import last_number
+from detached_rl.rewards.functions import last_number
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
-from detached_rl.optim import OptimizerConfig
 from detached_rl.strategies import NaiveStrategy, StrategyUnavailableError, make_strategy
 from detached_rl.strategies import colossalai as colossalai_strategies
+from detached_rl.strategies.optim import OptimizerConfig
 
 
 def test_make_strategy_refuses_unknown_names():

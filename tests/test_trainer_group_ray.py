@@ -8,18 +8,14 @@ import time
 import pytest
 import torch
 
-from detached_rl.actors import (
-    DetachedGRPOTrainer,
-    fetch_chunk,
-    placement_group_name,
-    start_trainer_group,
-    stop_trainer_group,
-)
-from detached_rl.grpo import GRPOConfig
+from detached_rl.actors.group import placement_group_name, start_trainer_group, stop_trainer_group
+from detached_rl.actors.trainer import DetachedGRPOTrainer
+from detached_rl.actors.transport import fetch_chunk
+from detached_rl.algorithms.grpo import GRPOConfig
 from detached_rl.models import SamplingConfig
-from detached_rl.optim import OptimizerConfig
 from detached_rl.strategies import colossalai_available
-from detached_rl.trainer import TrainerConfig, TrainerGroupConfig
+from detached_rl.strategies.optim import OptimizerConfig
+from detached_rl.trainer.core import TrainerConfig, TrainerGroupConfig
 
 from .helpers import make_experience, tiny_policy
 

@@ -1,4 +1,4 @@
-"""Tests for detached_rl.weight_sync: chunked, versioned, checksummed weight updates (no Ray)."""
+"""Tests for detached_rl.core.weight_sync: chunked, versioned, checksummed weight updates (no Ray)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 import torch
 import xxhash
 
-from detached_rl.models import Critic, tiny_causal_lm
-from detached_rl.weight_sync import (
+from detached_rl.core.weight_sync import (
     TensorSpec,
     WeightManifest,
     WeightReceiver,
@@ -21,6 +20,7 @@ from detached_rl.weight_sync import (
     state_fingerprint,
     tensor_checksum,
 )
+from detached_rl.models import Critic, tiny_causal_lm
 
 CHUNK = 40_000  # bytes: the tiny llama (~0.5 MB) is cut into a dozen chunks
 IDS = torch.tensor([[1, 5, 9, 17, 33, 65, 2, 7], [3, 4, 100, 120, 8, 6, 5, 11]])

@@ -10,16 +10,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from detached_rl.core.sampling import SamplingConfig, entropy_from_logits, process_logits, token_log_probs
+from detached_rl.generation.base import GenerationBackend, GenerationOutput
+from detached_rl.generation.hf import HFGenerationBackend
 from detached_rl.models._forward import accepts_argument, disable_dropout, forward_kwargs
-from detached_rl.models.generation import (
-    GenerationBackend,
-    GenerationOutput,
-    HFGenerationBackend,
-    SamplingConfig,
-    entropy_from_logits,
-    process_logits,
-    token_log_probs,
-)
 from detached_rl.models.shared_prefix import shared_prefix_logits, supports_shared_prefix
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor

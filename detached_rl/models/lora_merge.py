@@ -25,8 +25,8 @@ from peft.tuners.lora import LoraLayer as PeftLoraLayer
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
+from detached_rl.core.weight_sync import state_fingerprint
 from detached_rl.models.lora import lora_backend, lora_config_dict
-from detached_rl.weight_sync import state_fingerprint
 
 __all__ = ["LoraMergeTarget", "base_fingerprint", "base_keys"]
 

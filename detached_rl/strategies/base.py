@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from detached_rl.checkpoint import load_state, save_atomic
-from detached_rl.optim import OptimizerConfig, build_optimizer
+from detached_rl.core.checkpoint import load_state, save_atomic
+from detached_rl.strategies.optim import OptimizerConfig, build_optimizer
 
 
 class Strategy(ABC):

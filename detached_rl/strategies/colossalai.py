@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from detached_rl.optim import OptimizerConfig, build_optimizer
 from detached_rl.strategies.ddp import DDPStrategy
+from detached_rl.strategies.optim import OptimizerConfig, build_optimizer
 
 CPU_STRATEGIES = ("naive", "ddp", "colossalai_ddp")
 INSTALL_HINT = (

@@ -92,7 +92,7 @@ def launcher_config(args: argparse.Namespace) -> RunConfig:
     prompt_file = Path(args.prompt_csv)
     if not prompt_file.is_file():
         raise ValueError(f"--prompt_csv: no file {str(prompt_file)!r}")
-    from detached_rl.prompts import load_prompt_file
+    from detached_rl.core.prompts import load_prompt_file
 
     has_answers = any("answer" in item.metadata for item in load_prompt_file(prompt_file))
     reward = args.reward or ("numeric_answer" if has_answers else "model")
@@ -144,7 +144,7 @@ def training_steps(args: argparse.Namespace) -> int:
 
 def launch(args: argparse.Namespace, echo=print) -> dict[str, Any]:
     """Start the groups and makers, train, save the policy, remove every actor started; returns a summary."""
-    from detached_rl import jobs
+    from detached_rl.cli import jobs
 
     config = launcher_config(args)
     embedded = args.address is None
@@ -191,7 +191,7 @@ def launch(args: argparse.Namespace, echo=print) -> dict[str, Any]:
 
 
 def _wait_for_trainers(trainers: list[str], namespace: str, deadline: float, echo) -> dict[str, Any]:
-    from detached_rl import jobs
+    from detached_rl.cli import jobs
 
     last = None
     while True:

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from detached_rl import algorithms
-from detached_rl.experience import Experience, collate
+from detached_rl.core.experience import Experience, collate
 from detached_rl.models import Actor, FunctionReward, LoraSettings, SamplingConfig, apply_lora, load_causal_lm
 from detached_rl.models.lora import count_parameters
-from detached_rl.optim import OptimizerConfig
-from detached_rl.rewards import numeric_answer_reward
+from detached_rl.rewards.functions import numeric_answer_reward
+from detached_rl.rewards.tasks import addition_problems
 from detached_rl.strategies import NaiveStrategy
-from detached_rl.tasks import addition_problems
+from detached_rl.strategies.optim import OptimizerConfig
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from detached_rl.experience import Experience, ExperienceValidationError
+from detached_rl.core.experience import Experience, ExperienceValidationError
 
 OVERFLOW_POLICIES = ("refuse", "evict_oldest")
 DROP_REASONS = ("stale", "evicted", "cleared")

@@ -18,18 +18,10 @@ from typing import Any
 
 import torch
 
-from detached_rl.experience import Experience, collate
-from detached_rl.models.actor import Actor
-from detached_rl.models.generation import SamplingConfig
-from detached_rl.models.lora import lora_backend
-from detached_rl.models.lora_merge import LoraMergeTarget, base_fingerprint
-from detached_rl.models.reward import RewardScorer
-from detached_rl.models.scalar_heads import Critic
-from detached_rl.prompts import PromptSource, as_prompt_item
-from detached_rl.scorers import PendingScores, ScoreAnswer, ScoreRequest, ScoringService
-from detached_rl.strategies import NaiveStrategy, Strategy
-from detached_rl.trainer import check_resources
-from detached_rl.weight_sync import (
+from detached_rl.core.experience import Experience, collate
+from detached_rl.core.prompts import PromptSource, as_prompt_item
+from detached_rl.core.sampling import SamplingConfig
+from detached_rl.core.weight_sync import (
     ApplyResult,
     Fetch,
     WeightReceiver,
@@ -37,6 +29,14 @@ from detached_rl.weight_sync import (
     WeightUpdateError,
     restrict_update,
 )
+from detached_rl.maker.scoring import PendingScores, ScoreAnswer, ScoreRequest, ScoringService
+from detached_rl.models.actor import Actor
+from detached_rl.models.lora import lora_backend
+from detached_rl.models.lora_merge import LoraMergeTarget, base_fingerprint
+from detached_rl.models.reward import RewardScorer
+from detached_rl.models.scalar_heads import Critic
+from detached_rl.strategies import NaiveStrategy, Strategy
+from detached_rl.trainer.core import check_resources
 
 PUSH_POLICIES = ("round_robin", "least_full")
 LORA_MODES = ("keep", "merge")

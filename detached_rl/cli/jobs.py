@@ -108,13 +108,9 @@ def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: 
     """
     import ray
 
-    from detached_rl.actors import (
-        DetachedGRPOTrainer,
-        DetachedPPOTrainer,
-        get_all,
-        start_trainer_group,
-        trainer_names,
-    )
+    from detached_rl.actors.group import start_trainer_group, trainer_names
+    from detached_rl.actors.trainer import DetachedGRPOTrainer, DetachedPPOTrainer
+    from detached_rl.actors.transport import get_all
 
     group = config.trainer_group
     if group.world_size == 1 and group.strategy == "naive":
@@ -152,7 +148,7 @@ def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: 
     """
     import ray
 
-    from detached_rl.actors import ExperienceMakerHolder
+    from detached_rl.actors.maker import ExperienceMakerHolder
 
     if not trainers:
         raise JobError("a maker needs --trainers (comma-separated trainer names)")
@@ -175,7 +171,7 @@ def start_scorers(config: RunConfig, trainers: list[str]) -> list[str]:
     """
     import ray
 
-    from detached_rl.scorer_actors import scorer_names, start_scorer_group
+    from detached_rl.actors.scorer import scorer_names, start_scorer_group
 
     started: list[str] = []
     for role, prefix in config.maker.scorers.items():
@@ -408,7 +404,7 @@ def _remove_placement_groups_of(stopped: list[str], namespace: str) -> None:
     """Remove the placement group of each trainer group whose ranks are now all gone."""
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
-    from detached_rl.actors import placement_group_name
+    from detached_rl.actors.group import placement_group_name
 
     live = set(actor_names(namespace))
     prefixes = {name.rpartition("_")[0] for name in stopped if name.rpartition("_")[2].isdigit()}

@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from detached_rl import algorithms
-from detached_rl.experience import Experience, ExperienceBatch, collate
+from detached_rl.algorithms import functional as algorithms
+from detached_rl.core.experience import Experience, ExperienceBatch, collate
+from detached_rl.core.sampling import SamplingConfig
 from detached_rl.models.actor import Actor
-from detached_rl.models.generation import SamplingConfig
 from detached_rl.models.scalar_heads import Critic
-from detached_rl.optim import OptimizerConfig
 from detached_rl.strategies.base import Strategy
+from detached_rl.strategies.optim import OptimizerConfig
 
 KL_MODES = ("reward", "loss")
 

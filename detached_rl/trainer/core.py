@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from detached_rl.checkpoint import load_state, rng_state, save_atomic, set_rng_state
+from detached_rl.core.checkpoint import load_state, rng_state, save_atomic, set_rng_state
+from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
+from detached_rl.core.weight_sync import SendStats, WeightUpdate, build_weight_update, state_fingerprint
 from detached_rl.models.lora import lora_backend, lora_config_dict
 from detached_rl.models.lora_merge import base_fingerprint
-from detached_rl.replay_buffer import AppendResult, ReplayBuffer
-from detached_rl.weight_sync import SendStats, WeightUpdate, build_weight_update, state_fingerprint
 
 WEIGHT_SYNC_KINDS = ("full", "lora")
 

@@ -22,7 +22,7 @@ EXIT_ERROR = 2
 
 
 def _check(args: argparse.Namespace) -> int:
-    from detached_rl.check import format_report, run_check
+    from detached_rl.cli.check import format_report, run_check
 
     print(f"detached-rl {__version__}: end-to-end check with model {args.model!r}", flush=True)
     report = run_check(
@@ -34,7 +34,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from detached_rl.run import RunInterrupted, run_config, run_job
+    from detached_rl.cli.run import RunInterrupted, run_config, run_job
 
     overrides = list(args.set or [])
     if args.namespace:
@@ -54,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _ppo_on_ray(args: argparse.Namespace) -> int:
-    from detached_rl.ppo_on_ray import launch
+    from detached_rl.cli.ppo_on_ray import launch
 
     launch(args, echo=lambda line: print(line, flush=True))
     return 0
@@ -79,7 +79,7 @@ def _namespace(args: argparse.Namespace) -> str:
 
 
 def _trainer(args: argparse.Namespace) -> int:
-    from detached_rl import jobs
+    from detached_rl.cli import jobs
 
     config = _config(args)
     jobs.connect(args.address, config.namespace)
@@ -97,7 +97,7 @@ def _trainer(args: argparse.Namespace) -> int:
 
 
 def _maker(args: argparse.Namespace) -> int:
-    from detached_rl import jobs
+    from detached_rl.cli import jobs
 
     config = _config(args)
     trainers = [t for t in (args.trainers or "").split(",") if t]
@@ -108,7 +108,7 @@ def _maker(args: argparse.Namespace) -> int:
 
 
 def _scorers(args: argparse.Namespace) -> int:
-    from detached_rl import jobs
+    from detached_rl.cli import jobs
 
     config = _config(args)
     if not config.maker.scorers:
@@ -126,7 +126,7 @@ def _scorers(args: argparse.Namespace) -> int:
 def _follow(name: str, namespace: str) -> int:
     import time
 
-    from detached_rl import jobs
+    from detached_rl.cli import jobs
 
     last = None
     while True:
@@ -141,7 +141,7 @@ def _follow(name: str, namespace: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from detached_rl import jobs
+    from detached_rl.cli import jobs
 
     namespace = _namespace(args)
     jobs.connect(args.address, namespace)
@@ -151,7 +151,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from detached_rl import jobs
+    from detached_rl.cli import jobs
 
     namespace = _namespace(args)
     jobs.connect(args.address, namespace)
@@ -161,7 +161,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from detached_rl import jobs
+    from detached_rl.cli import jobs
 
     namespace = _namespace(args)
     jobs.connect(args.address, namespace)
@@ -171,7 +171,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from detached_rl import jobs
+    from detached_rl.cli import jobs
 
     namespace = _namespace(args)
     jobs.connect(args.address, namespace)
@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", default=None, help="run name: actor-name prefix and runs/<name> (default: dated)")
     run.add_argument("--output", default=None, help="parent directory of the run directory (default runs)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _config_options(run, "YAML laid over the run defaults (detached_rl/configs/run.yaml)")
+    _config_options(run, "YAML laid over the run defaults (detached_rl/config/run.yaml)")
     _cluster_options(run, "join this Ray cluster (host:port, ray://host:port or auto) instead of starting an "
                           "embedded one on 127.0.0.1")
     run.set_defaults(handler=_run)
@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "num_episodes x max_timesteps / update_timesteps PPO steps; save the policy; remove them all. "
                     "Without --address it starts an embedded Ray on 127.0.0.1. Place groups on nodes with custom "
                     "resources, e.g. --set scorers.reward.resources={reward_node: 1}.")
-    from detached_rl.ppo_on_ray import add_arguments
+    from detached_rl.cli.ppo_on_ray import add_arguments
 
     add_arguments(ppo_on_ray)
     _config_options(ppo_on_ray, "YAML laid over what the flags set (any RunConfig key)")

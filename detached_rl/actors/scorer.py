@@ -27,9 +27,11 @@ from typing import Any
 
 import ray
 
-from detached_rl.actors import DEFAULT_NAMESPACE, _ray_fetch, attach, get_all, remove_group
-from detached_rl.models.generation import SamplingConfig
-from detached_rl.scorers import (
+from detached_rl.actors.group import remove_group
+from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, get_all, ray_fetch
+from detached_rl.core.sampling import SamplingConfig
+from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
+from detached_rl.maker.scoring import (
     SCORER_ROLES,
     PendingScores,
     RequestBatcher,
@@ -38,7 +40,6 @@ from detached_rl.scorers import (
     ScoreRequest,
     ScorerGroupConfig,
 )
-from detached_rl.weight_sync import ApplyResult, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class ScorerWorker:
 
     def apply_weight_update_local(self, update: WeightUpdate) -> ApplyResult:
         try:
-            return self.core.apply_weight_update(update, _ray_fetch(self.core.weight_timeout_s))
+            return self.core.apply_weight_update(update, ray_fetch(self.core.weight_timeout_s))
         except Exception as error:
             self.last_error = f"weight update v{update.manifest.version}: {error}"
             raise

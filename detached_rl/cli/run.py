@@ -8,7 +8,7 @@ maker serves, grades the held-out split again with the final weights, and writes
 summary.json, the LoRA adapter (adapter/) and a merged model (merged/). Everything it
 started is shut down at the end, also on failure or Ctrl-C.
 
-The packaged `configs/run.yaml` holds the defaults (SmolLM2-135M-Instruct + LoRA, GRPO,
+The packaged `config/run.yaml` holds the defaults (SmolLM2-135M-Instruct + LoRA, GRPO,
 word problems); `--config` lays a YAML file over it and `--set key.path=value` overrides.
 """
 
@@ -29,10 +29,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from detached_rl.cli.reporting import MetricsRecorder, evaluation_summary, plot_metrics, side_by_side
 from detached_rl.config import TASK_REWARDS, RunConfig, dump_config, load_config
-from detached_rl.reporting import MetricsRecorder, evaluation_summary, plot_metrics, side_by_side
 
-DEFAULT_RUN_CONFIG = Path(__file__).parent / "configs" / "run.yaml"
+DEFAULT_RUN_CONFIG = Path(__file__).parent.parent / "config" / "run.yaml"
 logger = logging.getLogger(__name__)
 
 
@@ -160,7 +160,8 @@ class JobRunner:
         """Create the named trainer and makers (refusing names already in use in the namespace)."""
         import ray
 
-        from detached_rl.actors import DetachedGRPOTrainer, DetachedPPOTrainer, ExperienceMakerHolder
+        from detached_rl.actors.maker import ExperienceMakerHolder
+        from detached_rl.actors.trainer import DetachedGRPOTrainer, DetachedPPOTrainer
 
         config = self.config
         for name in [self.trainer_name, *self.maker_names]:
@@ -344,7 +345,7 @@ class JobRunner:
 
     def _report(self, before: list[dict[str, Any]], after: list[dict[str, Any]], trained: dict[str, Any],
                 files: dict[str, str], seconds: float) -> RunResult:
-        from detached_rl.reporting import read_metrics
+        from detached_rl.cli.reporting import read_metrics
 
         rows = read_metrics(self.directory / "metrics.jsonl")
         plot_metrics(rows, self.directory / "metrics.png", title=self.name)
@@ -406,7 +407,7 @@ def run_job(config: RunConfig, address: str | None = None, echo: Callable[[str],
     """Run the whole job on a local embedded Ray cluster (or the cluster at `address`)."""
     import ray
 
-    from detached_rl import jobs
+    from detached_rl.cli import jobs
 
     with stop_on_signals(echo) as interrupted:
         started_ray = False

@@ -21,8 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from detached_rl.experience import Experience
-from detached_rl.replay_buffer import AppendResult
+from detached_rl.core.experience import Experience
+from detached_rl.core.replay_buffer import AppendResult
 
 POLICIES = ("round_robin", "least_full")
 DROP_REASONS = ("rejected", "failed", "stopped")

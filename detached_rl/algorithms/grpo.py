@@ -26,14 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from detached_rl import algorithms
-from detached_rl.experience import Experience, ExperienceBatch, collate
+from detached_rl.algorithms import functional as algorithms
+from detached_rl.algorithms.ppo import TokenWeightedMeans, micro_batches
+from detached_rl.core.experience import Experience, ExperienceBatch, collate
+from detached_rl.core.sampling import SamplingConfig
 from detached_rl.models.actor import Actor
-from detached_rl.models.generation import SamplingConfig
 from detached_rl.models.lora import lora_backend, merged_model
-from detached_rl.optim import OptimizerConfig
-from detached_rl.ppo import TokenWeightedMeans, micro_batches
 from detached_rl.strategies.base import Strategy
+from detached_rl.strategies.optim import OptimizerConfig
 
 VARIANTS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 

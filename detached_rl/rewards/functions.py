@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-from detached_rl.sandbox import run_python
+from detached_rl.rewards.sandbox import run_python
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
@@ -382,7 +382,7 @@ def code_reward(
     """reward = correct + format_weight * format, correct = fraction of `tests` passed.
 
     format = 1 when the response has a closed fenced Python block; the last one is run in the
-    sandbox (`detached_rl.sandbox.run_python`) once per test. A test is either
+    sandbox (`detached_rl.rewards.sandbox.run_python`) once per test. A test is either
     {"input": stdin, "output": expected stdout} (passes on exit status 0 and equal output after
     stripping trailing whitespace per line), or an assert string run after the solution in the
     same namespace (passes when it completes). After a timeout the remaining tests count as

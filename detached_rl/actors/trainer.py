@@ -1,0 +1,271 @@
+"""The trainer actors `DetachedPPOTrainer` and `DetachedGRPOTrainer`: thin shells over `TrainerCore`.
+
+Concurrency groups: `buffer_length` (buffer_length, buffer_stats, status, metrics, stop),
+`buffer_append` (push_experience), `buffer_sample` (buffer_sample, buffer_peek, buffer_export),
+`model_io` (register_maker, policy_version, weights, export, process-group set-up), `compute`
+(fit, join_process_group). Each group runs in its own thread, so a long `fit` never delays a
+push or a status query.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, dispatch_weight_update, put_chunk
+from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
+from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
+from detached_rl.core.replay_buffer import AppendResult
+from detached_rl.core.weight_sync import WeightUpdate, state_fingerprint
+from detached_rl.strategies import NaiveStrategy, Strategy
+from detached_rl.trainer.core import TrainerConfig, TrainerCore
+
+logger = logging.getLogger(__name__)
+
+
+TRAINER_GROUPS = {"buffer_length": 1, "buffer_append": 1, "buffer_sample": 1, "model_io": 1, "compute": 1}
+
+
+class _TrainerShell:
+    """The Ray-facing methods every trainer shares; subclasses say which learner to build."""
+
+    def __init__(
+        self,
+        name: str,
+        model_factory: Callable[[], Any],
+        config: TrainerConfig | None = None,
+        algorithm: Any = None,
+        namespace: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        strategy: str = "naive",
+    ) -> None:
+        self.name = name
+        self.namespace = namespace or DEFAULT_NAMESPACE
+        self.config = config or TrainerConfig()
+        self.algorithm = algorithm
+        self.rank, self.world_size, self.strategy_name = rank, world_size, strategy
+        self.model_factory = model_factory
+        self.core: TrainerCore | None = None
+        self._fit_thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        if strategy == "naive":
+            if world_size != 1:
+                raise ValueError(f"trainer {name!r}: strategy 'naive' trains in one process, not {world_size}")
+            self._build(NaiveStrategy())
+
+    def _make_learner(self, strategy: Strategy) -> Any:
+        raise NotImplementedError
+
+    def _build(self, strategy: Strategy) -> None:
+        self.core = TrainerCore(self.name, self._make_learner(strategy), self.config)
+        self.core.build_update(put_chunk)  # version 0, offered to makers that register
+        self._ready.set()
+
+    def _core(self) -> TrainerCore:
+        if not self._ready.wait(timeout=self.config.batch_timeout_s):
+            raise RuntimeError(f"trainer {self.name!r} is not set up (its process group was never joined)")
+        return self.core
+
+    @ray.method(concurrency_group="model_io")
+    def master_address(self) -> tuple[str, int]:
+        """This node's address and a free port on it, for rank 0 to host the process group."""
+        from detached_rl.strategies.ddp import find_free_port
+
+        return ray.util.get_node_ip_address(), find_free_port()
+
+    @ray.method(concurrency_group="compute")
+    def join_process_group(self, master_addr: str, master_port: int, options: dict[str, Any] | None = None) -> None:
+        """Form the data-parallel process group with the other ranks (all ranks call this together)."""
+        from detached_rl.strategies import make_strategy
+
+        strategy = make_strategy(self.strategy_name, rank=self.rank, world_size=self.world_size,
+                                 master_addr=master_addr, master_port=master_port, **(options or {}))
+        strategy.setup()
+        self._build(strategy)
+
+    @ray.method(concurrency_group="buffer_append")
+    def push_experience(self, experiences: list) -> AppendResult:
+        """Append a maker's push (acknowledged; `full=True` asks the maker to back off and retry)."""
+        return self._core().push_experience(experiences)
+
+    @ray.method(concurrency_group="buffer_length")
+    def buffer_length(self) -> int:
+        """Samples in the replay buffer."""
+        return len(self._core().buffer)
+
+    @ray.method(concurrency_group="buffer_length")
+    def buffer_stats(self) -> dict[str, Any]:
+        """Size, bytes, accounting, staleness histogram, per-maker counts, reward statistics."""
+        return self._core().buffer.stats()
+
+    @ray.method(concurrency_group="buffer_length")
+    def status(self) -> dict[str, Any]:
+        """State, version, steps, buffer fill, samples/s, last error, process id and run id."""
+        core = self._core()
+        return {**core.status(), "pid": os.getpid(), "trainer_run": core.run_id,
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    @ray.method(concurrency_group="buffer_length")
+    def metrics(self, last: int | None = None) -> list[dict[str, float]]:
+        """Per-step metrics of `fit` (the last `last` steps)."""
+        history = list(self._core().history)
+        return history[-last:] if last else history
+
+    @ray.method(concurrency_group="model_io")
+    def export_policy(self) -> dict[str, bytes]:
+        """The policy as files: the LoRA adapter (peft format) under adapter/ and a merged model under merged/."""
+        from detached_rl.models.export import policy_files
+
+        core = self._core()
+        with core.weights_lock:
+            actor = core.strategy.unwrap(core.learner.actor)
+            return policy_files(actor.model, actor.tokenizer)
+
+    @ray.method(concurrency_group="buffer_sample")
+    def buffer_peek(self, count: int = 5, maker: str | None = None, min_reward: float | None = None,
+                    max_reward: float | None = None) -> list[dict[str, Any]]:
+        """The newest samples, decoded to text, without removing them."""
+        core = self._core()
+        tokenizer = core.strategy.unwrap(core.learner.actor).tokenizer
+        return core.buffer.peek(count, maker=maker, min_reward=min_reward, max_reward=max_reward,
+                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+    @ray.method(concurrency_group="buffer_sample")
+    def buffer_sample(self, count: int, timeout: float = 0.0) -> list:
+        """Take `count` samples out of the buffer (for external consumers); [] if not enough in time."""
+        core = self._core()
+        return core.buffer.sample(count, current_version=core.policy_version, timeout=timeout)
+
+    @ray.method(concurrency_group="model_io")
+    def register_maker(self, maker_name: str, base_fingerprint: str | None = None) -> WeightUpdate | None:
+        """Record a maker; returns the weight update it should start from (full unless its base matches)."""
+        return self._core().register_maker(maker_name, base_fingerprint, put_chunk)
+
+    @ray.method(concurrency_group="model_io")
+    def policy_version(self) -> int:
+        """Version of the current weights (completed training steps)."""
+        return self._core().policy_version
+
+    @ray.method(concurrency_group="model_io")
+    def weights_fingerprint(self) -> str:
+        """Fingerprint of the weights makers mirror (for tests and audits; checksums every tensor)."""
+        core = self._core()
+        with core.weights_lock:
+            return state_fingerprint(core.synced_state())
+
+    @ray.method(concurrency_group="model_io")
+    def update_fingerprints(self) -> dict[int, str]:
+        """Version -> weights fingerprint of every update sent (with `record_weights_fingerprint`)."""
+        return dict(self._core().fingerprints)
+
+    @ray.method(concurrency_group="compute")
+    def fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None,
+            checkpoint_every: int = 0, checkpoint_dir: str | None = None, resume_from: str | None = None,
+            ) -> dict[str, Any]:
+        """Train up to step `total_steps`; push weights every `update_steps` steps and at the end; checkpoint."""
+        core = self._core()
+
+        def send(update: WeightUpdate, makers: list[str]) -> Any:
+            collect = dispatch_weight_update(update, makers, self.namespace, self.config.weight_push_timeout_s)
+            return collect if self.config.overlap_weight_push else collect()
+
+        def stop_makers(makers: list[str]) -> None:
+            pending = {}
+            for name in makers:
+                try:
+                    pending[name] = attach(name, self.namespace, timeout=5.0).stop.remote()
+                except Exception as error:  # noqa: BLE001 - a vanished maker needs no stopping
+                    logger.warning("could not stop maker %s: %s", name, error)
+            for name, ref in pending.items():  # wait for the acknowledgement: a dropped reference is not a delivery
+                try:
+                    ray.get(ref, timeout=30.0)
+                except Exception as error:  # noqa: BLE001
+                    logger.warning("maker %s did not acknowledge stop: %s", name, error)
+
+        return core.fit(total_steps, put_chunk, send, update_steps, train_epochs, stop_makers,
+                        checkpoint_every, checkpoint_dir, resume_from)
+
+    @ray.method(concurrency_group="model_io")
+    def start_fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None,
+                  **checkpointing: Any) -> bool:
+        """Run `fit` in a background thread of the actor (it outlives the caller); False if one runs already."""
+        core = self._core()
+        if core.state == "training" or self._fit_thread is not None and self._fit_thread.is_alive():
+            return False
+        core.state = "training"
+        self._fit_thread = threading.Thread(
+            target=self._fit_logged, args=(total_steps, update_steps, train_epochs), kwargs=checkpointing,
+            daemon=True, name="trainer-fit",
+        )
+        self._fit_thread.start()
+        return True
+
+    def _fit_logged(self, total_steps: int, update_steps: int, train_epochs: int | None, **checkpointing: Any) -> None:
+        try:
+            self.fit(total_steps, update_steps, train_epochs, **checkpointing)
+        except Exception:  # noqa: BLE001 - recorded in last_error by fit, shown by status
+            logger.exception("trainer %s stopped with an error", self.name)
+
+    @ray.method(concurrency_group="buffer_length")
+    def stop(self) -> None:
+        """Ask a running `fit` to end after its current step."""
+        self._core().stop()
+
+    @ray.method(concurrency_group="buffer_sample")
+    def buffer_export(self, start: int = 0, count: int = 256) -> list[dict[str, Any]]:
+        """Samples `start`..`start+count` (arrival order) as plain dicts with decoded text, without removing them."""
+        core = self._core()
+        tokenizer = core.strategy.unwrap(core.learner.actor).tokenizer
+        rows = []
+        for experience in core.buffer.experiences(start, count):
+            row = experience.to_dict()
+            row["prompt_text"] = tokenizer.decode(row["prompt_ids"], skip_special_tokens=True)
+            row["response_text"] = tokenizer.decode(row["response_ids"], skip_special_tokens=True)
+            rows.append(row)
+        return rows
+
+    @ray.method(concurrency_group="model_io")
+    def shutdown(self) -> None:
+        """Free the models, then leave the process group (DDP models freed after it can hang)."""
+        core, self.core = self.core, None
+        self._ready.clear()
+        if core is not None:
+            strategy = core.strategy
+            del core
+            gc.collect()
+            strategy.destroy()
+
+    @ray.method(concurrency_group="compute")
+    def busy(self, seconds: float) -> float:
+        """Occupy the compute group for `seconds` (to check that other groups stay responsive)."""
+        time.sleep(seconds)
+        return seconds
+
+
+class PPOTrainerShell(_TrainerShell):
+    """PPO: actor and critic from the factory (`(Actor, Critic)`); makers mirror both."""
+
+    def _make_learner(self, strategy: Strategy) -> PPOLearner:
+        actor, critic = self.model_factory()
+        return PPOLearner(actor, critic, strategy, self.algorithm or PPOConfig())
+
+
+class GRPOTrainerShell(_TrainerShell):
+    """The GRPO family: the policy from the factory (an `Actor`, or `(Actor, ...)`); critic-free."""
+
+    def _make_learner(self, strategy: Strategy) -> GRPOLearner:
+        built = self.model_factory()
+        actor = built[0] if isinstance(built, tuple) else built
+        return GRPOLearner(actor, strategy, self.algorithm or GRPOConfig())
+
+
+DetachedPPOTrainer = ray.remote(concurrency_groups=TRAINER_GROUPS)(PPOTrainerShell)
+DetachedGRPOTrainer = ray.remote(concurrency_groups=TRAINER_GROUPS)(GRPOTrainerShell)

@@ -1,0 +1,118 @@
+"""Ray transport: actor names and namespaces, waiting with timeouts, and the weight-chunk wire format.
+
+Actors find each other only by name and namespace (`attach`), never by handles passed
+around by a driver, so makers and trainers may start in any order and in separate jobs.
+Every wait here has a timeout. Weight chunks travel as raw byte arrays (`put_chunk`): each
+chunk is `ray.put` once and the same reference goes to every maker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NAMESPACE = "detached_rl"
+
+
+def get_all(refs: Sequence[Any], timeout: float) -> list[Any]:
+    """`ray.get` of every ref within `timeout`; on errors, raise the first only after all were retrieved.
+
+    A plain `ray.get(list)` raises at the first failed ref and leaves the others unretrieved, so Ray
+    later logs their errors as unhandled (a second traceback on the user's terminal).
+    """
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+    results: list[Any] = []
+    first_error: BaseException | None = None
+    for ref in refs:
+        if ref not in ready:
+            continue
+        try:
+            results.append(ray.get(ref))
+        except Exception as error:  # noqa: BLE001 - raised below, after every ref was retrieved
+            first_error = first_error or error
+    if first_error is not None:
+        raise first_error
+    if pending:
+        raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls did not finish within {timeout:.0f} s")
+    return results
+
+
+def attach(name: str, namespace: str | None = None, timeout: float = 60.0, poll_interval: float = 0.2):
+    """The handle of the named actor, waiting up to `timeout` s for it to exist."""
+    namespace = namespace or DEFAULT_NAMESPACE
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"no actor named {name!r} in Ray namespace {namespace!r} after {timeout:.1f} s "
+                    "(is it started, and in this namespace?)"
+                ) from None
+            time.sleep(poll_interval)
+
+
+def put_chunk(chunk: dict[str, torch.Tensor]) -> Any:
+    """`ray.put` a weight chunk as raw byte arrays, which the object store hands back without a copy.
+
+    Pickled torch tensors are copied on both sides; numpy arrays travel out of band, so a maker
+    reads them straight from shared memory and copies each byte once, into its model.
+    """
+    return ray.put({
+        name: (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy())
+        for name, t in chunk.items()
+    })
+
+
+def fetch_chunk(ref: Any, timeout: float) -> dict[str, torch.Tensor]:
+    """`ray.get` a chunk stored by `put_chunk` as tensors viewing the object store's memory (read-only)."""
+    raw = ray.get(ref, timeout=timeout)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")  # only read: verified, then copied
+        return {
+            name: torch.from_numpy(array).view(getattr(torch, dtype)).reshape(shape)
+            for name, (dtype, shape, array) in raw.items()
+        }
+
+
+def ray_fetch(timeout: float) -> Callable[[Any], dict[str, torch.Tensor]]:
+    """A chunk fetcher for `WeightReceiver.apply`: `fetch_chunk` with `timeout`."""
+    return lambda ref: fetch_chunk(ref, timeout)
+
+
+def dispatch_weight_update(update: WeightUpdate, makers: Sequence[str], namespace: str, timeout: float
+                           ) -> Callable[[], dict[str, ApplyResult | BaseException]]:
+    """Send the same update (the same chunk refs) to every maker at once; returns a function that waits
+    (at most `timeout` seconds from now) and gives each maker's result or error."""
+    pending: dict[str, Any] = {}
+    results: dict[str, ApplyResult | BaseException] = {}
+    for name in makers:
+        try:
+            handle = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            results[name] = LookupError(f"no maker named {name!r} in namespace {namespace!r}")
+            continue
+        pending[name] = handle.apply_weight_update.remote(update)
+    deadline = time.monotonic() + timeout
+
+    def collect() -> dict[str, ApplyResult | BaseException]:
+        for name, ref in pending.items():
+            try:
+                results[name] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01))
+            except Exception as error:  # noqa: BLE001
+                results[name] = error
+        pending.clear()
+        return results
+
+    return collect

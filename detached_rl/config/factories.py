@@ -1,0 +1,82 @@
+"""Model factories: build the actors' models from a `ModelConfig` (picklable through `functools.partial`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from detached_rl.maker.experience_maker import MakerModels
+from detached_rl.rewards.functions import REWARD_FUNCTIONS
+
+if TYPE_CHECKING:  # the schema imports this module to name its factories
+    from detached_rl.config.schema import ModelConfig, TaskConfig
+
+
+def build_policy(model: ModelConfig):
+    """The policy `Actor` (with its LoRA adapter, if configured), from the model config."""
+    from detached_rl.models import Actor, LoraSettings, apply_lora, load_causal_lm
+
+    policy, tokenizer = load_causal_lm(model.policy, seed=model.seed)
+    if model.lora is not None:
+        policy = apply_lora(policy, LoraSettings(**dataclasses.asdict(model.lora)))
+    return Actor(policy, tokenizer)
+
+
+def build_critic(model: ModelConfig):
+    """The critic (a value head on the critic's, else the policy's, architecture), from the model config."""
+    from detached_rl.models import Critic, load_causal_lm
+    from detached_rl.models.scalar_heads import backbone_of
+
+    critic_model, _ = load_causal_lm(model.critic or model.policy, seed=model.seed + 1)
+    with torch.random.fork_rng(devices=[]):  # the value head too: the same config gives the same critic
+        torch.manual_seed(model.seed + 1)
+        return Critic(backbone_of(critic_model))
+
+
+def build_actor_critic(model: ModelConfig):
+    """The policy and a critic, from the model config."""
+    return build_policy(model), build_critic(model)
+
+
+def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool = True,
+                       remote_roles: frozenset[str] = frozenset()) -> MakerModels:
+    """A maker's policy, reward function and, for PPO, critic and reference model (none for `remote_roles`)."""
+    from detached_rl.models import Actor, load_causal_lm
+
+    if with_critic and "critic" not in remote_roles:
+        actor, critic = build_actor_critic(model)
+    else:  # GRPO is critic-free; a remote critic is a scorer group's
+        actor, critic = build_policy(model), None
+    local_reference = with_critic and model.reference and "reference" not in remote_roles
+    reference = Actor(*load_causal_lm(model.policy, seed=model.seed)) if local_reference else None
+    reward = None if "reward" in remote_roles else build_reward(model, task, actor.tokenizer)
+    return MakerModels(actor=actor, critic=critic, reference=reference, reward=reward)
+
+
+def build_reward(model: ModelConfig, task: TaskConfig, tokenizer):
+    """The reward: a reward model when `model.reward_model` names one, else the task's reward function."""
+    from detached_rl.models import FunctionReward, load_causal_lm
+    from detached_rl.models.scalar_heads import RewardModel, backbone_of
+
+    if model.reward_model is None:
+        return FunctionReward(REWARD_FUNCTIONS[task.reward], tokenizer)
+    backbone, _ = load_causal_lm(model.reward_model, seed=model.seed + 2)
+    with torch.random.fork_rng(devices=[]):  # a seeded head: the same config gives the same reward model
+        torch.manual_seed(model.seed + 2)
+        return RewardModel(backbone_of(backbone)).eval()
+
+
+def build_scorer_model(model: ModelConfig, task: TaskConfig, role: str):
+    """The model a scorer group serves: the reward function, the frozen reference policy, or the critic."""
+    from detached_rl.models import Actor, load_causal_lm
+    from detached_rl.models.loaders import load_tokenizer
+
+    if role == "reward":  # the policy's tokenizer decodes the responses; its weights are not needed
+        return build_reward(model, task, load_tokenizer(model.policy))
+    if role == "reference":
+        return Actor(*load_causal_lm(model.policy, seed=model.seed))
+    if role == "critic":
+        return build_critic(model)
+    raise ValueError(f"build_scorer_model: unknown role {role!r}")

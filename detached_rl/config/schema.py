@@ -1,0 +1,205 @@
+"""One typed configuration for the CLI, the examples and the Python API, loadable from YAML.
+
+`RunConfig` gathers the settings of every part (models, task, sampling, maker, trainer, PPO)
+as dataclasses with working defaults. `load_config(path, overrides)` reads YAML, applies
+`key.sub=value` overrides from the command line (`detached_rl.config.loading`), and refuses
+unknown keys and bad values with a `ConfigError` that names the dotted key. `RunConfig` also
+hands out what the actors need: model factories (`detached_rl.config.factories`, picklable so
+Ray can ship them) and the prompt source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from detached_rl.algorithms.grpo import GRPOConfig
+from detached_rl.algorithms.ppo import PPOConfig
+from detached_rl.config.factories import (
+    build_actor_critic,
+    build_maker_models,
+    build_policy,
+    build_scorer_model,
+)
+from detached_rl.core.sampling import SamplingConfig
+from detached_rl.maker.experience_maker import MakerConfig
+from detached_rl.maker.scoring import ScorerGroupConfig
+from detached_rl.rewards.functions import REWARD_FUNCTIONS
+from detached_rl.trainer.core import TrainerConfig, TrainerGroupConfig
+
+TASKS = ("addition", "word_problems")
+ALGORITHMS = ("ppo", "grpo")
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is invalid; the message names the dotted key."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapter on the policy (see `detached_rl.models.LoraSettings`)."""
+
+    backend: str = "peft"
+    r: int = 8
+    alpha: float = 16
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | None = None
+
+
+@dataclass
+class ModelConfig:
+    """Which models the makers and trainers build; specs are `smollm2`, `tiny[-<type>]` or a local directory."""
+
+    policy: str = "tiny"
+    critic: str | None = None  # None: a critic on the policy's architecture (spec `policy`)
+    reference: bool = True  # makers hold a frozen copy of the initial policy for the KL term
+    # A reward model (spec as `policy`: a scalar head on that backbone) instead of the task's reward function.
+    reward_model: str | None = None
+    lora: LoraConfig | None = None
+    seed: int = 0
+
+
+@dataclass
+class TaskConfig:
+    """The prompt set and how it is graded."""
+
+    name: str = "addition"
+    train_size: int = 256
+    eval_size: int = 64  # held-out problems for `detached-rl run`'s before/after accuracy
+    seed: int = 0
+    reward: str = "numeric_answer"
+    # Prompts from a file (.csv/.jsonl/.json with a `prompt` and an optional `answer` column) instead of `name`'s.
+    prompt_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in TASKS:
+            raise ValueError(f"TaskConfig.name must be one of {TASKS}, got {self.name!r}")
+        if self.reward not in REWARD_FUNCTIONS:
+            raise ValueError(f"TaskConfig.reward must be one of {tuple(REWARD_FUNCTIONS)}, got {self.reward!r}")
+        for name in ("train_size", "eval_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TaskConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+TASK_REWARDS = {"addition": "numeric_answer", "word_problems": "answer_line"}
+
+
+@dataclass
+class RunSection:
+    """How `detached-rl run` drives a whole job: how long, how many makers, where the results go."""
+
+    name: str | None = None  # None: "<algorithm>-<model>-<date>-<time>"
+    steps: int = 30
+    makers: int = 2
+    output_dir: str = "runs"
+    examples: int = 4  # decoded held-out examples shown before/after
+    trainer_threads: int = 0  # torch threads per actor; 0: torch's default
+    maker_threads: int = 0
+    # Makers run this much nicer than the trainer: on a machine they share, the trainer (the bottleneck
+    # when makers can run ahead) gets the CPU first and makers use what is left.
+    maker_nice: int = 0
+    progress: bool = True
+    poll_interval_s: float = 1.0
+    timeout_s: float = 3600.0  # the whole run, from start to shutdown
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "makers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RunSection.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("examples", "trainer_threads", "maker_threads", "maker_nice"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RunSection.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("poll_interval_s", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RunSection.{name} must be > 0, got {getattr(self, name)}")
+        if self.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
+            raise ValueError(f"RunSection.name must be letters, digits, '.', '_' or '-', got {self.name!r}")
+
+
+@dataclass
+class ScorersConfig:
+    """The shape and placement of each scorer group (used for the roles `maker.<role>_scorer` names)."""
+
+    reward: ScorerGroupConfig = field(default_factory=ScorerGroupConfig)
+    reference: ScorerGroupConfig = field(default_factory=ScorerGroupConfig)
+    critic: ScorerGroupConfig = field(default_factory=ScorerGroupConfig)
+
+
+@dataclass
+class RunConfig:
+    """Everything a detached run needs; every field has a default that works."""
+
+    namespace: str = "detached_rl"
+    algorithm: str = "ppo"  # "ppo" (critic, GAE) or "grpo" (the GRPO family, see `grpo.algorithm`)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
+    maker: MakerConfig = field(default_factory=MakerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer_group: TrainerGroupConfig = field(default_factory=TrainerGroupConfig)  # ranks, strategy, placement
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    run: RunSection = field(default_factory=RunSection)
+    scorers: ScorersConfig = field(default_factory=ScorersConfig)
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"RunConfig.algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        # One sampling setting: the makers sample with it and the trainer recomputes log-probs with it.
+        self.maker.sampling = self.sampling
+        self.ppo.sampling = self.sampling
+        self.grpo.sampling = self.sampling
+
+    @property
+    def algorithm_config(self) -> PPOConfig | GRPOConfig:
+        """The trainer's algorithm settings."""
+        return self.grpo if self.algorithm == "grpo" else self.ppo
+
+    def trainer_factory(self) -> functools.partial:
+        """A picklable zero-argument factory of the trainer's models ((Actor, Critic) for PPO, Actor for GRPO)."""
+        if self.algorithm == "grpo":
+            return functools.partial(build_policy, self.model)
+        return functools.partial(build_actor_critic, self.model)
+
+    def maker_factory(self) -> functools.partial:
+        """A picklable zero-argument factory of a maker's models (GRPO makers hold only the policy)."""
+        return functools.partial(build_maker_models, self.model, self.task, self.algorithm == "ppo",
+                                 frozenset(self.maker.scorers))
+
+    def scorer_factory(self, role: str) -> functools.partial:
+        """A picklable zero-argument factory of the model a `role` scorer group serves."""
+        return functools.partial(build_scorer_model, self.model, self.task, role)
+
+    def prompts(self, shard: int = 0, num_shards: int = 1):
+        """The training prompts as a cycling prompt source; makers take disjoint shards (`shard` of `num_shards`)."""
+        from detached_rl.core.prompts import CyclingPrompts
+        from detached_rl.rewards.tasks import make_problems
+
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"prompts: shard must be in [0, {num_shards}), got {shard}")
+        if self.task.prompt_file is not None:
+            from detached_rl.core.prompts import load_prompt_file
+
+            problems = load_prompt_file(self.task.prompt_file)[shard::num_shards]
+        else:
+            problems = make_problems(self.task.name, self.task.train_size, seed=self.task.seed)[shard::num_shards]
+        if not problems:
+            source = "task.prompt_file" if self.task.prompt_file is not None else f"task.train_size={self.task.train_size}"
+            raise ValueError(f"{source} has fewer prompts than the {num_shards} prompt shards")
+        return CyclingPrompts(problems, seed=self.task.seed + shard)
+
+    def eval_problems(self) -> list:
+        """The held-out problems `detached-rl run` grades before and after training."""
+        from detached_rl.rewards.tasks import make_problems
+
+        return make_problems(self.task.name, self.task.eval_size, seed=self.task.seed, split="test")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (as YAML would hold it); sampling appears once, at the top."""
+        data = dataclasses.asdict(self)
+        for section in ("maker", "ppo", "grpo"):
+            data[section].pop("sampling")
+        return data
