@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from detached_rl import Experience, algorithms, collate
+from detached_rl.generation import HFGenerationBackend
 from detached_rl.models import Actor, LoraSettings, SamplingConfig, apply_lora, load_causal_lm
 
 
@@ -39,7 +40,7 @@ def measure(model_name: str, responses: int, new_tokens: int, repeats: int, thre
     generate_s, train_s = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        out = actor.generate(prompts, sampling)
+        out = HFGenerationBackend.from_actor(actor).generate_text(prompts, sampling)
         generate_s.append(time.perf_counter() - start)
         batch = collate([Experience(p, r, lp, torch.tensor(float(i % 2))) for i, (p, r, lp) in
                          enumerate(zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True))],

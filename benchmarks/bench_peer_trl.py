@@ -87,6 +87,7 @@ import transformers  # noqa: E402
 from detached_rl.cli.reporting import read_metrics  # noqa: E402
 from detached_rl.cli.run import run_config, run_job  # noqa: E402
 from detached_rl.config import RunConfig  # noqa: E402
+from detached_rl.generation import HFGenerationBackend  # noqa: E402
 from detached_rl.models import Actor, load_causal_lm  # noqa: E402
 from detached_rl.rewards.functions import REWARD_FUNCTIONS  # noqa: E402
 
@@ -197,7 +198,8 @@ def held_out_accuracy(model: torch.nn.Module, tokenizer: Any, config: RunConfig)
     problems = config.eval_problems()
     actor = Actor(model.eval(), tokenizer)
     with torch.no_grad():
-        out = actor.generate([p.messages for p in problems], dataclasses.replace(config.sampling, do_sample=False))
+        out = HFGenerationBackend.from_actor(actor).generate_text(
+            [p.messages for p in problems], dataclasses.replace(config.sampling, do_sample=False))
     texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
     return statistics.mean(float(fn("", text, **p.metadata)["correct"]) for p, text in zip(problems, texts, strict=True))
 

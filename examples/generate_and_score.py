@@ -11,6 +11,7 @@ import argparse
 import torch
 
 from detached_rl import Experience, collate
+from detached_rl.generation import HFGenerationBackend
 from detached_rl.models import Actor, FunctionReward, SamplingConfig, load_causal_lm
 from detached_rl.rewards.functions import numeric_answer_reward
 from detached_rl.rewards.tasks import addition_problems
@@ -28,8 +29,8 @@ def main() -> None:
     model, tokenizer = load_causal_lm(args.model)
     actor = Actor(model, tokenizer)
     problems = addition_problems(args.problems, split="test")
-    out = actor.generate([p.prompt for p in problems], SamplingConfig(max_new_tokens=args.max_new_tokens,
-                                                                       temperature=0.7))
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0.7)
+    out = HFGenerationBackend.from_actor(actor).generate_text([p.prompt for p in problems], sampling)
     experiences = [
         Experience(prompt_ids=p, response_ids=r, log_probs=lp, reward=torch.tensor(0.0), maker="example")
         for p, r, lp in zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)

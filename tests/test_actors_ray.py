@@ -17,7 +17,7 @@ from detached_rl.core.replay_buffer import RejectedPushError
 from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update
 from detached_rl.maker.experience_maker import MakerConfig
 from detached_rl.models import SamplingConfig
-from detached_rl.trainer.core import TrainerConfig
+from detached_rl.trainer.config import TrainerConfig
 
 from .helpers import arithmetic_prompts, tiny_actor_critic, tiny_maker_models
 

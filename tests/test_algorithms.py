@@ -1,4 +1,4 @@
-"""Tests for detached_rl.algorithms.functional against values worked out by hand (the arithmetic is in the comments)."""
+"""Tests for the pure math of detached_rl.algorithms against values worked out by hand (the arithmetic is in the comments)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from detached_rl.algorithms.functional import (
+from detached_rl.algorithms import (
     ADVANTAGE_METHODS,
     KL_KINDS,
     LOSS_AGG_MODES,

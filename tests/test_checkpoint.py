@@ -16,7 +16,8 @@ from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, Mak
 from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
 from detached_rl.strategies import NaiveStrategy
 from detached_rl.strategies.optim import OptimizerConfig
-from detached_rl.trainer.core import TrainerConfig, TrainerCore
+from detached_rl.trainer.config import TrainerConfig
+from detached_rl.trainer.core import TrainerCore
 
 from .helpers import LowTokenReward, ObjectStore, arithmetic_prompts, tiny_actor_critic, tiny_maker_models
 

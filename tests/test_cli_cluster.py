@@ -14,10 +14,15 @@ from pathlib import Path
 import psutil
 import pytest
 
+from .conftest import CLUSTER_MARKER, ROOT, marked_processes, new_cluster_marker
+
 pytestmark = pytest.mark.ray
 
-ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# Sized for 2 loaded cores, where one Ray client join (the head starts a server process for it) has taken
+# over 120 s: every CLI call may join for this long, and gets this much more to do its work.
+CONNECT_TIMEOUT_S = 300
+COMMAND_TIMEOUT_S = CONNECT_TIMEOUT_S + 180
 CONFIG = """
 namespace: cli_test
 model: {policy: tiny}
@@ -34,39 +39,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cluster_processes(*markers: str) -> list[psutil.Process]:
-    """Processes whose command line names our cluster (its directory or GCS address), and their descendants."""
-    found: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        command = " ".join(proc.info["cmdline"] or [])
-        if proc.pid != os.getpid() and any(marker in command for marker in markers):
-            found[proc.pid] = proc
-            with contextlib.suppress(psutil.NoSuchProcess):
-                found.update({child.pid: child for child in proc.children(recursive=True)})
-    return list(found.values())
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    """A head node bound to 127.0.0.1 in a temporary directory; torn down by PID."""
+    """A head node bound to 127.0.0.1 in a temporary directory; torn down by PID, its own processes only
+    (they carry a fresh `CLUSTER_MARKER`, another cluster on the machine does not)."""
     directory = tempfile.mkdtemp(prefix="drl-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    marker = new_cluster_marker()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT),
+           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), CLUSTER_MARKER: marker,
+           "DETACHED_RL_CONNECT_TIMEOUT_S": str(CONNECT_TIMEOUT_S),
            # On 2 busy cores the per-client server of the Ray client can take longer than the default 30 s.
-           "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "120"}
+           "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": str(CONNECT_TIMEOUT_S)}
     port, client_port = free_port(), free_port()
     subprocess.run(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
          f"--ray-client-server-port={client_port}", f"--temp-dir={directory}", "--include-dashboard=false",
          "--num-cpus=6", "--disable-usage-stats"],
-        env=env, check=True, capture_output=True, timeout=120,
+        env=env, check=True, capture_output=True, timeout=COMMAND_TIMEOUT_S,
     )
     try:
         yield {"address": f"127.0.0.1:{port}", "client": f"ray://127.0.0.1:{client_port}", "env": env,
                "directory": directory}
     finally:
-        # The Ray client servers name only the GCS address, not the directory.
-        processes = cluster_processes(directory, f"--address=127.0.0.1:{port}")
+        processes = marked_processes(marker)
         for proc in processes:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.terminate()
@@ -76,7 +71,7 @@ def cluster():
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def cli(cluster, *args, timeout=180, check=True):
+def cli(cluster, *args, timeout=COMMAND_TIMEOUT_S, check=True):
     result = subprocess.run([str(BIN / "detached-rl"), *args], env=cluster["env"], capture_output=True, text=True,
                             timeout=timeout)
     if check and result.returncode != 0:
@@ -95,7 +90,7 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
     assert "trainer 'trainer_0' started" in out.stdout
 
     # Both outlive the processes that started them; inspect through the Ray client.
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while True:
         report = json.loads(cli(cluster, "inspect", "trainer_0", "--json", "--last", "3",
                                 "--address", cluster["client"], "--namespace", "cli_test").stdout)
@@ -155,13 +150,15 @@ def test_a_two_rank_ddp_trainer_group_from_the_cli_trains_and_stops_with_its_pla
     assert [(r["rank"], r["world_size"], r["state"], r["policy_version"]) for r in ranks] == [
         (0, 2, "done", 2), (1, 2, "done", 2)]
     groups = subprocess.run([sys.executable, "-c", PLACEMENT_GROUPS.format(address=cluster["address"])],
-                            env=cluster["env"], check=True, timeout=120, capture_output=True, text=True)
+                            env=cluster["env"], check=True, timeout=COMMAND_TIMEOUT_S, capture_output=True,
+                            text=True)
     assert json.loads(groups.stdout.strip().splitlines()[-1])["grp-placement"] == "CREATED"
 
     out = cli(cluster, "stop", *address, "--namespace", "cli_test", "--timeout", "60")
     assert {"grp_0", "grp_1", "grp_maker"} <= set(out.stdout.replace(",", " ").split())
     groups = subprocess.run([sys.executable, "-c", PLACEMENT_GROUPS.format(address=cluster["address"])],
-                            env=cluster["env"], check=True, timeout=120, capture_output=True, text=True)
+                            env=cluster["env"], check=True, timeout=COMMAND_TIMEOUT_S, capture_output=True,
+                            text=True)
     assert json.loads(groups.stdout.strip().splitlines()[-1])["grp-placement"] == "REMOVED"
 
 
@@ -181,7 +178,7 @@ def test_a_two_rank_ddp_trainer_group_from_the_cli_trains_and_stops_with_its_pla
 def test_errors_are_one_line_without_traceback(cluster, args, message):
     if "--address" not in args:
         args = [*args, "--address", cluster["address"]]
-    result = cli(cluster, *args, check=False, timeout=120)
+    result = cli(cluster, *args, check=False)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr

@@ -17,8 +17,9 @@ from detached_rl.cli import jobs
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.maker.experience_maker import MakerConfig
 from detached_rl.models import SamplingConfig
-from detached_rl.trainer.core import TrainerConfig
+from detached_rl.trainer.config import TrainerConfig
 
+from .conftest import marked_processes
 from .helpers import arithmetic_prompts, grpo_maker_models, tiny_policy
 
 pytestmark = pytest.mark.ray
@@ -156,15 +157,14 @@ def _name_free(ray, name: str) -> bool:
     return False
 
 
-def test_the_local_cluster_binds_to_loopback(ray_cluster):
+def test_the_local_cluster_binds_to_loopback(ray_cluster, cluster_marker):
     ray = ray_cluster
     assert [node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]] == ["127.0.0.1"]
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
-    session = ray.get_runtime_context().gcs_address.rpartition(":")[2]
-    ray_processes = {proc.pid for proc in psutil.process_iter(["cmdline"])
-                     if any(part in " ".join(proc.info["cmdline"] or []) for part in ("gcs_server", "raylet"))
-                     and session in " ".join(proc.info["cmdline"] or [])}
-    assert ray_processes, "found no GCS or raylet process of this cluster"
+    # This module's cluster only (its processes carry the marker), not another cluster on the machine.
+    own = marked_processes(cluster_marker)
+    ray_processes = {proc.pid for proc in own if any(part in proc.name() for part in ("gcs_server", "raylet"))}
+    assert len(ray_processes) == 2, f"expected this cluster's GCS and raylet, found {[p.name() for p in own]}"
     listening = {conn.laddr.ip for conn in psutil.net_connections("inet")
                  if conn.status == psutil.CONN_LISTEN and conn.pid in ray_processes}
     assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening

@@ -6,11 +6,13 @@ import torch
 from detached_rl import Experience, collate
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner, overlong_penalty, split_groups
 from detached_rl.core.prompts import CyclingPrompts
+from detached_rl.generation import HFGenerationBackend
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
 from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
 from detached_rl.strategies import NaiveStrategy
 from detached_rl.strategies.optim import OptimizerConfig
-from detached_rl.trainer.core import TrainerConfig, TrainerCore
+from detached_rl.trainer.config import TrainerConfig
+from detached_rl.trainer.core import TrainerCore
 
 from .helpers import LowTokenReward, ObjectStore, arithmetic_prompts
 
@@ -95,7 +97,7 @@ def test_fresh_batches_are_on_policy_and_stale_ones_are_importance_weighted():
     grpo = learner(actor_optimizer=OptimizerConfig(lr=1e-3))
     actor = grpo.policy
     torch.manual_seed(0)
-    out = actor.generate(["q1", "q2"] * 2, SAMPLING)
+    out = HFGenerationBackend.from_actor(actor).generate_text(["q1", "q2"] * 2, SAMPLING)
     experiences = [Experience(p, r, lp, torch.tensor(float(i // 2)), policy_version=3, group_id=str(i % 2))
                    for i, (p, r, lp) in enumerate(zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True))]
     fresh = grpo.train_step(experiences, policy_version=3)

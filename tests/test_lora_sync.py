@@ -12,7 +12,8 @@ from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.models import SamplingConfig
 from detached_rl.strategies import NaiveStrategy
 from detached_rl.strategies.optim import OptimizerConfig
-from detached_rl.trainer.core import TrainerConfig, TrainerCore
+from detached_rl.trainer.config import TrainerConfig
+from detached_rl.trainer.core import TrainerCore
 
 from .helpers import ObjectStore, arithmetic_prompts, lora_actor_critic, lora_maker_models
 
@@ -54,10 +55,10 @@ def test_five_lora_updates_keep_the_maker_exactly_on_the_trainer(backend, mode):
         update = trainer.latest_update
         assert update.manifest.kind == "lora" and update.manifest.metadata["lora"]["r"] == 4
         assert maker.policy_version == step + 1 and metrics["weight_sync/makers_updated"] == 1
-        difference = (logits_of(maker.actor.model) - logits_of(trainer_model)).abs().max().item()
+        difference = (logits_of(maker.backend.model) - logits_of(trainer_model)).abs().max().item()
         assert difference <= 1e-5, f"step {step}: max |logit diff| {difference}"
     if mode == "merge":
-        assert not any("lora" in type(m).__module__.lower() for m in maker.actor.model.modules())
+        assert not any("lora" in type(m).__module__.lower() for m in maker.backend.model.modules())
 
 
 def test_lora_update_is_refused_when_the_base_differs():
@@ -69,10 +70,10 @@ def test_lora_update_is_refused_when_the_base_differs():
     lora_update = trainer.latest_update
     stranger = ExperienceMaker("maker_1", lora_maker_models("peft", seed=9), CyclingPrompts(arithmetic_prompts()),
                                MakerConfig(experience_batch_size=8, sampling=SAMPLING))
-    before = logits_of(stranger.actor.model)
+    before = logits_of(stranger.backend.model)
     with pytest.raises(WeightUpdateError, match="base fingerprint mismatch"):
         stranger.apply_weight_update(lora_update, store.fetch)
-    assert stranger.policy_version == -1 and torch.equal(before, logits_of(stranger.actor.model))
+    assert stranger.policy_version == -1 and torch.equal(before, logits_of(stranger.backend.model))
     # Registration knows: a matching base gets the LoRA update, any other base a full one.
     assert trainer.register_maker("maker_0", maker.base_fingerprint, store.put) is lora_update
     assert trainer.register_maker("maker_1", stranger.base_fingerprint, store.put).manifest.kind == "full"
@@ -86,10 +87,10 @@ def test_rank_mismatch_is_refused_with_the_key_named():
                    else v for k, v in trainer.synced_state(trainable_only=True)["actor"].items()}
     bad, _ = build_weight_update({"actor": actor_state}, 1, store.put, kind="lora",
                                  metadata={"base_fingerprint": trainer.base_fingerprint})
-    before = logits_of(maker.actor.model)
+    before = logits_of(maker.backend.model)
     with pytest.raises(WeightUpdateError, match="shape mismatch.*lora_A"):
         maker.apply_weight_update(bad, store.fetch)
-    assert maker.policy_version == 0 and torch.equal(before, logits_of(maker.actor.model))
+    assert maker.policy_version == 0 and torch.equal(before, logits_of(maker.backend.model))
 
 
 def test_trainer_refuses_lora_sync_without_an_adapter():

@@ -14,7 +14,8 @@ from detached_rl.core.weight_sync import WeightUpdateError, state_fingerprint
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.models import SamplingConfig
 from detached_rl.strategies import NaiveStrategy
-from detached_rl.trainer.core import TrainerConfig, TrainerCore, oldest_useful_version
+from detached_rl.trainer.config import TrainerConfig, oldest_useful_version
+from detached_rl.trainer.core import TrainerCore
 
 from .helpers import ObjectStore, arithmetic_prompts, tiny_actor_critic, tiny_maker_models
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from detached_rl import Experience, collate
+from detached_rl.generation import HFGenerationBackend
 from detached_rl.generation.base import left_pad
 from detached_rl.models import (
     Actor,
@@ -30,6 +31,10 @@ SAMPLINGS = [
 PROMPTS = ["What is 3 + 4?", "hi", "a much longer prompt with many more tokens in it"]
 
 
+def generate(actor, prompts, sampling):
+    return HFGenerationBackend.from_actor(actor).generate_text(prompts, sampling)
+
+
 def batch_of(output, pad_token_id):
     exps = [
         Experience(p, r, lp, torch.tensor(0.0))
@@ -45,7 +50,7 @@ def test_tiny_model_of_each_architecture_generates(model_type):
     assert model.config.vocab_size == len(tokenizer)
     assert sum(p.numel() for p in model.parameters()) < 500_000
     torch.manual_seed(0)
-    out = Actor(model, tokenizer).generate(PROMPTS[:2], SamplingConfig(max_new_tokens=4))
+    out = generate(Actor(model, tokenizer), PROMPTS[:2], SamplingConfig(max_new_tokens=4))
     assert [len(r) for r in out.response_ids] == [4, 4]
 
 
@@ -90,7 +95,7 @@ def test_recomputed_log_probs_equal_behaviour_log_probs(model_type, sampling):
     model, tokenizer = tiny_causal_lm(model_type)
     actor = Actor(model, tokenizer)
     torch.manual_seed(0)
-    out = actor.generate(PROMPTS, sampling)
+    out = generate(actor, PROMPTS, sampling)
     assert [len(p) for p in out.prompt_ids] == [len(p) for p in actor.encode_prompts(PROMPTS)]
     batch = batch_of(out, tokenizer.pad_token_id)
     with torch.no_grad():
@@ -104,7 +109,7 @@ def test_log_probs_match_a_prefix_by_prefix_forward():
     model, tokenizer = tiny_causal_lm("llama")
     actor = Actor(model, tokenizer)
     torch.manual_seed(0)
-    batch = batch_of(actor.generate(PROMPTS, SamplingConfig(max_new_tokens=5)), tokenizer.pad_token_id)
+    batch = batch_of(generate(actor, PROMPTS, SamplingConfig(max_new_tokens=5)), tokenizer.pad_token_id)
     with torch.no_grad():
         lp = actor.log_probs(batch.sequences, batch.attention_mask, batch.response_mask)
         for row in range(batch.size):
@@ -132,7 +137,7 @@ def test_generation_stops_at_stop_tokens():
     actor = Actor(model, tokenizer)
     half = tuple(range(len(tokenizer) // 2))
     torch.manual_seed(0)
-    out = actor.generate(PROMPTS, SamplingConfig(max_new_tokens=20, stop_token_ids=half))
+    out = generate(actor, PROMPTS, SamplingConfig(max_new_tokens=20, stop_token_ids=half))
     for response, log_probs, finished in zip(out.response_ids, out.log_probs, out.finished, strict=True):
         assert len(response) == len(log_probs) >= 1
         stops = [i for i, tok in enumerate(response.tolist()) if tok in half]
@@ -175,7 +180,7 @@ def test_actor_refuses_mismatched_shapes_and_empty_prompts():
 def test_log_probs_give_gradients_to_the_model():
     model, tokenizer = tiny_causal_lm("llama")
     actor = Actor(model, tokenizer)
-    batch = batch_of(actor.generate(PROMPTS, SamplingConfig(max_new_tokens=4)), tokenizer.pad_token_id)
+    batch = batch_of(generate(actor, PROMPTS, SamplingConfig(max_new_tokens=4)), tokenizer.pad_token_id)
     actor.log_probs(batch.sequences, batch.attention_mask, batch.response_mask).sum().backward()
     assert model.get_input_embeddings().weight.grad.abs().sum() > 0
 
@@ -184,7 +189,7 @@ def test_critic_values_align_with_the_state_before_each_response_token():
     model, tokenizer = tiny_causal_lm("llama")
     critic = Critic(backbone_of(model))
     torch.manual_seed(0)
-    batch = batch_of(Actor(model, tokenizer).generate(PROMPTS, SamplingConfig(max_new_tokens=4)), 0)
+    batch = batch_of(generate(Actor(model, tokenizer), PROMPTS, SamplingConfig(max_new_tokens=4)), 0)
     with torch.no_grad():
         values = critic(batch.sequences, batch.attention_mask, batch.response_mask)
         assert values.shape == batch.response_mask.shape and values.dtype == torch.float32

@@ -5,6 +5,7 @@ import torch
 
 from detached_rl import Experience
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner, ppo_advantages
+from detached_rl.generation import HFGenerationBackend
 from detached_rl.models import Actor, Critic, SamplingConfig, tiny_causal_lm
 from detached_rl.models.scalar_heads import backbone_of
 from detached_rl.strategies import NaiveStrategy
@@ -39,7 +40,7 @@ def make_learner(seed=0, strategy=None, **config):
 def make_experiences(learner, count=8, seed=0, reference=None):
     torch.manual_seed(seed)
     actor, critic = learner.actor, learner.critic
-    out = actor.generate([f"q{i}" for i in range(count)], SAMPLING)
+    out = HFGenerationBackend.from_actor(actor).generate_text([f"q{i}" for i in range(count)], SAMPLING)
     experiences = []
     for p, r, lp in zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True):
         seq = torch.cat([p, r])[None]

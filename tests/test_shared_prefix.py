@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from detached_rl.generation import HFGenerationBackend
 from detached_rl.models import Actor, SamplingConfig
 from detached_rl.models._forward import forward_kwargs
 from detached_rl.models.loaders import tiny_causal_lm
@@ -88,18 +89,19 @@ def test_architectures_whose_cache_does_not_reproduce_the_plain_forward_are_not_
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_generation_prefills_each_distinct_prompt_once_and_samples_the_same(do_sample):
     model, tokenizer = tiny_causal_lm("llama", seed=0)
-    shared, plain = Actor(model, tokenizer), Actor(model, tokenizer, share_prompts=False)
-    assert shared.backend.share_prompts and not plain.backend.share_prompts
+    shared = HFGenerationBackend.from_actor(Actor(model, tokenizer))
+    plain = HFGenerationBackend.from_actor(Actor(model, tokenizer, share_prompts=False))
+    assert shared.share_prompts and not plain.share_prompts
     prompts = [p for p in ("What is 2 + 3?", "Name a colour.") for _ in range(4)]
     sampling = SamplingConfig(max_new_tokens=8, do_sample=do_sample, temperature=0.9)
     prompt_forwards = []
     hook = model.register_forward_pre_hook(lambda module, args, kwargs: prompt_forwards.append(
         kwargs["input_ids"].shape), with_kwargs=True)
     torch.manual_seed(3)
-    got = shared.generate(prompts, sampling)
+    got = shared.generate_text(prompts, sampling)
     hook.remove()
     torch.manual_seed(3)
-    want = plain.generate(prompts, sampling)
+    want = plain.generate_text(prompts, sampling)
     assert prompt_forwards[0][0] == 2  # the prefill ran on the 2 distinct prompts, not on 8 rows
     for got_ids, want_ids, got_lp, want_lp in zip(got.response_ids, want.response_ids, got.log_probs,
                                                   want.log_probs, strict=True):

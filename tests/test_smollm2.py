@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from detached_rl import Experience, collate
+from detached_rl.generation import HFGenerationBackend
 from detached_rl.models import Actor, SamplingConfig, load_smollm2, smollm2_dir
 from detached_rl.rewards.functions import last_number
 
@@ -31,12 +32,13 @@ def test_cached_copy_reloads_fast_and_is_plain_safetensors():
 def test_generates_an_answer_and_recomputes_log_probs(smollm2):
     model, tokenizer = smollm2
     actor = Actor(model, tokenizer)
-    greedy = actor.generate(["What is 12 + 11?"], SamplingConfig(max_new_tokens=16, do_sample=False))
+    generator = HFGenerationBackend.from_actor(actor)
+    greedy = generator.generate_text(["What is 12 + 11?"], SamplingConfig(max_new_tokens=16, do_sample=False))
     text = tokenizer.decode(greedy.response_ids[0], skip_special_tokens=True)
     assert last_number(text) is not None, text
     torch.manual_seed(0)
     sampling = SamplingConfig(max_new_tokens=12, temperature=0.7, top_p=0.95)
-    out = actor.generate(["What is 3 + 4?", "Name a colour."], sampling)
+    out = generator.generate_text(["What is 3 + 4?", "Name a colour."], sampling)
     batch = collate(
         [Experience(p, r, lp, torch.tensor(0.0)) for p, r, lp in
          zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)],

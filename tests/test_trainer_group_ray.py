@@ -15,7 +15,7 @@ from detached_rl.algorithms.grpo import GRPOConfig
 from detached_rl.models import SamplingConfig
 from detached_rl.strategies import colossalai_available
 from detached_rl.strategies.optim import OptimizerConfig
-from detached_rl.trainer.core import TrainerConfig, TrainerGroupConfig
+from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
 
 from .helpers import make_experience, tiny_policy
 

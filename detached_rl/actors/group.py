@@ -1,31 +1,149 @@
-"""Trainer groups: named ranks in one detached placement group, started and stopped as a whole."""
+"""Actor groups: named workers of one actor class in one detached placement group, started and stopped as a whole.
+
+An `ActorGroup` `<prefix>` of size n is the detached, named actors `<prefix>_0` … `<prefix>_{n-1}`,
+one per bundle of the detached placement group `<prefix>-placement`. Trainer groups (data-parallel
+ranks, below) and scorer groups (`actors/scorer.py`) are ActorGroups; this module is the only place
+that creates or removes placement groups.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import ray
 
-from detached_rl.actors.trainer import DetachedGRPOTrainer, DetachedPPOTrainer
+from detached_rl.actors.trainer import trainer_class
 from detached_rl.actors.transport import DEFAULT_NAMESPACE, get_all
 from detached_rl.algorithms.grpo import GRPOConfig
 from detached_rl.algorithms.ppo import PPOConfig
-from detached_rl.trainer.core import TrainerConfig, TrainerGroupConfig
+from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
 
 logger = logging.getLogger(__name__)
 
 
-def trainer_names(prefix: str, world_size: int) -> list[str]:
-    """Names of the ranks of a trainer group: prefix_0 … prefix_{n-1}."""
-    return [f"{prefix}_{rank}" for rank in range(world_size)]
+def worker_names(prefix: str, size: int) -> list[str]:
+    """Names of the workers of group `prefix`: prefix_0 … prefix_{size-1}."""
+    return [f"{prefix}_{index}" for index in range(size)]
 
 
 def placement_group_name(prefix: str) -> str:
-    """Name of the placement group that holds the ranks of trainer group `prefix`."""
+    """Name of the placement group that holds the workers of group `prefix`."""
     return f"{prefix}-placement"
+
+
+def group_prefix(name: str) -> str | None:
+    """The group prefix of a worker name `<prefix>_<index>`; None for a name of another shape."""
+    prefix, _, index = name.rpartition("_")
+    return prefix if prefix and index.isdigit() else None
+
+
+def remove_placement_group_of(prefix: str) -> None:
+    """Remove the placement group of group `prefix` (nothing if there is none)."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    with contextlib.suppress(ValueError):
+        remove_placement_group(get_placement_group(placement_group_name(prefix)))
+
+
+def remove_placement_groups_left_empty(stopped: Iterable[str], live: Iterable[str]) -> None:
+    """Remove the placement group of each group with a worker in `stopped` and none in `live` any more."""
+    emptied = {group_prefix(name) for name in stopped} - {group_prefix(name) for name in live} - {None}
+    for prefix in sorted(emptied):
+        remove_placement_group_of(prefix)
+
+
+class ActorGroup:
+    """`size` detached, named workers `<prefix>_<index>` of one actor class in the placement group `<prefix>-placement`."""
+
+    def __init__(self, prefix: str, size: int, namespace: str | None = None, kind: str = "actor group") -> None:
+        if not prefix:
+            raise ValueError("ActorGroup: prefix is empty")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"ActorGroup {prefix!r}: size must be an int >= 1, got {size!r}")
+        self.prefix = prefix
+        self.size = size
+        self.namespace = namespace or DEFAULT_NAMESPACE
+        self.kind = kind  # how errors and warnings name the group, e.g. "trainer group"
+        self.names = worker_names(prefix, size)
+        self.placement_group_name = placement_group_name(prefix)
+
+    def start(
+        self,
+        actor_class: Any,
+        arguments: Callable[[int, str], Sequence[Any]],
+        bundle: dict[str, float],
+        placement_strategy: str = "PACK",
+        timeout: float = 300.0,
+        options: dict[str, Any] | None = None,
+        ready: Callable[[list[Any]], Any] | None = None,
+    ) -> list[Any]:
+        """Place one `bundle` per worker, create the workers (`arguments(index, name)` are each one's constructor
+        arguments, `options` extra actor options) and wait until `ready(handles)` returns; returns the handles.
+
+        If the bundles cannot be placed within `timeout` s, or a worker or `ready` fails, every
+        worker and the placement group are removed and the error is raised.
+        """
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = placement_group([dict(bundle) for _ in range(self.size)], strategy=placement_strategy,
+                                name=self.placement_group_name, lifetime="detached")
+        handles: list[Any] = []
+        try:
+            if not group.wait(timeout_seconds=timeout):
+                raise TimeoutError(
+                    f"{self.kind} {self.prefix!r}: {self.size} bundles of {bundle} ({placement_strategy}) could not be "
+                    f"placed within {timeout:.0f} s; the cluster has {ray.available_resources()} available"
+                )
+            for index, name in enumerate(self.names):
+                worker_options = {
+                    "lifetime": "detached", "namespace": self.namespace, "name": name,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+                    **(options or {}),
+                }
+                handles.append(actor_class.options(**worker_options).remote(*arguments(index, name)))
+            if ready is not None:
+                ready(handles)
+        except BaseException:
+            for handle in handles:
+                ray.kill(handle)
+            remove_placement_group(group)
+            raise
+        return handles
+
+    def find(self) -> dict[str, Any]:
+        """The live workers of this group by name (missing ones are left out)."""
+        found = {}
+        for name in self.names:
+            try:
+                found[name] = ray.get_actor(name, namespace=self.namespace)
+            except ValueError:
+                continue
+        return found
+
+    def stop(self, shutdown: str | None = None, timeout: float = 60.0) -> None:
+        """Call the workers' `shutdown` method (all at once; if given), kill them and remove the placement group.
+
+        Missing workers and a missing placement group are skipped; a shutdown that fails or takes
+        longer than `timeout` s is logged, and the workers are killed anyway.
+        """
+        handles = list(self.find().values())
+        if shutdown is not None and handles:
+            try:
+                get_all([getattr(handle, shutdown).remote() for handle in handles], timeout=timeout)
+            except Exception as error:  # noqa: BLE001 - killing them below is what matters
+                logger.warning("%s %s did not shut down cleanly: %s", self.kind, self.prefix, error)
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
+        remove_placement_group_of(self.prefix)
+
+
+def trainer_names(prefix: str, world_size: int) -> list[str]:
+    """Names of the ranks of a trainer group: prefix_0 … prefix_{n-1}."""
+    return worker_names(prefix, world_size)
 
 
 def start_trainer_group(
@@ -48,9 +166,6 @@ def start_trainer_group(
     (e.g. a strategy that needs CUDA on a CPU node), every rank and the placement group are
     removed and the error is raised.
     """
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     if group is None:
         group = TrainerGroupConfig(strategy=strategy, world_size=world_size)
     elif (group.world_size, group.strategy) != (world_size, strategy):
@@ -61,63 +176,25 @@ def start_trainer_group(
     if group.num_gpus_per_rank:
         bundle["GPU"] = group.num_gpus_per_rank
     bundle.update(group.resources)
-    pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=group.placement_strategy,
-                         name=placement_group_name(prefix), lifetime="detached")
-    handles: list[Any] = []
-    try:
-        if not pg.wait(timeout_seconds=timeout):
-            raise TimeoutError(
-                f"trainer group {prefix!r}: {world_size} bundles of {bundle} ({group.placement_strategy}) could not be "
-                f"placed within {timeout:.0f} s; the cluster has {ray.available_resources()} available"
-            )
-        trainer_class = DetachedGRPOTrainer if isinstance(algorithm, GRPOConfig) else DetachedPPOTrainer
-        for rank, name in enumerate(trainer_names(prefix, world_size)):
-            options = {
-                "lifetime": "detached", "namespace": namespace, "name": name,
-                "num_cpus": group.num_cpus_per_rank, "num_gpus": group.num_gpus_per_rank,
-                "resources": dict(group.resources) or None,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-                **(actor_options or {}),
-            }
-            handles.append(trainer_class.options(**options).remote(
-                name, model_factory, config, algorithm, namespace, rank, world_size, group.strategy))
+    options = {"num_cpus": group.num_cpus_per_rank, "num_gpus": group.num_gpus_per_rank,
+               "resources": dict(group.resources) or None, **(actor_options or {})}
+
+    def form_process_group(handles: list[Any]) -> None:
         if group.strategy != "naive":
             address, port = ray.get(handles[0].master_address.remote(), timeout=timeout)
             get_all([h.join_process_group.remote(address, port, group.strategy_options()) for h in handles],
                     timeout=timeout)
         else:
             ray.get(handles[0].policy_version.remote(), timeout=timeout)  # built in its constructor: surface errors
-    except BaseException:
-        remove_group(pg, handles)
-        raise
-    return handles
 
-
-def remove_group(pg: Any, handles: Sequence[Any]) -> None:
-    """Kill a group's actors and remove its placement group (a group that failed to start)."""
-    from ray.util.placement_group import remove_placement_group
-
-    for handle in handles:
-        ray.kill(handle)
-    remove_placement_group(pg)
+    return ActorGroup(prefix, world_size, namespace, kind="trainer group").start(
+        trainer_class(algorithm),
+        lambda rank, name: (name, model_factory, config, algorithm, namespace, rank, world_size, group.strategy),
+        bundle, group.placement_strategy, timeout, options, ready=form_process_group,
+    )
 
 
 def stop_trainer_group(prefix: str, world_size: int, namespace: str | None = None, timeout: float = 60.0) -> None:
     """Free each rank's models, kill the ranks and remove their placement group (missing parts are skipped)."""
-    from ray.util.placement_group import get_placement_group, remove_placement_group
-
-    namespace = namespace or DEFAULT_NAMESPACE
-    handles = []
-    for name in trainer_names(prefix, world_size):
-        try:
-            handles.append(ray.get_actor(name, namespace=namespace))
-        except ValueError:
-            continue
-    try:  # all ranks at once: a DDP model freed after its group is gone can hang
-        get_all([h.shutdown.remote() for h in handles], timeout=timeout)
-    except Exception as error:  # noqa: BLE001 - killing them below is what matters
-        logger.warning("trainer group %s did not shut down cleanly: %s", prefix, error)
-    for handle in handles:
-        ray.kill(handle)
-    with contextlib.suppress(ValueError):
-        remove_placement_group(get_placement_group(placement_group_name(prefix)))
+    # All ranks shut down at once: a DDP model freed after its process group is gone can hang.
+    ActorGroup(prefix, world_size, namespace, kind="trainer group").stop(shutdown="shutdown", timeout=timeout)

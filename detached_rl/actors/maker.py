@@ -1,8 +1,10 @@
 """The `ExperienceMakerHolder` actor: a named maker that attaches to its trainers, generates, pushes and takes weights.
 
-Concurrency groups: `experience_io` (start, status, stop, state), `model_io` (apply_weight_update),
-`compute` (run, sync, evaluate). Each group runs in its own thread, so a status query or a weight
-update is answered while a batch is generated.
+Concurrency groups: `experience_io` (start, status, stop, save_state, load_state), `model_io`
+(apply_weight_update), `compute` (run, sync, evaluate). Each group runs in its own thread, so a
+status query or a weight update is answered while a batch is generated. What the maker decides
+between batches is `MakerLoop`'s (detached_rl/maker/loop.py); this shell only finds its trainers
+by name and carries the pushes to them.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import functools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -19,10 +20,12 @@ from typing import Any
 import ray
 
 from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, get_all, ray_fetch
+from detached_rl.core.checkpoint import load_state, save_atomic
 from detached_rl.core.prompts import PromptSource
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
+from detached_rl.maker.loop import MakerLoop, take_offered
 from detached_rl.maker.pusher import ExperiencePusher
 from detached_rl.strategies import NaiveStrategy, Strategy
 
@@ -61,17 +64,15 @@ class ExperienceMakerHolder:
             scoring = RemoteScoring(config.scorers, self.namespace, attach_timeout_s, config.scorer_timeout_s,
                                     config.scorer_attempts)
         self.core = ExperienceMaker(name, model_factory(), source, config, strategy, scoring)
-        self.pusher: ExperiencePusher | None = None
         self._stop = threading.Event()
         self._running = False
         self._handles: dict[str, Any] = {}  # trainer name -> handle; dropped when that trainer dies
-        self.first_batch_version: int | None = None  # policy version of this process's first batch
         # Where the prompt cursor and counters are saved after every pushed batch, and resumed from.
         self.state_path = state_path
         if state_path is not None and os.path.isdir(state_path):
-            from detached_rl.core.checkpoint import load_state
-
             self.core.load_state_dict(load_state(state_path))
+        save = None if state_path is None else functools.partial(save_atomic, directory=state_path)
+        self.loop = MakerLoop(self.core, self._stop, save)
         self._handles_lock = threading.Lock()
         self.restarts = ray.get_runtime_context().was_current_actor_reconstructed if ray.is_initialized() else False
         if self.restarts and resume_on_restart:
@@ -79,27 +80,20 @@ class ExperienceMakerHolder:
             # re-attaches by name and pulls the trainers' current weights before it generates.
             self.start()
 
-    def _attach_trainers(self) -> dict[str, Any]:
+    def _attach_trainers(self) -> None:
+        """Find every trainer by name, register with it and start from the newest weights any of them offers."""
         handles = {t: attach(t, self.namespace, self.attach_timeout_s) for t in self.trainer_names}
-        # Register with every trainer; start from the newest weights any of them offers.
         base = self.core.base_fingerprint
-        updates = get_all([h.register_maker.remote(self.name, base) for h in handles.values()],
+        offered = get_all([h.register_maker.remote(self.name, base) for h in handles.values()],
                           timeout=self.core.config.weight_timeout_s)
-        self._take_offered(updates)
+        take_offered(self.core, offered, ray_fetch(self.core.config.weight_timeout_s))
         with self._handles_lock:
             self._handles = dict(handles)
-        return handles
 
-    def _take_offered(self, updates: Sequence[WeightUpdate | None]) -> None:
-        """Apply the newest update offered, or one from a trainer run this maker does not follow (a resumed trainer)."""
-        offered = [u for u in updates if u is not None]
-        if not offered:
-            return
-        newest = max(offered, key=lambda u: u.manifest.version)
-        receiver = self.core.receiver
-        new_run = newest.manifest.metadata.get("trainer_run") not in (None, receiver.trainer_run)
-        if newest.manifest.version > self.core.policy_version or new_run:
-            self.core.apply_weight_update(newest, ray_fetch(self.core.config.weight_timeout_s))
+    def _connect(self) -> None:
+        self._attach_trainers()
+        if self.core.scoring is not None:
+            self.core.scoring.attach()  # scorer groups found before the first batch holds the generation lock
 
     def _trainer_handle(self, trainer: str) -> Any:
         """The live handle of `trainer`; after it died, the actor now under its name, registered with afresh."""
@@ -114,10 +108,16 @@ class ExperienceMakerHolder:
             raise ConnectionError(f"trainer {trainer!r} is not running (waiting for it to come back)") from None
         update = ray.get(handle.register_maker.remote(self.name, self.core.base_fingerprint),
                          timeout=self.core.config.weight_timeout_s)
-        self._take_offered([update])
+        take_offered(self.core, [update], ray_fetch(self.core.config.weight_timeout_s))
         with self._handles_lock:
             self._handles[trainer] = handle
         return handle
+
+    def _submit(self, trainer: str, experiences: list) -> Future:
+        handle = self._trainer_handle(trainer)
+        future = handle.push_experience.remote(experiences).future()
+        future.add_done_callback(functools.partial(self._forget_if_dead, trainer, handle))
+        return future
 
     def _forget_if_dead(self, trainer: str, handle: Any, future: Future) -> None:
         if isinstance(future.exception(), ray.exceptions.RayActorError):
@@ -125,9 +125,11 @@ class ExperienceMakerHolder:
                 if self._handles.get(trainer) is handle:
                     del self._handles[trainer]
 
-    def _trainers_finished(self, handles: dict[str, Any]) -> bool:
+    def _trainers_finished(self) -> bool:
         """True when every trainer has ended its `fit` and would have stopped this maker (it has nobody to feed)."""
-        states = get_all([h.status.remote() for h in handles.values()], timeout=self.core.config.push_timeout_s)
+        with self._handles_lock:
+            handles = list(self._handles.values())
+        states = get_all([h.status.remote() for h in handles], timeout=self.core.config.push_timeout_s)
         return all(s["state"] == "done" and s["stops_makers_at_end"] for s in states)
 
     @ray.method(concurrency_group="compute")
@@ -144,68 +146,17 @@ class ExperienceMakerHolder:
     @ray.method(concurrency_group="compute")
     def run(self, num_batches: int | None = None) -> dict[str, Any]:
         """Generate and push until `num_batches` batches are pushed or `stop()` is called; returns status."""
-        self._stop.clear()
         self._running = True
         try:
-            handles = self._attach_trainers()
-            if self.core.scoring is not None:
-                self.core.scoring.attach()  # scorer groups found before the first batch holds the generation lock
             config = self.core.config
-            if num_batches is None and self._trainers_finished(handles):
-                # Arrived after the trainers finished (they stop their makers at the end): nothing to do.
-                self._stop.set()
-
-            def submit(trainer: str, experiences: list) -> Future:
-                handle = self._trainer_handle(trainer)
-                future = handle.push_experience.remote(experiences).future()
-                future.add_done_callback(functools.partial(self._forget_if_dead, trainer, handle))
-                return future
-
-            self.pusher = ExperiencePusher(
-                submit, self.trainer_names, max_in_flight=config.max_pushes_in_flight, policy=config.push_policy,
-                push_timeout=config.push_timeout_s, should_stop=self._stop.is_set,
+            pusher = ExperiencePusher(
+                self._submit, self.trainer_names, max_in_flight=config.max_pushes_in_flight,
+                policy=config.push_policy, push_timeout=config.push_timeout_s, should_stop=self._stop.is_set,
             )
-            made = 0
-            stale_seen = 0
-            while not self._stop.is_set() and (num_batches is None or made < num_batches):
-                if not self.core.synced:  # not yet given weights (or half-updated): wait for an update
-                    time.sleep(0.05)
-                    continue
-                experiences = self.core.make_experience()
-                if self.first_batch_version is None:
-                    self.first_batch_version = experiences[0].policy_version if experiences else None
-                self.pusher.push(experiences)
-                if self.state_path is not None:
-                    from detached_rl.core.checkpoint import save_atomic
-
-                    save_atomic(self.core.state_dict(), self.state_path)
-                # Backpressure, not a failure: a full trainer takes the push once it trains. A trainer that is
-                # gone makes the pusher drop the push after its retries, which ends this wait too.
-                while config.wait_for_ack and not self.pusher.flush(timeout=1.0) and not self._stop.is_set():
-                    pass
-                made += 1
-                needed = self.pusher.oldest_useful_version
-                if config.wait_for_fresh_weights and needed is not None and self.core.policy_version < needed:
-                    self._wait_for_version(needed, config.weight_timeout_s)
-                stats = self.pusher.stats()
-                if stats["dropped_stale_by_trainer"] > stale_seen:
-                    # Samples arrived too old: catch up with the trainers' version before generating more.
-                    stale_seen = stats["dropped_stale_by_trainer"]
-                    versions = [t["last_version"] for t in stats["per_trainer"].values() if t["last_version"]]
-                    if versions:
-                        self._wait_for_version(max(versions), config.weight_timeout_s)
-            self.pusher.flush(timeout=config.push_timeout_s)
-        except Exception as error:
-            self.core.last_error = f"{type(error).__name__}: {error}"
-            raise
+            self.loop.run(pusher, num_batches, connect=self._connect, trainers_finished=self._trainers_finished)
         finally:
             self._running = False
         return self.status()
-
-    def _wait_for_version(self, version: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.core.policy_version < version and time.monotonic() < deadline and not self._stop.is_set():
-            time.sleep(0.02)
 
     @ray.method(concurrency_group="experience_io")
     def start(self, num_batches: int | None = None) -> bool:
@@ -230,15 +181,11 @@ class ExperienceMakerHolder:
     @ray.method(concurrency_group="experience_io")
     def save_state(self, path: str) -> str:
         """Save the prompt cursor and counters atomically (weights are the trainer's to restore)."""
-        from detached_rl.core.checkpoint import save_atomic
-
         return str(save_atomic(self.core.state_dict(), path))
 
     @ray.method(concurrency_group="experience_io")
     def load_state(self, path: str) -> None:
         """Resume the prompt cursor and counters saved by `save_state` (before `run`)."""
-        from detached_rl.core.checkpoint import load_state
-
         if self._running:
             raise RuntimeError(f"maker {self.name!r} is running: load its state before run()")
         self.core.load_state_dict(load_state(path))
@@ -250,9 +197,9 @@ class ExperienceMakerHolder:
         status["state"] = "running" if self._running else ("stopped" if self._stop.is_set() else "idle")
         status["trainers"] = self.trainer_names
         status.update(pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(), restarted=self.restarts,
-                      first_batch_version=self.first_batch_version,
+                      first_batch_version=self.loop.first_batch_version,
                       trainer_run=self.core.receiver.trainer_run)
-        status["push"] = self.pusher.stats() if self.pusher else None
+        status["push"] = self.loop.pusher.stats() if self.loop.pusher else None
         return status
 
     @ray.method(concurrency_group="experience_io")

@@ -1,8 +1,8 @@
 """Ray shells for scorer groups: named workers that serve one role (reward, reference, critic) to many makers.
 
-A scorer group `<prefix>` is `num_nodes x max(1, num_gpus_per_node)` detached, named workers
-`<prefix>_0` ... in one detached placement group `<prefix>-placement`, one bundle per worker
-(`ScorerGroupConfig`). Each worker wraps a `Scorer` and a `RequestBatcher`: requests of
+A scorer group `<prefix>` is an `ActorGroup` of `num_nodes x max(1, num_gpus_per_node)` detached,
+named workers `<prefix>_0` ... in one detached placement group `<prefix>-placement`, one bundle per
+worker (`ScorerGroupConfig`). Each worker wraps a `Scorer` and a `RequestBatcher`: requests of
 several makers that arrive within `max_wait_s` are answered by one forward pass.
 
 A maker configured with scorer group names talks to them through `RemoteScoring`: it puts its
@@ -17,7 +17,6 @@ the trainers push their weight updates to it too, and it keeps only the `critic/
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -27,7 +26,7 @@ from typing import Any
 
 import ray
 
-from detached_rl.actors.group import remove_group
+from detached_rl.actors.group import ActorGroup, worker_names
 from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, get_all, ray_fetch
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
@@ -50,7 +49,7 @@ class ScorerUnavailableError(RuntimeError):
 
 def scorer_names(prefix: str, num_workers: int) -> list[str]:
     """The worker names of a scorer group."""
-    return [f"{prefix}_{index}" for index in range(num_workers)]
+    return worker_names(prefix, num_workers)
 
 
 @ray.remote(concurrency_groups={"score": 16, "model_io": 1, "control": 1})
@@ -152,47 +151,23 @@ def start_scorer_group(
 
     If any worker fails to start, every worker and the placement group are removed and the error is raised.
     """
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     group = group or ScorerGroupConfig()
     namespace = namespace or DEFAULT_NAMESPACE
     count = group.num_workers
-    pg = placement_group([group.bundle() for _ in range(count)], strategy=group.placement_strategy,
-                         name=f"{prefix}-placement", lifetime="detached")
-    handles: list[Any] = []
-    try:
-        if not pg.wait(timeout_seconds=group.timeout_s):
-            raise TimeoutError(f"scorer group {prefix!r}: {count} bundles of {group.bundle()} "
-                               f"({group.placement_strategy}) could not be placed within {group.timeout_s:.0f} s; "
-                               f"the cluster has {ray.available_resources()} available")
-        for index, name in enumerate(scorer_names(prefix, count)):
-            handles.append(ScorerWorker.options(
-                name=name, namespace=namespace, lifetime="detached",
-                num_cpus=group.num_cpus_per_worker, num_gpus=1 if group.num_gpus_per_node else 0,
-                resources=dict(group.resources) or None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-            ).remote(name, prefix, count, role, model_factory, sampling, namespace, list(trainer_names),
-                     group.max_batch_rows, group.max_wait_s))
-        get_all([h.group_info.remote() for h in handles], timeout=group.timeout_s)
-    except BaseException:
-        remove_group(pg, handles)
-        raise
-    return handles
+    options = {"num_cpus": group.num_cpus_per_worker, "num_gpus": 1 if group.num_gpus_per_node else 0,
+               "resources": dict(group.resources) or None}
+    return ActorGroup(prefix, count, namespace, kind="scorer group").start(
+        ScorerWorker,
+        lambda index, name: (name, prefix, count, role, model_factory, sampling, namespace, list(trainer_names),
+                             group.max_batch_rows, group.max_wait_s),
+        group.bundle(), group.placement_strategy, group.timeout_s, options,
+        ready=lambda handles: get_all([h.group_info.remote() for h in handles], timeout=group.timeout_s),
+    )
 
 
 def stop_scorer_group(prefix: str, num_workers: int, namespace: str | None = None) -> None:
     """Kill a scorer group's workers and remove its placement group (missing parts are skipped)."""
-    from ray.util.placement_group import get_placement_group, remove_placement_group
-
-    namespace = namespace or DEFAULT_NAMESPACE
-    for name in scorer_names(prefix, num_workers):
-        try:
-            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-        except ValueError:
-            continue
-    with contextlib.suppress(ValueError):
-        remove_placement_group(get_placement_group(f"{prefix}-placement"))
+    ActorGroup(prefix, num_workers, namespace, kind="scorer group").stop()
 
 
 class RemoteScoring:

@@ -2,9 +2,12 @@
 
 Concurrency groups: `buffer_length` (buffer_length, buffer_stats, status, metrics, stop),
 `buffer_append` (push_experience), `buffer_sample` (buffer_sample, buffer_peek, buffer_export),
-`model_io` (register_maker, policy_version, weights, export, process-group set-up), `compute`
-(fit, join_process_group). Each group runs in its own thread, so a long `fit` never delays a
-push or a status query.
+`model_io` (register_maker, policy_version, weights_fingerprint, update_fingerprints,
+export_policy, master_address, start_fit, shutdown), `compute` (fit, join_process_group). Each
+group runs in its own thread, so a long `fit` never delays a push or a status query.
+
+`TRAINER_CLASSES` maps an algorithm name to its trainer actor class; every place that creates
+trainers picks the class there.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import gc
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +27,8 @@ from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.replay_buffer import AppendResult
 from detached_rl.core.weight_sync import WeightUpdate, state_fingerprint
 from detached_rl.strategies import NaiveStrategy, Strategy
-from detached_rl.trainer.core import TrainerConfig, TrainerCore
+from detached_rl.trainer.config import TrainerConfig
+from detached_rl.trainer.core import TrainerCore
 
 logger = logging.getLogger(__name__)
 
@@ -243,12 +246,6 @@ class _TrainerShell:
             gc.collect()
             strategy.destroy()
 
-    @ray.method(concurrency_group="compute")
-    def busy(self, seconds: float) -> float:
-        """Occupy the compute group for `seconds` (to check that other groups stay responsive)."""
-        time.sleep(seconds)
-        return seconds
-
 
 class PPOTrainerShell(_TrainerShell):
     """PPO: actor and critic from the factory (`(Actor, Critic)`); makers mirror both."""
@@ -269,3 +266,13 @@ class GRPOTrainerShell(_TrainerShell):
 
 DetachedPPOTrainer = ray.remote(concurrency_groups=TRAINER_GROUPS)(PPOTrainerShell)
 DetachedGRPOTrainer = ray.remote(concurrency_groups=TRAINER_GROUPS)(GRPOTrainerShell)
+TRAINER_CLASSES = {"ppo": DetachedPPOTrainer, "grpo": DetachedGRPOTrainer}
+
+
+def trainer_class(algorithm: str | PPOConfig | GRPOConfig | None) -> Any:
+    """The trainer actor class of an algorithm, given by name ("ppo", "grpo") or by its config (None: PPO)."""
+    if not isinstance(algorithm, str):
+        algorithm = "grpo" if isinstance(algorithm, GRPOConfig) else "ppo"
+    if algorithm not in TRAINER_CLASSES:
+        raise ValueError(f"algorithm must be one of {sorted(TRAINER_CLASSES)}, got {algorithm!r}")
+    return TRAINER_CLASSES[algorithm]

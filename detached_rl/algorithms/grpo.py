@@ -2,8 +2,10 @@
 
 `GRPOLearner` is the plain class inside `DetachedGRPOTrainer`. It is critic-free: advantages
 come from the rewards of the other responses to the same prompt (the maker's `group_size`
-responses share a `group_id`). The variant sets the defaults (advantage, loss aggregation,
-clip range, dynamic sampling, overlong shaping); each can be overridden.
+responses share a `group_id`). A variant is a named preset (`PRESETS`) of defaults: the
+advantage estimator (a name in `ADVANTAGE_ESTIMATORS`), loss aggregation, clip range,
+dynamic sampling, overlong shaping, and whether the KL goes into the reward; each default can
+be overridden in `GRPOConfig`.
 
 Off-policy control: the PPO ratio's "old" policy is the behaviour policy when every sample in
 the batch is fresh (staleness 0, one pass over the batch); otherwise the trainer recomputes
@@ -20,13 +22,32 @@ import contextlib
 import copy
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from detached_rl.algorithms import functional as algorithms
+from detached_rl.algorithms import metrics as names
+from detached_rl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_METHODS,
+    AdvantageInputs,
+    AdvantageSettings,
+    estimator_uses_critic,
+    get_advantage_estimator,
+    scores_at_last_token,
+)
+from detached_rl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
+from detached_rl.algorithms.kl import KL_KINDS, kl_estimate
+from detached_rl.algorithms.losses import (
+    POLICY_LOSSES,
+    PolicyLossSettings,
+    get_policy_loss,
+    truncated_importance_weight,
+)
+from detached_rl.algorithms.masks import masked_mean
 from detached_rl.algorithms.ppo import TokenWeightedMeans, micro_batches
 from detached_rl.core.experience import Experience, ExperienceBatch, collate
 from detached_rl.core.sampling import SamplingConfig
@@ -35,26 +56,46 @@ from detached_rl.models.lora import lora_backend, merged_model
 from detached_rl.strategies.base import Strategy
 from detached_rl.strategies.optim import OptimizerConfig
 
-VARIANTS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
-# Per variant: (group advantage method or None, default loss aggregation, default clip_high,
-# dynamic sampling, overlong shaping).
-_VARIANT_DEFAULTS: dict[str, tuple[str | None, str, float | None, bool, bool]] = {
-    "grpo": ("grpo", "seq-mean-token-mean", None, False, False),
-    "dr_grpo": ("dr_grpo", "seq-mean-token-sum-norm", None, False, False),
-    "dapo": ("grpo", "token-mean", 0.28, True, True),
-    "rloo": ("rloo", "token-mean", None, False, False),
-    "reinforce_pp": (None, "token-mean", None, False, False),
-    "reinforce_pp_baseline": ("reinforce_pp_baseline", "token-mean", None, False, False),
+@dataclass(frozen=True)
+class VariantPreset:
+    """What one variant of the family sets: the defaults of the `GRPOConfig` fields left None, and its KL placement."""
+
+    advantage_estimator: str  # a name in ADVANTAGE_ESTIMATORS
+    loss_agg: str  # one of LOSS_AGG_MODES
+    clip_high: float | None = None  # None: clip_low (symmetric clipping)
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, draw again
+    overlong_shaping: bool = False  # DAPO's soft penalty for responses near max_new_tokens
+    kl_in_reward: bool = False  # the KL penalty goes into the token rewards (REINFORCE++) instead of the loss
+
+
+#: The variants by `GRPOConfig.algorithm` name.
+PRESETS: dict[str, VariantPreset] = {
+    # (r - mean) / std per group; each sequence's token mean, averaged over sequences.
+    "grpo": VariantPreset(advantage_estimator="grpo", loss_agg="seq-mean-token-mean"),
+    # r - mean per group; token sums over a constant length (no length or std bias).
+    "dr_grpo": VariantPreset(advantage_estimator="dr_grpo", loss_agg="seq-mean-token-sum-norm"),
+    # GRPO advantages, token mean, clip-higher 0.28, dynamic sampling and overlong shaping.
+    "dapo": VariantPreset(advantage_estimator="grpo", loss_agg="token-mean", clip_high=0.28,
+                          dynamic_sampling=True, overlong_shaping=True),
+    # r - mean of the group's other responses.
+    "rloo": VariantPreset(advantage_estimator="rloo", loss_agg="token-mean"),
+    # Batch-whitened reward to go, with the KL penalty in the token rewards.
+    "reinforce_pp": VariantPreset(advantage_estimator="reinforce_pp", loss_agg="token-mean", kl_in_reward=True),
+    # r - group mean, whitened over the batch's tokens.
+    "reinforce_pp_baseline": VariantPreset(advantage_estimator="reinforce_pp_baseline", loss_agg="token-mean"),
 }
+VARIANTS = tuple(PRESETS)
 
 
 @dataclass
 class GRPOConfig:
     """Hyper-parameters of the GRPO family; `None` fields take the variant's default."""
 
-    algorithm: str = "grpo"
+    algorithm: str = "grpo"  # a name in PRESETS
     actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-6))
+    advantage_estimator: str | None = None  # a critic-free name in ADVANTAGE_ESTIMATORS; None: the variant's
+    policy_loss: str = "ppo_clip"  # a name in POLICY_LOSSES
     clip_low: float = 0.2
     clip_high: float | None = None  # dapo: 0.28 ("clip-higher")
     dual_clip: float | None = None
@@ -81,20 +122,29 @@ class GRPOConfig:
     # Forward passes on the trainer under torch.autocast to this dtype (e.g. "bfloat16": ~1.8x faster
     # training of SmolLM2 on CPUs with AMX); weights, gradients and the optimizer stay in their dtype.
     autocast_dtype: str | None = None
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # How the makers sample, for the learner built without an explicit `sampling` (GRPOLearner(..., sampling=)
+    # wins). RunConfig keeps its one `sampling` at the top and leaves this None; None here and there: defaults.
+    sampling: SamplingConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.algorithm not in VARIANTS:
+        if self.algorithm not in PRESETS:
             raise ValueError(f"GRPOConfig.algorithm must be one of {VARIANTS}, got {self.algorithm!r}")
-        method, agg, clip_high, dynamic, overlong = _VARIANT_DEFAULTS[self.algorithm]
-        self.loss_agg = self.loss_agg or agg
-        self.clip_high = self.clip_high if self.clip_high is not None else clip_high
-        self.dynamic_sampling = dynamic if self.dynamic_sampling is None else self.dynamic_sampling
-        self.overlong_shaping = overlong if self.overlong_shaping is None else self.overlong_shaping
-        if self.loss_agg not in algorithms.LOSS_AGG_MODES:
-            raise ValueError(f"GRPOConfig.loss_agg must be one of {algorithms.LOSS_AGG_MODES}, got {self.loss_agg!r}")
-        if self.kl_kind not in algorithms.KL_KINDS:
-            raise ValueError(f"GRPOConfig.kl_kind must be one of {algorithms.KL_KINDS}, got {self.kl_kind!r}")
+        preset = PRESETS[self.algorithm]
+        self.advantage_estimator = self.advantage_estimator or preset.advantage_estimator
+        self.loss_agg = self.loss_agg or preset.loss_agg
+        self.clip_high = self.clip_high if self.clip_high is not None else preset.clip_high
+        self.dynamic_sampling = preset.dynamic_sampling if self.dynamic_sampling is None else self.dynamic_sampling
+        self.overlong_shaping = preset.overlong_shaping if self.overlong_shaping is None else self.overlong_shaping
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS or estimator_uses_critic(self.advantage_estimator):
+            critic_free = sorted(n for n in ADVANTAGE_ESTIMATORS if not estimator_uses_critic(n))
+            raise ValueError(f"GRPOConfig.advantage_estimator must be one of {critic_free} (no critic here), "
+                             f"got {self.advantage_estimator!r}")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"GRPOConfig.policy_loss must be one of {sorted(POLICY_LOSSES)}, got {self.policy_loss!r}")
+        if self.loss_agg not in LOSS_AGG_MODES:
+            raise ValueError(f"GRPOConfig.loss_agg must be one of {LOSS_AGG_MODES}, got {self.loss_agg!r}")
+        if self.kl_kind not in KL_KINDS:
+            raise ValueError(f"GRPOConfig.kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
         for name in ("micro_batch_size", "train_epochs", "max_sampling_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GRPOConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -107,16 +157,25 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.autocast_dtype must be 'bfloat16', 'float16' or null, got {self.autocast_dtype!r}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"GRPOConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
-        if self.overlong_buffer is not None and not 0 < self.overlong_buffer < self.sampling.max_new_tokens:
+        if self.sampling is not None:
+            self.check_overlong_buffer(self.sampling.max_new_tokens)
+
+    def check_overlong_buffer(self, max_new_tokens: int) -> None:
+        """Refuse an `overlong_buffer` that does not fit in (0, max_new_tokens)."""
+        if self.overlong_buffer is not None and not 0 < self.overlong_buffer < max_new_tokens:
             raise ValueError(
-                f"GRPOConfig.overlong_buffer must be in (0, max_new_tokens={self.sampling.max_new_tokens}), "
-                f"got {self.overlong_buffer}"
+                f"GRPOConfig.overlong_buffer must be in (0, max_new_tokens={max_new_tokens}), got {self.overlong_buffer}"
             )
 
     @property
+    def kl_in_reward(self) -> bool:
+        """Whether the KL penalty goes into the token rewards (the variant's choice) rather than the loss."""
+        return PRESETS[self.algorithm].kl_in_reward
+
+    @property
     def advantage_method(self) -> str | None:
-        """The group advantage estimator of the variant (None: REINFORCE++ without a group baseline)."""
-        return _VARIANT_DEFAULTS[self.algorithm][0]
+        """The group-relative method of `group_advantages` in use (None: an estimator without groups)."""
+        return self.advantage_estimator if self.advantage_estimator in ADVANTAGE_METHODS else None
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float) -> torch.Tensor:
@@ -157,10 +216,22 @@ def matmul_peak_flops(device: str = "cpu", size: int = 1024, repeats: int = 5, d
 
 
 class GRPOLearner:
-    """Trains a policy with a group-relative (critic-free) objective."""
+    """Trains a policy with a group-relative (critic-free) objective (a `Learner`).
 
-    def __init__(self, actor: Actor, strategy: Strategy, config: GRPOConfig | None = None) -> None:
+    `sampling` is how the makers sample (the trainer recomputes log-probs under the same
+    temperature and top-k/top-p, and overlong shaping measures against its max_new_tokens);
+    without it, `config.sampling`, else the defaults.
+    """
+
+    assembles_batches = True  # whole groups, and dynamic sampling draws again
+
+    def __init__(self, actor: Actor, strategy: Strategy, config: GRPOConfig | None = None,
+                 sampling: SamplingConfig | None = None) -> None:
         self.config = config or GRPOConfig()
+        self.sampling = sampling or self.config.sampling or SamplingConfig()
+        self.config.check_overlong_buffer(self.sampling.max_new_tokens)
+        self.estimate_advantages = get_advantage_estimator(self.config.advantage_estimator)
+        self.policy_loss = get_policy_loss(self.config.policy_loss)
         self.strategy = strategy
         self.actor, self.optimizer, self.scheduler = strategy.prepare_training(actor, self.config.actor_optimizer)
         self.reference: Actor | None = None
@@ -179,6 +250,22 @@ class GRPOLearner:
     def policy(self) -> Actor:
         """The unwrapped Actor."""
         return self.strategy.unwrap(self.actor)
+
+    @property
+    def train_epochs(self) -> int:
+        """Passes over each batch (the config's `train_epochs`)."""
+        return self.config.train_epochs
+
+    @train_epochs.setter
+    def train_epochs(self, epochs: int) -> None:
+        if epochs < 1:
+            raise ValueError(f"GRPOConfig.train_epochs must be >= 1, got {epochs}")
+        self.config.train_epochs = epochs
+
+    @property
+    def max_sampling_rounds(self) -> int:
+        """Draws `make_batch` makes at most per batch: `max_sampling_rounds` with dynamic sampling, else 1."""
+        return self.config.max_sampling_rounds if self.config.dynamic_sampling else 1
 
     def synced_models(self) -> dict[str, nn.Module]:
         """What makers mirror: the policy only (no critic)."""
@@ -219,7 +306,8 @@ class GRPOLearner:
                 param.mul_(1 - alpha).add_(source[name].to(param.device, param.dtype), alpha=alpha)
 
     # ---------------------------------------------------------------- batches
-    def make_batch(self, sample, size: int) -> tuple[list[Experience], dict[str, float]]:
+    def make_batch(self, sample: Callable[[int], list[Experience]], size: int
+                   ) -> tuple[list[Experience], dict[str, float]]:
         """Draw `size` samples of whole groups; with dynamic sampling drop groups whose rewards are all equal.
 
         `sample(count)` returns `count` experiences from the buffer (waiting as needed). Dynamic
@@ -228,7 +316,7 @@ class GRPOLearner:
         """
         kept: list[list[Experience]] = []
         seen = dropped = 0
-        for _ in range(self.config.max_sampling_rounds if self.config.dynamic_sampling else 1):
+        for _ in range(self.max_sampling_rounds):
             missing = size - sum(len(g) for g in kept)
             if missing <= 0:
                 break
@@ -254,30 +342,22 @@ class GRPOLearner:
         """Sequence rewards [B], with DAPO's overlong penalty when enabled."""
         scores = batch.scores.clone()
         if self.config.overlong_shaping:
-            max_length = self.config.sampling.max_new_tokens
+            max_length = self.sampling.max_new_tokens
             buffer = self.config.overlong_buffer or max(1, max_length // 5)
             lengths = batch.response_mask.sum(1)
             scores = scores + overlong_penalty(lengths, max_length, buffer, self.config.overlong_penalty).to(scores)
         return scores
 
     def advantages(self, batch: ExperienceBatch, scores: torch.Tensor, kl: torch.Tensor | None) -> torch.Tensor:
-        """Token-level advantages [B, R] of the variant."""
-        config, mask = self.config, batch.response_mask
-        method = config.advantage_method
-        if method is None:  # REINFORCE++: per-token return of (score - beta * KL), whitened over the batch
-            rewards = torch.zeros_like(batch.log_probs)
-            lengths = mask.sum(1).long()
-            rewards[torch.arange(batch.size), lengths - 1] = scores
-            if kl is not None:
-                rewards = rewards - config.kl_coef * kl
-            returns = torch.flip(torch.cumsum(torch.flip(rewards * mask, [1]), 1), [1])
-            return algorithms.masked_whiten(returns, mask) if batch.num_response_tokens >= 2 else returns * mask
-        ids = [gid if gid is not None else f"single:{i}" for i, gid in enumerate(batch.group_ids)]
-        per_sequence = algorithms.group_advantages(scores, group_ids=ids, method=method, eps=config.advantage_eps)
-        token = algorithms.broadcast_to_tokens(per_sequence, mask)
-        if method == "reinforce_pp_baseline" and batch.num_response_tokens >= 2:
-            token = algorithms.masked_whiten(token, mask)
-        return token
+        """Token-level advantages [B, R] of the configured estimator; `kl` [B, R], when given, is subtracted
+        (times kl_coef) from the token rewards."""
+        token_rewards = scores_at_last_token(scores, batch.response_mask)
+        if kl is not None:
+            token_rewards = token_rewards - self.config.kl_coef * kl
+        inputs = AdvantageInputs(mask=batch.response_mask, scores=scores, token_rewards=token_rewards,
+                                 group_ids=batch.group_ids)
+        advantages, _ = self.estimate_advantages(inputs, AdvantageSettings(eps=self.config.advantage_eps))
+        return advantages
 
     # ---------------------------------------------------------------- training
     def train_step(self, experiences: list[Experience], policy_version: int | None = None) -> dict[str, float]:
@@ -294,18 +374,18 @@ class GRPOLearner:
             kl = None
             if self.reference is not None:
                 batch.ref_log_probs = self._forward_in_micro_batches(self.reference, batch)
-                kl = algorithms.kl_estimate(batch.log_probs, batch.ref_log_probs, config.kl_kind)
+                kl = kl_estimate(batch.log_probs, batch.ref_log_probs, config.kl_kind)
                 kl = kl.masked_fill(batch.response_mask == 0, 0.0)
                 extra_forwards += 1
             scores = self.scores(batch)
-            batch.advantages = self.advantages(batch, scores, kl if config.algorithm == "reinforce_pp" else None)
+            batch.advantages = self.advantages(batch, scores, kl if config.kl_in_reward else None)
             batch.old_log_probs, batch.loss_weights = batch.log_probs, torch.ones_like(batch.log_probs)
             if recompute_old:
                 # The proximal "old" policy: this trainer's weights before the update.
                 batch.old_log_probs = self._forward_in_micro_batches(self.actor, batch)
                 extra_forwards += 1
                 if config.tis_cap is not None:
-                    batch.loss_weights = algorithms.truncated_importance_weight(
+                    batch.loss_weights = truncated_importance_weight(
                         batch.log_probs, batch.old_log_probs, config.tis_cap, batch.response_mask)
         means = TokenWeightedMeans()
         self.actor.train()
@@ -325,17 +405,17 @@ class GRPOLearner:
         metrics = means.means()
         elapsed = time.perf_counter() - start
         tokens = batch.num_response_tokens
-        metrics.update(self._batch_metrics(batch, scores, staleness))
+        metrics.update(self._batch_metrics(batch, scores, staleness, kl))
         flops = self._training_flops(batch, extra_forwards)
         metrics.update({
-            "time/training": elapsed,
+            names.TIME_TRAINING: elapsed,
             "perf/tokens_per_s": tokens / elapsed,
             "perf/samples_per_s": batch.size / elapsed,
             "perf/mfu": flops / elapsed / matmul_peak_flops(str(self.strategy.device),
                                                             dtype=config.autocast_dtype or "float32"),
             "lr/actor": self.optimizer.param_groups[0]["lr"],
         })
-        return metrics
+        return names.with_aliases(metrics)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """torch.autocast to `autocast_dtype` on the strategy's device, or nothing."""
@@ -349,37 +429,38 @@ class GRPOLearner:
             rows = torch.arange(start, min(start + self.config.micro_batch_size, batch.size))
             micro = batch.select(rows)
             with self._autocast():
-                lp = actor(micro.sequences, micro.attention_mask, micro.response_mask, self.config.sampling)
+                lp = actor(micro.sequences, micro.attention_mask, micro.response_mask, self.sampling)
             out[rows, : lp.shape[1]] = lp.float()
         return out
 
     def _micro_step(self, micro: ExperienceBatch, weight: float) -> dict[str, Any]:
         config, mask = self.config, micro.response_mask
         with self._autocast():
-            log_probs, entropy = self.actor(micro.sequences, micro.attention_mask, mask, config.sampling,
+            log_probs, entropy = self.actor(micro.sequences, micro.attention_mask, mask, self.sampling,
                                             return_entropy=True, entropy_grad=config.entropy_coef > 0)
-        policy_loss, stats = algorithms.policy_loss(
-            log_probs, micro.old_log_probs, micro.advantages, mask, config.clip_low, config.clip_high,
-            config.dual_clip, config.loss_agg, weights=micro.loss_weights, max_length=config.sampling.max_new_tokens,
-        )
+        max_length = self.sampling.max_new_tokens
+        loss_settings = PolicyLossSettings(config.clip_low, config.clip_high, config.dual_clip, config.loss_agg,
+                                           max_length=max_length)
+        policy_loss, stats = self.policy_loss(log_probs, micro.old_log_probs, micro.advantages, mask, loss_settings,
+                                              weights=micro.loss_weights)
         total = policy_loss
         kl_loss = torch.zeros((), device=log_probs.device)
-        if self.reference is not None and config.algorithm != "reinforce_pp":
-            kl_loss = algorithms.aggregate_loss(
-                algorithms.kl_estimate(log_probs, micro.ref_log_probs, config.kl_kind), mask, config.loss_agg,
-                max_length=config.sampling.max_new_tokens,
-            )
-            total = total + config.kl_coef * kl_loss
-        entropy_mean = algorithms.masked_mean(entropy.detach(), mask)
+        if self.reference is not None:  # with the KL in the reward it is in the advantages; here only reported
+            in_loss = not config.kl_in_reward
+            kl_loss = aggregate_loss(kl_estimate(log_probs if in_loss else log_probs.detach(), micro.ref_log_probs,
+                                                 config.kl_kind), mask, config.loss_agg, max_length=max_length)
+            if in_loss:
+                total = total + config.kl_coef * kl_loss
+        entropy_term = aggregate_loss(entropy, mask, config.loss_agg)
         if config.entropy_coef > 0:
-            total = total - config.entropy_coef * algorithms.aggregate_loss(entropy, mask, config.loss_agg)
+            total = total - config.entropy_coef * entropy_term
         self.strategy.backward(total * weight, self.actor, self.optimizer)
         return {
-            "loss/policy_avg": policy_loss.detach(), "loss/kl_avg": kl_loss.detach(),
-            "loss/total_avg": total.detach(), "policy/clipfrac_avg": stats["clipfrac"],
-            "policy/approx_kl": stats["approx_kl"], "val/ratio": stats["ratio_mean"],
-            "policy/entropy": entropy_mean,
-            "policy/importance_weight": algorithms.masked_mean(micro.loss_weights, mask),
+            names.LOSS_POLICY: policy_loss.detach(), names.LOSS_KL: kl_loss.detach(),
+            names.LOSS_ENTROPY: entropy_term.detach(), names.LOSS_TOTAL: total.detach(),
+            names.POLICY_CLIPFRAC: stats["clipfrac"], names.POLICY_APPROX_KL: stats["approx_kl"],
+            names.POLICY_RATIO: stats["ratio_mean"], names.POLICY_ENTROPY: masked_mean(entropy.detach(), mask),
+            names.POLICY_IMPORTANCE_WEIGHT: masked_mean(micro.loss_weights, mask),
         }
 
     def _training_flops(self, batch: ExperienceBatch, extra_forwards: int) -> float:
@@ -389,8 +470,8 @@ class GRPOLearner:
         per_token = 2 * self.num_parameters * (1 + extra_forwards) + 2 * self.num_parameters + 2 * self.num_trainable
         return float(per_token * tokens * self.config.train_epochs)
 
-    def _batch_metrics(self, batch: ExperienceBatch, scores: torch.Tensor, staleness: torch.Tensor | None
-                       ) -> dict[str, float]:
+    def _batch_metrics(self, batch: ExperienceBatch, scores: torch.Tensor, staleness: torch.Tensor | None,
+                       kl: torch.Tensor | None) -> dict[str, float]:
         lengths = batch.response_mask.sum(1).float()
         out = {
             "reward/mean": float(scores.mean()),
@@ -400,6 +481,8 @@ class GRPOLearner:
             "samples": float(batch.size),
             "tokens": float(batch.num_response_tokens),
         }
+        if kl is not None:
+            out[names.OBJECTIVE_KL] = float(masked_mean(kl, batch.response_mask))
         if staleness is not None:  # the histogram is added per rank by the trainer (its keys vary)
             out["staleness/mean"] = float(staleness.float().mean())
             out["staleness/max"] = float(staleness.max())

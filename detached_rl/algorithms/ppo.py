@@ -1,7 +1,9 @@
-"""PPO on experience batches: reward shaping, GAE, clipped policy and value losses, mini-batches and epochs.
+"""PPO on experience batches: reward shaping, advantages (GAE by default), clipped policy and value losses.
 
 `PPOLearner` is the plain class inside `DetachedPPOTrainer`; it owns the actor, the critic,
-their optimizers and schedules, and turns a list of `Experience` into optimizer steps.
+their optimizers and schedules, and turns a list of `Experience` into optimizer steps
+(mini-batches, epochs, token-weighted micro-batch accumulation). The advantage estimator and
+the policy loss are looked up by name in `ADVANTAGE_ESTIMATORS` and `POLICY_LOSSES`.
 Experience must carry `values` (the maker's critic) and, when the KL coefficient is
 non-zero, `ref_log_probs` (the maker's reference model). The "old" policy of the PPO ratio
 is the behaviour policy: the log-probs the maker sampled with.
@@ -16,7 +18,17 @@ from typing import Any
 
 import torch
 
-from detached_rl.algorithms import functional as algorithms
+from detached_rl.algorithms import metrics as names
+from detached_rl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    AdvantageSettings,
+    get_advantage_estimator,
+)
+from detached_rl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
+from detached_rl.algorithms.kl import KL_KINDS, kl_estimate
+from detached_rl.algorithms.losses import POLICY_LOSSES, PolicyLossSettings, get_policy_loss, value_loss
+from detached_rl.algorithms.masks import masked_mean, masked_whiten
 from detached_rl.core.experience import Experience, ExperienceBatch, collate
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.models.actor import Actor
@@ -33,6 +45,8 @@ class PPOConfig:
 
     actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     critic_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-5))
+    advantage_estimator: str = "gae"  # a name in ADVANTAGE_ESTIMATORS
+    policy_loss: str = "ppo_clip"  # a name in POLICY_LOSSES
     clip_low: float = 0.2
     clip_high: float | None = None
     dual_clip: float | None = None
@@ -49,15 +63,20 @@ class PPOConfig:
     micro_batch_size: int = 8
     mini_batch_size: int | None = None  # samples per optimizer step; None: the whole batch
     train_epochs: int = 1
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # as the makers sample
+    # How the makers sample, for the learner built without an explicit `sampling` (PPOLearner(..., sampling=)
+    # wins). RunConfig keeps its one `sampling` at the top and leaves this None; None here and there: defaults.
+    sampling: SamplingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kl_mode not in KL_MODES:
             raise ValueError(f"PPOConfig.kl_mode must be one of {KL_MODES}, got {self.kl_mode!r}")
-        if self.kl_kind not in algorithms.KL_KINDS:
-            raise ValueError(f"PPOConfig.kl_kind must be one of {algorithms.KL_KINDS}, got {self.kl_kind!r}")
-        if self.loss_agg not in algorithms.LOSS_AGG_MODES:
-            raise ValueError(f"PPOConfig.loss_agg must be one of {algorithms.LOSS_AGG_MODES}, got {self.loss_agg!r}")
+        if self.kl_kind not in KL_KINDS:
+            raise ValueError(f"PPOConfig.kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
+        if self.loss_agg not in LOSS_AGG_MODES:
+            raise ValueError(f"PPOConfig.loss_agg must be one of {LOSS_AGG_MODES}, got {self.loss_agg!r}")
+        for name, registry in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
+            if getattr(self, name) not in registry:
+                raise ValueError(f"PPOConfig.{name} must be one of {sorted(registry)}, got {getattr(self, name)!r}")
         for name in ("micro_batch_size", "train_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PPOConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -76,7 +95,7 @@ def shaped_rewards(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Ten
         return batch.token_rewards, None
     if batch.ref_log_probs is None:
         raise ValueError("PPO with kl_coef > 0 needs ref_log_probs on every experience (field ref_log_probs)")
-    kl = algorithms.kl_estimate(batch.log_probs, batch.ref_log_probs, config.kl_kind)
+    kl = kl_estimate(batch.log_probs, batch.ref_log_probs, config.kl_kind)
     kl = kl.masked_fill(batch.response_mask == 0, 0.0)
     if config.kl_mode == "reward":
         return batch.token_rewards - config.kl_coef * kl, kl
@@ -84,13 +103,17 @@ def shaped_rewards(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Ten
 
 
 def ppo_advantages(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(advantages, returns, kl) [B, R]: GAE over shaped rewards and the maker's values, optionally whitened."""
+    """(advantages, returns, kl) [B, R]: the configured estimator (GAE) over shaped rewards and the maker's values,
+    optionally whitened."""
     if batch.values is None:
         raise ValueError("PPO needs values on every experience (field values), computed by the maker's critic")
     rewards, kl = shaped_rewards(batch, config)
-    advantages, returns = algorithms.compute_gae(rewards, batch.values, batch.response_mask, config.gamma, config.lam)
+    inputs = AdvantageInputs(mask=batch.response_mask, scores=batch.scores, token_rewards=rewards,
+                             values=batch.values, group_ids=batch.group_ids)
+    estimator = get_advantage_estimator(config.advantage_estimator)
+    advantages, returns = estimator(inputs, AdvantageSettings(gamma=config.gamma, lam=config.lam))
     if config.whiten_advantages and batch.num_response_tokens >= 2:
-        advantages = algorithms.masked_whiten(advantages, batch.response_mask)
+        advantages = masked_whiten(advantages, batch.response_mask)
     return advantages, returns, kl
 
 
@@ -140,16 +163,42 @@ class TokenWeightedMeans:
 
 
 class PPOLearner:
-    """Trains an actor and a critic with PPO on batches of experience."""
+    """Trains an actor and a critic with PPO on batches of experience (a `Learner`).
 
-    def __init__(self, actor: Actor, critic: Critic, strategy: Strategy, config: PPOConfig | None = None) -> None:
+    `sampling` is how the makers sample (the trainer recomputes log-probs under the same
+    temperature and top-k/top-p); without it, `config.sampling`, else the defaults.
+    """
+
+    assembles_batches = False  # plain FIFO batches: TrainerCore waits for them on every rank together
+    max_sampling_rounds = 1
+
+    def __init__(self, actor: Actor, critic: Critic, strategy: Strategy, config: PPOConfig | None = None,
+                 sampling: SamplingConfig | None = None) -> None:
         self.config = config or PPOConfig()
+        self.sampling = sampling or self.config.sampling or SamplingConfig()
         self.strategy = strategy
+        self.policy_loss = get_policy_loss(self.config.policy_loss)
         self.actor, self.actor_optimizer, self.actor_scheduler = strategy.prepare_training(
             actor, self.config.actor_optimizer)
         self.critic, self.critic_optimizer, self.critic_scheduler = strategy.prepare_training(
             critic, self.config.critic_optimizer)
         self.optimizer_steps = 0
+
+    @property
+    def train_epochs(self) -> int:
+        """Passes over each batch (the config's `train_epochs`)."""
+        return self.config.train_epochs
+
+    @train_epochs.setter
+    def train_epochs(self, epochs: int) -> None:
+        if epochs < 1:
+            raise ValueError(f"PPOConfig.train_epochs must be >= 1, got {epochs}")
+        self.config.train_epochs = epochs
+
+    def make_batch(self, sample: Callable[[int], list[Experience]], size: int
+                   ) -> tuple[list[Experience], dict[str, float]]:
+        """`size` experiences in the buffer's order (PPO has no batch structure)."""
+        return sample(size), {}
 
     def synced_models(self) -> dict[str, torch.nn.Module]:
         """What makers mirror: the policy's model and the critic."""
@@ -203,47 +252,47 @@ class PPOLearner:
         metrics.update(self._batch_metrics(batch, kl, policy_version))
         elapsed = time.perf_counter() - start
         metrics.update({
-            "time/train_step": elapsed,
+            names.TIME_TRAINING: elapsed,
             "perf/samples_per_s": batch.size / elapsed,
             "perf/tokens_per_s": batch.num_response_tokens / elapsed,
             "lr/actor": self.actor_optimizer.param_groups[0]["lr"],
             "lr/critic": self.critic_optimizer.param_groups[0]["lr"],
         })
-        return metrics
+        return names.with_aliases(metrics)
 
     def _micro_step(self, micro: ExperienceBatch, weight: float) -> dict[str, Any]:
         config = self.config
         mask = micro.response_mask
         log_probs, entropy = self.actor(
-            micro.sequences, micro.attention_mask, mask, config.sampling, return_entropy=True,
+            micro.sequences, micro.attention_mask, mask, self.sampling, return_entropy=True,
             entropy_grad=config.entropy_coef > 0,
         )
-        policy_loss, stats = algorithms.policy_loss(
-            log_probs, micro.log_probs, micro.advantages, mask, config.clip_low, config.clip_high,
-            config.dual_clip, config.loss_agg,
-        )
-        entropy_mean = algorithms.aggregate_loss(entropy, mask, config.loss_agg)
-        actor_loss = policy_loss - config.entropy_coef * entropy_mean
+        loss_settings = PolicyLossSettings(config.clip_low, config.clip_high, config.dual_clip, config.loss_agg)
+        policy_loss, stats = self.policy_loss(log_probs, micro.log_probs, micro.advantages, mask, loss_settings)
+        entropy_term = aggregate_loss(entropy, mask, config.loss_agg)
+        actor_loss = policy_loss - config.entropy_coef * entropy_term
         kl_loss = torch.zeros((), device=log_probs.device)
-        if config.kl_mode == "loss" and config.kl_coef > 0:
-            kl_loss = algorithms.aggregate_loss(
-                algorithms.kl_estimate(log_probs, micro.ref_log_probs, config.kl_kind), mask, config.loss_agg
-            )
-            actor_loss = actor_loss + config.kl_coef * kl_loss
+        if config.kl_coef > 0:  # with kl_mode="reward" the KL is in the advantages; here it is only reported
+            in_loss = config.kl_mode == "loss"
+            kl_loss = aggregate_loss(kl_estimate(log_probs if in_loss else log_probs.detach(), micro.ref_log_probs,
+                                                 config.kl_kind), mask, config.loss_agg)
+            if in_loss:
+                actor_loss = actor_loss + config.kl_coef * kl_loss
         self.strategy.backward(actor_loss * weight, self.actor, self.actor_optimizer)
 
         values = self.critic(micro.sequences, micro.attention_mask, mask)
-        value_loss, value_stats = algorithms.value_loss(
-            values, micro.values, micro.returns, mask, config.value_clip, config.loss_agg
-        )
-        self.strategy.backward(config.value_coef * value_loss * weight, self.critic, self.critic_optimizer)
-        value_error = algorithms.masked_mean((values.detach() - micro.returns) ** 2, mask)
+        critic_loss, value_stats = value_loss(values, micro.values, micro.returns, mask, config.value_clip,
+                                              config.loss_agg)
+        self.strategy.backward(config.value_coef * critic_loss * weight, self.critic, self.critic_optimizer)
+        value_error = masked_mean((values.detach() - micro.returns) ** 2, mask)
         return {
-            "loss/policy": policy_loss.detach(), "loss/value": value_loss.detach(),
-            "loss/entropy": entropy_mean.detach(), "loss/kl": kl_loss.detach(),
-            "policy/clipfrac": stats["clipfrac"], "policy/approx_kl": stats["approx_kl"],
-            "policy/ratio_mean": stats["ratio_mean"], "value/clipfrac": value_stats["vf_clipfrac"],
-            "value/error": value_error,
+            names.LOSS_POLICY: policy_loss.detach(), names.LOSS_VALUE: critic_loss.detach(),
+            names.LOSS_ENTROPY: entropy_term.detach(), names.LOSS_KL: kl_loss.detach(),
+            names.LOSS_TOTAL: (actor_loss + config.value_coef * critic_loss).detach(),
+            names.POLICY_ENTROPY: masked_mean(entropy.detach(), mask),
+            names.POLICY_CLIPFRAC: stats["clipfrac"], names.POLICY_APPROX_KL: stats["approx_kl"],
+            names.POLICY_RATIO: stats["ratio_mean"], names.VALUE_CLIPFRAC: value_stats["vf_clipfrac"],
+            names.VALUE_ERROR: value_error,
         }
 
     def _optimizer_step(self) -> dict[str, float]:
@@ -270,7 +319,7 @@ class PPOLearner:
             "tokens": float(batch.num_response_tokens),
         }
         if kl is not None:
-            out["kl/mean"] = float(algorithms.masked_mean(kl, batch.response_mask))
+            out[names.OBJECTIVE_KL] = float(masked_mean(kl, batch.response_mask))
         if policy_version is not None:
             staleness = (policy_version - batch.policy_versions).float()
             out["staleness/mean"] = float(staleness.mean())

@@ -14,6 +14,7 @@ import torch
 
 from detached_rl import algorithms
 from detached_rl.core.experience import Experience, collate
+from detached_rl.generation import HFGenerationBackend
 from detached_rl.models import Actor, FunctionReward, LoraSettings, SamplingConfig, apply_lora, load_causal_lm
 from detached_rl.models.lora import count_parameters
 from detached_rl.rewards.functions import numeric_answer_reward
@@ -61,7 +62,7 @@ def run_check(
     problems = [p for p in addition_problems(num_prompts, seed=seed) for _ in range(group_size)]
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature)
     start = time.perf_counter()
-    out = actor.generate([p.prompt for p in problems], sampling)
+    out = HFGenerationBackend.from_actor(actor).generate_text([p.prompt for p in problems], sampling)
     generate_s = time.perf_counter() - start
     new_tokens = sum(len(r) for r in out.response_ids)
     figures.update(responses=len(problems), generate_s=generate_s, generated_tokens=new_tokens,

@@ -6,9 +6,9 @@ client at `ray://host:port`); the CLI adds argument parsing and one-line errors.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -41,15 +41,36 @@ def check_reachable(address: str, timeout: float = 3.0) -> None:
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+CONNECT_TIMEOUT_VARIABLE = "DETACHED_RL_CONNECT_TIMEOUT_S"
+DEFAULT_CONNECT_TIMEOUT = 120.0
 
 
-def connect(address: str | None, namespace: str, timeout: float = 120.0) -> None:
+def connect_timeout() -> float:
+    """Seconds `connect` may take to join a cluster: `$DETACHED_RL_CONNECT_TIMEOUT_S`, else 120."""
+    raw = os.environ.get(CONNECT_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_CONNECT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise JobError(f"{CONNECT_TIMEOUT_VARIABLE}={raw!r}: must be a positive number of seconds")
+    return seconds
+
+
+def connect(address: str | None, namespace: str, timeout: float | None = None) -> None:
     """Join a running Ray cluster (default: `$RAY_ADDRESS`, else `auto`) in `namespace`.
 
     Never waits forever: an address that does not answer fails at once, and if joining takes
-    longer than `timeout` the process exits with a one-line error (Ray retries internally
-    without a bound, in native code that cannot be interrupted).
+    longer than `timeout` (default: `connect_timeout()`) the process exits with a one-line error
+    (Ray retries internally without a bound, in native code that cannot be interrupted). A Ray
+    client join starts a server process on the head node, which on a loaded machine can take
+    minutes: raise `$DETACHED_RL_CONNECT_TIMEOUT_S` there.
     """
+    timeout = connect_timeout() if timeout is None else timeout
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise JobError(f"connect timeout must be a positive number of seconds, got {timeout!r}")
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
     check_reachable(address)
     host = address.removeprefix("ray://").rpartition(":")[0]
@@ -64,8 +85,8 @@ def connect(address: str | None, namespace: str, timeout: float = 120.0) -> None
 
     def watchdog() -> None:
         if not done.wait(timeout):
-            print(f"detached-rl: error: could not join the Ray cluster at {address} within {timeout:.0f} s",
-                  file=sys.stderr, flush=True)
+            print(f"detached-rl: error: could not join the Ray cluster at {address} within {timeout:.0f} s "
+                  f"(a busy machine may need more: set {CONNECT_TIMEOUT_VARIABLE})", file=sys.stderr, flush=True)
             os._exit(2)
 
     threading.Thread(target=watchdog, daemon=True).start()
@@ -108,32 +129,18 @@ def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: 
     """
     import ray
 
-    from detached_rl.actors.group import start_trainer_group, trainer_names
-    from detached_rl.actors.trainer import DetachedGRPOTrainer, DetachedPPOTrainer
+    from detached_rl.actors.launch import launch_trainers, trainer_names_of
     from detached_rl.actors.transport import get_all
 
-    group = config.trainer_group
-    if group.world_size == 1 and group.strategy == "naive":
-        _refuse_existing(name, config.namespace)
-        trainer_class = DetachedGRPOTrainer if config.algorithm == "grpo" else DetachedPPOTrainer
-        handles = [trainer_class.options(name=name, namespace=config.namespace, lifetime="detached",
-                                         resources=dict(group.resources) or None).remote(
-            name, config.trainer_factory(), config.trainer, config.algorithm_config, config.namespace
-        )]
-        names = [name]
-    else:
-        names = trainer_names(name, group.world_size)
-        for rank_name in names:
-            _refuse_existing(rank_name, config.namespace)
-        try:
-            handles = start_trainer_group(
-                name, group.world_size, config.trainer_factory(), config.trainer, config.algorithm_config,
-                config.namespace, strategy=group.strategy, group=group, timeout=group.timeout_s,
-            )
-        except ray.exceptions.RayTaskError as error:  # the rank's own error (e.g. a strategy that needs CUDA)
-            raise JobError(f"trainer group {name!r} did not start: {_first_line(error.cause)}") from None
-        except TimeoutError as error:
-            raise JobError(str(error)) from None
+    names = trainer_names_of(config, name)
+    for rank_name in names:
+        _refuse_existing(rank_name, config.namespace)
+    try:
+        handles = launch_trainers(config, name)
+    except ray.exceptions.RayTaskError as error:  # a group rank's own error (e.g. a strategy that needs CUDA)
+        raise JobError(f"trainer group {name!r} did not start: {_first_line(error.cause)}") from None
+    except TimeoutError as error:  # a group that could not be placed
+        raise JobError(str(error)) from None
     get_all([h.start_fit.remote(total_steps, update_steps, **checkpointing) for h in handles], timeout=600)
     return names
 
@@ -148,17 +155,13 @@ def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: 
     """
     import ray
 
-    from detached_rl.actors.maker import ExperienceMakerHolder
+    from detached_rl.actors.launch import launch_maker
 
     if not trainers:
         raise JobError("a maker needs --trainers (comma-separated trainer names)")
     _refuse_existing(name, config.namespace)
-    handle = ExperienceMakerHolder.options(name=name, namespace=config.namespace, lifetime="detached",
-                                           max_restarts=config.maker.max_restarts,
-                                           resources=dict(config.maker.resources) or None).remote(
-        name, trainers, config.maker_factory(), config.prompts(*shard), config.maker, config.namespace,
-        state_path=str(Path(state_dir).resolve() / name) if state_dir else None,
-    )
+    handle = launch_maker(config, name, trainers, shard,
+                          state_path=str(Path(state_dir).resolve() / name) if state_dir else None)
     ray.get(handle.start.remote(num_batches), timeout=600)
     return handle
 
@@ -171,7 +174,8 @@ def start_scorers(config: RunConfig, trainers: list[str]) -> list[str]:
     """
     import ray
 
-    from detached_rl.actors.scorer import scorer_names, start_scorer_group
+    from detached_rl.actors.launch import launch_scorer_group
+    from detached_rl.actors.scorer import scorer_names
 
     started: list[str] = []
     for role, prefix in config.maker.scorers.items():
@@ -185,8 +189,7 @@ def start_scorers(config: RunConfig, trainers: list[str]) -> list[str]:
         if role == "critic" and not trainers:
             raise JobError("a critic scorer group needs the trainer names (its weights come from them)")
         try:
-            start_scorer_group(prefix, role, config.scorer_factory(role), group, config.sampling, config.namespace,
-                               trainers if role == "critic" else ())
+            launch_scorer_group(config, role, trainers)
         except ray.exceptions.RayTaskError as error:
             raise JobError(f"scorer group {prefix!r} ({role}) did not start: {_first_line(error.cause)}") from None
         except TimeoutError as error:
@@ -401,18 +404,10 @@ def stop(names: list[str], namespace: str, force: bool, timeout: float) -> list[
 
 
 def _remove_placement_groups_of(stopped: list[str], namespace: str) -> None:
-    """Remove the placement group of each trainer group whose ranks are now all gone."""
-    from ray.util.placement_group import get_placement_group, remove_placement_group
+    """Remove the placement group of each actor group (trainer ranks, scorer workers) whose workers are now all gone."""
+    from detached_rl.actors.group import remove_placement_groups_left_empty
 
-    from detached_rl.actors.group import placement_group_name
-
-    live = set(actor_names(namespace))
-    prefixes = {name.rpartition("_")[0] for name in stopped if name.rpartition("_")[2].isdigit()}
-    for prefix in prefixes:
-        if any(n.rpartition("_")[0] == prefix and n.rpartition("_")[2].isdigit() for n in live):
-            continue
-        with contextlib.suppress(ValueError):  # not a group's rank, or already removed
-            remove_placement_group(get_placement_group(placement_group_name(prefix)))
+    remove_placement_groups_left_empty(stopped, actor_names(namespace))
 
 
 def _wait_until_idle(name: str, namespace: str, timeout: float) -> None:

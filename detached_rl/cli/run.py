@@ -15,7 +15,6 @@ word problems); `--config` lays a YAML file over it and `--set key.path=value` o
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -73,18 +72,6 @@ def default_run_name(config: RunConfig) -> str:
     model = Path(config.model.policy).name or "model"
     variant = config.grpo.algorithm if config.algorithm == "grpo" else config.algorithm
     return f"{variant}-{model}-{datetime.now():%Y%m%d-%H%M%S}"
-
-
-def with_threads(threads: int, factory: Callable[[], Any], nice: int = 0) -> Any:
-    """Call `factory` after capping this process's torch threads (0: leave torch's default) and raising its nice
-    value by `nice` (lower CPU priority)."""
-    if threads > 0:
-        import torch
-
-        torch.set_num_threads(threads)
-    if nice > 0:
-        os.nice(nice)
-    return factory()
 
 
 @dataclass
@@ -160,8 +147,7 @@ class JobRunner:
         """Create the named trainer and makers (refusing names already in use in the namespace)."""
         import ray
 
-        from detached_rl.actors.maker import ExperienceMakerHolder
-        from detached_rl.actors.trainer import DetachedGRPOTrainer, DetachedPPOTrainer
+        from detached_rl.actors.launch import launch_maker, launch_trainer
 
         config = self.config
         for name in [self.trainer_name, *self.maker_names]:
@@ -175,18 +161,13 @@ class JobRunner:
             from detached_rl.models.loaders import smollm2_dir
 
             smollm2_dir()  # convert the packaged GGUF once here, not three times at once in the actors
-        trainer_class = DetachedGRPOTrainer if config.algorithm == "grpo" else DetachedPPOTrainer
-        self.handles[self.trainer_name] = trainer_class.options(name=self.trainer_name).remote(
-            self.trainer_name, functools.partial(with_threads, config.run.trainer_threads, config.trainer_factory()),
-            config.trainer, config.algorithm_config, config.namespace,
-        )
+        # Owned by this driver (not detached): they end with the run, also when it is killed.
+        self.handles[self.trainer_name] = launch_trainer(config, self.trainer_name, detached=False,
+                                                         threads=config.run.trainer_threads)
         for index, name in enumerate(self.maker_names):
-            self.handles[name] = ExperienceMakerHolder.options(name=name, max_restarts=config.maker.max_restarts).remote(
-                name, [self.trainer_name],
-                functools.partial(with_threads, config.run.maker_threads, config.maker_factory(),
-                                  config.run.maker_nice),
-                config.prompts(shard=index, num_shards=len(self.maker_names)), config.maker, config.namespace,
-            )
+            self.handles[name] = launch_maker(config, name, [self.trainer_name], (index, len(self.maker_names)),
+                                              detached=False, threads=config.run.maker_threads,
+                                              nice=config.run.maker_nice)
         versions = self._get([self.handles[n].sync.remote() for n in self.maker_names], "loading the models",
                              cap=900)
         if any(v < 0 for v in versions):
@@ -347,20 +328,28 @@ class JobRunner:
                 files: dict[str, str], seconds: float) -> RunResult:
         from detached_rl.cli.reporting import read_metrics
 
-        rows = read_metrics(self.directory / "metrics.jsonl")
-        plot_metrics(rows, self.directory / "metrics.png", title=self.name)
         summary_before, summary_after = evaluation_summary(before), evaluation_summary(after)
         (self.directory / "eval.json").write_text(json.dumps({"before": before, "after": after}, indent=1))
         result = RunResult(self.name, self.directory, seconds, int(trained["trainer"]["steps"]), summary_before,
                            summary_after, {**files, "metrics": str(self.directory / "metrics.jsonl"),
-                                           "plot": str(self.directory / "metrics.png"),
                                            "tensorboard": str(self.directory / "tensorboard")})
         summary = {"name": self.name, "seconds": seconds, "train_seconds": trained["seconds"],
                    "steps": result.steps, "held_out_before": summary_before, "held_out_after": summary_after,
                    "makers": [{k: m.get(k) for k in ("name", "policy_version", "samples_made", "tokens_per_s")}
                               for m in trained["makers"]],
                    "cpu_count": os.cpu_count(), "files": result.files}
-        (self.directory / "summary.json").write_text(json.dumps(summary, indent=1))
+        summary_path = self.directory / "summary.json"
+        summary_path.write_text(json.dumps(summary, indent=1))
+        # The plot comes after the results are on disk: a failure drawing it cannot lose them.
+        plot = self.directory / "metrics.png"
+        try:
+            plot_metrics(read_metrics(self.directory / "metrics.jsonl"), plot, title=self.name)
+        except Exception as error:  # noqa: BLE001 - reported; the run's results are already written
+            self.echo(f"warning: {plot} not written ({type(error).__name__}: {error}); "
+                      "eval.json and summary.json are")
+        else:
+            result.files["plot"] = str(plot)  # `summary["files"]` is this dict
+            summary_path.write_text(json.dumps(summary, indent=1))
         self.echo("")
         self.echo(f"{'':24}{'before':>10}{'after':>10}")
         labels = (("accuracy", "held-out accuracy"), ("format_rate", "answer format"),

@@ -28,7 +28,7 @@ from detached_rl.core.sampling import SamplingConfig
 from detached_rl.maker.experience_maker import MakerConfig
 from detached_rl.maker.scoring import ScorerGroupConfig
 from detached_rl.rewards.functions import REWARD_FUNCTIONS
-from detached_rl.trainer.core import TrainerConfig, TrainerGroupConfig
+from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
 
 TASKS = ("addition", "word_problems")
 ALGORITHMS = ("ppo", "grpo")

@@ -3,10 +3,11 @@
 Plain Python, transport-agnostic. The trainer cuts its state dicts into chunks of at most
 `chunk_bytes`, hands each chunk to `put` exactly once (the Ray layer: `ray.put`) and sends the
 same `WeightUpdate` (manifest + chunk references) to every maker. A maker's `WeightReceiver`
-checks the manifest against its models, pulls the chunks one at a time through `fetch`
+checks the manifest against its models' `WeightSink`s, pulls the chunks one at a time through `fetch`
 (the Ray layer: `ray.get(ref, timeout=...)`), verifies names, shapes, dtypes and xxh3
-checksums, and only then swaps the new weights in under the generation lock. A refused
-update changes nothing; the previous version keeps serving.
+checksums, and only then has the sinks swap the new weights in under the generation lock. A
+refused update changes nothing; the previous version keeps serving. A sink is the engine-specific
+write (`ModuleWeightSink`: into a torch module's tensors; a generation backend may bring its own).
 
 Tensor names are qualified by model, "<model>/<state-dict key>" (e.g. "actor/lm_head.weight"),
 so one update can carry several models. Tied tensors (the same storage under two keys, e.g.
@@ -22,7 +23,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import xxhash
@@ -261,11 +262,95 @@ def _parse_dtype(name: str) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
+@dataclass(frozen=True)
+class TensorLayout:
+    """Shape and dtype of one tensor a `WeightSink` takes."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class SinkCommit:
+    """What `WeightSink.commit` is told about the update whose tensors it was just given."""
+
+    version: int
+    kind: str  # "full" | "lora"
+    keys: frozenset[str]  # the keys written to this sink (its own naming, no "<model>/" prefix)
+    metadata: Mapping[str, Any]  # the manifest's (LoRA updates: "lora" holds the adapter config)
+
+
+@runtime_checkable
+class WeightSink(Protocol):
+    """Where one model's verified weights go: the engine-specific part of applying a `WeightUpdate`.
+
+    The `WeightReceiver` keeps the protocol (versions, manifests, chunk fetching, checksums,
+    refusals, the generation lock, fingerprints); a sink only says what it holds and writes.
+    Keys are the model's state-dict keys as the trainer names them. Per applied update the
+    receiver calls, in order: `layout` (to check the manifest before fetching anything);
+    `stage` on each verified chunk (mode "staged", outside the lock); `write` once with every
+    staged tensor (mode "staged") or once per verified chunk, unstaged (mode "in_place"); then
+    `commit`. `write` and `commit` run under the generation lock, so an update becomes visible
+    between two generation batches. If either raises, the receiver refuses the update and marks
+    the model half-written until a later full update.
+    """
+
+    def layout(self) -> Mapping[str, TensorLayout]:
+        """Every key this sink holds, with the shape and dtype it stores it in."""
+        ...
+
+    def state(self) -> Mapping[str, Tensor]:
+        """The tensors as served, by key (for fingerprints; may copy)."""
+        ...
+
+    def stage(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Verified tensors made ready for `write` (e.g. on the serving device, in the stored dtype)."""
+        ...
+
+    def write(self, tensors: Mapping[str, Tensor]) -> None:
+        """Write tensors (staged, or straight from a chunk) into the served weights; casts as needed."""
+        ...
+
+    def commit(self, update: SinkCommit) -> None:
+        """Make the written tensors serve (e.g. re-merge LoRA weights, switch to a new adapter)."""
+        ...
+
+
+class ModuleWeightSink:
+    """A `WeightSink` over a torch module: writes into the tensors of its `state_dict()` (shared storage)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def layout(self) -> dict[str, TensorLayout]:
+        """Shape and dtype of each state-dict tensor."""
+        return {key: TensorLayout(tuple(t.shape), t.dtype) for key, t in self.module.state_dict().items()}
+
+    def state(self) -> Mapping[str, Tensor]:
+        """The module's state dict (no copies)."""
+        return self.module.state_dict()
+
+    def stage(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Each tensor on its target's device and in its dtype (no copy when it already is)."""
+        targets = self.module.state_dict()
+        return {key: t.to(device=targets[key].device, dtype=targets[key].dtype) for key, t in tensors.items()}
+
+    def write(self, tensors: Mapping[str, Tensor]) -> None:
+        """Copy each tensor into the module's tensor of that key."""
+        targets = self.module.state_dict()
+        with torch.no_grad():
+            for key, tensor in tensors.items():
+                targets[key].copy_(tensor)
+
+    def commit(self, update: SinkCommit) -> None:
+        """Nothing to do: the module computes with the written tensors."""
+
+
 @dataclass
 class _Plan:
-    """A validated update: target tensor per name, tensors to expect per chunk, aliases per chunk."""
+    """A validated update: target layout per name, tensors to expect per chunk, aliases per chunk."""
 
-    targets: dict[str, Tensor]
+    layouts: dict[str, TensorLayout]
     by_chunk: list[list[TensorSpec]]
     aliases: list[list[TensorSpec]]
     models: set[str]
@@ -282,18 +367,19 @@ class _Progress:
 class WeightReceiver:
     """Maker side: validates, fetches, verifies and applies `WeightUpdate`s to named models.
 
-    `lock` is the lock generation holds per batch (a private one if None, see `.lock`).
-    mode "staged": everything is fetched, verified and staged on the target devices first;
-    the lock is held only for the copy into the models (costs a second copy of the updated
-    tensors in memory). mode "in_place": the lock is held for the whole update and each
-    verified chunk is copied straight into the models (no second copy, but generation pauses
-    for the whole transfer, and a chunk failing after others were written leaves the models
-    half-updated: `consistent` turns False until a later full update of those models succeeds).
+    `models` maps each model name to its `WeightSink`, or to a torch module (written through a
+    `ModuleWeightSink`). `lock` is the lock generation holds per batch (a private one if None,
+    see `.lock`). mode "staged": everything is fetched, verified and staged (on the target
+    devices) first; the lock is held only for the write into the models (costs a second copy of
+    the updated tensors in memory). mode "in_place": the lock is held for the whole update and
+    each verified chunk is written straight into the models (no second copy, but generation
+    pauses for the whole transfer, and a chunk failing after others were written leaves the
+    models half-updated: `consistent` turns False until a later full update of those models succeeds).
     """
 
     def __init__(
         self,
-        models: Mapping[str, nn.Module],
+        models: Mapping[str, nn.Module | WeightSink],
         cast_dtype: torch.dtype | None = None,
         mode: str = "staged",
         lock: threading.Lock | threading.RLock | None = None,
@@ -304,8 +390,15 @@ class WeightReceiver:
             raise ValueError(f"mode must be 'staged' or 'in_place', got {mode!r}")
         if cast_dtype is not None and not cast_dtype.is_floating_point:
             raise ValueError(f"cast_dtype must be a floating dtype, got {cast_dtype}")
-        for name in models:
+        self.sinks: dict[str, WeightSink] = {}
+        for name, model in models.items():
             _check_model_name(name)
+            if isinstance(model, nn.Module):
+                self.sinks[name] = ModuleWeightSink(model)
+            elif isinstance(model, WeightSink):
+                self.sinks[name] = model
+            else:
+                raise TypeError(f"model {name!r} is a {type(model).__name__}, not a torch module or a WeightSink")
         self.models = dict(models)
         self.cast_dtype = cast_dtype
         self.mode = mode
@@ -368,7 +461,7 @@ class WeightReceiver:
     def _current_entries(self) -> dict[str, _Entry]:
         """Per-tensor entries of the current weights (computed on first use); hold `_state_lock`."""
         if self._entries is None:
-            self._entries = _entries_of({name: model.state_dict() for name, model in self.models.items()})
+            self._entries = _entries_of({name: sink.state() for name, sink in self.sinks.items()})
         return self._entries
 
     def apply(self, update: WeightUpdate, fetch: Fetch, timeout: float | None = None) -> ApplyResult:
@@ -416,18 +509,18 @@ class WeightReceiver:
             raise WeightUpdateError(
                 f"{v}: manifest has {manifest.num_chunks} chunks but {len(update.chunk_refs)} chunk refs"
             )
-        states = {name: model.state_dict() for name, model in self.models.items()}
-        targets: dict[str, Tensor] = {}
+        layouts = {name: dict(sink.layout()) for name, sink in self.sinks.items()}
+        targets: dict[str, TensorLayout] = {}
         specs: dict[str, TensorSpec] = {}
         by_chunk: list[list[TensorSpec]] = [[] for _ in range(manifest.num_chunks)]
         aliases: list[list[TensorSpec]] = [[] for _ in range(manifest.num_chunks)]
         for spec in manifest.tensors:
             model_name, _, key = spec.name.partition("/")
-            if model_name not in states:
+            if model_name not in layouts:
                 raise WeightUpdateError(
-                    f"{v}: tensor {spec.name!r} names unknown model {model_name!r} (known: {sorted(states)})"
+                    f"{v}: tensor {spec.name!r} names unknown model {model_name!r} (known: {sorted(layouts)})"
                 )
-            if key not in states[model_name]:
+            if key not in layouts[model_name]:
                 raise WeightUpdateError(f"{v}: unknown key {spec.name!r} (not in model {model_name!r})")
             if spec.name in specs:
                 raise WeightUpdateError(f"{v}: key {spec.name!r} listed twice")
@@ -435,10 +528,10 @@ class WeightReceiver:
                 raise WeightUpdateError(
                     f"{v}: key {spec.name!r} in chunk {spec.chunk} of {manifest.num_chunks}"
                 )
-            target = states[model_name][key]
-            if spec.shape != tuple(target.shape):
+            target = layouts[model_name][key]
+            if spec.shape != target.shape:
                 raise WeightUpdateError(
-                    f"{v}: shape mismatch for {spec.name!r}: update {spec.shape} vs model {tuple(target.shape)}"
+                    f"{v}: shape mismatch for {spec.name!r}: update {spec.shape} vs model {target.shape}"
                 )
             dtype = _parse_dtype(spec.dtype)
             if dtype is None:
@@ -473,13 +566,13 @@ class WeightReceiver:
         named = {name.partition("/")[0] for name in specs}
         if manifest.kind == "full":
             for model_name in sorted(named):
-                missing = [key for key in states[model_name] if f"{model_name}/{key}" not in specs]
+                missing = [key for key in layouts[model_name] if f"{model_name}/{key}" not in specs]
                 if missing:
                     more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
                     raise WeightUpdateError(
                         f"{v}: full update lacks key {model_name + '/' + missing[0]!r}{more}"
                     )
-        covers_all = sum(map(len, states.values())) == len(specs)
+        covers_all = sum(map(len, layouts.values())) == len(specs)
         return _Plan(targets, by_chunk, aliases, named, covers_all)
 
     def _receive(
@@ -546,31 +639,27 @@ class WeightReceiver:
     ) -> ApplyResult:
         manifest = update.manifest
         progress = _Progress()
-        staged: dict[str, Tensor] = {}
+        staged: dict[str, dict[str, Tensor]] = {}  # model -> key -> staged tensor
         for index in range(manifest.num_chunks):
             chunk = self._receive(update, index, fetch, plan, deadline, progress)
-            for spec in plan.by_chunk[index] + plan.aliases[index]:
-                target = plan.targets[spec.name]
-                # No copy when the fetched tensor already has the target's device and dtype.
-                staged[spec.name] = chunk[spec.alias_of or spec.name].to(
-                    device=target.device, dtype=target.dtype
-                )
+            for model_name, tensors in _by_model(plan, index, chunk).items():
+                staged.setdefault(model_name, {}).update(self.sinks[model_name].stage(tensors))
         fetched = time.perf_counter()
-        # Work out the new fingerprint before taking the lock, so the swap is only the copy.
+        # Work out the new fingerprint before taking the lock, so the swap is only the write.
         with self._state_lock:
             entries = {} if plan.covers_all else dict(self._current_entries())
         for spec in manifest.tensors:
-            entries[spec.name] = self._entry(spec, staged[spec.name])
+            model_name, _, key = spec.name.partition("/")
+            entries[spec.name] = self._entry(spec, plan.layouts[spec.name], staged[model_name][key])
         fingerprint = _fingerprint_of(entries)
         lock_wait = self._acquire(deadline, manifest.version)
         swap_start = time.perf_counter()
         try:
             with self._state_lock, torch.no_grad():
                 try:
-                    for name, tensor in staged.items():
-                        plan.targets[name].copy_(tensor)
-                    if self.after_swap is not None:
-                        self.after_swap(set(staged))
+                    for model_name, tensors in staged.items():
+                        self.sinks[model_name].write(tensors)
+                    self._commit(manifest)
                 except Exception as error:
                     self._dirty |= plan.models
                     self._entries = self._fingerprint = None
@@ -610,14 +699,14 @@ class WeightReceiver:
                     for index in range(manifest.num_chunks):
                         # The whole chunk is verified before any of it is written.
                         chunk = self._receive(update, index, fetch, plan, deadline, progress)
-                        for spec in plan.by_chunk[index] + plan.aliases[index]:
-                            target = plan.targets[spec.name]
-                            target.copy_(chunk[spec.alias_of or spec.name])
-                            written = True
-                            if entries is not None:
-                                entries[spec.name] = self._entry(spec, target)
-                    if self.after_swap is not None:
-                        self.after_swap({spec.name for spec in manifest.tensors})
+                        for model_name, tensors in _by_model(plan, index, chunk).items():
+                            written = True  # a write that fails may have written part of its tensors
+                            self.sinks[model_name].write(tensors)
+                        if entries is not None:
+                            for spec in plan.by_chunk[index] + plan.aliases[index]:
+                                tensor = chunk[spec.alias_of or spec.name]
+                                entries[spec.name] = self._entry(spec, plan.layouts[spec.name], tensor)
+                    self._commit(manifest)
                 except Exception as error:
                     if written:
                         self._dirty |= plan.models
@@ -648,12 +737,34 @@ class WeightReceiver:
             seconds=end - start,
         )
 
+    def _commit(self, manifest: WeightManifest) -> None:
+        """Tell each sink its part of the update is written, then run `after_swap` (under the lock)."""
+        keys: dict[str, set[str]] = {}
+        for spec in manifest.tensors:
+            model_name, _, key = spec.name.partition("/")
+            keys.setdefault(model_name, set()).add(key)
+        for model_name, written in keys.items():
+            self.sinks[model_name].commit(
+                SinkCommit(manifest.version, manifest.kind, frozenset(written), manifest.metadata)
+            )
+        if self.after_swap is not None:
+            self.after_swap({spec.name for spec in manifest.tensors})
+
     @staticmethod
-    def _entry(spec: TensorSpec, written: Tensor) -> _Entry:
-        """Fingerprint entry of a tensor as written: the manifest's, unless it was cast."""
-        if str(written.dtype) == spec.dtype:
+    def _entry(spec: TensorSpec, layout: TensorLayout, tensor: Tensor) -> _Entry:
+        """Fingerprint entry of a tensor as stored: the manifest's, unless the sink stores it cast."""
+        if str(layout.dtype) == spec.dtype:
             return spec.shape, spec.dtype, spec.checksum
-        return spec.shape, str(written.dtype), tensor_checksum(written)
+        return spec.shape, str(layout.dtype), tensor_checksum(tensor.to(layout.dtype))
+
+
+def _by_model(plan: _Plan, index: int, chunk: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """The tensors of verified chunk `index` (tied keys included) as model -> key -> tensor."""
+    out: dict[str, dict[str, Tensor]] = {}
+    for spec in plan.by_chunk[index] + plan.aliases[index]:
+        model_name, _, key = spec.name.partition("/")
+        out.setdefault(model_name, {})[key] = chunk[spec.alias_of or spec.name]
+    return out
 
 
 def _check_deadline(deadline: float | None, message: str) -> None:
@@ -663,10 +774,14 @@ def _check_deadline(deadline: float | None, message: str) -> None:
 
 __all__ = [
     "ApplyResult",
+    "ModuleWeightSink",
     "SendStats",
+    "SinkCommit",
+    "TensorLayout",
     "TensorSpec",
     "WeightManifest",
     "WeightReceiver",
+    "WeightSink",
     "WeightUpdate",
     "WeightUpdateError",
     "build_weight_update",

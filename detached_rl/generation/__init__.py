@@ -1,5 +1,30 @@
-"""Generation backends behind `GenerationBackend`, each taking weight updates through its own sink."""
+"""Generation backends behind `GenerationBackend`, each taking weight updates through its own `WeightSink`."""
 
-from detached_rl.generation.base import GenerationBackend, GenerationOutput, left_pad
+from detached_rl.generation.base import (
+    LORA_MODES,
+    GenerationBackend,
+    GenerationOutput,
+    ModuleWeightSink,
+    SinkCommit,
+    TensorLayout,
+    WeightSink,
+    left_pad,
+)
+from detached_rl.generation.hf import HFGenerationBackend, MergedLoraSink
+from detached_rl.generation.registry import GENERATION_BACKENDS, backend_factory, build_generation_backend
 
-__all__ = ["GenerationBackend", "GenerationOutput", "left_pad"]
+__all__ = [
+    "GENERATION_BACKENDS",
+    "LORA_MODES",
+    "GenerationBackend",
+    "GenerationOutput",
+    "HFGenerationBackend",
+    "MergedLoraSink",
+    "ModuleWeightSink",
+    "SinkCommit",
+    "TensorLayout",
+    "WeightSink",
+    "backend_factory",
+    "build_generation_backend",
+    "left_pad",
+]

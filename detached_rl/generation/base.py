@@ -1,14 +1,56 @@
-"""The generation backend interface: prompts (token ids) in, responses and behaviour log-probs out."""
+"""The generation backend interface: prompts in, responses and behaviour log-probs out, weights in through a sink.
+
+A maker generates only through a `GenerationBackend` and applies weight updates only through
+its `weight_sink`, so an inference engine that owns its weights (vLLM) fits behind the same
+seam as Hugging Face `generate`. A new backend provides:
+
+* `generate(prompt_ids, sampling)`: one response per prompt (1-D token-id tensors), with the
+  behaviour log-prob of every response token computed from the logits as `process_logits`
+  processes them (temperature, top-k, top-p), so the trainer's recomputation matches; a
+  response ends at (and includes) the first of `sampling.stop_token_ids` (default: the
+  tokenizer's eos), `finished` says whether it did.
+* `generate_text(prompts, sampling)`: the same from text or chat prompts, encoded with the
+  policy's tokenizer (`Actor.encode_prompts`), with `prompt_ids` filled in.
+* `weight_sink`: a `WeightSink` (see `detached_rl.core.weight_sync`) that takes the policy's
+  verified updates under the trainer's state-dict names: `layout` (the keys, shapes and dtypes
+  it accepts), `state` (the tensors as served, for fingerprints), `stage` (outside the lock),
+  `write` (under the generation lock: in mode "in_place" once per chunk) and `commit` (make
+  the update serve; `SinkCommit.kind` is "full" or "lora", and a LoRA update's adapter config
+  is `metadata["lora"]`). The `WeightReceiver` keeps versions, manifests, checksums and
+  refusals; a refused update never reaches the sink.
+* a factory `(actor, lora_mode="keep", **options) -> backend`, registered by name in
+  `detached_rl.generation.registry.GENERATION_BACKENDS` ("module:attribute", imported on first
+  use), chosen with `MakerConfig.backend` and given `MakerConfig.backend_options`. With
+  `lora_mode="merge"` the backend serves W = W0 + scaling·B·A and refreshes it on every update.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from detached_rl.core.sampling import SamplingConfig
+from detached_rl.core.weight_sync import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
+
+if TYPE_CHECKING:
+    from detached_rl.models.actor import Prompt
+
+# How a maker serves a LoRA policy: "keep" the adapter modules, or "merge" them into plain weights.
+LORA_MODES = ("keep", "merge")
+
+__all__ = [
+    "LORA_MODES",
+    "GenerationBackend",
+    "GenerationOutput",
+    "ModuleWeightSink",
+    "SinkCommit",
+    "TensorLayout",
+    "WeightSink",
+    "left_pad",
+]
 
 
 @dataclass
@@ -18,15 +60,24 @@ class GenerationOutput:
     response_ids: list[torch.Tensor]
     log_probs: list[torch.Tensor]
     finished: list[bool] = field(default_factory=list)  # True when the response ended with a stop token
-    prompt_ids: list[torch.Tensor] = field(default_factory=list)  # filled by `Actor.generate`
+    prompt_ids: list[torch.Tensor] = field(default_factory=list)  # filled by `generate_text`
 
 
 @runtime_checkable
 class GenerationBackend(Protocol):
-    """Turns prompts into responses with behaviour log-probs (HF `generate` now, vLLM later)."""
+    """Turns prompts into responses with behaviour log-probs and takes weight updates (see the module doc)."""
 
     def generate(self, prompt_ids: Sequence[torch.Tensor], sampling: SamplingConfig) -> GenerationOutput:
         """Generate one response per prompt."""
+        ...
+
+    def generate_text(self, prompts: Sequence[Prompt], sampling: SamplingConfig | None = None) -> GenerationOutput:
+        """Encode text or chat prompts with the policy's tokenizer and generate; `prompt_ids` filled in."""
+        ...
+
+    @property
+    def weight_sink(self) -> WeightSink:
+        """Where the policy's verified weight updates are written."""
         ...
 
 

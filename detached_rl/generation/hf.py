@@ -1,28 +1,83 @@
-"""Generation with Hugging Face `generate` inside the maker process."""
+"""Generation with Hugging Face `generate` inside the maker process; weights written into the torch model."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from detached_rl.core.sampling import SamplingConfig, token_log_probs
-from detached_rl.generation.base import GenerationOutput, left_pad
+from detached_rl.core.weight_sync import ModuleWeightSink, SinkCommit, WeightSink
+from detached_rl.generation.base import LORA_MODES, GenerationOutput, left_pad
+from detached_rl.models.actor import Actor, Prompt
+from detached_rl.models.lora import lora_backend
+from detached_rl.models.lora_merge import LoraMergeTarget
 from detached_rl.models.shared_prefix import run_distinct_prompts, supports_shared_prefix
+
+__all__ = ["HFGenerationBackend", "MergedLoraSink"]
+
+
+class MergedLoraSink(ModuleWeightSink):
+    """Writes W0, A and B (trainer naming) into a `LoraMergeTarget`; commit re-merges the weights they touch."""
+
+    def __init__(self, target: LoraMergeTarget) -> None:
+        super().__init__(target)
+        self.target = target
+
+    def commit(self, update: SinkCommit) -> None:
+        """Recompute W = W0 + scaling·B·A of the adapted modules whose W0, A or B was written."""
+        self.target.refresh(set(update.keys))
 
 
 class HFGenerationBackend:
-    """Generation with Hugging Face `generate`; behaviour log-probs come from the processed scores."""
+    """Generation with Hugging Face `generate`; behaviour log-probs come from the processed scores.
+
+    Updates go into the torch model through `weight_sink` (by default a `ModuleWeightSink` over
+    `model`). `from_actor` builds one for a policy, encoding text prompts with its tokenizer.
+    """
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int | Sequence[int],
-                 share_prompts: bool = True) -> None:
+                 share_prompts: bool = True, *,
+                 encode_prompts: Callable[[Sequence[Prompt]], list[torch.Tensor]] | None = None,
+                 weight_sink: WeightSink | None = None) -> None:
         self.model = model
         # Rows with the same prompt (GRPO groups) prefill it once: see `detached_rl.models.shared_prefix`.
         self.share_prompts = share_prompts and supports_shared_prefix(model)
         self.pad_token_id = pad_token_id
         self.eos_token_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+        self.encode_prompts = encode_prompts
+        self.weight_sink: WeightSink = weight_sink if weight_sink is not None else ModuleWeightSink(model)
+
+    @classmethod
+    def from_actor(cls, actor: Actor, lora_mode: str = "keep") -> HFGenerationBackend:
+        """A backend generating with `actor`'s model and tokenizer.
+
+        `lora_mode="merge"` (LoRA policies): generate with a plain copy holding W = W0 + scaling·B·A,
+        which every update re-merges (`MergedLoraSink`); "keep": with the model as it is.
+        """
+        if lora_mode not in LORA_MODES:
+            raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {lora_mode!r}")
+        sink: WeightSink | None = None
+        if lora_mode == "merge":
+            if lora_backend(actor.model) is None:
+                raise ValueError("lora_mode='merge' needs a policy that carries a LoRA adapter")
+            target = LoraMergeTarget.from_lora_model(actor.model)
+            sink = MergedLoraSink(target)
+            actor = Actor(target.model, actor.tokenizer, share_prompts=actor.share_prompts)
+        tokenizer = actor.tokenizer
+        return cls(actor.model, tokenizer.pad_token_id, tokenizer.eos_token_id, share_prompts=actor.share_prompts,
+                   encode_prompts=actor.encode_prompts, weight_sink=sink)
+
+    def generate_text(self, prompts: Sequence[Prompt], sampling: SamplingConfig | None = None) -> GenerationOutput:
+        """One response per text, chat or token-id prompt: response ids, behaviour log-probs and prompt ids."""
+        if self.encode_prompts is None:
+            raise ValueError("HFGenerationBackend.generate_text needs encode_prompts (see from_actor)")
+        prompt_ids = self.encode_prompts(prompts)
+        output = self.generate(prompt_ids, sampling or SamplingConfig())
+        output.prompt_ids = prompt_ids
+        return output
 
     def generate(self, prompt_ids: Sequence[torch.Tensor], sampling: SamplingConfig) -> GenerationOutput:
         """Generate one response per prompt (batched, left-padded)."""

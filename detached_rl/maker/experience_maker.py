@@ -1,8 +1,9 @@
 """The experience maker: generate with the current policy, score, and tag each sample with its version.
 
 `ExperienceMaker` is the plain class inside the `ExperienceMakerHolder` actor. It holds a
-policy (and for PPO a critic, a reference model and a reward scorer), a prompt source and a
-`WeightReceiver`. Generation of one batch runs under the receiver's lock, so a weight
+generation backend for the policy (`MakerConfig.backend`), for PPO a critic, a reference
+model and a reward scorer, a prompt source and a `WeightReceiver` that writes updates through
+the backend's weight sink. Generation of one batch runs under the receiver's lock, so a weight
 update becomes visible only between two batches and a batch never mixes two versions.
 """
 
@@ -20,6 +21,7 @@ import torch
 
 from detached_rl.core.experience import Experience, collate
 from detached_rl.core.prompts import PromptSource, as_prompt_item
+from detached_rl.core.resources import check_resources
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_sync import (
     ApplyResult,
@@ -28,18 +30,19 @@ from detached_rl.core.weight_sync import (
     WeightUpdate,
     WeightUpdateError,
     restrict_update,
+    state_fingerprint,
 )
+from detached_rl.generation.base import LORA_MODES, GenerationBackend
+from detached_rl.generation.registry import GENERATION_BACKENDS, build_generation_backend
+from detached_rl.maker.pusher import PUSH_POLICIES
 from detached_rl.maker.scoring import PendingScores, ScoreAnswer, ScoreRequest, ScoringService
 from detached_rl.models.actor import Actor
 from detached_rl.models.lora import lora_backend
-from detached_rl.models.lora_merge import LoraMergeTarget, base_fingerprint
+from detached_rl.models.lora_merge import base_keys
 from detached_rl.models.reward import RewardScorer
 from detached_rl.models.scalar_heads import Critic
 from detached_rl.strategies import NaiveStrategy, Strategy
-from detached_rl.trainer.core import check_resources
 
-PUSH_POLICIES = ("round_robin", "least_full")
-LORA_MODES = ("keep", "merge")
 NOT_SYNCED = -1  # receiver version before the first weight update from a trainer
 
 
@@ -58,6 +61,8 @@ class MakerConfig:
     weight_cast_dtype: str | None = None  # e.g. "bfloat16": cast incoming weights
     record_weights_fingerprint: bool = False  # tag each sample with the weights' fingerprint (costs a checksum)
     lora_mode: str = "keep"  # LoRA policies: "keep" the adapters, or "merge" W = W0 + scaling*B*A on update
+    backend: str = "hf"  # generation backend, a name in `detached_rl.generation.GENERATION_BACKENDS`
+    backend_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the backend's factory
     # Generate the next batch only once the last push is accepted: less overlap, but samples are fresher
     # (a maker is then never more than one batch ahead of the trainer's buffer).
     wait_for_ack: bool = False
@@ -90,6 +95,9 @@ class MakerConfig:
             raise ValueError(f"MakerConfig.weight_sync_mode must be 'staged' or 'in_place', got {self.weight_sync_mode!r}")
         if self.lora_mode not in LORA_MODES:
             raise ValueError(f"MakerConfig.lora_mode must be one of {LORA_MODES}, got {self.lora_mode!r}")
+        if self.backend not in GENERATION_BACKENDS:
+            raise ValueError(
+                f"MakerConfig.backend must be one of {sorted(GENERATION_BACKENDS)}, got {self.backend!r}")
         check_resources(self.resources, "MakerConfig.resources")
         if self.scorer_attempts < 1:
             raise ValueError(f"MakerConfig.scorer_attempts must be >= 1, got {self.scorer_attempts}")
@@ -149,31 +157,31 @@ class ExperienceMaker:
             raise ValueError(f"maker {name!r} has no reward: give MakerModels.reward or a 'reward' scorer")
         models = dataclasses.replace(models, **{role: None for role in remote})
         device = self.strategy.device
-        self.actor = models.actor.to(device).eval()
+        actor = models.actor.to(device).eval()
         self.critic = models.critic.to(device).eval() if models.critic is not None else None
         self.reference = models.reference.to(device).eval() if models.reference is not None else None
         self.reward = models.reward
         self.prompts = prompts
         self.generation_lock = threading.Lock()
         self.remote_roles = remote
-        is_lora = lora_backend(self.actor.model) is not None
-        self.lora_target: LoraMergeTarget | None = None
-        synced: dict[str, torch.nn.Module] = {"actor": self.actor.model}
-        if self.config.lora_mode == "merge":
-            if not is_lora:
-                raise ValueError("MakerConfig.lora_mode='merge' needs the factory's policy to carry a LoRA adapter")
-            # Serve a plain model; the receiver writes W0, A and B (trainer naming) into the target.
-            self.lora_target = LoraMergeTarget.from_lora_model(self.actor.model)
-            self.actor = Actor(self.lora_target.model.to(device).eval(), self.actor.tokenizer)
-            synced["actor"] = self.lora_target
+        is_lora = lora_backend(actor.model) is not None
+        if self.config.lora_mode == "merge" and not is_lora:
+            raise ValueError("MakerConfig.lora_mode='merge' needs the factory's policy to carry a LoRA adapter")
+        self.tokenizer = actor.tokenizer
+        # The policy is served by the backend (merge mode: a plain copy the backend re-merges on updates).
+        self.backend: GenerationBackend = build_generation_backend(
+            self.config.backend, actor, lora_mode=self.config.lora_mode, options=self.config.backend_options
+        )
+        # Keys of the frozen base weights (trainer naming), which a LoRA update must have been computed against.
+        self._base_keys = base_keys(actor.model) if is_lora else None
+        synced: dict[str, Any] = {"actor": self.backend.weight_sink}
         if self.critic is not None:
             synced["critic"] = self.critic
         cast = getattr(torch, self.config.weight_cast_dtype) if self.config.weight_cast_dtype else None
         self.receiver = WeightReceiver(
             synced, cast_dtype=cast, mode=self.config.weight_sync_mode, lock=self.generation_lock, version=NOT_SYNCED,
-            after_swap=self._remerge if self.lora_target is not None else None,
         )
-        self.base_fingerprint: str | None = base_fingerprint(synced["actor"]) if is_lora else None
+        self.base_fingerprint: str | None = self._base_fingerprint()
         self.batches = 0
         self.samples_made = 0
         self.tokens_made = 0
@@ -190,9 +198,12 @@ class ExperienceMaker:
         """True once the maker holds a complete version received from a trainer."""
         return self.receiver.version > NOT_SYNCED and self.receiver.consistent
 
-    def _remerge(self, names: set[str]) -> None:
-        """Recompute merged LoRA weights after a swap (runs under the generation lock)."""
-        self.lora_target.refresh({name.split("/", 1)[1] for name in names if name.startswith("actor/")})
+    def _base_fingerprint(self) -> str | None:
+        """`base_fingerprint` of the served policy's base weights (None for a policy without LoRA)."""
+        if self._base_keys is None:
+            return None
+        state = self.backend.weight_sink.state()
+        return state_fingerprint({"base": {key: state[key] for key in self._base_keys}})
 
     def apply_weight_update(self, update: WeightUpdate, fetch: Fetch) -> ApplyResult:
         """Apply a versioned weight update (see `WeightReceiver.apply`); refused updates change nothing."""
@@ -215,7 +226,7 @@ class ExperienceMaker:
             self.last_error = f"weight update v{manifest.version}: {error}"
             raise
         if result.applied and manifest.kind == "full" and self.base_fingerprint is not None:
-            self.base_fingerprint = base_fingerprint(self.receiver.models["actor"])
+            self.base_fingerprint = self._base_fingerprint()
         return result
 
     def make_experience(self) -> list[Experience]:
@@ -232,7 +243,7 @@ class ExperienceMaker:
             prompts = [item.prompt for item in items for _ in range(config.group_size)]
             if config.seed is not None:
                 torch.manual_seed(config.seed * 1_000_003 + self.batches)
-            out = self.actor.generate(prompts, config.sampling)
+            out = self.backend.generate_text(prompts, config.sampling)
             placeholder, batch = self._collate_output(out)
             # Remote roles are asked at once, all together; their answers are collected after the lock.
             pending = self._submit_remote(batch, metadata, version)
@@ -280,7 +291,7 @@ class ExperienceMaker:
         """Generated responses as placeholder experiences (reward 0) and their padded batch on the device."""
         placeholder = [Experience(p, r, lp, torch.tensor(0.0))
                        for p, r, lp in zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)]
-        return placeholder, collate(placeholder, self.actor.tokenizer.pad_token_id).to(self.strategy.device)
+        return placeholder, collate(placeholder, self.tokenizer.pad_token_id).to(self.strategy.device)
 
     def _submit_remote(self, batch: Any, metadata: list[dict[str, Any]], version: int,
                        roles: frozenset[str] | None = None) -> PendingScores | None:
@@ -321,12 +332,12 @@ class ExperienceMaker:
         sampling = sampling or dataclasses.replace(self.config.sampling, do_sample=False)
         prompt_items = [as_prompt_item(item) for item in items]
         results: list[dict[str, Any]] = []
-        tokenizer = self.actor.tokenizer
+        tokenizer = self.tokenizer
         for begin in range(0, len(prompt_items), batch_size):
             chunk = prompt_items[begin : begin + batch_size]
             with self.generation_lock, torch.no_grad():
                 version = self.receiver.servable_version
-                out = self.actor.generate([item.prompt for item in chunk], sampling)
+                out = self.backend.generate_text([item.prompt for item in chunk], sampling)
             _, batch = self._collate_output(out)
             rewards, components = self._score(batch, [item.metadata for item in chunk])
             texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)

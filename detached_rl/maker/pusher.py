@@ -24,7 +24,7 @@ from typing import Any
 from detached_rl.core.experience import Experience
 from detached_rl.core.replay_buffer import AppendResult
 
-POLICIES = ("round_robin", "least_full")
+PUSH_POLICIES = ("round_robin", "least_full")  # how a maker picks the trainer of its next push
 DROP_REASONS = ("rejected", "failed", "stopped")
 _COUNTERS = (
     "pushes", "samples_pushed", "acked_pushes", "accepted", "duplicates", "dropped_stale_by_trainer",
@@ -83,8 +83,8 @@ class ExperiencePusher:
         names_ok = all(isinstance(name, str) and name for name in trainers)
         if not names_ok or len(set(trainers)) != len(trainers):
             raise ValueError(f"trainers must be distinct non-empty strings, got {list(trainers)!r}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if policy not in PUSH_POLICIES:
+            raise ValueError(f"policy must be one of {PUSH_POLICIES}, got {policy!r}")
         self.trainers = list(trainers)
         self.policy = policy
         self.max_in_flight = _check_int("max_in_flight", max_in_flight)

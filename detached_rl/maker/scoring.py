@@ -29,9 +29,9 @@ from typing import Any, Protocol
 
 import torch
 
+from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_resources
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_sync import ApplyResult, Fetch, WeightReceiver, WeightUpdate, restrict_update
-from detached_rl.trainer.core import PLACEMENT_STRATEGIES, check_resources
 
 SCORER_ROLES = ("reward", "reference", "critic")
 

@@ -6,9 +6,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from detached_rl.core.sampling import SamplingConfig, process_logits
-from detached_rl.generation.base import GenerationBackend, GenerationOutput
-from detached_rl.generation.hf import HFGenerationBackend
+from detached_rl.core.sampling import SamplingConfig, process_logits  # noqa: E402
 from detached_rl.models.actor import Actor  # noqa: E402
 from detached_rl.models.loaders import (  # noqa: E402
     load_causal_lm,
@@ -35,9 +33,6 @@ __all__ = [
     "Actor",
     "Critic",
     "FunctionReward",
-    "GenerationBackend",
-    "GenerationOutput",
-    "HFGenerationBackend",
     "LoraSettings",
     "RetokenizingRewardModel",
     "RewardModel",

@@ -1,4 +1,4 @@
-"""Actor: a causal-LM policy that generates with behaviour log-probs and recomputes log-probs."""
+"""Actor: a causal-LM policy that encodes prompts and recomputes log-probs (a generation backend generates)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from detached_rl.core.sampling import SamplingConfig, entropy_from_logits, process_logits, token_log_probs
-from detached_rl.generation.base import GenerationBackend, GenerationOutput
-from detached_rl.generation.hf import HFGenerationBackend
 from detached_rl.models._forward import accepts_argument, disable_dropout, forward_kwargs
 from detached_rl.models.shared_prefix import shared_prefix_logits, supports_shared_prefix
 
@@ -30,13 +28,14 @@ class Actor(nn.Module):
     reproduces its behaviour log-probs in train mode too. With `share_prompts` (default),
     rows with the same prompt (a GRPO group) run that prompt through the model once
     (`shared_prefix`), on the architectures where that reproduces the plain forward.
+    Generation goes through a backend built for the actor, e.g.
+    `HFGenerationBackend.from_actor(actor).generate_text(prompts, sampling)`.
     """
 
     def __init__(
         self,
         model: PreTrainedModel | nn.Module,
         tokenizer: PreTrainedTokenizerBase,
-        backend: GenerationBackend | None = None,
         deterministic: bool = True,
         share_prompts: bool = True,
     ) -> None:
@@ -44,8 +43,6 @@ class Actor(nn.Module):
         self.model = disable_dropout(model) if deterministic else model
         self.share_prompts = share_prompts and supports_shared_prefix(model)
         self.tokenizer = tokenizer
-        self.backend = backend or HFGenerationBackend(model, tokenizer.pad_token_id, tokenizer.eos_token_id,
-                                                       share_prompts=share_prompts)
 
     def encode_prompts(self, prompts: Sequence[Prompt], chat: bool = True) -> list[torch.Tensor]:
         """Token ids of each prompt: strings and message lists go through the chat template when there is one."""
@@ -70,13 +67,6 @@ class Actor(nn.Module):
     def _chat_ids(self, messages: list[Any]) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if isinstance(out, Mapping) else out)
-
-    def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig | None = None) -> GenerationOutput:
-        """Generate one response per prompt; returns response ids, behaviour log-probs and prompt ids."""
-        prompt_ids = self.encode_prompts(prompts)
-        output = self.backend.generate(prompt_ids, sampling or SamplingConfig())
-        output.prompt_ids = prompt_ids
-        return output
 
     def forward(
         self,

@@ -1,0 +1,85 @@
+"""The one metric vocabulary every learner's `train_step` reports (open-instruct's `<group>/<name>_avg` style).
+
+Values are means over the step's valid response tokens (token-weighted over micro-batches) unless
+the description says otherwise. The names the learners used before live on as aliases: each step's
+metrics also carry the same value under every old name in `METRIC_ALIASES`, so dashboards that read
+them keep working. Readers (the progress bar, the plots) use the names here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+#: The policy-gradient loss (the registered policy loss, aggregated in the learner's loss_agg mode).
+LOSS_POLICY = "loss/policy_avg"
+#: The critic's loss, 0.5 * aggregated (clipped) squared error to the returns (PPO).
+LOSS_VALUE = "loss/value_avg"
+#: KL(policy || reference) of the policy being trained, aggregated like the loss, before its coefficient;
+#: 0 without a reference (kl_coef = 0).
+LOSS_KL = "loss/kl_avg"
+#: The policy's entropy aggregated like the loss: the entropy bonus before its coefficient.
+LOSS_ENTROPY = "loss/entropy_avg"
+#: What is differentiated: every loss term with its coefficient.
+LOSS_TOTAL = "loss/total_avg"
+#: Mean entropy of the policy per valid token.
+POLICY_ENTROPY = "policy/entropy_avg"
+#: Share of valid tokens where the clipped surrogate term was the larger (the ratio was clipped).
+POLICY_CLIPFRAC = "policy/clipfrac_avg"
+#: Mean of old - new log-prob per token: a cheap estimate of KL(old || new) ("old": behaviour or proximal policy).
+POLICY_APPROX_KL = "policy/approx_kl_avg"
+#: Mean probability ratio new / old per token (1 on a fresh, single pass).
+POLICY_RATIO = "val/ratio"
+#: Mean truncated importance weight per token (1 when every sample is fresh).
+POLICY_IMPORTANCE_WEIGHT = "policy/importance_weight_avg"
+#: Share of valid tokens where the clipped value term was the larger (PPO).
+VALUE_CLIPFRAC = "value/clipfrac_avg"
+#: Mean squared error of the critic's values to the returns per token (PPO).
+VALUE_ERROR = "value/error_avg"
+#: KL(behaviour policy || reference) per valid token of the batch, as the makers sampled (needs kl_coef > 0).
+OBJECTIVE_KL = "objective/kl_avg"
+#: Seconds the learner's train_step took.
+TIME_TRAINING = "time/training"
+
+#: Every name above with its description (for docs and `--help`-style listings).
+METRICS: dict[str, str] = {
+    LOSS_POLICY: "policy-gradient loss",
+    LOSS_VALUE: "critic loss",
+    LOSS_KL: "KL(policy || reference) of the trained policy, before its coefficient",
+    LOSS_ENTROPY: "entropy as aggregated in the loss, before its coefficient",
+    LOSS_TOTAL: "the differentiated loss, all terms with their coefficients",
+    POLICY_ENTROPY: "mean entropy per token",
+    POLICY_CLIPFRAC: "share of tokens whose ratio was clipped",
+    POLICY_APPROX_KL: "mean (old - new) log-prob per token",
+    POLICY_RATIO: "mean new / old probability ratio per token",
+    POLICY_IMPORTANCE_WEIGHT: "mean truncated importance weight per token",
+    VALUE_CLIPFRAC: "share of tokens whose value was clipped",
+    VALUE_ERROR: "mean squared error of the values to the returns",
+    OBJECTIVE_KL: "KL(behaviour || reference) per token of the batch",
+    TIME_TRAINING: "seconds of the learner's train_step",
+}
+
+#: Old name -> name above. A step's metrics carry the value under both.
+METRIC_ALIASES: dict[str, str] = {
+    "loss/policy": LOSS_POLICY,
+    "loss/value": LOSS_VALUE,
+    "loss/kl": LOSS_KL,
+    "loss/entropy": LOSS_ENTROPY,
+    "policy/entropy": POLICY_ENTROPY,
+    "policy/clipfrac": POLICY_CLIPFRAC,
+    "policy/approx_kl": POLICY_APPROX_KL,
+    "policy/ratio_mean": POLICY_RATIO,
+    "policy/importance_weight": POLICY_IMPORTANCE_WEIGHT,
+    "value/clipfrac": VALUE_CLIPFRAC,
+    "value/error": VALUE_ERROR,
+    "kl/mean": OBJECTIVE_KL,
+    "time/train_step": TIME_TRAINING,
+}
+
+
+def with_aliases(metrics: Mapping[str, float]) -> dict[str, float]:
+    """`metrics` plus, for each name that has old aliases, the same value under every old name."""
+    out = dict(metrics)
+    for old, new in METRIC_ALIASES.items():
+        if new in metrics:
+            out[old] = metrics[new]
+    return out

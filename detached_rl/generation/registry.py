@@ -1,0 +1,50 @@
+"""Generation backends by name, for `MakerConfig.backend`: a new backend is one module and one line here."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from detached_rl.generation.base import GenerationBackend
+
+if TYPE_CHECKING:
+    from detached_rl.models.actor import Actor
+
+BackendFactory = Callable[..., GenerationBackend]
+
+# Name -> factory `(actor, lora_mode="keep", **options) -> GenerationBackend`, or "module:attribute" naming
+# one, imported on first use (so an engine's heavy or optional package loads only when chosen).
+GENERATION_BACKENDS: dict[str, str | BackendFactory] = {
+    "hf": "detached_rl.generation.hf:HFGenerationBackend.from_actor",
+}
+
+
+def backend_factory(name: str) -> BackendFactory:
+    """The factory registered as `name`; ValueError naming `MakerConfig.backend` for an unknown one."""
+    if name not in GENERATION_BACKENDS:
+        raise ValueError(f"MakerConfig.backend must be one of {sorted(GENERATION_BACKENDS)}, got {name!r}")
+    entry = GENERATION_BACKENDS[name]
+    if not isinstance(entry, str):
+        return entry
+    module_name, _, path = entry.partition(":")
+    factory: Any = importlib.import_module(module_name)
+    for attribute in path.split("."):
+        factory = getattr(factory, attribute)
+    return factory
+
+
+def build_generation_backend(name: str, actor: Actor, lora_mode: str = "keep",
+                             options: Mapping[str, Any] | None = None) -> GenerationBackend:
+    """Build backend `name` for `actor`; options it does not take are refused naming `MakerConfig.backend_options`."""
+    factory = backend_factory(name)
+    options = dict(options or {})
+    try:
+        inspect.signature(factory).bind(actor, lora_mode=lora_mode, **options)
+    except TypeError as error:
+        raise ValueError(f"MakerConfig.backend_options {sorted(options)} do not fit backend {name!r}: {error}") from None
+    backend = factory(actor, lora_mode=lora_mode, **options)
+    if not isinstance(backend, GenerationBackend):
+        raise TypeError(f"backend {name!r} built a {type(backend).__name__}, which is not a GenerationBackend")
+    return backend

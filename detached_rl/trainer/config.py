@@ -1,0 +1,106 @@
+"""The trainer's settings: `TrainerConfig` (one trainer) and `TrainerGroupConfig` (ranks, strategy, placement)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_resources
+from detached_rl.core.weight_sync import KINDS as WEIGHT_SYNC_KINDS
+
+
+@dataclass
+class TrainerConfig:
+    """Buffer, batching, weight-sync and timeout settings of a trainer (per rank)."""
+
+    train_batch_size: int = 8  # samples per training step on each rank
+    buffer_max_samples: int = 1024
+    buffer_max_bytes: int = 1 << 30
+    max_staleness: int | None = None
+    max_reuse: int = 1
+    buffer_overflow: str = "refuse"
+    weight_chunk_bytes: int = 64 * 2**20
+    weight_sync: str = "full"  # "lora": send only trainable tensors (LoRA adapters) after the first full update
+    weight_push_timeout_s: float = 300.0
+    batch_timeout_s: float = 300.0  # how long `fit` waits for a full batch before failing
+    stop_makers_at_end: bool = True
+    metrics_history: int = 10_000
+    record_weights_fingerprint: bool = False  # keep version -> fingerprint of each update (audits, tests)
+    # Train the next step while makers apply an update (they swap between two generation batches, which can
+    # take a batch's time); the trainer waits for it only before sending the next one and at the end of `fit`.
+    overlap_weight_push: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("train_batch_size", "buffer_max_samples", "buffer_max_bytes", "weight_chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.train_batch_size > self.buffer_max_samples:
+            raise ValueError(
+                f"TrainerConfig.train_batch_size {self.train_batch_size} exceeds buffer_max_samples "
+                f"{self.buffer_max_samples}: a batch could never be sampled"
+            )
+        if self.weight_sync not in WEIGHT_SYNC_KINDS:
+            raise ValueError(f"TrainerConfig.weight_sync must be one of {WEIGHT_SYNC_KINDS}, got {self.weight_sync!r}")
+        for name in ("weight_push_timeout_s", "batch_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"TrainerConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class TrainerGroupConfig:
+    """How many trainer ranks, trained with which strategy, placed how (one Ray placement-group bundle per rank)."""
+
+    strategy: str = "naive"  # naive | ddp | colossalai_ddp | colossalai_zero2 | colossalai_gemini
+    world_size: int = 1
+    placement_strategy: str = "PACK"  # PACK: ranks on as few nodes as fit; SPREAD: over as many as possible
+    num_cpus_per_rank: float = 1.0
+    num_gpus_per_rank: float = 0.0
+    backend: str | None = None  # process-group backend: gloo (CPU) or nccl (GPU); None picks by device
+    timeout_s: float = 300.0  # collectives and forming the group fail after this long
+    # Custom Ray resources each rank asks for (e.g. {"trainer_node": 1} to place ranks on nodes that offer it).
+    resources: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from detached_rl.strategies import STRATEGIES
+
+        check_resources(self.resources, "TrainerGroupConfig.resources")
+
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"TrainerGroupConfig.strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"TrainerGroupConfig.world_size must be an int >= 1, got {self.world_size!r}")
+        if self.strategy == "naive" and self.world_size != 1:
+            raise ValueError(f"TrainerGroupConfig.world_size must be 1 with strategy 'naive' (one process), got "
+                             f"{self.world_size}; choose ddp or colossalai_ddp for more ranks")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"TrainerGroupConfig.placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
+                             f"got {self.placement_strategy!r}")
+        for name in ("num_cpus_per_rank", "num_gpus_per_rank"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"TrainerGroupConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.num_cpus_per_rank == 0 and self.num_gpus_per_rank == 0:
+            raise ValueError("TrainerGroupConfig.num_cpus_per_rank must be > 0 when num_gpus_per_rank is 0 "
+                             "(a placement-group bundle cannot be empty)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"TrainerGroupConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+
+    def strategy_options(self) -> dict[str, Any]:
+        """Keyword arguments of the strategy besides rank, world size and address."""
+        return {"backend": self.backend, "timeout_s": self.timeout_s}
+
+
+def oldest_useful_version(policy_version: int, step_in_progress: bool, queued: int, train_batch_size: int,
+                          max_staleness: int, update_steps: int = 1) -> int:
+    """The oldest policy version a batch pushed now can carry and still be trained (not dropped as stale).
+
+    The batch is trained at version `policy_version + step_in_progress + queued // train_batch_size`
+    (the step under way, then the full batches queued before it) and may then be `max_staleness` old.
+    The answer is capped at the version the step under way produces (rounded down to a multiple of
+    `update_steps`, the versions makers receive): queued samples may themselves go stale and be dropped,
+    so only that version is sure to come without more samples, and a maker waiting for it never waits
+    for samples that only it could provide.
+    """
+    trained_at = policy_version + int(step_in_progress) + queued // train_batch_size
+    surely_reached = policy_version + int(step_in_progress)
+    surely_pushed = surely_reached - surely_reached % update_steps
+    return max(0, min(trained_at - max_staleness, surely_pushed))

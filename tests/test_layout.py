@@ -1,0 +1,155 @@
+"""The package layout: each folder one layer, imports only go down, no import cycles, Ray only in the Ray wing."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "detached_rl"
+
+# Which layers each layer may import (besides itself). Read top-down: cli may use everything, core nothing.
+ALLOWED = {
+    "core": set(),
+    "rewards": {"core"},
+    "strategies": {"core"},
+    "models": {"core"},
+    "generation": {"core", "models"},
+    "algorithms": {"core", "models", "strategies"},
+    "maker": {"core", "models", "generation", "rewards", "strategies"},
+    "trainer": {"core", "algorithms", "models", "strategies"},
+    "config": {"core", "algorithms", "models", "generation", "rewards", "strategies", "maker", "trainer"},
+    "actors": {"core", "algorithms", "models", "generation", "rewards", "strategies", "maker", "trainer", "config"},
+    "cli": {"core", "algorithms", "models", "generation", "rewards", "strategies", "maker", "trainer", "config",
+            "actors"},
+}
+# Ray-free layers: everything with logic is a plain class or function, testable without a cluster.
+RAY_FREE = {"core", "rewards", "models", "generation", "algorithms", "maker", "trainer", "config"}
+
+
+def module_name(path: Path) -> str:
+    """Dotted module name of a file under the package."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module this file imports, at the top or inside functions (not under `if TYPE_CHECKING`)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    this = module_name(path)
+    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def internal_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in imports_of(path) if m in files and m != name} for name, path in files.items()}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer (first sub-package) of a module; None for the package root."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else None
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    """No loose modules beside the layers (the package root holds only __init__)."""
+    loose = sorted(m for m in internal_graph() if m != "detached_rl" and layer_of(m) is None)
+    assert loose == []
+
+
+def test_layers_import_only_downwards() -> None:
+    """Each layer imports only the layers below it (see ALLOWED)."""
+    bad = []
+    for module, targets in internal_graph().items():
+        layer = layer_of(module)
+        if layer is None:
+            continue
+        for target in targets:
+            other = layer_of(target)
+            if other is not None and other != layer and other not in ALLOWED[layer]:
+                bad.append(f"{module} -> {target}")
+    assert bad == []
+
+
+def test_no_import_cycles() -> None:
+    """No module reaches itself through imports (function-level imports included; sub-package `__init__` edges
+    excluded, since importing a.b.c runs a/__init__ and a/b/__init__ without depending on them)."""
+    graph = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in internal_graph().items()}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def walk(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                cycles.append(stack[stack.index(target):] + [target])
+            elif target not in state:
+                walk(target, stack)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [])
+    assert cycles == []
+
+
+@pytest.mark.parametrize("layer", sorted(RAY_FREE))
+def test_plain_layers_do_not_import_ray(layer: str) -> None:
+    """Only actors/ and cli/ talk to Ray; the logic below them is testable without a cluster."""
+    users = sorted(
+        module_name(path) for path in (PACKAGE / layer).rglob("*.py")
+        if any(m == "ray" or m.startswith("ray.") for m in imports_of(path))
+    )
+    assert users == []
+
+
+def test_public_names_keep_working() -> None:
+    """The names users rely on (docs/design.md, "Names users rely on") import from the package root."""
+    import detached_rl
+    from detached_rl import (  # noqa: F401 - importing is the test
+        DetachedGRPOTrainer,
+        DetachedPPOTrainer,
+        Experience,
+        ExperienceMakerHolder,
+        ReplayBuffer,
+        algorithms,
+        attach,
+        models,
+        rewards,
+        strategies,
+    )
+
+    assert callable(algorithms.policy_loss) and callable(rewards.numeric_answer_reward)
+    assert hasattr(strategies, "NaiveStrategy") and hasattr(models, "Actor")
+    assert callable(detached_rl.start_trainer_group)
