@@ -14,7 +14,8 @@ from pathlib import Path
 
 import ray
 
-from detached_rl import DetachedPPOTrainer, ExperienceMakerHolder, jobs
+from detached_rl import DetachedPPOTrainer, ExperienceMakerHolder
+from detached_rl.cli import jobs
 from detached_rl.config import load_config
 
 DEFAULT_CONFIG = Path(__file__).parent / "jobs" / "tiny.yaml"

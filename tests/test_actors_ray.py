@@ -105,10 +105,15 @@ def test_two_makers_feed_a_two_rank_ddp_trainer(ray_cluster):
 
 def test_a_long_compute_call_does_not_delay_buffer_calls(ray_cluster):
     ray = ray_cluster
-    trainer = new_trainer("busy_trainer")
+    # Nothing to train on: `fit` waits for a full batch of 8 inside the compute group (up to batch_timeout_s).
+    trainer = new_trainer("busy_trainer", batch_timeout_s=60)
     try:
         ray.get(trainer.buffer_length.remote(), timeout=TIMEOUT)  # constructed
-        busy = trainer.busy.remote(6.0)
+        busy = trainer.fit.remote(1)
+        deadline = time.monotonic() + TIMEOUT
+        while ray.get(trainer.status.remote(), timeout=10)["state"] != "training":
+            assert time.monotonic() < deadline, "fit did not start"
+            time.sleep(0.1)
         time.sleep(0.5)
         experience = Experience(torch.tensor([5, 6]), torch.tensor([7, 8]), torch.tensor([-0.5, -0.5]),
                                 torch.tensor(1.0), values=torch.zeros(2), ref_log_probs=torch.tensor([-0.4, -0.6]))
@@ -118,9 +123,10 @@ def test_a_long_compute_call_does_not_delay_buffer_calls(ray_cluster):
         status = ray.get(trainer.status.remote(), timeout=10)
         elapsed = time.perf_counter() - start
         assert result.accepted == 1 and length == 1 and status["buffer_size"] == 1
-        assert elapsed < 2.0, f"buffer calls waited {elapsed:.1f} s behind a 6 s compute call"
-        assert not ray.wait([busy], timeout=0)[0]  # the compute call was still running
-        ray.get(busy, timeout=TIMEOUT)
+        assert elapsed < 2.0, f"buffer calls waited {elapsed:.1f} s behind a compute call"
+        assert not ray.wait([busy], timeout=0)[0] and status["state"] == "training"  # fit was still waiting
+        ray.get(trainer.stop.remote(), timeout=10)
+        assert ray.get(busy, timeout=TIMEOUT)["policy_version"] == 0  # stopped while it waited for a batch
     finally:
         kill(trainer)
 

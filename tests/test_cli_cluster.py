@@ -101,26 +101,33 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
     assert stats["sampled"] >= 16 and stats["accounting_ok"] and "maker_0" in stats["per_maker"]
     assert len(report["samples"]) == 3 and all(s["response_text"] is not None for s in report["samples"])
 
-    # Inspection answers while the trainer's compute group runs a long call (started by another driver
-    # that exits at once: the call goes on in the detached actor).
-    busy = ("import ray; ray.init(address='{address}', namespace='cli_test', log_to_driver=False); "
-            "ray.get_actor('trainer_0').busy.remote(40.0); import time; time.sleep(1)")
-    subprocess.run([sys.executable, "-c", busy.format(address=cluster["address"])], env=cluster["env"],
+    # Exported while the maker feeds the buffer (the call below ends that).
+    exported = tmp_path / "buffer.jsonl"
+    cli(cluster, "export", "trainer_0", str(exported), *address, "--namespace", "cli_test")
+    rows = [json.loads(line) for line in exported.read_text().splitlines()]
+    assert rows and {"prompt_ids", "response_ids", "log_probs", "policy_version", "response_text"} <= set(rows[0])
+
+    # Inspection answers while the trainer's compute group runs a long call: another driver ends the
+    # background training (`start_fit` runs it in a thread of its own) and calls `fit` itself, then exits at
+    # once: the call goes on in the detached actor. Its maker was stopped with the first fit, so this one
+    # trains on what is buffered and then waits for a batch (trainer.batch_timeout_s = 120 s), all in `compute`.
+    refit = ("import ray, time; ray.init(address='{address}', namespace='cli_test', log_to_driver=False); "
+             "trainer = ray.get_actor('trainer_0'); ray.get(trainer.stop.remote(), timeout=60); "
+             "deadline = time.monotonic() + 60\n"
+             "while ray.get(trainer.status.remote(), timeout=60)['state'] == 'training':\n"
+             "    assert time.monotonic() < deadline, 'the background fit did not stop'; time.sleep(0.2)\n"
+             "trainer.fit.remote(100000); time.sleep(1)")
+    subprocess.run([sys.executable, "-c", refit.format(address=cluster["address"])], env=cluster["env"],
                    check=True, timeout=120, capture_output=True)
     start = time.monotonic()
     status = json.loads(cli(cluster, "status", "--json", *address, "--namespace", "cli_test").stdout)
     inspected = cli(cluster, "inspect", "trainer_0", *address, "--namespace", "cli_test")
     elapsed = time.monotonic() - start
-    assert elapsed < 30, f"status and inspect took {elapsed:.0f} s: they waited for the 40 s compute call"
+    assert elapsed < 30, f"status and inspect took {elapsed:.0f} s: they waited for the compute call"
     roles = {row["name"]: row for row in status}
     assert roles["trainer_0"]["role"] == "trainer" and roles["trainer_0"]["state"] == "training"
     assert roles["maker_0"]["role"] == "maker" and roles["maker_0"]["policy_version"] >= 1
     assert "staleness" in inspected.stdout and "maker_0" in inspected.stdout
-
-    exported = tmp_path / "buffer.jsonl"
-    cli(cluster, "export", "trainer_0", str(exported), *address, "--namespace", "cli_test")
-    rows = [json.loads(line) for line in exported.read_text().splitlines()]
-    assert rows and {"prompt_ids", "response_ids", "log_probs", "policy_version", "response_text"} <= set(rows[0])
 
     out = cli(cluster, "stop", *address, "--namespace", "cli_test", "--timeout", "60")
     assert "maker_0" in out.stdout and "trainer_0" in out.stdout

@@ -11,7 +11,9 @@ from detached_rl.config import ConfigError, RunConfig, dump_config, load_config
 def test_defaults_work_and_sampling_is_shared():
     config = load_config()
     assert isinstance(config, RunConfig) and config.namespace == "detached_rl"
-    assert config.maker.sampling is config.sampling is config.ppo.sampling
+    # One sampling, at the top: the makers' section carries it, the trainer's learner receives it.
+    assert config.maker.sampling is config.sampling and config.algorithm_config.sampling is config.sampling
+    assert config.ppo.sampling is None and config.grpo.sampling is None  # the sections hold no copy of their own
 
 
 def test_yaml_file_and_overrides(tmp_path):
@@ -21,7 +23,7 @@ def test_yaml_file_and_overrides(tmp_path):
     config = load_config(path, ["trainer.train_batch_size=32", "model.lora={r: 4, target_modules: [q_proj]}",
                                 "ppo.kl_coef=0.05"])
     assert config.namespace == "exp1" and config.trainer.train_batch_size == 32
-    assert config.sampling.max_new_tokens == 12 and config.ppo.sampling.temperature == 0.7
+    assert config.sampling.max_new_tokens == 12 and config.algorithm_config.sampling.temperature == 0.7
     assert config.ppo.actor_optimizer.lr == 1e-6 and config.ppo.actor_optimizer.betas == (0.9, 0.95)
     assert config.model.lora.r == 4 and config.model.lora.target_modules == ("q_proj",)
     assert config.ppo.kl_coef == 0.05
@@ -29,7 +31,9 @@ def test_yaml_file_and_overrides(tmp_path):
     again = tmp_path / "again.yaml"
     again.write_text(dump_config(config))
     assert load_config(again).to_dict() == config.to_dict()
-    assert "sampling" not in yaml.safe_load(dump_config(config))["maker"]
+    dumped = yaml.safe_load(dump_config(config))
+    assert dumped["sampling"]["temperature"] == 0.7
+    assert all("sampling" not in dumped[section] for section in ("maker", "ppo", "grpo"))
 
 
 @pytest.mark.parametrize(
@@ -38,6 +42,12 @@ def test_yaml_file_and_overrides(tmp_path):
         (["maker.bogus=1"], "maker.bogus: unknown key"),
         (["bogus=1"], "bogus: unknown key"),
         (["maker.sampling.top_k=3"], "maker.sampling: unknown key"),
+        (["ppo.sampling.temperature=0.5"], "ppo.sampling: unknown key"),
+        (["grpo.sampling={max_new_tokens: 8}"], "grpo.sampling: unknown key"),
+        (["sampling.max_new_tokens=8", "grpo.overlong_buffer=8"], "grpo: overlong_buffer must be in"),
+        (["ppo.advantage_estimator=vtrace"], "ppo.advantage_estimator: must be one of"),
+        (["grpo.advantage_estimator=gae"], "grpo.advantage_estimator: must be one of"),
+        (["grpo.policy_loss=nope"], "grpo.policy_loss: must be one of"),
         (["maker.push_policy=random"], "maker.push_policy: must be one of"),
         (["sampling.top_p=2"], "sampling.top_p: must be in"),
         (["trainer.train_batch_size=abc"], "trainer.train_batch_size: expected an integer"),
@@ -85,8 +95,8 @@ def test_factories_are_picklable_and_build_the_configured_models():
 def test_grpo_run_config_builds_a_critic_free_setup():
     config = load_config(None, ["algorithm=grpo", "grpo.algorithm=dapo", "maker.group_size=4",
                                 "task.reward=numeric_answer"])
-    assert config.algorithm_config is config.grpo and config.grpo.clip_high == 0.28
-    assert config.grpo.sampling is config.sampling
+    assert config.algorithm_config.clip_high == config.grpo.clip_high == 0.28
+    assert config.algorithm_config.algorithm == "dapo" and config.algorithm_config.sampling is config.sampling
     from detached_rl.models import Actor
 
     assert isinstance(config.trainer_factory()(), Actor)
@@ -102,3 +112,14 @@ def test_trainer_group_section_loads_from_yaml(tmp_path):
     group = load_config(path).trainer_group
     assert (group.strategy, group.world_size, group.placement_strategy) == ("colossalai_ddp", 4, "SPREAD")
     assert group.strategy_options() == {"backend": None, "timeout_s": 300.0}
+
+
+def test_the_run_sampling_reaches_the_trainers_learner():
+    from detached_rl.algorithms.grpo import GRPOLearner
+    from detached_rl.strategies import NaiveStrategy
+
+    config = load_config(None, ["algorithm=grpo", "sampling.temperature=0.5", "sampling.max_new_tokens=9"])
+    learner = GRPOLearner(config.trainer_factory()(), NaiveStrategy(), config.algorithm_config)
+    assert learner.sampling == config.sampling and learner.sampling.temperature == 0.5
+    explicit = GRPOLearner(config.trainer_factory()(), NaiveStrategy(), config.grpo, sampling=config.sampling)
+    assert explicit.sampling is config.sampling

@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from detached_rl import Experience, collate
-from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner, overlong_penalty, split_groups
+from detached_rl.algorithms.grpo import (
+    PRESETS,
+    GRPOConfig,
+    GRPOLearner,
+    VariantPreset,
+    overlong_penalty,
+    split_groups,
+)
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.generation import HFGenerationBackend
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
@@ -38,11 +45,45 @@ def test_variant_defaults():
     assert GRPOConfig(algorithm="dapo", clip_high=0.3, dynamic_sampling=False).clip_high == 0.3
     assert GRPOConfig(algorithm="rloo").advantage_method == "rloo"
     assert GRPOConfig(algorithm="reinforce_pp").advantage_method is None
+    assert GRPOConfig(algorithm="dapo").advantage_estimator == "grpo"
+    assert GRPOConfig(algorithm="rloo", advantage_estimator="dr_grpo").advantage_estimator == "dr_grpo"
+    assert GRPOConfig(algorithm="reinforce_pp").kl_in_reward and not GRPOConfig(algorithm="dapo").kl_in_reward
     for kwargs, field in [(dict(algorithm="ppo"), "algorithm"), (dict(loss_agg="sum"), "loss_agg"),
+                          (dict(advantage_estimator="gae"), "advantage_estimator"),  # needs a critic
+                          (dict(advantage_estimator="nope"), "advantage_estimator"),
+                          (dict(policy_loss="nope"), "policy_loss"),
                           (dict(ref_update_alpha=0), "ref_update_alpha"), (dict(tis_cap=0), "tis_cap"),
                           (dict(overlong_buffer=6, sampling=SAMPLING), "overlong_buffer")]:
         with pytest.raises(ValueError, match=f"GRPOConfig.{field}"):
             GRPOConfig(**kwargs)
+
+
+def test_presets_hold_the_variants_defaults():
+    # (advantage estimator, loss aggregation, clip_high, dynamic sampling, overlong shaping, KL in the reward)
+    expected = {
+        "grpo": ("grpo", "seq-mean-token-mean", None, False, False, False),
+        "dr_grpo": ("dr_grpo", "seq-mean-token-sum-norm", None, False, False, False),
+        "dapo": ("grpo", "token-mean", 0.28, True, True, False),
+        "rloo": ("rloo", "token-mean", None, False, False, False),
+        "reinforce_pp": ("reinforce_pp", "token-mean", None, False, False, True),
+        "reinforce_pp_baseline": ("reinforce_pp_baseline", "token-mean", None, False, False, False),
+    }
+    assert {name: (p.advantage_estimator, p.loss_agg, p.clip_high, p.dynamic_sampling, p.overlong_shaping,
+                   p.kl_in_reward) for name, p in PRESETS.items()} == expected
+    assert all(isinstance(p, VariantPreset) for p in PRESETS.values())
+    for name in PRESETS:
+        config = GRPOConfig(algorithm=name)
+        assert (config.advantage_estimator, config.loss_agg, config.clip_high, config.dynamic_sampling,
+                config.overlong_shaping) == expected[name][:5]
+
+
+def test_sampling_comes_from_the_learner_argument_and_bounds_the_overlong_buffer():
+    explicit = SamplingConfig(max_new_tokens=5, temperature=0.5)
+    grpo = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), NaiveStrategy(), GRPOConfig(), sampling=explicit)
+    assert grpo.sampling is explicit and learner().sampling is SAMPLING
+    with pytest.raises(ValueError, match="GRPOConfig.overlong_buffer"):
+        GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), NaiveStrategy(), GRPOConfig(overlong_buffer=5),
+                    sampling=explicit)
 
 
 def test_overlong_penalty_by_hand():
@@ -101,11 +142,15 @@ def test_fresh_batches_are_on_policy_and_stale_ones_are_importance_weighted():
     experiences = [Experience(p, r, lp, torch.tensor(float(i // 2)), policy_version=3, group_id=str(i % 2))
                    for i, (p, r, lp) in enumerate(zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True))]
     fresh = grpo.train_step(experiences, policy_version=3)
-    assert fresh["val/ratio"] == pytest.approx(1.0, abs=1e-5) and fresh["policy/importance_weight"] == 1.0
+    assert fresh["val/ratio"] == pytest.approx(1.0, abs=1e-5) and fresh["policy/importance_weight_avg"] == 1.0
+    assert fresh["policy/importance_weight"] == 1.0  # the old name, kept as an alias
+    for key in ("loss/policy_avg", "loss/kl_avg", "loss/total_avg", "loss/entropy_avg", "policy/entropy_avg",
+                "policy/clipfrac_avg", "policy/approx_kl_avg"):
+        assert key in fresh and torch.isfinite(torch.tensor(fresh[key])), key
     assert 0 < fresh["perf/mfu"] < 1 and fresh["time/training"] > 0
     stale = grpo.train_step(experiences, policy_version=5)  # the weights moved since these were generated
     assert stale["staleness/max"] == 2
-    assert stale["policy/importance_weight"] != pytest.approx(1.0, abs=1e-7)
+    assert stale["policy/importance_weight_avg"] != pytest.approx(1.0, abs=1e-7)
     assert stale["val/ratio"] == pytest.approx(1.0, abs=1e-5)  # ratio to the recomputed proximal policy
 
 

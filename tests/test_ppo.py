@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from detached_rl import Experience
+from detached_rl.algorithms.metrics import METRIC_ALIASES, METRICS
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner, ppo_advantages
 from detached_rl.generation import HFGenerationBackend
 from detached_rl.models import Actor, Critic, SamplingConfig, tiny_causal_lm
@@ -57,11 +58,19 @@ def make_experiences(learner, count=8, seed=0, reference=None):
 def test_first_step_on_fresh_experience_is_on_policy():
     learner = make_learner()
     metrics = learner.train_step(make_experiences(learner), policy_version=0)
-    assert metrics["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert metrics["policy/clipfrac"] == 0.0 and abs(metrics["policy/approx_kl"]) < 1e-5
+    assert metrics["val/ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["policy/clipfrac_avg"] == 0.0 and abs(metrics["policy/approx_kl_avg"]) < 1e-5
     assert metrics["samples"] == 8 and metrics["staleness/mean"] == 0
-    for key in ("loss/policy", "loss/value", "loss/entropy", "value/error", "grad_norm/actor", "perf/tokens_per_s"):
+    for key in ("loss/policy_avg", "loss/value_avg", "loss/entropy_avg", "loss/total_avg", "loss/kl_avg",
+                "policy/entropy_avg", "value/error_avg", "grad_norm/actor", "perf/tokens_per_s", "time/training"):
         assert key in metrics and torch.isfinite(torch.tensor(metrics[key]))
+    assert metrics["loss/kl_avg"] == 0.0  # no reference without kl_coef
+    # The old names stay, with the same values.
+    for old, new in METRIC_ALIASES.items():
+        if new in metrics:
+            assert metrics[old] == metrics[new], old
+    assert metrics["loss/policy"] == metrics["loss/policy_avg"] and metrics["time/train_step"] == metrics["time/training"]
+    assert all(key in METRICS for key in METRIC_ALIASES.values())
     assert learner.optimizer_steps == 1
 
 
@@ -83,7 +92,7 @@ def test_mini_batches_and_epochs_count_optimizer_steps():
     learner = make_learner(mini_batch_size=4, train_epochs=2)
     metrics = learner.train_step(make_experiences(learner))
     assert learner.optimizer_steps == 4  # 2 epochs x 8 / 4
-    assert metrics["policy/ratio_mean"] != pytest.approx(1.0, abs=1e-7)  # later mini-batches are off-policy
+    assert metrics["val/ratio"] != pytest.approx(1.0, abs=1e-7)  # later mini-batches are off-policy
 
 
 def test_ppo_raises_the_probability_of_rewarded_tokens():
@@ -116,9 +125,16 @@ def test_kl_penalty_in_reward_and_as_loss():
     _, _, kl = ppo_advantages(batch, learner.config)
     assert kl is not None and float(kl.abs().sum()) > 0
     metrics = learner.train_step(experiences)
-    assert metrics["kl/mean"] == pytest.approx(float(kl.sum() / batch.num_response_tokens), rel=1e-5)
+    assert metrics["objective/kl_avg"] == pytest.approx(float(kl.sum() / batch.num_response_tokens), rel=1e-5)
+    assert metrics["kl/mean"] == metrics["objective/kl_avg"]
+    # KL in the reward: the trained policy's KL is still reported (it is not a loss term).
+    assert metrics["loss/kl_avg"] != 0.0 and metrics["loss/total_avg"] == pytest.approx(
+        metrics["loss/policy_avg"] + 0.5 * metrics["loss/value_avg"], abs=1e-5)
     as_loss = make_learner(kl_coef=0.1, kl_mode="loss", kl_kind="k3")  # k3 >= 0; k1 can be negative
-    assert as_loss.train_step(experiences)["loss/kl"] > 0
+    in_loss = as_loss.train_step(experiences)
+    assert in_loss["loss/kl_avg"] > 0 and in_loss["loss/kl"] == in_loss["loss/kl_avg"]
+    assert in_loss["loss/total_avg"] == pytest.approx(
+        in_loss["loss/policy_avg"] + 0.1 * in_loss["loss/kl_avg"] + 0.5 * in_loss["loss/value_avg"], abs=1e-5)
     with pytest.raises(ValueError, match="ref_log_probs"):
         learner.train_step(make_experiences(learner))
     no_values = make_experiences(learner, reference=reference)
@@ -132,8 +148,42 @@ def test_kl_penalty_in_reward_and_as_loss():
     ("kwargs", "field"),
     [(dict(kl_mode="x"), "kl_mode"), (dict(kl_kind="k9"), "kl_kind"), (dict(loss_agg="sum"), "loss_agg"),
      (dict(micro_batch_size=0), "micro_batch_size"), (dict(train_epochs=0), "train_epochs"),
-     (dict(mini_batch_size=0), "mini_batch_size"), (dict(kl_coef=-1), "kl_coef"), (dict(gamma=2), "gamma")],
+     (dict(mini_batch_size=0), "mini_batch_size"), (dict(kl_coef=-1), "kl_coef"), (dict(gamma=2), "gamma"),
+     (dict(advantage_estimator="vtrace"), "advantage_estimator"), (dict(policy_loss="nope"), "policy_loss")],
 )
 def test_ppo_config_refuses_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=f"PPOConfig.{field}"):
         PPOConfig(**kwargs)
+
+
+def test_the_advantage_estimator_is_chosen_by_name():
+    learner = make_learner(whiten_advantages=False)
+    from detached_rl import collate
+    from detached_rl.algorithms import compute_gae
+
+    experiences = make_experiences(learner)
+    batch = collate(experiences, 0)
+    advantages, returns, _ = ppo_advantages(batch, learner.config)  # the default: GAE
+    expected, expected_returns = compute_gae(batch.token_rewards, batch.values, batch.response_mask, 1.0, 0.95)
+    assert torch.equal(advantages, expected) and torch.equal(returns, expected_returns)
+    # REINFORCE++ instead: the whitened reward to go; the critic then learns the reward to go.
+    reinforce = make_learner(advantage_estimator="reinforce_pp", whiten_advantages=False)
+    advantages, returns, _ = ppo_advantages(batch, reinforce.config)
+    mask = batch.response_mask.bool()
+    assert torch.allclose(returns[mask], batch.scores.repeat_interleave(batch.response_mask.sum(1).long()))
+    assert advantages[mask].mean().abs() < 1e-5
+    metrics = reinforce.train_step(experiences)
+    assert torch.isfinite(torch.tensor(metrics["loss/value_avg"]))
+
+
+def test_sampling_is_passed_to_the_learner_or_taken_from_the_config():
+    from detached_rl.models import Critic
+
+    policy, tokenizer = tiny_causal_lm("llama", seed=0)
+    critic = Critic(backbone_of(tiny_causal_lm("llama", seed=1)[0]))
+    explicit = SamplingConfig(max_new_tokens=3, temperature=0.5)
+    learner = PPOLearner(Actor(policy, tokenizer), critic, NaiveStrategy(), PPOConfig(sampling=SAMPLING),
+                         sampling=explicit)
+    assert learner.sampling is explicit
+    assert make_learner().sampling is SAMPLING  # from the config
+    assert PPOLearner(Actor(policy, tokenizer), critic, NaiveStrategy()).sampling == SamplingConfig()

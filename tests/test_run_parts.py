@@ -12,10 +12,11 @@ from detached_rl.cli.reporting import (
     MetricsRecorder,
     evaluation_summary,
     plot_metrics,
+    plot_series,
     read_metrics,
     side_by_side,
 )
-from detached_rl.cli.run import DEFAULT_RUN_CONFIG, run_config, split_evenly
+from detached_rl.cli.run import DEFAULT_RUN_CONFIG, JobRunner, run_config, split_evenly
 from detached_rl.config import ConfigError, load_config
 from detached_rl.models import LoraSettings, apply_lora, load_causal_lm
 from detached_rl.models.export import policy_files, save_adapter, save_merged, write_files
@@ -157,6 +158,36 @@ def test_plot_metrics_draws_a_png_even_with_missing_series(tmp_path):
     path = plot_metrics([{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.3}], tmp_path / "m.png")
     with Image.open(path) as image:
         assert image.format == "PNG"
+
+
+@pytest.fixture(scope="module")
+def ppo_metrics_row():
+    """The metrics of one real PPO step with a reference model (KL in the reward), as the run records them."""
+    from detached_rl.models import Actor, tiny_causal_lm
+    from tests.test_ppo import make_experiences, make_learner
+
+    learner = make_learner(kl_coef=0.1, kl_kind="k3")  # k3 >= 0
+    experiences = make_experiences(learner, reference=Actor(*tiny_causal_lm("llama", seed=5)))
+    return {"step": 1, **learner.train_step(experiences, policy_version=0)}
+
+
+def test_the_progress_line_shows_kl_for_a_ppo_run(ppo_metrics_row):
+    status, versions = {"samples_trained": 8}, {"m0": 1, "m1": 1}
+    line = JobRunner._postfix(ppo_metrics_row, status, 2.0, versions)
+    assert f"KL {ppo_metrics_row['loss/kl_avg']:.4f}" in line and ppo_metrics_row["loss/kl_avg"] > 0
+    assert "4.00 samples/s" in line and "makers m0:v1 m1:v1" in line
+    # A row written before the rename (PPO's old "loss/kl") still shows its KL; a row without any says so.
+    assert "KL 0.1250" in JobRunner._postfix({"reward/mean": 0.5, "loss/kl": 0.125}, status, 2.0, versions)
+    assert "KL n/a" in JobRunner._postfix({"reward/mean": 0.5}, status, 2.0, versions)
+
+
+def test_the_plot_draws_kl_for_a_ppo_run(ppo_metrics_row, tmp_path):
+    later = {**ppo_metrics_row, "step": 2}
+    series = plot_series([ppo_metrics_row, later])
+    assert series["loss/kl_avg"] == [(1, ppo_metrics_row["loss/kl_avg"]), (2, ppo_metrics_row["loss/kl_avg"])]
+    assert [step for step, _ in series["reward/mean"]] == [1, 2] and series["time/weight_sync"] == []
+    assert plot_series([{"step": 3, "loss/kl": 0.5}])["loss/kl_avg"] == [(3, 0.5)]  # an old row
+    assert plot_metrics([ppo_metrics_row, later], tmp_path / "m.png").is_file()
 
 
 def test_evaluation_summary_and_side_by_side():

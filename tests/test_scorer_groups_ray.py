@@ -8,6 +8,12 @@ import pytest
 import ray
 import torch
 
+from detached_rl.actors.group import (
+    ActorGroup,
+    group_prefix,
+    placement_group_name,
+    remove_placement_groups_left_empty,
+)
 from detached_rl.actors.scorer import (
     RemoteScoring,
     ScorerUnavailableError,
@@ -72,6 +78,31 @@ def test_a_group_that_cannot_start_leaves_nothing_behind(ray_cluster):
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("cr_")]
     with pytest.raises(ValueError):
         get_placement_group("cr-placement")
+
+
+def test_a_placement_group_is_removed_once_the_last_worker_of_its_group_is_gone(ray_cluster):
+    from ray.util.placement_group import get_placement_group
+
+    handles = start_scorer_group("pg", "reward", LowTokenReward, ScorerGroupConfig(num_nodes=2, num_cpus_per_worker=0.5),
+                                 namespace=NAMESPACE)
+    try:
+        ray.kill(handles[0], no_restart=True)
+        remove_placement_groups_left_empty(["pg_0"], live=["pg_1", "maker-0"])
+        assert ray.util.placement_group_table(get_placement_group("pg-placement"))["state"] == "CREATED"
+        ray.kill(handles[1], no_restart=True)
+        remove_placement_groups_left_empty(["pg_1", "maker-0"], live=[])
+        with pytest.raises(ValueError):
+            get_placement_group("pg-placement")
+    finally:
+        stop_scorer_group("pg", 2, NAMESPACE)
+
+
+def test_group_names_and_prefixes():
+    assert scorer_names("rw", 2) == ["rw_0", "rw_1"] and placement_group_name("rw") == "rw-placement"
+    names = ("rw_0", "my_group_12", "maker-0", "rw_x", "_3")
+    assert [group_prefix(name) for name in names] == ["rw", "my_group", None, None, None]
+    with pytest.raises(ValueError, match="size must be an int >= 1"):
+        ActorGroup("rw", 0)
 
 
 def test_group_config_refuses_bad_values_naming_the_field():

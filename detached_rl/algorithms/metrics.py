@@ -83,3 +83,10 @@ def with_aliases(metrics: Mapping[str, float]) -> dict[str, float]:
         if new in metrics:
             out[old] = metrics[new]
     return out
+
+
+def metric_value(row: Mapping[str, object], name: str) -> object | None:
+    """`row[name]`, else the value under one of its old aliases (rows written before the rename), else None."""
+    if name in row:
+        return row[name]
+    return next((row[old] for old, new in METRIC_ALIASES.items() if new == name and old in row), None)

@@ -1,23 +1,27 @@
 """What a run leaves behind: per-step metrics as JSONL and TensorBoard events, a PNG plot, an accuracy table.
 
 `MetricsRecorder` appends one JSON object per training step to `metrics.jsonl` (always) and
-writes every numeric value as a TensorBoard scalar at that step (when `tensorboard` is
-installed). `plot_metrics` draws reward, KL, response length and weight-sync time per step.
+writes every numeric value as a TensorBoard scalar at that step (`tensorboard` and `matplotlib` are
+plain dependencies). `plot_metrics` draws reward, KL, response length and weight-sync time per step.
 `accuracy` and `format_comparison` summarise graded held-out answers.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# (metric key, panel title) of the four panels of `plot_metrics`, in order.
+from detached_rl.algorithms.metrics import LOSS_KL, metric_value
+
+# (metric key, panel title) of the four panels of `plot_metrics`, in order; keys are names of
+# `detached_rl.algorithms.metrics` (rows that carry only an old alias of a name are read too).
 PLOT_PANELS = (
     ("reward/mean", "reward (mean of the batch)"),
-    ("loss/kl_avg", "KL to the reference"),
+    (LOSS_KL, "KL to the reference"),
     ("response_length/mean", "response length (tokens)"),
     ("time/weight_sync", "weight sync time (s)"),
 )
@@ -45,7 +49,8 @@ class MetricsRecorder:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # the `viz` extra is not installed: JSONL only
+            except ImportError as error:  # a broken install (tensorboard is a dependency): JSONL only, and say so
+                logging.getLogger(__name__).warning("no TensorBoard events, metrics.jsonl only: %s", error)
                 SummaryWriter = None  # noqa: N806
             if SummaryWriter is not None:
                 self._writer = SummaryWriter(log_dir=str(self.directory / "tensorboard"))
@@ -81,6 +86,15 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def plot_series(rows: Sequence[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) points of each `PLOT_PANELS` key, from the rows that carry it (under its name or an old alias)."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for key, _ in PLOT_PANELS:
+        values = [(row["step"], metric_value(row, key)) for row in rows]
+        series[key] = [(step, value) for step, value in values if isinstance(value, int | float)]
+    return series
+
+
 def plot_metrics(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     """A 2x2 PNG of reward, KL, response length and weight-sync time per step (missing series say so)."""
     import matplotlib
@@ -89,8 +103,9 @@ def plot_metrics(rows: Sequence[dict[str, Any]], path: str | Path, title: str = 
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
+    series = plot_series(rows)
     for axis, (key, label) in zip(axes.flat, PLOT_PANELS, strict=True):
-        points = [(row["step"], row[key]) for row in rows if isinstance(row.get(key), int | float)]
+        points = series[key]
         if points:
             steps, values = zip(*points, strict=True)
             axis.plot(steps, values, marker="o", markersize=3, linewidth=1.2)

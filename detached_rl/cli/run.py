@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from detached_rl.algorithms.metrics import LOSS_KL, metric_value
 from detached_rl.cli.reporting import MetricsRecorder, evaluation_summary, plot_metrics, side_by_side
 from detached_rl.config import TASK_REWARDS, RunConfig, dump_config, load_config
 
@@ -270,7 +271,7 @@ class JobRunner:
     @staticmethod
     def _postfix(row: dict[str, Any], status: dict[str, Any], elapsed: float, versions: dict[str, Any]) -> str:
         served = " ".join(f"m{i}:v{v}" for i, v in enumerate(versions.values()))
-        kl = row.get("loss/kl_avg")
+        kl = metric_value(row, LOSS_KL)
         parts = [f"reward {row.get('reward/mean', float('nan')):.3f}"]
         if "info/correct" in row:
             parts.append(f"correct {row['info/correct']:.0%}")

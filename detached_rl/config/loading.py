@@ -17,19 +17,24 @@ from detached_rl.algorithms.ppo import PPOConfig
 from detached_rl.config.schema import ConfigError, RunConfig
 from detached_rl.maker.experience_maker import MakerConfig
 
+# Keys set once at the top of a RunConfig and refused inside these sections (RunConfig hands them on).
+TOP_LEVEL_ONLY: dict[type, frozenset[str]] = {
+    MakerConfig: frozenset({"sampling"}), PPOConfig: frozenset({"sampling"}), GRPOConfig: frozenset({"sampling"}),
+}
+
 
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
     """Build dataclass `cls` from nested plain data, checking keys and value types."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    top_level_only = TOP_LEVEL_ONLY.get(cls, frozenset())
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in top_level_only}
     kwargs = {}
     for key, value in data.items():
         dotted = f"{path}.{key}" if path else str(key)
-        if key not in fields or (cls in (MakerConfig, PPOConfig, GRPOConfig) and key == "sampling"):
-            known = ", ".join(sorted(k for k in fields
-                                     if not (cls in (MakerConfig, PPOConfig, GRPOConfig) and k == "sampling")))
+        if key not in fields:
+            known = ", ".join(sorted(fields))
             raise ConfigError(f"{dotted}: unknown key (known keys: {known})")
         kwargs[key] = _convert(hints[key], value, dotted)
     try:

@@ -148,15 +148,20 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"RunConfig.algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        # One sampling setting: the makers sample with it and the trainer recomputes log-probs with it.
+        # One sampling setting, given at the top only: the makers sample with it (it travels in their section,
+        # which they receive whole) and the trainer's learner recomputes log-probs with it (`algorithm_config`).
+        # The ppo and grpo sections hold none of their own.
         self.maker.sampling = self.sampling
-        self.ppo.sampling = self.sampling
-        self.grpo.sampling = self.sampling
+        try:
+            self.grpo.check_overlong_buffer(self.sampling.max_new_tokens)
+        except ValueError as error:
+            raise ValueError(f"RunConfig.grpo: {str(error).removeprefix('GRPOConfig.')}") from None
 
     @property
     def algorithm_config(self) -> PPOConfig | GRPOConfig:
-        """The trainer's algorithm settings."""
-        return self.grpo if self.algorithm == "grpo" else self.ppo
+        """The trainer's algorithm settings with the run's `sampling` for its learner (a copy of the section)."""
+        section = self.grpo if self.algorithm == "grpo" else self.ppo
+        return dataclasses.replace(section, sampling=self.sampling)
 
     def trainer_factory(self) -> functools.partial:
         """A picklable zero-argument factory of the trainer's models ((Actor, Critic) for PPO, Actor for GRPO)."""

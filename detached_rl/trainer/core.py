@@ -1,7 +1,8 @@
 """The trainer's logic: replay buffer, training loop, versioned weight updates to its share of the makers.
 
 `TrainerCore` is the plain class inside `DetachedPPOTrainer` and `DetachedGRPOTrainer`; the
-learner (`PPOLearner` or `GRPOLearner`) decides what a step does and which models makers mirror.
+learner (any `Learner`: `PPOLearner`, `GRPOLearner`) decides what a step does and which models makers
+mirror; the trainer uses nothing of it beyond the `Learner` protocol.
 Transport is injected: `put` stores a weight chunk once and returns a reference (`ray.put`
 in the actor), `send_update` delivers an update to a list of makers and returns per-maker
 results, so the whole loop runs in unit tests without Ray.
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from detached_rl.algorithms.learner import Learner
 from detached_rl.core.checkpoint import load_state, rng_state, save_atomic, set_rng_state
 from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
 from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate, build_weight_update, state_fingerprint
@@ -60,7 +62,7 @@ def _discard(chunk: Any) -> None:
 class TrainerCore:
     """Owns the learner, the replay buffer and the policy version; runs `fit`."""
 
-    def __init__(self, name: str, learner: Any, config: TrainerConfig | None = None) -> None:
+    def __init__(self, name: str, learner: Learner, config: TrainerConfig | None = None) -> None:
         self.name = name
         self.learner = learner
         self.strategy = learner.strategy
@@ -275,7 +277,7 @@ class TrainerCore:
 
     def next_batch(self) -> tuple[list[Any], dict[str, float]]:
         """The next training batch: learner-defined (e.g. whole groups, dynamic sampling) or plain FIFO."""
-        if not hasattr(self.learner, "make_batch"):
+        if not self.learner.assembles_batches:
             self.wait_for_batch()
             return self.buffer.sample(self.config.train_batch_size, current_version=self.policy_version), {}
         # Assembled per rank without collectives; then every rank learns whether all got a full
@@ -291,7 +293,7 @@ class TrainerCore:
             if not experiences:
                 raise RuntimeError(
                     f"trainer {self.name!r}: dynamic sampling found no group with different rewards in "
-                    f"{self.learner.config.max_sampling_rounds} draws; the task is too easy or too hard for the policy"
+                    f"{self.learner.max_sampling_rounds} draws; the task is too easy or too hard for the policy"
                 )
             raise RuntimeError(f"trainer {self.name!r}: a rank could not assemble a full batch of {size} samples")
         return experiences, stats
@@ -377,7 +379,7 @@ class TrainerCore:
             if train_epochs is not None:
                 if train_epochs < 1:
                     raise ValueError(f"fit: train_epochs must be >= 1, got {train_epochs}")
-                self.learner.config.train_epochs = train_epochs
+                self.learner.train_epochs = train_epochs
             if resume_from is not None:
                 self.load_checkpoint(resume_from, put)
             self._update_steps = update_steps
