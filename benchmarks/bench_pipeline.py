@@ -67,7 +67,7 @@ class InProcessStore:
 def one_process(config: RunConfig, steps: int, bound_steps: int) -> dict[str, float]:
     """(a): generate-then-train with 2 threads; then 1-thread generate and train times for the bound."""
     torch.set_num_threads(2)
-    maker = ExperienceMaker("maker", config.maker_factory()(), config.prompts(), config.maker)
+    maker = ExperienceMaker("maker", config.maker_factory()(), config.prompts(), config.maker_config)
     trainer = TrainerCore("trainer", GRPOLearner(config.trainer_factory()(), NaiveStrategy(), config.grpo,
                                                     sampling=config.sampling),
                           config.trainer)

@@ -76,7 +76,7 @@ def main() -> None:
     names = [f"chaos_maker_{i}" for i in range(args.makers)]
     makers = {
         name: ExperienceMakerHolder.options(name=name, max_restarts=-1).remote(
-            name, ["chaos_trainer"], config.maker_factory(), config.prompts(i, args.makers), config.maker, "chaos",
+            name, ["chaos_trainer"], config.maker_factory(), config.prompts(i, args.makers), config.maker_config, "chaos",
             state_path=str(state_dir / name))
         for i, name in enumerate(names)
     }

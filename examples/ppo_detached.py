@@ -39,7 +39,7 @@ def main() -> None:
     )
     makers = [
         ExperienceMakerHolder.options(name=f"maker_{i}").remote(
-            f"maker_{i}", ["trainer_0"], config.maker_factory(), config.prompts(), config.maker, config.namespace
+            f"maker_{i}", ["trainer_0"], config.maker_factory(), config.prompts(), config.maker_config, config.namespace
         )
         for i in range(2)
     ]

@@ -11,9 +11,9 @@ from detached_rl.config import ConfigError, RunConfig, dump_config, load_config
 def test_defaults_work_and_sampling_is_shared():
     config = load_config()
     assert isinstance(config, RunConfig) and config.namespace == "detached_rl"
-    # One sampling, at the top: the makers' section carries it, the trainer's learner receives it.
-    assert config.maker.sampling is config.sampling and config.algorithm_config.sampling is config.sampling
-    assert config.ppo.sampling is None and config.grpo.sampling is None  # the sections hold no copy of their own
+    # One sampling, at the top: the launch code hands it to the makers (maker_config) and the trainer's learner.
+    assert config.maker_config.sampling is config.sampling
+    assert config.maker.sampling is None and config.ppo.sampling is None and config.grpo.sampling is None
 
 
 def test_yaml_file_and_overrides(tmp_path):
@@ -23,7 +23,7 @@ def test_yaml_file_and_overrides(tmp_path):
     config = load_config(path, ["trainer.train_batch_size=32", "model.lora={r: 4, target_modules: [q_proj]}",
                                 "ppo.kl_coef=0.05"])
     assert config.namespace == "exp1" and config.trainer.train_batch_size == 32
-    assert config.sampling.max_new_tokens == 12 and config.algorithm_config.sampling.temperature == 0.7
+    assert config.sampling.max_new_tokens == 12 and config.maker_config.sampling.temperature == 0.7
     assert config.ppo.actor_optimizer.lr == 1e-6 and config.ppo.actor_optimizer.betas == (0.9, 0.95)
     assert config.model.lora.r == 4 and config.model.lora.target_modules == ("q_proj",)
     assert config.ppo.kl_coef == 0.05
@@ -96,7 +96,7 @@ def test_grpo_run_config_builds_a_critic_free_setup():
     config = load_config(None, ["algorithm=grpo", "grpo.algorithm=dapo", "maker.group_size=4",
                                 "task.reward=numeric_answer"])
     assert config.algorithm_config.clip_high == config.grpo.clip_high == 0.28
-    assert config.algorithm_config.algorithm == "dapo" and config.algorithm_config.sampling is config.sampling
+    assert config.algorithm_config.algorithm == "dapo"
     from detached_rl.models import Actor
 
     assert isinstance(config.trainer_factory()(), Actor)
@@ -116,10 +116,11 @@ def test_trainer_group_section_loads_from_yaml(tmp_path):
 
 def test_the_run_sampling_reaches_the_trainers_learner():
     from detached_rl.algorithms.grpo import GRPOLearner
+    from detached_rl.core.sampling import SamplingConfig
     from detached_rl.strategies import NaiveStrategy
 
     config = load_config(None, ["algorithm=grpo", "sampling.temperature=0.5", "sampling.max_new_tokens=9"])
-    learner = GRPOLearner(config.trainer_factory()(), NaiveStrategy(), config.algorithm_config)
-    assert learner.sampling == config.sampling and learner.sampling.temperature == 0.5
-    explicit = GRPOLearner(config.trainer_factory()(), NaiveStrategy(), config.grpo, sampling=config.sampling)
-    assert explicit.sampling is config.sampling
+    learner = GRPOLearner(config.trainer_factory()(), NaiveStrategy(), config.algorithm_config,
+                          sampling=config.sampling)  # as the trainer shells build it
+    assert learner.sampling is config.sampling and learner.sampling.temperature == 0.5
+    assert GRPOLearner(config.trainer_factory()(), NaiveStrategy(), config.grpo).sampling == SamplingConfig()

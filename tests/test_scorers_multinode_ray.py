@@ -63,7 +63,7 @@ def run_config() -> RunConfig:
 
 def local_experience(config: RunConfig) -> list:
     """The first batch a maker with local models makes from the trainer's initial weights and the same seed."""
-    local = dataclasses.replace(config.maker, reward_scorer=None, reference_scorer=None, critic_scorer=None,
+    local = dataclasses.replace(config.maker_config, reward_scorer=None, reference_scorer=None, critic_scorer=None,
                                 resources={})
     config = dataclasses.replace(config, maker=local)
     maker = ExperienceMaker("maker_0", config.maker_factory()(), config.prompts(), local)

@@ -19,6 +19,7 @@ from detached_rl.actors.trainer import trainer_class
 from detached_rl.actors.transport import DEFAULT_NAMESPACE, get_all
 from detached_rl.algorithms.grpo import GRPOConfig
 from detached_rl.algorithms.ppo import PPOConfig
+from detached_rl.core.sampling import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ def start_trainer_group(
     actor_options: dict[str, Any] | None = None,
     timeout: float = 300.0,
     group: TrainerGroupConfig | None = None,
+    sampling: SamplingConfig | None = None,
 ) -> list[Any]:
     """Create `world_size` named trainer ranks (prefix_0 ...) in a placement group and form their process group.
 
@@ -189,7 +191,8 @@ def start_trainer_group(
 
     return ActorGroup(prefix, world_size, namespace, kind="trainer group").start(
         trainer_class(algorithm),
-        lambda rank, name: (name, model_factory, config, algorithm, namespace, rank, world_size, group.strategy),
+        lambda rank, name: (name, model_factory, config, algorithm, namespace, rank, world_size, group.strategy,
+                            sampling),
         bundle, group.placement_strategy, timeout, options, ready=form_process_group,
     )
 

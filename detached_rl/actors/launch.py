@@ -56,7 +56,7 @@ def launch_trainer(config: RunConfig, name: str, detached: bool = True, threads:
         factory = functools.partial(with_threads, threads, factory)
     options = _options(name, config, detached, config.trainer_group.resources)
     return trainer_class(config.algorithm).options(**options).remote(
-        name, factory, config.trainer, config.algorithm_config, config.namespace)
+        name, factory, config.trainer, config.algorithm_config, config.namespace, sampling=config.sampling)
 
 
 def launch_trainers(config: RunConfig, name: str) -> list[Any]:
@@ -70,7 +70,7 @@ def launch_trainers(config: RunConfig, name: str) -> list[Any]:
     group = config.trainer_group
     return start_trainer_group(name, group.world_size, config.trainer_factory(), config.trainer,
                                config.algorithm_config, config.namespace, strategy=group.strategy, group=group,
-                               timeout=group.timeout_s)
+                               timeout=group.timeout_s, sampling=config.sampling)
 
 
 def launch_maker(
@@ -93,7 +93,7 @@ def launch_maker(
         factory = functools.partial(with_threads, threads, factory, nice)
     options = _options(name, config, detached, config.maker.resources)
     return ExperienceMakerHolder.options(max_restarts=config.maker.max_restarts, **options).remote(
-        name, list(trainers), factory, config.prompts(*shard), config.maker, config.namespace,
+        name, list(trainers), factory, config.prompts(*shard), config.maker_config, config.namespace,
         state_path=state_path,
     )
 

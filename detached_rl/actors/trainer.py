@@ -25,6 +25,7 @@ from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, dispatch_wei
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.replay_buffer import AppendResult
+from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_sync import WeightUpdate, state_fingerprint
 from detached_rl.strategies import NaiveStrategy, Strategy
 from detached_rl.trainer.config import TrainerConfig
@@ -49,8 +50,10 @@ class _TrainerShell:
         rank: int = 0,
         world_size: int = 1,
         strategy: str = "naive",
+        sampling: SamplingConfig | None = None,
     ) -> None:
         self.name = name
+        self.sampling = sampling  # how makers sample: the learner recomputes log-probs under it
         self.namespace = namespace or DEFAULT_NAMESPACE
         self.config = config or TrainerConfig()
         self.algorithm = algorithm
@@ -252,7 +255,7 @@ class PPOTrainerShell(_TrainerShell):
 
     def _make_learner(self, strategy: Strategy) -> PPOLearner:
         actor, critic = self.model_factory()
-        return PPOLearner(actor, critic, strategy, self.algorithm or PPOConfig())
+        return PPOLearner(actor, critic, strategy, self.algorithm or PPOConfig(), sampling=self.sampling)
 
 
 class GRPOTrainerShell(_TrainerShell):
@@ -261,7 +264,7 @@ class GRPOTrainerShell(_TrainerShell):
     def _make_learner(self, strategy: Strategy) -> GRPOLearner:
         built = self.model_factory()
         actor = built[0] if isinstance(built, tuple) else built
-        return GRPOLearner(actor, strategy, self.algorithm or GRPOConfig())
+        return GRPOLearner(actor, strategy, self.algorithm or GRPOConfig(), sampling=self.sampling)
 
 
 DetachedPPOTrainer = ray.remote(concurrency_groups=TRAINER_GROUPS)(PPOTrainerShell)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 import torch
 
+from detached_rl.core.chunk_codec import decode_chunk, encode_chunk
 from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
 
 logger = logging.getLogger(__name__)
@@ -64,26 +64,13 @@ def attach(name: str, namespace: str | None = None, timeout: float = 60.0, poll_
 
 
 def put_chunk(chunk: dict[str, torch.Tensor]) -> Any:
-    """`ray.put` a weight chunk as raw byte arrays, which the object store hands back without a copy.
-
-    Pickled torch tensors are copied on both sides; numpy arrays travel out of band, so a maker
-    reads them straight from shared memory and copies each byte once, into its model.
-    """
-    return ray.put({
-        name: (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy())
-        for name, t in chunk.items()
-    })
+    """`ray.put` a weight chunk in the wire format of `core.chunk_codec` (shared by every maker without copies)."""
+    return ray.put(encode_chunk(chunk))
 
 
 def fetch_chunk(ref: Any, timeout: float) -> dict[str, torch.Tensor]:
     """`ray.get` a chunk stored by `put_chunk` as tensors viewing the object store's memory (read-only)."""
-    raw = ray.get(ref, timeout=timeout)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not writable.*")  # only read: verified, then copied
-        return {
-            name: torch.from_numpy(array).view(getattr(torch, dtype)).reshape(shape)
-            for name, (dtype, shape, array) in raw.items()
-        }
+    return decode_chunk(ray.get(ref, timeout=timeout))
 
 
 def ray_fetch(timeout: float) -> Callable[[Any], dict[str, torch.Tensor]]:

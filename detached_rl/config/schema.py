@@ -148,10 +148,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"RunConfig.algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        # One sampling setting, given at the top only: the makers sample with it (it travels in their section,
-        # which they receive whole) and the trainer's learner recomputes log-probs with it (`algorithm_config`).
-        # The ppo and grpo sections hold none of their own.
-        self.maker.sampling = self.sampling
+        # One sampling setting, given at the top only: the launch code hands it to the makers (`maker_config`)
+        # and to the trainer's learner, which recomputes log-probs with it. No section holds a copy.
         try:
             self.grpo.check_overlong_buffer(self.sampling.max_new_tokens)
         except ValueError as error:
@@ -159,9 +157,13 @@ class RunConfig:
 
     @property
     def algorithm_config(self) -> PPOConfig | GRPOConfig:
-        """The trainer's algorithm settings with the run's `sampling` for its learner (a copy of the section)."""
-        section = self.grpo if self.algorithm == "grpo" else self.ppo
-        return dataclasses.replace(section, sampling=self.sampling)
+        """The trainer's algorithm settings (the learner takes the run's `sampling` separately)."""
+        return self.grpo if self.algorithm == "grpo" else self.ppo
+
+    @property
+    def maker_config(self) -> MakerConfig:
+        """The makers' settings with the run's one `sampling` (a copy: the `maker` section carries none of its own)."""
+        return dataclasses.replace(self.maker, sampling=self.sampling)
 
     def trainer_factory(self) -> functools.partial:
         """A picklable zero-argument factory of the trainer's models ((Actor, Critic) for PPO, Actor for GRPO)."""

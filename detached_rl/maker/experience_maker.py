@@ -52,7 +52,7 @@ class MakerConfig:
 
     experience_batch_size: int = 8  # prompts per generation batch
     group_size: int = 1  # responses per prompt (GRPO groups)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: SamplingConfig | None = None  # None: SamplingConfig() (RunConfig hands its one `sampling` in here)
     max_pushes_in_flight: int = 2
     push_policy: str = "round_robin"
     push_timeout_s: float = 60.0
@@ -149,6 +149,7 @@ class ExperienceMaker:
     ) -> None:
         self.name = name
         self.config = config or MakerConfig()
+        self.sampling = self.config.sampling or SamplingConfig()  # how responses are sampled
         self.strategy = strategy or NaiveStrategy()
         # Roles `scoring` serves replace the local models of those roles.
         self.scoring = scoring
@@ -243,13 +244,13 @@ class ExperienceMaker:
             prompts = [item.prompt for item in items for _ in range(config.group_size)]
             if config.seed is not None:
                 torch.manual_seed(config.seed * 1_000_003 + self.batches)
-            out = self.backend.generate_text(prompts, config.sampling)
+            out = self.backend.generate_text(prompts, self.sampling)
             placeholder, batch = self._collate_output(out)
             # Remote roles are asked at once, all together; their answers are collected after the lock.
             pending = self._submit_remote(batch, metadata, version)
             args = (batch.sequences, batch.attention_mask, batch.response_mask)
             values = self.critic(*args).cpu() if self.critic is not None else None
-            ref = self.reference.log_probs(*args, config.sampling).cpu() if self.reference is not None else None
+            ref = self.reference.log_probs(*args, self.sampling).cpu() if self.reference is not None else None
         remote = pending(config.scorer_timeout_s * config.scorer_attempts) if pending is not None else {}
         if "critic" in remote:
             values = remote["critic"].token_scores
@@ -329,7 +330,7 @@ class ExperienceMaker:
             raise RuntimeError(f"maker {self.name!r} has no complete weights from a trainer yet")
         if batch_size < 1:
             raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
-        sampling = sampling or dataclasses.replace(self.config.sampling, do_sample=False)
+        sampling = sampling or dataclasses.replace(self.sampling, do_sample=False)
         prompt_items = [as_prompt_item(item) for item in items]
         results: list[dict[str, Any]] = []
         tokenizer = self.tokenizer
