@@ -320,6 +320,8 @@ class JobRunner:
             with MetricsRecorder(self.directory) as recorder:
                 trained = self.train(recorder)
             after = self.evaluate("after training")
+            # The evaluation is on disk before the export: a failed export cannot lose it.
+            (self.directory / "eval.json").write_text(json.dumps({"before": before, "after": after}, indent=1))
             files = self.export()
         finally:
             self.shutdown()
@@ -330,7 +332,6 @@ class JobRunner:
         from detached_rl.cli.reporting import read_metrics
 
         summary_before, summary_after = evaluation_summary(before), evaluation_summary(after)
-        (self.directory / "eval.json").write_text(json.dumps({"before": before, "after": after}, indent=1))
         result = RunResult(self.name, self.directory, seconds, int(trained["trainer"]["steps"]), summary_before,
                            summary_after, {**files, "metrics": str(self.directory / "metrics.jsonl"),
                                            "tensorboard": str(self.directory / "tensorboard")})
