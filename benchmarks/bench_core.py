@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_core.py --model smollm2 --repeats 3
 
 Prints a table (median, min, max over repeats) and writes JSON next to it
-(`benchmarks/results/core-<model>.json`). The workload matches DESIGN.md §5:
+(`benchmarks/results/core-<model>.json`). The workload matches the original design's §5 (docs/performance.md):
 16 responses x 32 new tokens, LoRA r=8 on q_proj/v_proj, one GRPO policy-loss step.
 """
 

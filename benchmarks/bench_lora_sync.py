@@ -26,7 +26,8 @@ import torch
 
 from detached_rl.actors.transport import fetch_chunk, put_chunk
 from detached_rl.cli.jobs import init_local_ray
-from detached_rl.core.weight_sync import WeightReceiver, build_weight_update
+from detached_rl.core.weight_receiver import WeightReceiver
+from detached_rl.core.weight_sync import build_weight_update
 from detached_rl.models import LoraSettings, apply_lora, load_smollm2
 from detached_rl.models.lora_merge import LoraMergeTarget
 

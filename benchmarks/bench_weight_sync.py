@@ -34,7 +34,8 @@ import torch
 
 from detached_rl.actors.transport import fetch_chunk, put_chunk
 from detached_rl.cli.jobs import init_local_ray
-from detached_rl.core.weight_sync import WeightReceiver, build_weight_update
+from detached_rl.core.weight_receiver import WeightReceiver
+from detached_rl.core.weight_sync import build_weight_update
 
 
 def load_state(model: str) -> dict[str, torch.Tensor]:

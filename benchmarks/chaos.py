@@ -72,7 +72,8 @@ def main() -> None:
 
     state_dir = Path(tempfile.mkdtemp(prefix="chaos-"))
     trainer = DetachedGRPOTrainer.options(name="chaos_trainer").remote(
-        "chaos_trainer", config.trainer_factory(), config.trainer, config.algorithm_config, "chaos")
+        "chaos_trainer", config.trainer_factory(), config.trainer, config.algorithm_config, "chaos",
+        sampling=config.sampling)
     names = [f"chaos_maker_{i}" for i in range(args.makers)]
     makers = {
         name: ExperienceMakerHolder.options(name=name, max_restarts=-1).remote(

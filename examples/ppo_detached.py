@@ -35,7 +35,8 @@ def main() -> None:
     else:
         jobs.init_local_ray(config.namespace, include_dashboard=False, log_to_driver=False)  # on 127.0.0.1
     trainer = DetachedPPOTrainer.options(name="trainer_0").remote(
-        "trainer_0", config.trainer_factory(), config.trainer, config.algorithm_config, config.namespace
+        "trainer_0", config.trainer_factory(), config.trainer, config.algorithm_config, config.namespace,
+        sampling=config.sampling,
     )
     makers = [
         ExperienceMakerHolder.options(name=f"maker_{i}").remote(

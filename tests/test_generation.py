@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from detached_rl.core.prompts import CyclingPrompts
-from detached_rl.core.weight_sync import WeightReceiver, WeightUpdateError, build_weight_update
+from detached_rl.core.weight_receiver import WeightReceiver
+from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update
 from detached_rl.generation import (
     GENERATION_BACKENDS,
     GenerationBackend,

@@ -7,7 +7,8 @@ import peft.tuners.lora
 import pytest
 import torch
 
-from detached_rl.core.weight_sync import WeightReceiver, build_weight_update
+from detached_rl.core.weight_receiver import WeightReceiver
+from detached_rl.core.weight_sync import build_weight_update
 from detached_rl.models import LoraSettings, apply_lora, lora_state_dict, tiny_causal_lm
 from detached_rl.models.lora_merge import LoraMergeTarget, base_fingerprint, base_keys
 

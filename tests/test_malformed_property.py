@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from detached_rl import Experience, ReplayBuffer
 from detached_rl.core.replay_buffer import RejectedPushError
+from detached_rl.core.weight_receiver import WeightReceiver
 from detached_rl.core.weight_sync import (
-    WeightReceiver,
     WeightUpdate,
     WeightUpdateError,
     build_weight_update,

@@ -10,10 +10,10 @@ import pytest
 import torch
 import xxhash
 
+from detached_rl.core.weight_receiver import WeightReceiver
 from detached_rl.core.weight_sync import (
     TensorSpec,
     WeightManifest,
-    WeightReceiver,
     WeightUpdate,
     WeightUpdateError,
     build_weight_update,

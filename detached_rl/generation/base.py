@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.weight_sync import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
+from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
 
 if TYPE_CHECKING:
     from detached_rl.models.actor import Prompt

@@ -9,7 +9,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from detached_rl.core.sampling import SamplingConfig, token_log_probs
-from detached_rl.core.weight_sync import ModuleWeightSink, SinkCommit, WeightSink
+from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, WeightSink
 from detached_rl.generation.base import LORA_MODES, GenerationOutput, left_pad
 from detached_rl.models.actor import Actor, Prompt
 from detached_rl.models.lora import lora_backend

@@ -23,10 +23,10 @@ from detached_rl.core.experience import Experience, collate
 from detached_rl.core.prompts import PromptSource, as_prompt_item
 from detached_rl.core.resources import check_resources
 from detached_rl.core.sampling import SamplingConfig
+from detached_rl.core.weight_receiver import WeightReceiver
 from detached_rl.core.weight_sync import (
     ApplyResult,
     Fetch,
-    WeightReceiver,
     WeightUpdate,
     WeightUpdateError,
     restrict_update,

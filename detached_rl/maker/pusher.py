@@ -1,4 +1,4 @@
-"""ExperiencePusher: the maker's side of pushing experience to trainers (DESIGN.md §3.3).
+"""ExperiencePusher: the maker's side of pushing experience to trainers (docs/design.md §3.3).
 
 Every push ends either acked (the trainer's `AppendResult` counts its samples as accepted,
 duplicates or dropped as stale) or dropped with a reason: "rejected" (malformed, never

@@ -31,7 +31,8 @@ import torch
 
 from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_resources
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.weight_sync import ApplyResult, Fetch, WeightReceiver, WeightUpdate, restrict_update
+from detached_rl.core.weight_receiver import WeightReceiver
+from detached_rl.core.weight_sync import ApplyResult, Fetch, WeightUpdate, restrict_update
 
 SCORER_ROLES = ("reward", "reference", "critic")
 

@@ -3,7 +3,7 @@
 A `LoraMergeTarget` presents the trainer's LoRA state-dict naming (so full and LoRA-only weight
 updates apply to it unchanged) over a plain model without LoRA modules (fast generation).
 Updates *set* W0, A and B; `refresh` recomputes W from them, so nothing drifts however many
-updates arrive (DESIGN §3.4).
+updates arrive (docs/design.md §3.4).
 
 Each key of the LoRA model maps to either the plain model's own tensor (non-adapted weights, all
 biases, trainable or not, as they are not part of B·A; peft modules_to_save copies, which the

@@ -1,0 +1,461 @@
+"""`WeightReceiver`: a maker's side of the weight-update protocol (`core.weight_sync`).
+
+It checks a `WeightUpdate`'s manifest against its models' `WeightSink`s, pulls the chunks one at
+a time, verifies names, shapes, dtypes and checksums, and only then has the sinks swap the new
+weights in under the generation lock. A refused update changes nothing; the previous version
+keeps serving. Versions only move forward within a trainer run.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
+from detached_rl.core.weight_sync import (
+    KINDS,
+    ApplyResult,
+    Fetch,
+    TensorEntry,
+    TensorSpec,
+    WeightManifest,
+    WeightUpdate,
+    WeightUpdateError,
+    check_model_name,
+    fingerprint_of_entries,
+    parse_dtype,
+    tensor_checksum,
+    tensor_entries,
+)
+
+
+@dataclass
+class _Plan:
+    """A validated update: target layout per name, tensors to expect per chunk, aliases per chunk."""
+
+    layouts: dict[str, TensorLayout]
+    by_chunk: list[list[TensorSpec]]
+    aliases: list[list[TensorSpec]]
+    models: set[str]
+    covers_all: bool  # every key of every receiver model is in the update
+
+
+@dataclass
+class _Progress:
+    bytes: int = 0
+    chunks: int = 0
+    checksum_seconds: float = 0.0
+
+
+class WeightReceiver:
+    """Maker side: validates, fetches, verifies and applies `WeightUpdate`s to named models.
+
+    `models` maps each model name to its `WeightSink`, or to a torch module (written through a
+    `ModuleWeightSink`). `lock` is the lock generation holds per batch (a private one if None,
+    see `.lock`). mode "staged": everything is fetched, verified and staged (on the target
+    devices) first; the lock is held only for the write into the models (costs a second copy of
+    the updated tensors in memory). mode "in_place": the lock is held for the whole update and
+    each verified chunk is written straight into the models (no second copy, but generation
+    pauses for the whole transfer, and a chunk failing after others were written leaves the
+    models half-updated: `consistent` turns False until a later full update of those models succeeds).
+    """
+
+    def __init__(
+        self,
+        models: Mapping[str, nn.Module | WeightSink],
+        cast_dtype: torch.dtype | None = None,
+        mode: str = "staged",
+        lock: threading.Lock | threading.RLock | None = None,
+        version: int = 0,
+        after_swap: Callable[[set[str]], None] | None = None,
+    ) -> None:
+        if mode not in ("staged", "in_place"):
+            raise ValueError(f"mode must be 'staged' or 'in_place', got {mode!r}")
+        if cast_dtype is not None and not cast_dtype.is_floating_point:
+            raise ValueError(f"cast_dtype must be a floating dtype, got {cast_dtype}")
+        self.sinks: dict[str, WeightSink] = {}
+        for name, model in models.items():
+            check_model_name(name)
+            if isinstance(model, nn.Module):
+                self.sinks[name] = ModuleWeightSink(model)
+            elif isinstance(model, WeightSink):
+                self.sinks[name] = model
+            else:
+                raise TypeError(f"model {name!r} is a {type(model).__name__}, not a torch module or a WeightSink")
+        self.models = dict(models)
+        self.cast_dtype = cast_dtype
+        self.mode = mode
+        self.lock = lock if lock is not None else threading.Lock()
+        # Called under the lock with the qualified names just written (e.g. re-merge LoRA weights).
+        self.after_swap = after_swap
+        self.last_error: WeightUpdateError | None = None
+        self._version = version
+        self.trainer_run: str | None = None  # `trainer_run` of the last update applied (see `_apply`)
+        self._dirty: set[str] = set()  # models left half-written by a failed update
+        self._apply_lock = threading.Lock()  # one apply at a time
+        # Guards the weights against the lazy fingerprint computation. Lock order: `lock`, then this.
+        self._state_lock = threading.Lock()
+        self._entries: dict[str, TensorEntry] | None = None
+        self._fingerprint: str | None = None
+
+    @property
+    def version(self) -> int:
+        """Version of the last update applied in full (see `consistent`)."""
+        return self._version
+
+    @property
+    def consistent(self) -> bool:
+        """False while a failed in-place update has left some model half-written."""
+        return not self._dirty
+
+    @property
+    def servable_version(self) -> int:
+        """The version to tag generations with; raises `WeightUpdateError` while not `consistent`."""
+        if self._dirty:
+            raise WeightUpdateError(
+                f"weights of {sorted(self._dirty)} are half-updated (last full version {self._version}); "
+                "waiting for a full update"
+            )
+        return self._version
+
+    @property
+    def fingerprint(self) -> str:
+        """`state_fingerprint` of the current weights.
+
+        The first call checksums every weight (one xxh3 pass, about 11 GB/s on a CPU core, plus
+        the device-to-host copy); after that updates maintain it from the manifest checksums,
+        re-checksumming only tensors that were cast.
+        """
+        fingerprint = self._fingerprint
+        return fingerprint if fingerprint is not None else self._compute_fingerprint()
+
+    def refresh_fingerprint(self) -> str:
+        """Recompute the fingerprint from the weights (after changing them outside this receiver)."""
+        return self._compute_fingerprint(refresh=True)
+
+    def _compute_fingerprint(self, refresh: bool = False) -> str:
+        # Weights are only written under `_state_lock`, so they hold still while this runs.
+        with self._state_lock:
+            if refresh:
+                self._entries = None
+            self._fingerprint = fingerprint_of_entries(self._current_entries())
+            return self._fingerprint
+
+    def _current_entries(self) -> dict[str, TensorEntry]:
+        """Per-tensor entries of the current weights (computed on first use); hold `_state_lock`."""
+        if self._entries is None:
+            self._entries = tensor_entries({name: sink.state() for name, sink in self.sinks.items()})
+        return self._entries
+
+    def apply(self, update: WeightUpdate, fetch: Fetch, timeout: float | None = None) -> ApplyResult:
+        """Apply `update`, pulling its chunks with `fetch`; raise `WeightUpdateError` if refused.
+
+        `timeout` bounds the whole update (fetches and waiting for the lock). `fetch` itself is
+        not interrupted: give it its own timeout (e.g. `ray.get(ref, timeout=...)`).
+        """
+        with self._apply_lock:
+            try:
+                result = self._apply(update, fetch, timeout)
+            except WeightUpdateError as error:
+                self.last_error = error
+                raise
+            self.last_error = None
+            return result
+
+    def _apply(self, update: WeightUpdate, fetch: Fetch, timeout: float | None) -> ApplyResult:
+        start = time.perf_counter()
+        manifest = update.manifest
+        version = manifest.version
+        run = manifest.metadata.get("trainer_run")
+        # A trainer resumed from a checkpoint (a new run id) may legitimately go back to an older version;
+        # only a full update can roll back (a LoRA update assumes the adapter it was computed against).
+        rollback = run is not None and run != self.trainer_run and self.trainer_run is not None
+        if rollback and manifest.kind != "full":
+            raise WeightUpdateError(f"v{version}: a {manifest.kind} update from a new trainer run {run!r} "
+                                    f"(this maker follows {self.trainer_run!r}) needs a full update first")
+        if version == self._version and not self._dirty and not rollback:
+            return ApplyResult(applied=False, version=version, reason="same version")
+        if version < self._version and not rollback:
+            raise WeightUpdateError(f"stale version {version} < current {self._version}")
+        plan = self._validate(update)
+        deadline = None if timeout is None else start + timeout
+        apply = self._apply_staged if self.mode == "staged" else self._apply_in_place
+        return apply(update, plan, fetch, start, deadline)
+
+    def _validate(self, update: WeightUpdate) -> _Plan:
+        """Check the manifest against the models before anything is fetched."""
+        manifest = update.manifest
+        v = f"v{manifest.version}"
+        if manifest.kind not in KINDS:
+            raise WeightUpdateError(f"{v}: unknown update kind {manifest.kind!r}")
+        if len(update.chunk_refs) != manifest.num_chunks:
+            raise WeightUpdateError(
+                f"{v}: manifest has {manifest.num_chunks} chunks but {len(update.chunk_refs)} chunk refs"
+            )
+        layouts = {name: dict(sink.layout()) for name, sink in self.sinks.items()}
+        targets: dict[str, TensorLayout] = {}
+        specs: dict[str, TensorSpec] = {}
+        by_chunk: list[list[TensorSpec]] = [[] for _ in range(manifest.num_chunks)]
+        aliases: list[list[TensorSpec]] = [[] for _ in range(manifest.num_chunks)]
+        for spec in manifest.tensors:
+            model_name, _, key = spec.name.partition("/")
+            if model_name not in layouts:
+                raise WeightUpdateError(
+                    f"{v}: tensor {spec.name!r} names unknown model {model_name!r} (known: {sorted(layouts)})"
+                )
+            if key not in layouts[model_name]:
+                raise WeightUpdateError(f"{v}: unknown key {spec.name!r} (not in model {model_name!r})")
+            if spec.name in specs:
+                raise WeightUpdateError(f"{v}: key {spec.name!r} listed twice")
+            if not 0 <= spec.chunk < manifest.num_chunks:
+                raise WeightUpdateError(
+                    f"{v}: key {spec.name!r} in chunk {spec.chunk} of {manifest.num_chunks}"
+                )
+            target = layouts[model_name][key]
+            if spec.shape != target.shape:
+                raise WeightUpdateError(
+                    f"{v}: shape mismatch for {spec.name!r}: update {spec.shape} vs model {target.shape}"
+                )
+            dtype = parse_dtype(spec.dtype)
+            if dtype is None:
+                raise WeightUpdateError(f"{v}: unknown dtype {spec.dtype!r} for {spec.name!r}")
+            expected_bytes = math.prod(spec.shape) * dtype.itemsize
+            if spec.nbytes != expected_bytes:
+                raise WeightUpdateError(f"{v}: {spec.name!r} lists {spec.nbytes} bytes; shape {spec.shape} of "
+                                        f"{spec.dtype} is {expected_bytes}")
+            castable = (
+                self.cast_dtype is not None and dtype.is_floating_point and target.dtype.is_floating_point
+            )
+            if dtype != target.dtype and not castable:
+                raise WeightUpdateError(
+                    f"{v}: dtype mismatch for {spec.name!r}: update {spec.dtype} vs model {target.dtype}"
+                    + ("" if self.cast_dtype is not None else " (no cast_dtype set)")
+                )
+            if spec.alias_of is None:
+                by_chunk[spec.chunk].append(spec)
+            else:
+                source = specs.get(spec.alias_of)
+                if (
+                    source is None
+                    or source.alias_of is not None
+                    or (source.shape, source.dtype, source.chunk) != (spec.shape, spec.dtype, spec.chunk)
+                ):
+                    raise WeightUpdateError(
+                        f"{v}: {spec.name!r} is an alias of {spec.alias_of!r}, which does not match"
+                    )
+                aliases[spec.chunk].append(spec)
+            specs[spec.name] = spec
+            targets[spec.name] = target
+        named = {name.partition("/")[0] for name in specs}
+        if manifest.kind == "full":
+            for model_name in sorted(named):
+                missing = [key for key in layouts[model_name] if f"{model_name}/{key}" not in specs]
+                if missing:
+                    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                    raise WeightUpdateError(
+                        f"{v}: full update lacks key {model_name + '/' + missing[0]!r}{more}"
+                    )
+        covers_all = sum(map(len, layouts.values())) == len(specs)
+        return _Plan(targets, by_chunk, aliases, named, covers_all)
+
+    def _receive(
+        self,
+        update: WeightUpdate,
+        index: int,
+        fetch: Fetch,
+        plan: _Plan,
+        deadline: float | None,
+        progress: _Progress,
+    ) -> Mapping[str, Tensor]:
+        """Fetch chunk `index` and verify its names, shapes, dtypes and checksums."""
+        manifest = update.manifest
+        where = f"v{manifest.version}: chunk {index} (of {manifest.num_chunks})"
+        _check_deadline(deadline, f"{where}: timed out before fetching it")
+        try:
+            chunk = fetch(update.chunk_refs[index])
+        except Exception as error:  # any transport failure refuses the update
+            raise WeightUpdateError(f"{where}: fetch failed: {type(error).__name__}: {error}") from error
+        _check_deadline(deadline, f"{where}: timed out while fetching it")
+        if not isinstance(chunk, Mapping):
+            raise WeightUpdateError(f"{where}: fetched a {type(chunk).__name__}, not a mapping of tensors")
+        expected = {spec.name for spec in plan.by_chunk[index]}
+        extra, missing = sorted(set(chunk) - expected), sorted(expected - set(chunk))
+        if extra:
+            raise WeightUpdateError(f"{where}: unexpected tensor {extra[0]!r}")
+        if missing:
+            raise WeightUpdateError(f"{where}: lacks tensor {missing[0]!r}")
+        for spec in plan.by_chunk[index]:
+            tensor = chunk[spec.name]
+            if not isinstance(tensor, Tensor) or (tuple(tensor.shape), str(tensor.dtype)) != (
+                spec.shape,
+                spec.dtype,
+            ):
+                got = (
+                    (tuple(tensor.shape), str(tensor.dtype))
+                    if isinstance(tensor, Tensor)
+                    else type(tensor).__name__
+                )
+                raise WeightUpdateError(
+                    f"{where}: {spec.name!r} is {got}, manifest says {(spec.shape, spec.dtype)}"
+                )
+            checksum_start = time.perf_counter()
+            checksum = tensor_checksum(tensor)
+            progress.checksum_seconds += time.perf_counter() - checksum_start
+            if checksum != spec.checksum:
+                raise WeightUpdateError(
+                    f"{where}: checksum mismatch for {spec.name!r}: got {checksum:08x}, manifest {spec.checksum:08x}"
+                )
+            progress.bytes += spec.nbytes
+        progress.chunks += 1
+        return chunk
+
+    def _acquire(self, deadline: float | None, version: int) -> float:
+        """Take the generation lock within the deadline; return the seconds waited."""
+        wait_start = time.perf_counter()
+        remaining = -1 if deadline is None else max(0.0, deadline - wait_start)
+        if not self.lock.acquire(timeout=remaining):
+            raise WeightUpdateError(f"v{version}: timed out waiting for the generation lock")
+        return time.perf_counter() - wait_start
+
+    def _apply_staged(
+        self, update: WeightUpdate, plan: _Plan, fetch: Fetch, start: float, deadline: float | None
+    ) -> ApplyResult:
+        manifest = update.manifest
+        progress = _Progress()
+        staged: dict[str, dict[str, Tensor]] = {}  # model -> key -> staged tensor
+        for index in range(manifest.num_chunks):
+            chunk = self._receive(update, index, fetch, plan, deadline, progress)
+            for model_name, tensors in _by_model(plan, index, chunk).items():
+                staged.setdefault(model_name, {}).update(self.sinks[model_name].stage(tensors))
+        fetched = time.perf_counter()
+        # Work out the new fingerprint before taking the lock, so the swap is only the write.
+        with self._state_lock:
+            entries = {} if plan.covers_all else dict(self._current_entries())
+        for spec in manifest.tensors:
+            model_name, _, key = spec.name.partition("/")
+            entries[spec.name] = self._entry(spec, plan.layouts[spec.name], staged[model_name][key])
+        fingerprint = fingerprint_of_entries(entries)
+        lock_wait = self._acquire(deadline, manifest.version)
+        swap_start = time.perf_counter()
+        try:
+            with self._state_lock, torch.no_grad():
+                try:
+                    for model_name, tensors in staged.items():
+                        self.sinks[model_name].write(tensors)
+                    self._commit(manifest)
+                except Exception as error:
+                    self._dirty |= plan.models
+                    self._entries = self._fingerprint = None
+                    raise WeightUpdateError(f"v{manifest.version}: swap failed: {error}") from error
+                self._version = manifest.version
+                self.trainer_run = manifest.metadata.get("trainer_run", self.trainer_run)
+                self._entries, self._fingerprint = entries, fingerprint
+                if manifest.kind == "full":
+                    self._dirty -= plan.models
+        finally:
+            self.lock.release()
+        end = time.perf_counter()
+        return ApplyResult(
+            applied=True,
+            version=manifest.version,
+            bytes=progress.bytes,
+            chunks=progress.chunks,
+            fetch_seconds=fetched - start,
+            checksum_seconds=progress.checksum_seconds,
+            lock_wait_seconds=lock_wait,
+            swap_seconds=end - swap_start,
+            seconds=end - start,
+        )
+
+    def _apply_in_place(
+        self, update: WeightUpdate, plan: _Plan, fetch: Fetch, start: float, deadline: float | None
+    ) -> ApplyResult:
+        manifest = update.manifest
+        progress = _Progress()
+        lock_wait = self._acquire(deadline, manifest.version)
+        swap_start = time.perf_counter()
+        written = False
+        try:
+            with self._state_lock, torch.no_grad():
+                entries = self._entries
+                try:
+                    for index in range(manifest.num_chunks):
+                        # The whole chunk is verified before any of it is written.
+                        chunk = self._receive(update, index, fetch, plan, deadline, progress)
+                        for model_name, tensors in _by_model(plan, index, chunk).items():
+                            written = True  # a write that fails may have written part of its tensors
+                            self.sinks[model_name].write(tensors)
+                        if entries is not None:
+                            for spec in plan.by_chunk[index] + plan.aliases[index]:
+                                tensor = chunk[spec.alias_of or spec.name]
+                                entries[spec.name] = self._entry(spec, plan.layouts[spec.name], tensor)
+                    self._commit(manifest)
+                except Exception as error:
+                    if written:
+                        self._dirty |= plan.models
+                    if entries is not None:
+                        self._fingerprint = fingerprint_of_entries(entries)
+                    if isinstance(error, WeightUpdateError):
+                        raise
+                    raise WeightUpdateError(
+                        f"v{manifest.version}: in-place update failed: {error}"
+                    ) from error
+                self._version = manifest.version
+                self.trainer_run = manifest.metadata.get("trainer_run", self.trainer_run)
+                if manifest.kind == "full":
+                    self._dirty -= plan.models
+                self._fingerprint = None if entries is None else fingerprint_of_entries(entries)
+        finally:
+            self.lock.release()
+        end = time.perf_counter()
+        return ApplyResult(
+            applied=True,
+            version=manifest.version,
+            bytes=progress.bytes,
+            chunks=progress.chunks,
+            fetch_seconds=end - swap_start,
+            checksum_seconds=progress.checksum_seconds,
+            lock_wait_seconds=lock_wait,
+            swap_seconds=end - swap_start,
+            seconds=end - start,
+        )
+
+    def _commit(self, manifest: WeightManifest) -> None:
+        """Tell each sink its part of the update is written, then run `after_swap` (under the lock)."""
+        keys: dict[str, set[str]] = {}
+        for spec in manifest.tensors:
+            model_name, _, key = spec.name.partition("/")
+            keys.setdefault(model_name, set()).add(key)
+        for model_name, written in keys.items():
+            self.sinks[model_name].commit(
+                SinkCommit(manifest.version, manifest.kind, frozenset(written), manifest.metadata)
+            )
+        if self.after_swap is not None:
+            self.after_swap({spec.name for spec in manifest.tensors})
+
+    @staticmethod
+    def _entry(spec: TensorSpec, layout: TensorLayout, tensor: Tensor) -> TensorEntry:
+        """Fingerprint entry of a tensor as stored: the manifest's, unless the sink stores it cast."""
+        if str(layout.dtype) == spec.dtype:
+            return spec.shape, spec.dtype, spec.checksum
+        return spec.shape, str(layout.dtype), tensor_checksum(tensor.to(layout.dtype))
+
+
+def _by_model(plan: _Plan, index: int, chunk: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """The tensors of verified chunk `index` (tied keys included) as model -> key -> tensor."""
+    out: dict[str, dict[str, Tensor]] = {}
+    for spec in plan.by_chunk[index] + plan.aliases[index]:
+        model_name, _, key = spec.name.partition("/")
+        out.setdefault(model_name, {})[key] = chunk[spec.alias_of or spec.name]
+    return out
+
+
+def _check_deadline(deadline: float | None, message: str) -> None:
+    if deadline is not None and time.perf_counter() > deadline:
+        raise WeightUpdateError(message)
