@@ -64,7 +64,7 @@ def test_first_step_on_fresh_experience_is_on_policy():
     for key in ("loss/policy_avg", "loss/value_avg", "loss/entropy_avg", "loss/total_avg", "loss/kl_avg",
                 "policy/entropy_avg", "value/error_avg", "grad_norm/actor", "perf/tokens_per_s", "time/training"):
         assert key in metrics and torch.isfinite(torch.tensor(metrics[key]))
-    assert metrics["loss/kl_avg"] == 0.0  # no reference without kl_coef
+    assert metrics["loss/kl_avg"] == 0.0  # no reference log-probs sent: nothing to compare with
     # The old names stay, with the same values.
     for old, new in METRIC_ALIASES.items():
         if new in metrics:
@@ -137,6 +137,10 @@ def test_kl_penalty_in_reward_and_as_loss():
         in_loss["loss/policy_avg"] + 0.1 * in_loss["loss/kl_avg"] + 0.5 * in_loss["loss/value_avg"], abs=1e-5)
     with pytest.raises(ValueError, match="ref_log_probs"):
         learner.train_step(make_experiences(learner))
+    # Without a KL penalty, the KL to the reference is still reported when the makers send its log-probs.
+    unpenalised = make_learner(kl_coef=0.0, kl_kind="k3").train_step(experiences)  # k3 >= 0
+    assert unpenalised["loss/kl_avg"] > 0 and unpenalised["loss/total_avg"] == pytest.approx(
+        unpenalised["loss/policy_avg"] + 0.5 * unpenalised["loss/value_avg"], abs=1e-5)
     no_values = make_experiences(learner, reference=reference)
     for e in no_values:
         e.values = None

@@ -272,8 +272,10 @@ class PPOLearner:
         entropy_term = aggregate_loss(entropy, mask, config.loss_agg)
         actor_loss = policy_loss - config.entropy_coef * entropy_term
         kl_loss = torch.zeros((), device=log_probs.device)
-        if config.kl_coef > 0:  # with kl_mode="reward" the KL is in the advantages; here it is only reported
-            in_loss = config.kl_mode == "loss"
+        # The KL to the reference is reported whenever the makers sent reference log-probs; it is a loss term
+        # only with kl_coef > 0 and kl_mode="loss" (with kl_mode="reward" it is in the advantages already).
+        if micro.ref_log_probs is not None:
+            in_loss = config.kl_coef > 0 and config.kl_mode == "loss"
             kl_loss = aggregate_loss(kl_estimate(log_probs if in_loss else log_probs.detach(), micro.ref_log_probs,
                                                  config.kl_kind), mask, config.loss_agg)
             if in_loss:
