@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install colossalai demo test lint bench-env bench clean
+.PHONY: install colossalai demo test test-gpu lint bench-env bench clean
 
 install: $(STAMP)
 
@@ -46,6 +46,12 @@ demo: install
 PYTEST_ARGS ?=
 test: install colossalai
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The GPU lane (docs/gpu.md): the non-Ray tests with their models and data on CUDA, the Ray tests' trainers and
+# makers asking Ray for shares of the GPU (`--device`, tests/conftest.py). Refuses where torch sees no CUDA device.
+test-gpu: install colossalai
+	@$(PY) -c 'import sys, torch; torch.cuda.is_available() or sys.exit(f"make test-gpu: torch.cuda.is_available() is false (torch {torch.__version__}, CUDA build {torch.version.cuda}): it needs a CUDA GPU and a CUDA build of torch; make test runs the CPU suite")'
+	$(PY) -m pytest -q -m "not install" --device cuda $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

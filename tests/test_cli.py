@@ -7,6 +7,8 @@ import detached_rl
 from detached_rl.cli.check import run_check
 from detached_rl.cli.main import main
 
+from .helpers import lane_device
+
 
 def test_version_and_help():
     out = subprocess.run([sys.executable, "-m", "detached_rl.cli.main", "--version"], capture_output=True, text=True,
@@ -18,13 +20,14 @@ def test_version_and_help():
 
 
 def test_check_on_a_tiny_model(capsys):
+    # The command as users run it: on the first accelerator when there is one, whatever --device says.
     assert main(["check", "--model", "tiny", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "log_prob_recompute_max_abs_diff" in out and "result: OK" in out
 
 
 def test_check_report_figures():
-    report = run_check(model="tiny-gpt2", num_prompts=2, group_size=2, max_new_tokens=6)
+    report = run_check(model="tiny-gpt2", num_prompts=2, group_size=2, max_new_tokens=6, device=lane_device())
     assert report.ok, report.failures
     assert report.figures["responses"] == 4 and report.figures["log_prob_recompute_max_abs_diff"] < 1e-4
     assert 0 < report.figures["trainable_parameters"] < report.figures["parameters"]

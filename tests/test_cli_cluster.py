@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from .conftest import CLUSTER_MARKER, ROOT, marked_processes, new_cluster_marker
+from .helpers import gpu_overrides, set_flags
 
 pytestmark = pytest.mark.ray
 
@@ -84,9 +85,12 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
     config.write_text(CONFIG)
     address = ["--address", cluster["address"]]
     # The maker starts first: it waits for its trainer by name.
-    out = cli(cluster, "maker", "--config", str(config), "--name", "maker_0", "--trainers", "trainer_0", *address)
+    gpus = set_flags(gpu_overrides())  # GPU shares with --device cuda
+    out = cli(cluster, "maker", "--config", str(config), "--name", "maker_0", "--trainers", "trainer_0", *address,
+              *gpus)
     assert "maker 'maker_0' started" in out.stdout
-    out = cli(cluster, "trainer", "--config", str(config), "--name", "trainer_0", "--steps", "100000", *address)
+    out = cli(cluster, "trainer", "--config", str(config), "--name", "trainer_0", "--steps", "100000", *address,
+              *gpus)
     assert "trainer 'trainer_0' started" in out.stdout
 
     # Both outlive the processes that started them; inspect through the Ray client.

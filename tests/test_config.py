@@ -117,10 +117,11 @@ def test_trainer_group_section_loads_from_yaml(tmp_path):
 def test_the_run_sampling_reaches_the_trainers_learner():
     from detached_rl.algorithms.grpo import GRPOLearner
     from detached_rl.core.sampling import SamplingConfig
-    from detached_rl.strategies import NaiveStrategy
+
+    from .helpers import naive_strategy
 
     config = load_config(None, ["algorithm=grpo", "sampling.temperature=0.5", "sampling.max_new_tokens=9"])
-    learner = GRPOLearner(config.trainer_factory()(), NaiveStrategy(), config.algorithm_config,
+    learner = GRPOLearner(config.trainer_factory()(), naive_strategy(), config.algorithm_config,
                           sampling=config.sampling)  # as the trainer shells build it
     assert learner.sampling is config.sampling and learner.sampling.temperature == 0.5
-    assert GRPOLearner(config.trainer_factory()(), NaiveStrategy(), config.grpo).sampling == SamplingConfig()
+    assert GRPOLearner(config.trainer_factory()(), naive_strategy(), config.grpo).sampling == SamplingConfig()

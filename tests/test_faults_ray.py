@@ -20,7 +20,7 @@ from detached_rl.models import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig
 
 from .conftest import marked_processes
-from .helpers import arithmetic_prompts, grpo_maker_models, tiny_policy
+from .helpers import arithmetic_prompts, gpu_options, grpo_maker_models, tiny_policy
 
 pytestmark = pytest.mark.ray
 
@@ -35,14 +35,16 @@ def new_trainer(name: str, **config):
     config = {"train_batch_size": 8, "buffer_max_samples": 16, "batch_timeout_s": 120, **config}
     # Detached, as `detached-rl trainer` starts it: a dead detached actor's name is free at once for a successor
     # (a non-detached one keeps it while its owner holds a handle).
-    return DetachedGRPOTrainer.options(name=name, namespace=NAMESPACE, lifetime="detached").remote(
+    return DetachedGRPOTrainer.options(name=name, namespace=NAMESPACE, lifetime="detached",
+                                       **gpu_options("trainer")).remote(
         name, tiny_policy, TrainerConfig(**config), GRPOConfig(sampling=SAMPLING), NAMESPACE)
 
 
 def new_maker(name: str, trainers: list[str], max_restarts: int = 2, state_path: str | None = None):
     config = MakerConfig(experience_batch_size=2, group_size=4, sampling=SAMPLING, max_pushes_in_flight=1,
                          wait_for_ack=True, max_restarts=max_restarts)
-    return ExperienceMakerHolder.options(name=name, namespace=NAMESPACE, max_restarts=max_restarts).remote(
+    return ExperienceMakerHolder.options(name=name, namespace=NAMESPACE, max_restarts=max_restarts,
+                                         **gpu_options("maker")).remote(
         name, trainers, grpo_maker_models, CyclingPrompts(arithmetic_prompts()), config, NAMESPACE,
         state_path=state_path)
 

@@ -4,8 +4,11 @@ import copy
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
+from detached_rl.core.experience import Experience, collate
 from detached_rl.core.prompts import CyclingPrompts
+from detached_rl.core.sampling import token_log_probs
 from detached_rl.core.weight_receiver import WeightReceiver
 from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update
 from detached_rl.generation import (
@@ -17,6 +20,8 @@ from detached_rl.generation import (
     WeightSink,
     build_generation_backend,
 )
+from detached_rl.generation.base import left_pad
+from detached_rl.generation.hf import BehaviourLogProbs
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.models import (
     Actor,
@@ -27,7 +32,7 @@ from detached_rl.models import (
     tiny_causal_lm,
 )
 
-from .helpers import ObjectStore, arithmetic_prompts, tiny_maker_models
+from .helpers import ObjectStore, arithmetic_prompts, lane_device, naive_strategy, tiny_lm, tiny_maker_models
 
 GREEDY = SamplingConfig(max_new_tokens=8, do_sample=False)
 PROMPTS = ["What is 2 + 3?", "hi", "Name a colour."]
@@ -41,21 +46,22 @@ def greedy(backend):
 
 def fresh_backend(state, lora=False):
     """A backend on a newly built tiny llama (with a LoRA adapter if `lora`) loaded with `state`."""
-    model, tokenizer = tiny_causal_lm("llama", seed=0)
+    model, tokenizer = tiny_lm("llama", seed=0)
     model = lora_model(seed=0) if lora else model
     model.load_state_dict(state)
     return HFGenerationBackend.from_actor(Actor(model, tokenizer))
 
 
 def lora_model(seed):
-    """A tiny llama (base seed 0) with a peft LoRA adapter whose B is random (seed), so the adapter matters."""
+    """A tiny llama (base seed 0) with a peft LoRA adapter whose B is random (seed), so the adapter matters, on the
+    test device."""
     model = apply_lora(tiny_causal_lm("llama", seed=0)[0], LoraSettings(r=4, alpha=8))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_" in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    return model
+    return model.to(lane_device())
 
 
 def assert_same_generation(got, want, exact=True):
@@ -69,7 +75,7 @@ def assert_same_generation(got, want, exact=True):
 
 
 def test_hf_backend_satisfies_the_protocol_and_its_sink_the_sink_protocol():
-    actor = Actor(*tiny_causal_lm("llama", seed=0))
+    actor = Actor(*tiny_lm("llama", seed=0))
     backend = HFGenerationBackend.from_actor(actor)
     assert isinstance(backend, GenerationBackend) and isinstance(backend.weight_sink, WeightSink)
     assert isinstance(backend.weight_sink, ModuleWeightSink) and backend.weight_sink.module is actor.model
@@ -81,7 +87,7 @@ def test_hf_backend_satisfies_the_protocol_and_its_sink_the_sink_protocol():
 
 @pytest.mark.parametrize("mode", ["staged", "in_place"])
 def test_a_full_update_through_the_sink_changes_exactly_what_generation_uses(mode):
-    model, tokenizer = tiny_causal_lm("llama", seed=0)
+    model, tokenizer = tiny_lm("llama", seed=0)
     backend = HFGenerationBackend.from_actor(Actor(model, tokenizer))
     before = greedy(backend)
     assert_same_generation(before, greedy(fresh_backend(tiny_causal_lm("llama", seed=0)[0].state_dict())))
@@ -148,12 +154,12 @@ def test_a_refused_update_leaves_the_sink_weights_untouched(mode, lora_mode, cor
 def test_unknown_backend_names_and_unfitting_options_are_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"MakerConfig\.backend must be one of \['hf'\], got 'vllm'"):
         MakerConfig(backend="vllm")
-    actor = Actor(*tiny_causal_lm("llama", seed=0))
+    actor = Actor(*tiny_lm("llama", seed=0))
     with pytest.raises(ValueError, match=r"MakerConfig\.backend must be one of"):
         build_generation_backend("nope", actor)
     with pytest.raises(ValueError, match=r"MakerConfig\.backend_options \['gpu_memory_utilization'\]"):
         ExperienceMaker("maker_0", tiny_maker_models(), CyclingPrompts(arithmetic_prompts()),
-                        MakerConfig(backend_options={"gpu_memory_utilization": 0.5}))
+                        MakerConfig(backend_options={"gpu_memory_utilization": 0.5}), strategy=naive_strategy())
     with pytest.raises(ValueError, match="lora_mode must be one of"):
         HFGenerationBackend.from_actor(actor, lora_mode="fuse")
 
@@ -186,7 +192,7 @@ def test_the_maker_builds_a_registered_backend_with_its_options_and_updates_thro
                "critic": copy.deepcopy(models.critic).state_dict()}
     config = MakerConfig(experience_batch_size=2, sampling=SamplingConfig(max_new_tokens=6), backend="counting",
                          backend_options={"share_prompts": False})
-    maker = ExperienceMaker("maker_0", models, CyclingPrompts(arithmetic_prompts()), config)
+    maker = ExperienceMaker("maker_0", models, CyclingPrompts(arithmetic_prompts()), config, strategy=naive_strategy())
     assert isinstance(maker.backend.weight_sink, CountingSink) and not maker.backend.share_prompts
     store = ObjectStore()
     update, _ = build_weight_update(trained, 4, store.put)
@@ -195,3 +201,148 @@ def test_the_maker_builds_a_registered_backend_with_its_options_and_updates_thro
     experiences = maker.make_experience()
     assert len(experiences) == 2 and all(e.policy_version == 4 for e in experiences)
     assert_same_generation(greedy(maker.backend), greedy(fresh_backend(trained["actor"])))
+
+
+# Behaviour log-probs step by step (O(B·V) memory), and the backend's GPU options.
+
+WARPED = SamplingConfig(max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9)
+SCORING_SAMPLINGS = [WARPED, SamplingConfig(max_new_tokens=10), SamplingConfig(max_new_tokens=10, do_sample=False)]
+
+
+def output_scores_generation(model, input_ids, attention_mask, sampling, pad_token_id, stop_ids):
+    """(new tokens [B, T], behaviour log-probs [B, T]) the way the backend computed them before: HF's own
+    warpers and `output_scores=True`, every step's [B, V] scores kept until `generate` returns."""
+    warpers = (dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+               if sampling.do_sample else {})
+    config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=sampling.do_sample,
+                              repetition_penalty=1.0, **warpers, eos_token_id=list(stop_ids),
+                              pad_token_id=pad_token_id, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    generated = out.sequences[:, input_ids.shape[1]:]
+    log_probs = torch.stack([token_log_probs(step.float(), generated[:, t]) for t, step in enumerate(out.scores)], 1)
+    return generated, log_probs
+
+
+@pytest.mark.parametrize("sampling", SCORING_SAMPLINGS, ids=["warped", "plain", "greedy"])
+def test_step_by_step_log_probs_equal_those_from_output_scores(sampling):
+    model, tokenizer = tiny_lm("llama", seed=3)
+    model.eval()
+    backend = HFGenerationBackend.from_actor(Actor(model, tokenizer))
+    prompt_ids = backend.encode_prompts(PROMPTS)
+    input_ids, attention_mask = left_pad(prompt_ids, tokenizer.pad_token_id)
+    input_ids, attention_mask = input_ids.to(lane_device()), attention_mask.to(lane_device())
+    torch.manual_seed(1)
+    free, _ = output_scores_generation(model, input_ids, attention_mask, sampling, tokenizer.pad_token_id,
+                                       [tokenizer.eos_token_id])
+    # A stop token that row 0 emits by step 3 (same seed): rows finish at different steps, finished rows are padded.
+    stop = SamplingConfig(**{**sampling.__dict__, "stop_token_ids": (int(free[0, 3]),)})
+    torch.manual_seed(1)
+    want_ids, want_log_probs = output_scores_generation(model, input_ids, attention_mask, stop,
+                                                        tokenizer.pad_token_id, stop.stop_token_ids)
+    torch.manual_seed(1)
+    got = backend.generate(prompt_ids, stop)
+    assert got.finished[0] and len(got.response_ids[0]) <= 4 and len(want_ids[0]) == sampling.max_new_tokens
+    for row, (ids, log_probs) in enumerate(zip(got.response_ids, got.log_probs, strict=True)):
+        assert torch.equal(ids, want_ids[row, :len(ids)].cpu())
+        torch.testing.assert_close(log_probs, want_log_probs[row, :len(ids)].cpu(), atol=1e-6, rtol=1e-6)
+        assert bool(torch.isfinite(log_probs).all())
+
+
+@pytest.mark.parametrize("sampling", [WARPED, GREEDY], ids=["warped", "greedy"])
+def test_the_backend_keeps_one_step_of_scores_not_all_of_them(sampling, monkeypatch):
+    """HF is not asked for `output_scores`, and the log-prob processor never holds more than one [B, V]."""
+    model, tokenizer = tiny_lm("llama", seed=0)
+    backend = HFGenerationBackend.from_actor(Actor(model, tokenizer))
+    configs, held = [], []
+    real_generate, real_call = type(model).generate, BehaviourLogProbs.__call__
+
+    def spying_generate(self, *args, **kwargs):
+        configs.append(kwargs["generation_config"])
+        return real_generate(self, *args, **kwargs)
+
+    def measuring_call(self, input_ids, scores):
+        out = real_call(self, input_ids, scores)
+        held.append([tuple(self.previous.shape)] + [tuple(step.shape) for step in self.steps])
+        return out
+
+    monkeypatch.setattr(type(model), "generate", spying_generate)
+    monkeypatch.setattr(BehaviourLogProbs, "__call__", measuring_call)
+    out = backend.generate_text(PROMPTS, sampling)
+    assert len(configs) == 1 and not configs[0].output_scores and not configs[0].return_dict_in_generate
+    rows, vocab = len(PROMPTS), model.config.vocab_size
+    assert len(held) == max(len(ids) for ids in out.response_ids)  # one call a step
+    for shapes in held:
+        assert shapes[0] == (rows, vocab) and all(shape == (rows,) for shape in shapes[1:])
+
+
+def test_behaviour_log_probs_score_each_token_against_the_scores_it_was_sampled_from():
+    """Step t's token is scored against step t's scores, whether `generate` stopped on time or one step late."""
+    generator = torch.Generator().manual_seed(0)
+    scores = [torch.randn(2, 7, generator=generator) for _ in range(4)]
+    tokens = torch.randint(0, 7, (2, 4), generator=generator)
+    prompt = torch.zeros(2, 3, dtype=torch.long)
+    want = torch.stack([token_log_probs(scores[t], tokens[:, t]) for t in range(4)], dim=1)
+    for extra_step in (False, True):  # True: a deferred stop check ran one step more, then undid it
+        recorder = BehaviourLogProbs()
+        steps = 4 + extra_step
+        for t in range(steps):
+            step_scores = scores[t] if t < 4 else torch.randn(2, 7, generator=generator)
+            assert recorder(torch.cat([prompt, tokens[:, :t]], dim=1), step_scores) is step_scores
+        torch.testing.assert_close(recorder.finish(tokens), want, atol=0, rtol=0)
+        assert recorder.previous is None
+
+
+def test_a_static_cache_gives_the_dynamic_caches_greedy_tokens():
+    model, tokenizer = tiny_lm("llama", seed=0)
+    actor = Actor(model, tokenizer)
+    dynamic = HFGenerationBackend.from_actor(actor)
+    static = HFGenerationBackend.from_actor(actor, cache_implementation="static")
+    assert static.cache_implementation == "static" and not static.share_prompts and dynamic.share_prompts
+    prompts = PROMPTS + PROMPTS  # repeated prompts: the dynamic backend shares their prefill, the static one cannot
+    want = dynamic.generate_text(prompts, GREEDY)
+    got = static.generate_text(prompts, GREEDY)
+    assert_same_generation((got.response_ids, got.log_probs), (want.response_ids, want.log_probs), exact=False)
+
+
+def test_generation_dtype_casts_the_generating_model_and_auto_keeps_float32_off_cuda():
+    model, tokenizer = tiny_lm("llama", seed=0)
+    auto = HFGenerationBackend.from_actor(Actor(model, tokenizer), dtype="auto")
+    on_cuda = lane_device().type == "cuda" and torch.cuda.is_bf16_supported()
+    assert next(auto.model.parameters()).dtype == (torch.bfloat16 if on_cuda else torch.float32)
+    model, tokenizer = tiny_lm("llama", seed=0)
+    cast = HFGenerationBackend.from_actor(Actor(model, tokenizer), dtype="bfloat16")
+    assert cast.model is model and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {layout.dtype for layout in cast.weight_sink.layout().values()} == {torch.bfloat16}
+    out = cast.generate_text(PROMPTS, WARPED)
+    for ids, log_probs in zip(out.response_ids, out.log_probs, strict=True):
+        assert len(ids) == len(log_probs) and log_probs.dtype == torch.float32 and bool((log_probs <= 0).all())
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"cache_implementation": "paged"}, r"MakerConfig\.backend_options\.cache_implementation must be one of"),
+    ({"dtype": "float8"}, r"MakerConfig\.backend_options\.dtype must be one of"),
+    ({"dtype": torch.bfloat16}, r"MakerConfig\.backend_options\.dtype must be one of"),
+])
+def test_bad_generation_options_are_refused_naming_the_field(options, message):
+    actor = Actor(*tiny_lm("llama", seed=0))
+    with pytest.raises(ValueError, match=message):
+        build_generation_backend("hf", actor, options=options)
+    assert {p.dtype for p in actor.model.parameters()} == {torch.float32}
+
+
+@pytest.mark.skipif(lane_device().type != "cuda", reason="GPU lane: static cache and bf16 generation on CUDA "
+                    "(run with --device cuda)")
+def test_static_cache_bf16_generation_on_cuda_scores_what_the_policy_recomputes():
+    model, tokenizer = tiny_lm("llama", seed=0)
+    backend = HFGenerationBackend.from_actor(Actor(model, tokenizer), cache_implementation="static", dtype="bfloat16")
+    plain = SamplingConfig(max_new_tokens=10)  # no top-k/top-p boundary for bf16 rounding to move
+    torch.manual_seed(0)
+    out = backend.generate_text(PROMPTS + PROMPTS, plain)
+    batch = collate([Experience(p, r, lp, torch.tensor(0.0)) for p, r, lp in
+                     zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)],
+                    tokenizer.pad_token_id).to(lane_device())
+    with torch.no_grad():
+        recomputed = Actor(model, tokenizer)(batch.sequences, batch.attention_mask, batch.response_mask, plain)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(recomputed.float()[mask], batch.log_probs[mask], atol=0.1, rtol=0.05)

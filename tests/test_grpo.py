@@ -16,19 +16,18 @@ from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.generation import HFGenerationBackend
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
 from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
-from detached_rl.strategies import NaiveStrategy
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 
-from .helpers import LowTokenReward, ObjectStore, arithmetic_prompts
+from .helpers import LowTokenReward, ObjectStore, arithmetic_prompts, lane_device, naive_strategy
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
 
 
 def learner(**config):
     config.setdefault("sampling", SAMPLING)
-    return GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), NaiveStrategy(), GRPOConfig(**config))
+    return GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), naive_strategy(), GRPOConfig(**config))
 
 
 def exp(score, group, length=3, version=0, lp=-1.0):
@@ -79,10 +78,10 @@ def test_presets_hold_the_variants_defaults():
 
 def test_sampling_comes_from_the_learner_argument_and_bounds_the_overlong_buffer():
     explicit = SamplingConfig(max_new_tokens=5, temperature=0.5)
-    grpo = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), NaiveStrategy(), GRPOConfig(), sampling=explicit)
+    grpo = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), naive_strategy(), GRPOConfig(), sampling=explicit)
     assert grpo.sampling is explicit and learner().sampling is SAMPLING
     with pytest.raises(ValueError, match="GRPOConfig.overlong_buffer"):
-        GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), NaiveStrategy(), GRPOConfig(overlong_buffer=5),
+        GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), naive_strategy(), GRPOConfig(overlong_buffer=5),
                     sampling=explicit)
 
 
@@ -93,7 +92,8 @@ def test_overlong_penalty_by_hand():
 
 
 def test_group_advantages_of_each_variant_by_hand():
-    batch = collate([exp(1, "a"), exp(0, "a"), exp(0, "a"), exp(1, "b"), exp(1, "b")], 0)
+    # On the learner's device, as `train_step` hands it over.
+    batch = collate([exp(1, "a"), exp(0, "a"), exp(0, "a"), exp(1, "b"), exp(1, "b")], 0).to(lane_device())
     scores = batch.scores
     # Group a: mean 1/3, unbiased std sqrt(1/3); group b: all equal.
     grpo = learner().advantages(batch, scores, None)[:, 0]
@@ -109,8 +109,8 @@ def test_group_advantages_of_each_variant_by_hand():
 
 
 def test_reinforce_pp_returns_with_kl_in_the_reward_by_hand():
-    batch = collate([exp(1, None, length=3), exp(0, None, length=2)], 0)
-    kl = torch.tensor([[0.1, 0.2, 0.3], [0.2, 0.4, 0.0]])
+    batch = collate([exp(1, None, length=3), exp(0, None, length=2)], 0).to(lane_device())
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.2, 0.4, 0.0]], device=lane_device())
     # beta 0.5: rewards [-0.05, -0.1, 1 - 0.15] and [-0.1, -0.2]; returns [0.7, 0.75, 0.85] and [-0.3, -0.2].
     adv = learner(algorithm="reinforce_pp", kl_coef=0.5).advantages(batch, batch.scores, kl)
     returns = torch.tensor([0.7, 0.75, 0.85, -0.3, -0.2])
@@ -175,13 +175,14 @@ def test_grpo_learns_a_verifiable_preference_in_a_few_dozen_steps():
     torch.manual_seed(0)
     config = GRPOConfig(algorithm="grpo", sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-2),
                         micro_batch_size=16)
-    grpo = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), NaiveStrategy(), config)
+    grpo = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), naive_strategy(), config)
     trainer = TrainerCore("trainer", grpo, TrainerConfig(train_batch_size=16))
     store = ObjectStore()
     trainer.build_update(store.put)
     maker = ExperienceMaker(
         "maker", MakerModels(actor=Actor(*tiny_causal_lm("llama", seed=3)), reward=LowTokenReward()),
         CyclingPrompts(arithmetic_prompts()), MakerConfig(experience_batch_size=2, group_size=8, sampling=SAMPLING),
+        strategy=naive_strategy(),
     )
     maker.apply_weight_update(trainer.register_maker("maker"), store.fetch)
     rewards = []

@@ -23,11 +23,12 @@ from detached_rl.algorithms import (
 )
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
 from detached_rl.algorithms.learner import Learner
-from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
-from detached_rl.strategies import NaiveStrategy
+from detached_rl.models import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 from tests.test_ppo import make_learner as make_ppo_learner
+
+from .helpers import lane_device, naive_strategy, tiny_policy
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
 
@@ -98,23 +99,23 @@ def constant_estimator():
 
 
 def test_a_new_estimator_is_one_function_and_a_config_string(constant_estimator):
-    grpo = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), NaiveStrategy(),
+    grpo = GRPOLearner(tiny_policy(seed=0), naive_strategy(),
                        GRPOConfig(advantage_estimator=constant_estimator), sampling=SAMPLING)
     batch = collate([Experience(torch.tensor([5, 6]), torch.arange(10, 10 + n), torch.full((n,), -1.0),
-                                torch.tensor(1.0), group_id="g") for n in (2, 3)], 0)
+                                torch.tensor(1.0), group_id="g") for n in (2, 3)], 0).to(lane_device())
     advantages = grpo.advantages(batch, batch.scores, None)
     assert advantages.tolist() == [[0.5, 0.5, 0.0], [0.5, 0.5, 0.5]]
 
 
 def test_both_learners_satisfy_the_learner_protocol():
     ppo = make_ppo_learner()
-    grpo = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), NaiveStrategy(), GRPOConfig(algorithm="dapo"),
+    grpo = GRPOLearner(tiny_policy(seed=0), naive_strategy(), GRPOConfig(algorithm="dapo"),
                        sampling=SAMPLING)
     assert isinstance(ppo, Learner) and isinstance(grpo, Learner)
     assert not isinstance(object(), Learner)
     assert (ppo.assembles_batches, ppo.max_sampling_rounds) == (False, 1)
     assert (grpo.assembles_batches, grpo.max_sampling_rounds) == (True, 8)
-    assert GRPOLearner(grpo.policy, NaiveStrategy(), GRPOConfig(), sampling=SAMPLING).max_sampling_rounds == 1
+    assert GRPOLearner(grpo.policy, naive_strategy(), GRPOConfig(), sampling=SAMPLING).max_sampling_rounds == 1
     grpo.train_epochs = 3
     assert grpo.config.train_epochs == 3
     assert ppo.make_batch(lambda count: list(range(count)), 4) == ([0, 1, 2, 3], {})
@@ -156,7 +157,7 @@ class ProtocolOnly:
 
 
 def test_the_trainer_uses_only_the_protocol(tmp_path):
-    grpo = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), NaiveStrategy(), GRPOConfig(algorithm="dapo"),
+    grpo = GRPOLearner(tiny_policy(seed=0), naive_strategy(), GRPOConfig(algorithm="dapo"),
                        sampling=SAMPLING)
     learner = ProtocolOnly(grpo)
     assert isinstance(learner, Learner) and not hasattr(learner, "config")

@@ -24,6 +24,8 @@ from detached_rl.models.lora import (
     merged_model,
 )
 
+from .helpers import lane_device, model_device
+
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 R = 4
@@ -63,7 +65,7 @@ def build_base(arch: str, seed: int = 0) -> torch.nn.Module:
             embd_pdrop=0.0,
             attn_pdrop=0.0,
         )
-    return AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(config).eval().to(lane_device())
 
 
 def build_lora(arch: str, backend: str, seed: int = 0, **kwargs) -> torch.nn.Module:
@@ -72,14 +74,15 @@ def build_lora(arch: str, backend: str, seed: int = 0, **kwargs) -> torch.nn.Mod
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=IDS).logits
+        return model(input_ids=IDS.to(model_device(model))).logits
 
 
 def train_steps(model: torch.nn.Module, steps: int = 3) -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
+    ids = IDS.to(model_device(model))
     for _ in range(steps):
-        model(input_ids=IDS, labels=IDS).loss.backward()
+        model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
     model.eval()
@@ -169,9 +172,10 @@ def test_load_refuses_bad_state_and_changes_nothing(backend: str) -> None:
     keys = list(original)
     fresh = {k: torch.randn_like(v) for k, v in original.items()}
 
-    unknown = {**fresh, "model.not_a_lora.weight": torch.zeros(1)}
+    device = model_device(model)
+    unknown = {**fresh, "model.not_a_lora.weight": torch.zeros(1, device=device)}
     missing = {k: v for k, v in fresh.items() if k != keys[-1]}
-    wrong_shape = {**fresh, keys[-1]: torch.zeros(3, 3)}
+    wrong_shape = {**fresh, keys[-1]: torch.zeros(3, 3, device=device)}
     for bad, key in ((unknown, "model.not_a_lora.weight"), (missing, keys[-1]), (wrong_shape, keys[-1])):
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             load_lora_state_dict(model, bad)

@@ -12,6 +12,8 @@ from detached_rl.core.weight_sync import build_weight_update
 from detached_rl.models import LoraSettings, apply_lora, lora_state_dict, tiny_causal_lm
 from detached_rl.models.lora_merge import LoraMergeTarget, base_fingerprint, base_keys
 
+from .helpers import lane_device, model_device
+
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
     pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning"),
@@ -40,12 +42,12 @@ def build(case: str, seed: int = 0) -> torch.nn.Module:
     arch, kwargs = CASES[case]
     model, _ = tiny_causal_lm(arch, seed=seed)
     torch.manual_seed(seed)
-    return apply_lora(model, LoraSettings(r=4, alpha=8, **kwargs)).eval()
+    return apply_lora(model, LoraSettings(r=4, alpha=8, **kwargs)).eval().to(lane_device())
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=IDS).logits
+        return model(input_ids=IDS.to(model_device(model))).logits
 
 
 def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
@@ -61,7 +63,8 @@ class Trainer:
 
     def step(self) -> None:
         self.model.train()
-        self.model(input_ids=IDS, labels=IDS).loss.backward()
+        ids = IDS.to(model_device(self.model))
+        self.model(input_ids=ids, labels=ids).loss.backward()
         self.opt.step()
         self.opt.zero_grad()
         self.model.eval()
@@ -193,6 +196,7 @@ def test_refresh_selects_modules_by_name() -> None:
 def test_bfloat16_keeps_dtypes() -> None:
     model, _ = tiny_causal_lm("gpt2", dtype=torch.bfloat16)
     lora = apply_lora(model, LoraSettings(backend="loralib", r=4, merged_enable=(True, False, True))).eval()
+    lora.to(lane_device())
     Trainer(lora).step()
     target = LoraMergeTarget.from_lora_model(lora)
     assert {k: v.dtype for k, v in target.state_dict().items()} == {

@@ -10,12 +10,20 @@ from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.models import SamplingConfig
-from detached_rl.strategies import NaiveStrategy
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 
-from .helpers import ObjectStore, arithmetic_prompts, lora_actor_critic, lora_maker_models
+from .helpers import (
+    ObjectStore,
+    arithmetic_prompts,
+    lane_device,
+    lora_actor_critic,
+    lora_maker_models,
+    model_device,
+    naive_strategy,
+    needs_smollm2,
+)
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
 PROBE = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
@@ -23,18 +31,21 @@ PROBE = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
 
 def make_lora_pair(backend, mode, maker_seed=3):
     actor, critic = lora_actor_critic(backend, seed=0)
-    learner = PPOLearner(actor, critic, NaiveStrategy(), PPOConfig(sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-2)))
+    learner = PPOLearner(actor, critic, naive_strategy(),
+                         PPOConfig(sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-2)))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8, weight_sync="lora"))
     store = ObjectStore()
     trainer.build_update(store.put)
     maker = ExperienceMaker("maker_0", lora_maker_models(backend, seed=maker_seed), CyclingPrompts(arithmetic_prompts()),
-                            MakerConfig(experience_batch_size=8, sampling=SAMPLING, lora_mode=mode))
+                            MakerConfig(experience_batch_size=8, sampling=SAMPLING, lora_mode=mode),
+                            strategy=naive_strategy())
     return trainer, maker, store
 
 
 def logits_of(model):
+    """The model's logits on PROBE, on the CPU (makers and trainers may sit on different devices)."""
     with torch.no_grad():
-        return model(PROBE).logits
+        return model(PROBE.to(model_device(model))).logits.cpu()
 
 
 @pytest.mark.parametrize("backend", ["peft", "loralib"])
@@ -69,7 +80,7 @@ def test_lora_update_is_refused_when_the_base_differs():
     trainer.sync_weights(store.put, lambda u, makers: {})
     lora_update = trainer.latest_update
     stranger = ExperienceMaker("maker_1", lora_maker_models("peft", seed=9), CyclingPrompts(arithmetic_prompts()),
-                               MakerConfig(experience_batch_size=8, sampling=SAMPLING))
+                               MakerConfig(experience_batch_size=8, sampling=SAMPLING), strategy=naive_strategy())
     before = logits_of(stranger.backend.model)
     with pytest.raises(WeightUpdateError, match="base fingerprint mismatch"):
         stranger.apply_weight_update(lora_update, store.fetch)
@@ -83,8 +94,8 @@ def test_rank_mismatch_is_refused_with_the_key_named():
     trainer, maker, store = make_lora_pair("peft", "keep")
     maker.apply_weight_update(trainer.register_maker("maker_0", None, store.put), store.fetch)
     # The same adapter at rank 8 instead of 4: every A and B has the wrong shape.
-    actor_state = {k: torch.zeros(8, v.shape[1]) if "lora_A" in k else torch.zeros(v.shape[0], 8) if "lora_B" in k
-                   else v for k, v in trainer.synced_state(trainable_only=True)["actor"].items()}
+    actor_state = {k: torch.zeros(8, v.shape[1], device=v.device) if "lora_A" in k
+                   else torch.zeros(v.shape[0], 8, device=v.device) if "lora_B" in k else v for k, v in trainer.synced_state(trainable_only=True)["actor"].items()}
     bad, _ = build_weight_update({"actor": actor_state}, 1, store.put, kind="lora",
                                  metadata={"base_fingerprint": trainer.base_fingerprint})
     before = logits_of(maker.backend.model)
@@ -97,7 +108,7 @@ def test_trainer_refuses_lora_sync_without_an_adapter():
     from .helpers import tiny_actor_critic
 
     actor, critic = tiny_actor_critic()
-    learner = PPOLearner(actor, critic, NaiveStrategy(), PPOConfig(sampling=SAMPLING))
+    learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=SAMPLING))
     with pytest.raises(ValueError, match="weight_sync='lora' needs a LoRA policy"):
         TrainerCore("t", learner, TrainerConfig(weight_sync="lora"))
     with pytest.raises(ValueError, match="TrainerConfig.weight_sync"):
@@ -111,16 +122,17 @@ def payload_bytes(update, store):
 
 
 @pytest.mark.slow
+@needs_smollm2
 def test_smollm2_lora_update_is_under_one_percent_of_a_full_update():
     from detached_rl.models import Actor, Critic, LoraSettings, apply_lora, load_smollm2
     from detached_rl.models.scalar_heads import backbone_of
 
-    model, tokenizer = load_smollm2()
+    model, tokenizer = load_smollm2(device=lane_device())
     policy = apply_lora(model, LoraSettings(r=8, alpha=16, target_modules=("q_proj", "v_proj")))
-    critic = Critic(backbone_of(load_smollm2()[0]))
+    critic = Critic(backbone_of(load_smollm2(device=lane_device())[0]))
     for p in critic.backbone.parameters():
         p.requires_grad_(False)  # a value head on a frozen backbone: the critic's update is tiny too
-    learner = PPOLearner(Actor(policy, tokenizer), critic, NaiveStrategy(), PPOConfig())
+    learner = PPOLearner(Actor(policy, tokenizer), critic, naive_strategy(), PPOConfig())
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(weight_sync="lora"))
     store = ObjectStore()
     full, full_stats = trainer.build_update(store.put)

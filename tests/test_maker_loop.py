@@ -19,11 +19,17 @@ from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.maker.loop import MakerLoop, take_offered, update_to_apply
 from detached_rl.maker.pusher import ExperiencePusher
 from detached_rl.models import SamplingConfig
-from detached_rl.strategies import NaiveStrategy
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 
-from .helpers import ObjectStore, arithmetic_prompts, make_experience, tiny_actor_critic, tiny_maker_models
+from .helpers import (
+    ObjectStore,
+    arithmetic_prompts,
+    make_experience,
+    naive_strategy,
+    tiny_actor_critic,
+    tiny_maker_models,
+)
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
 WAIT = 10.0  # upper bound for anything a test waits on; the loop's own waits are far shorter
@@ -118,9 +124,10 @@ def wait_until(condition, what: str) -> None:
 
 def real_pair(**maker_config) -> tuple[ExperienceMaker, TrainerCore, ObjectStore]:
     config = MakerConfig(**{"experience_batch_size": 4, "sampling": SAMPLING, **maker_config})
-    maker = ExperienceMaker("maker_0", tiny_maker_models(seed=7), CyclingPrompts(arithmetic_prompts()), config)
+    maker = ExperienceMaker("maker_0", tiny_maker_models(seed=7), CyclingPrompts(arithmetic_prompts()), config,
+                            strategy=naive_strategy())
     actor, critic = tiny_actor_critic(seed=0)
-    learner = PPOLearner(actor, critic, NaiveStrategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01))
+    learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8))
     store = ObjectStore()
     trainer.build_update(store.put)

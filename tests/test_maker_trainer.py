@@ -13,11 +13,17 @@ from detached_rl.core.replay_buffer import RejectedPushError
 from detached_rl.core.weight_sync import WeightUpdateError, state_fingerprint
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.models import SamplingConfig
-from detached_rl.strategies import NaiveStrategy
 from detached_rl.trainer.config import TrainerConfig, oldest_useful_version
 from detached_rl.trainer.core import TrainerCore
 
-from .helpers import ObjectStore, arithmetic_prompts, tiny_actor_critic, tiny_maker_models
+from .helpers import (
+    ObjectStore,
+    arithmetic_prompts,
+    model_device,
+    naive_strategy,
+    tiny_actor_critic,
+    tiny_maker_models,
+)
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
 
@@ -27,9 +33,10 @@ def make_pair(batch_size=4, group_size=1, record=True, maker_seed=7, **trainer_k
         "maker_0", tiny_maker_models(seed=maker_seed), CyclingPrompts(arithmetic_prompts()),
         MakerConfig(experience_batch_size=batch_size, group_size=group_size, sampling=SAMPLING,
                     record_weights_fingerprint=record),
+        strategy=naive_strategy(),
     )
     actor, critic = tiny_actor_critic(seed=0)
-    learner = PPOLearner(actor, critic, NaiveStrategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01))
+    learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(**{"train_batch_size": 8, **trainer_kwargs}))
     store = ObjectStore()
     trainer.build_update(store.put)
@@ -107,10 +114,10 @@ def test_generation_never_mixes_two_weight_versions():
     scratch, _ = tiny_actor_critic(seed=0)
     for e in experiences:
         scratch.model.load_state_dict(weights[e.policy_version])
-        sequence = torch.cat([e.prompt_ids, e.response_ids])[None]
+        sequence = torch.cat([e.prompt_ids, e.response_ids])[None].to(model_device(scratch))
         with torch.no_grad():
-            recomputed = scratch.log_probs(sequence, torch.ones_like(sequence), torch.ones(1, e.response_length),
-                                           SAMPLING)[0]
+            recomputed = scratch.log_probs(sequence, torch.ones_like(sequence),
+                                           torch.ones(1, e.response_length, device=sequence.device), SAMPLING)[0].cpu()
         assert torch.allclose(recomputed, e.log_probs, atol=1e-4), e.policy_version
 
 

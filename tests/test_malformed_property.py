@@ -22,7 +22,7 @@ from detached_rl.core.weight_sync import (
 )
 from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
 
-from .helpers import ObjectStore, make_experience
+from .helpers import ObjectStore, lane_device, make_experience
 
 VOCAB = 100
 MAX_SEQUENCE = 64
@@ -155,9 +155,10 @@ def test_malformed_experience_is_refused_naming_the_field_and_changes_nothing(bu
 
 @pytest.fixture(scope="module")
 def receivers():
-    """A full-weights receiver and a LoRA (peft, r=4) receiver, each at version CURRENT_VERSION."""
-    full = tiny_causal_lm("llama", seed=1)[0]
-    lora = apply_lora(tiny_causal_lm("llama", seed=1)[0], LoraSettings(r=4, alpha=8))
+    """A full-weights receiver and a LoRA (peft, r=4) receiver, each at version CURRENT_VERSION, with their models on
+    the test device (the updates arrive on the CPU, as from the object store)."""
+    full = tiny_causal_lm("llama", seed=1)[0].to(lane_device())
+    lora = apply_lora(tiny_causal_lm("llama", seed=1)[0], LoraSettings(r=4, alpha=8)).to(lane_device())
     out = {}
     for kind, model in (("full", full), ("lora", lora)):
         receiver = WeightReceiver({"actor": model}, version=CURRENT_VERSION)

@@ -22,6 +22,8 @@ from detached_rl.models import (
 )
 from detached_rl.models.scalar_heads import backbone_of, last_token_index
 
+from .helpers import lane_device, model_device, needs_minilm, tiny_lm
+
 ARCHITECTURES = ["llama", "gpt2", "opt", "bloom", "gpt_neox", "qwen2", "mistral"]
 SAMPLINGS = [
     SamplingConfig(max_new_tokens=10),
@@ -36,16 +38,17 @@ def generate(actor, prompts, sampling):
 
 
 def batch_of(output, pad_token_id):
+    """The generated rows as a padded batch on the test device (where the models are)."""
     exps = [
         Experience(p, r, lp, torch.tensor(0.0))
         for p, r, lp in zip(output.prompt_ids, output.response_ids, output.log_probs, strict=True)
     ]
-    return collate(exps, pad_token_id)
+    return collate(exps, pad_token_id).to(lane_device())
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
 def test_tiny_model_of_each_architecture_generates(model_type):
-    model, tokenizer = tiny_causal_lm(model_type)
+    model, tokenizer = tiny_lm(model_type)
     assert model.config.model_type == model_type
     assert model.config.vocab_size == len(tokenizer)
     assert sum(p.numel() for p in model.parameters()) < 500_000
@@ -75,11 +78,12 @@ def test_tiny_tokenizer_round_trip_and_chat_template(kind):
 
 
 def test_load_causal_lm_specs(tmp_path):
-    model, tokenizer = tiny_causal_lm("gpt2")
+    model, tokenizer = tiny_lm("gpt2")
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     loaded, loaded_tokenizer = load_causal_lm(str(tmp_path))
-    ids = torch.tensor([[5, 6, 7]])
+    loaded.to(model_device(model))
+    ids = torch.tensor([[5, 6, 7]], device=model_device(model))
     assert torch.equal(loaded(ids).logits, model(ids).logits)
     assert loaded_tokenizer.pad_token_id == tokenizer.pad_token_id
     assert load_causal_lm("tiny-opt")[0].config.model_type == "opt"
@@ -92,7 +96,7 @@ def test_load_causal_lm_specs(tmp_path):
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "opt"])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "warped", "greedy"])
 def test_recomputed_log_probs_equal_behaviour_log_probs(model_type, sampling):
-    model, tokenizer = tiny_causal_lm(model_type)
+    model, tokenizer = tiny_lm(model_type)
     actor = Actor(model, tokenizer)
     torch.manual_seed(0)
     out = generate(actor, PROMPTS, sampling)
@@ -106,7 +110,7 @@ def test_recomputed_log_probs_equal_behaviour_log_probs(model_type, sampling):
 
 def test_log_probs_match_a_prefix_by_prefix_forward():
     """log_probs[t] is log p(response[t] | prompt + response[:t]), checked one unpadded prefix at a time."""
-    model, tokenizer = tiny_causal_lm("llama")
+    model, tokenizer = tiny_lm("llama")
     actor = Actor(model, tokenizer)
     torch.manual_seed(0)
     batch = batch_of(generate(actor, PROMPTS, SamplingConfig(max_new_tokens=5)), tokenizer.pad_token_id)
@@ -122,7 +126,7 @@ def test_log_probs_match_a_prefix_by_prefix_forward():
 
 
 def test_warped_log_probs_put_all_mass_on_kept_tokens():
-    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]], device=lane_device())
     # top_k=3 keeps 2.0, 1.0, 0.5; top_p=0.7 of those (at T=1) keeps 2.0 and 1.0:
     # softmax([2, 1, .5]) = [.629, .231, .140]; ascending cumsum .140, .371, 1 -> drop cum <= .3 -> .5 dropped.
     warped = process_logits(logits, SamplingConfig(top_k=3, top_p=0.7))
@@ -133,7 +137,7 @@ def test_warped_log_probs_put_all_mass_on_kept_tokens():
 
 
 def test_generation_stops_at_stop_tokens():
-    model, tokenizer = tiny_causal_lm("llama")
+    model, tokenizer = tiny_lm("llama")
     actor = Actor(model, tokenizer)
     half = tuple(range(len(tokenizer) // 2))
     torch.manual_seed(0)
@@ -164,13 +168,14 @@ def test_sampling_config_refuses_bad_values(kwargs, field):
 
 
 def test_actor_refuses_mismatched_shapes_and_empty_prompts():
-    model, tokenizer = tiny_causal_lm("llama")
+    model, tokenizer = tiny_lm("llama")
     actor = Actor(model, tokenizer)
-    seq = torch.ones(2, 6, dtype=torch.long)
+    device = model_device(model)
+    seq = torch.ones(2, 6, dtype=torch.long, device=device)
     with pytest.raises(ValueError, match="attention_mask shape"):
-        actor.log_probs(seq, torch.ones(2, 5), torch.ones(2, 3))
+        actor.log_probs(seq, torch.ones(2, 5, device=device), torch.ones(2, 3, device=device))
     with pytest.raises(ValueError, match="response_mask shape"):
-        actor.log_probs(seq, torch.ones(2, 6), torch.ones(2, 6))
+        actor.log_probs(seq, torch.ones(2, 6, device=device), torch.ones(2, 6, device=device))
     with pytest.raises(ValueError, match="no tokens"):
         actor.encode_prompts([[]])
     with pytest.raises(ValueError, match="empty"):
@@ -178,7 +183,7 @@ def test_actor_refuses_mismatched_shapes_and_empty_prompts():
 
 
 def test_log_probs_give_gradients_to_the_model():
-    model, tokenizer = tiny_causal_lm("llama")
+    model, tokenizer = tiny_lm("llama")
     actor = Actor(model, tokenizer)
     batch = batch_of(generate(actor, PROMPTS, SamplingConfig(max_new_tokens=4)), tokenizer.pad_token_id)
     actor.log_probs(batch.sequences, batch.attention_mask, batch.response_mask).sum().backward()
@@ -186,7 +191,7 @@ def test_log_probs_give_gradients_to_the_model():
 
 
 def test_critic_values_align_with_the_state_before_each_response_token():
-    model, tokenizer = tiny_causal_lm("llama")
+    model, tokenizer = tiny_lm("llama")
     critic = Critic(backbone_of(model))
     torch.manual_seed(0)
     batch = batch_of(generate(Actor(model, tokenizer), PROMPTS, SamplingConfig(max_new_tokens=4)), 0)
@@ -206,14 +211,17 @@ def test_critic_values_align_with_the_state_before_each_response_token():
 
 
 def test_reward_model_reads_the_last_real_token_under_any_padding():
-    model, _ = tiny_causal_lm("gpt2")
+    model, _ = tiny_lm("gpt2")
     reward_model = RewardModel(backbone_of(model))
-    ids, mask = left_pad([torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10])], pad_token_id=0)
-    right = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]])
+    device = model_device(model)
+    ids, mask = left_pad([torch.tensor([5, 6, 7, 8], device=device), torch.tensor([9, 10], device=device)],
+                         pad_token_id=0)
+    right = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]], device=device)
     assert last_token_index(mask).tolist() == [3, 3]
     assert last_token_index((right != 0).long()).tolist() == [3, 1]
     with torch.no_grad():
-        alone = reward_model(torch.tensor([[9, 10]]), torch.ones(1, 2, dtype=torch.long))
+        alone = reward_model(torch.tensor([[9, 10]], device=device),
+                             torch.ones(1, 2, dtype=torch.long, device=device))
         padded_left = reward_model.score(ids, mask)
         padded_right = reward_model.score(right, (right != 0).long())
     assert padded_left.shape == (2,)
@@ -251,10 +259,11 @@ def test_function_reward_decodes_texts_and_passes_metadata():
                                                                batch.response_mask)
 
 
+@needs_minilm
 def test_packaged_minilm_scores_policy_text_through_its_own_tokenizer():
     from transformers import AutoTokenizer
 
-    reward_model = RewardModel.from_pretrained(minilm_dir())
+    reward_model = RewardModel.from_pretrained(minilm_dir()).to(lane_device())
     assert reward_model.backbone.config.model_type == "bert"
     policy_tokenizer = tiny_tokenizer()
     scorer = RetokenizingRewardModel(reward_model, AutoTokenizer.from_pretrained(minilm_dir()), policy_tokenizer)
@@ -263,17 +272,17 @@ def test_packaged_minilm_scores_policy_text_through_its_own_tokenizer():
                    torch.full((len(policy_tokenizer(r)["input_ids"]),), -1.0), torch.tensor(0.0))
         for p, r in [("What is 3 + 4?", " The answer is 7."), ("Say hi", " hi")]
     ]
-    batch = collate(exps, policy_tokenizer.pad_token_id)
+    batch = collate(exps, policy_tokenizer.pad_token_id).to(lane_device())
     rewards = scorer.score(batch.sequences, batch.attention_mask, batch.response_mask)
     assert rewards.shape == (2,) and torch.isfinite(rewards).all() and rewards[0] != rewards[1]
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "opt"])
 def test_actor_forward_is_deterministic_in_train_mode(model_type):
-    model, tokenizer = tiny_causal_lm(model_type, seed=0)
+    model, tokenizer = tiny_lm(model_type, seed=0)
     actor = Actor(model, tokenizer).train()
-    sequences = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    mask, response_mask = torch.ones_like(sequences), torch.ones(1, 3)
+    sequences = torch.tensor([[5, 6, 7, 8, 9, 10]], device=model_device(model))
+    mask, response_mask = torch.ones_like(sequences), torch.ones(1, 3, device=sequences.device)
     with torch.no_grad():
         first = actor.log_probs(sequences, mask, response_mask)
         assert torch.equal(first, actor.log_probs(sequences, mask, response_mask))
@@ -286,10 +295,10 @@ def test_entropy_of_uniform_and_filtered_distributions():
     assert entropy_from_logits(torch.zeros(4)).item() == pytest.approx(torch.log(torch.tensor(4.0)).item())
     filtered = torch.tensor([0.0, 0.0, float("-inf"), float("-inf")])
     assert entropy_from_logits(filtered).item() == pytest.approx(torch.log(torch.tensor(2.0)).item())
-    model, tokenizer = tiny_causal_lm("llama")
+    model, tokenizer = tiny_lm("llama")
     actor = Actor(model, tokenizer)
-    sequences = torch.tensor([[5, 6, 7, 8, 9]])
-    lp, entropy = actor.log_probs(sequences, torch.ones_like(sequences), torch.tensor([[1, 1, 0]]),
-                                  return_entropy=True)
+    sequences = torch.tensor([[5, 6, 7, 8, 9]], device=model_device(model))
+    response_mask = torch.tensor([[1, 1, 0]], device=sequences.device)
+    lp, entropy = actor.log_probs(sequences, torch.ones_like(sequences), response_mask, return_entropy=True)
     assert entropy.shape == lp.shape and entropy[0, 2] == 0
     assert 0 < entropy[0, 0] <= torch.log(torch.tensor(float(len(tokenizer)))) + 1e-4

@@ -12,6 +12,7 @@ import pytest
 from detached_rl.cli.main import build_parser
 from detached_rl.cli.ppo_on_ray import cpu_slots, launcher_config, training_steps
 from tests.conftest import ROOT
+from tests.helpers import gpu_overrides, set_flags
 
 FLAGS = ("prompt_csv", "model", "pretrain", "strategy", "save_path", "num_episodes", "max_timesteps",
          "update_timesteps", "experience_batch_size", "num_actor_nodes", "num_critic_nodes", "num_initial_nodes",
@@ -62,6 +63,14 @@ def test_gpus_make_one_worker_per_gpu_and_no_answers_means_a_reward_model(tmp_pa
     assert config.model.reward_model == config.model.policy == "tiny-llama"
 
 
+def test_gpus_per_node_give_a_naive_trainer_and_every_maker_a_gpu(prompt_csv):
+    config = launcher_config(parse("--prompt_csv", str(prompt_csv), "--num_gpus_per_node", "2", "--num_makers", "2"))
+    assert (config.trainer_group.strategy, config.trainer_group.world_size) == ("naive", 1)
+    assert config.trainer_group.num_gpus_per_rank == 1 and config.maker.num_gpus == 1
+    cpu = launcher_config(parse("--prompt_csv", str(prompt_csv)))
+    assert cpu.trainer_group.num_gpus_per_rank == 0 and cpu.maker.num_gpus == 0
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--update_timesteps", "9"], "--update_timesteps 9 is more than the run's 4"),
     (["--num_critic_nodes", "0"], "--num_critic_nodes must be >= 1"),
@@ -87,7 +96,8 @@ def test_the_launcher_runs_end_to_end_on_cpu_and_saves_a_loadable_policy(prompt_
     command = [sys.executable, "-m", "detached_rl.cli.main", "ppo-on-ray", "--prompt_csv", str(prompt_csv),
                "--model", "gpt2", "--save_path", str(save), "--num_episodes", "2", "--max_timesteps", "2",
                "--update_timesteps", "2", "--experience_batch_size", "3", "--num_critic_nodes", "2",
-               "--num_makers", "2", "--namespace", "ppo_on_ray_test", "--max_new_tokens", "8"]
+               "--num_makers", "2", "--namespace", "ppo_on_ray_test", "--max_new_tokens", "8",
+               *set_flags(gpu_overrides())]  # with --device cuda the trainer and makers share the GPU
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
     assert "ppo-critic_0, ppo-critic_1" in done.stdout and "ppo-maker-0, ppo-maker-1" in done.stdout

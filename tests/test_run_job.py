@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import CLUSTER_MARKER, ROOT, marked_processes, new_cluster_marker
+from tests.helpers import gpu_overrides, set_flags
 
 pytestmark = pytest.mark.ray
 
@@ -28,7 +29,8 @@ def finished_run(tmp_path_factory) -> tuple[Path, str, str]:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), CLUSTER_MARKER: marker}
     command = [sys.executable, "-m", "detached_rl.cli.main", "run", "--model", "tiny", "--steps", str(STEPS),
                "--name", "tiny-test", "--output", str(output), "--namespace", "detached_rl_run_test",
-               "--set", "task.eval_size=16", "--set", "sampling.max_new_tokens=12"]
+               "--set", "task.eval_size=16", "--set", "sampling.max_new_tokens=12",
+               *set_flags(gpu_overrides(run_command=True))]  # GPU shares with --device cuda
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
     return output / "tiny-test", done.stdout, marker

@@ -24,7 +24,7 @@ from detached_rl.models.lora import all_linear_targets, lora_state_dict
 from detached_rl.rewards.functions import answer_line_format, answer_line_reward, extract_answer_line
 from detached_rl.rewards.tasks import make_problems, word_problems
 from detached_rl.trainer.core import info_means
-from tests.helpers import make_experience
+from tests.helpers import lane_device, make_experience, model_device
 
 # ------------------------------------------------------------------ task
 
@@ -163,11 +163,12 @@ def test_plot_metrics_draws_a_png_even_with_missing_series(tmp_path):
 @pytest.fixture(scope="module")
 def ppo_metrics_row():
     """The metrics of one real PPO step with a reference model (KL in the reward), as the run records them."""
-    from detached_rl.models import Actor, tiny_causal_lm
+    from detached_rl.models import Actor
+    from tests.helpers import tiny_lm
     from tests.test_ppo import make_experiences, make_learner
 
     learner = make_learner(kl_coef=0.1, kl_kind="k3")  # k3 >= 0
-    experiences = make_experiences(learner, reference=Actor(*tiny_causal_lm("llama", seed=5)))
+    experiences = make_experiences(learner, reference=Actor(*tiny_lm("llama", seed=5)))
     return {"step": 1, **learner.train_step(experiences, policy_version=0)}
 
 
@@ -218,7 +219,7 @@ def trained_lora_model():
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0, 0.05)  # as if trained: B = 0 would merge to the base weights
-    return model.eval(), tokenizer
+    return model.to(lane_device()).eval(), tokenizer
 
 
 def test_all_linear_targets_every_linear_layer_but_the_head(trained_lora_model):
@@ -238,7 +239,7 @@ def test_exported_adapter_and_merged_model_reproduce_the_policy(tmp_path, traine
     write_files(files, tmp_path)
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
-        expected = model(ids).logits
+        expected = model(ids.to(model_device(model))).logits.cpu()  # the files load on the CPU
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
         torch.testing.assert_close(merged(ids).logits, expected, atol=1e-4, rtol=1e-4)
         adapted = PeftModel.from_pretrained(load_causal_lm("tiny", seed=3)[0], tmp_path / "adapter").eval()
@@ -248,6 +249,7 @@ def test_exported_adapter_and_merged_model_reproduce_the_policy(tmp_path, traine
 
 def test_loralib_adapter_and_plain_models_export(tmp_path):
     model, tokenizer = load_causal_lm("tiny", seed=1)
+    model.to(lane_device())
     save_merged(model, tokenizer, tmp_path / "plain")  # no adapter: the model as it is
     assert (tmp_path / "plain" / "model.safetensors").is_file()
     with pytest.raises(ValueError, match="no LoRA adapter"):

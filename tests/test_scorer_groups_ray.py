@@ -1,4 +1,8 @@
-"""Scorer groups on a local Ray cluster: answers, retries on a dead worker, a clear report when all are down."""
+"""Scorer groups on a local Ray cluster: answers, retries on a dead worker, a clear report when all are down.
+
+On the CPU with `--device cuda` too: these workers score with a Python reward (no model), and a scorer group takes
+whole GPUs per worker, not shares of one.
+"""
 
 from __future__ import annotations
 

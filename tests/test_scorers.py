@@ -18,9 +18,19 @@ from detached_rl.maker.scoring import (
     ScoreRequestError,
     merge_requests,
 )
-from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
+from detached_rl.models import Actor, SamplingConfig
 
-from .helpers import LowTokenReward, ObjectStore, arithmetic_prompts, tiny_actor_critic, tiny_maker_models
+from .helpers import (
+    LowTokenReward,
+    ObjectStore,
+    arithmetic_prompts,
+    lane_device,
+    model_device,
+    naive_strategy,
+    tiny_actor_critic,
+    tiny_lm,
+    tiny_maker_models,
+)
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
 
@@ -48,7 +58,7 @@ def models():
 
 @pytest.mark.parametrize("role", ["reference", "critic", "reward"])
 def test_one_forward_pass_over_merged_requests_answers_as_separate_passes(models, role):
-    scorer = Scorer(role, models[role], SAMPLING)
+    scorer = Scorer(role, models[role], SAMPLING, device=lane_device())
     if role == "critic":
         scorer.receiver._version = 0  # as if synced: this test is about batching
     first, second = request(seed=1), request((7,), (6,), seed=2)
@@ -82,14 +92,14 @@ def test_merge_pads_prompts_on_the_left_and_responses_on_the_right():
 def test_malformed_requests_are_refused_naming_the_field(models, change, field):
     bad = request()
     change(bad)
-    scorer = Scorer("reward", models["reward"])
+    scorer = Scorer("reward", models["reward"], device=lane_device())
     with pytest.raises(ScoreRequestError, match=field):
         scorer.answer([bad])
     assert scorer.batches == 0
 
 
 def test_batcher_merges_concurrent_requests_and_keeps_a_bad_one_from_spoiling_others(models):
-    scorer = Scorer("reference", models["reference"], SAMPLING)
+    scorer = Scorer("reference", models["reference"], SAMPLING, device=lane_device())
     batcher = RequestBatcher(scorer.answer, max_batch_rows=64, max_wait_s=0.2)
     answers: list[ScoreAnswer] = []
     threads = [threading.Thread(target=lambda s=s: answers.append(batcher.submit(request(seed=s)).result(30)))
@@ -141,7 +151,7 @@ def test_critic_scorer_takes_the_critic_part_of_an_update_and_waits_for_the_vers
     store = ObjectStore()
     update, trained_critic = full_update(store)
     _, critic = tiny_actor_critic(seed=0)
-    scorer = Scorer("critic", critic)
+    scorer = Scorer("critic", critic, device=lane_device())
     with pytest.raises(TimeoutError, match="holds weights v-1; a request needs v0"):
         scorer.wait_for_version(0, timeout=0.1)
     result = scorer.apply_weight_update(update, store.fetch)
@@ -150,8 +160,9 @@ def test_critic_scorer_takes_the_critic_part_of_an_update_and_waits_for_the_vers
         assert torch.equal(critic.state_dict()[key], value)
     asked = request()
     asked.min_version = 0
-    torch.testing.assert_close(scorer.answer([asked])[0].token_scores,
-                               trained_critic(asked.sequences, asked.attention_mask, asked.response_mask))
+    on_device = (t.to(model_device(trained_critic)) for t in (asked.sequences, asked.attention_mask,
+                                                               asked.response_mask))
+    torch.testing.assert_close(scorer.answer([asked])[0].token_scores, trained_critic(*on_device).cpu())
     # A bad update is refused whole; the scorer keeps serving v0.
     bad, _ = full_update(store, seed=4)
     object.__setattr__(bad.manifest, "version", 1)
@@ -163,14 +174,14 @@ def test_critic_scorer_takes_the_critic_part_of_an_update_and_waits_for_the_vers
 
 def test_reference_and_reward_scorers_take_no_weight_updates(models):
     with pytest.raises(ValueError, match="no trained weights"):
-        Scorer("reward", models["reward"]).apply_weight_update(None, None)
+        Scorer("reward", models["reward"], device=lane_device()).apply_weight_update(None, None)
 
 
 def synced_maker(models: MakerModels, scoring=None, seed=11):
     """A maker given the weights of a trainer built from seed 0 (actor and critic)."""
     maker = ExperienceMaker("maker_0", models, CyclingPrompts(arithmetic_prompts()),
-                            MakerConfig(experience_batch_size=3, group_size=2, sampling=SAMPLING, seed=seed), None,
-                            scoring)
+                            MakerConfig(experience_batch_size=3, group_size=2, sampling=SAMPLING, seed=seed),
+                            naive_strategy(), scoring)
     store = ObjectStore()
     actor, critic = tiny_actor_critic(seed=0)
     states = {"actor": actor.model.state_dict()}
@@ -187,9 +198,9 @@ def test_a_maker_with_scorers_makes_the_experience_a_maker_with_local_models_mak
     local = synced_maker(tiny_maker_models(seed=5))
     _, critic = tiny_actor_critic(seed=5)
     scoring = LocalScoring({
-        "critic": Scorer("critic", critic, SAMPLING),
-        "reference": Scorer("reference", Actor(*tiny_causal_lm("llama", seed=5)), SAMPLING),
-        "reward": Scorer("reward", LowTokenReward()),
+        "critic": Scorer("critic", critic, SAMPLING, device=lane_device()),
+        "reference": Scorer("reference", Actor(*tiny_lm("llama", seed=5)), SAMPLING, device=lane_device()),
+        "reward": Scorer("reward", LowTokenReward(), device=lane_device()),
     })
     only_policy = MakerModels(actor=tiny_actor_critic(seed=5)[0])
     remote = synced_maker(only_policy, scoring)
@@ -216,7 +227,7 @@ def test_a_seeded_maker_repeats_its_experience_and_an_unscored_maker_is_refused(
 
 def test_a_slow_role_does_not_hold_the_generation_lock():
     """Remote answers are collected after the lock: a weight swap can happen while a scorer thinks."""
-    scoring = LocalScoring({"reward": Scorer("reward", LowTokenReward())})
+    scoring = LocalScoring({"reward": Scorer("reward", LowTokenReward(), device=lane_device())})
     maker = synced_maker(MakerModels(actor=tiny_actor_critic(seed=5)[0]), scoring)
     original = scoring.submit
     held = []

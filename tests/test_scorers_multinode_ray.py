@@ -4,6 +4,9 @@ Trainer, makers and scorers go to the nodes that offer their custom resource; th
 across nodes; the experience of a maker served by scorer groups equals what a maker with local
 models makes from the same seed; a short PPO run completes and the critic scorers follow the
 trainer's versions.
+
+On the CPU with `--device cuda` too: the simulated nodes share one machine and ask for no GPU, and the
+sampled tokens are compared with a local maker's, which must run where the remote one does.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from detached_rl.config import RunConfig, load_config
 from detached_rl.core.weight_sync import build_weight_update
 from detached_rl.maker.experience_maker import ExperienceMaker
+from detached_rl.strategies import NaiveStrategy
 
 from .conftest import ROOT
 from .helpers import ObjectStore
@@ -66,7 +70,8 @@ def local_experience(config: RunConfig) -> list:
     local = dataclasses.replace(config.maker_config, reward_scorer=None, reference_scorer=None, critic_scorer=None,
                                 resources={})
     config = dataclasses.replace(config, maker=local)
-    maker = ExperienceMaker("maker_0", config.maker_factory()(), config.prompts(), local)
+    maker = ExperienceMaker("maker_0", config.maker_factory()(), config.prompts(), local,
+                            NaiveStrategy(device="cpu"))  # where the maker actor, given no GPU, runs
     actor, critic = config.trainer_factory()()
     store = ObjectStore()
     update, _ = build_weight_update({"actor": actor.model.state_dict(), "critic": critic.state_dict()}, 0, store.put)

@@ -5,11 +5,12 @@ import torch
 
 from detached_rl.generation import HFGenerationBackend
 from detached_rl.models import Actor, SamplingConfig
-from detached_rl.models._forward import forward_kwargs
+from detached_rl.models._forward import forward_kwargs, position_ids_from_mask
 from detached_rl.models.loaders import tiny_causal_lm
 from detached_rl.models.shared_prefix import (
     SUPPORTED_MODEL_TYPES,
     distinct_prompts,
+    first_row_of_each,
     shared_prefix_logits,
     supports_shared_prefix,
 )
@@ -107,3 +108,76 @@ def test_generation_prefills_each_distinct_prompt_once_and_samples_the_same(do_s
                                                   want.log_probs, strict=True):
         assert torch.equal(got_ids, want_ids)
         torch.testing.assert_close(got_lp, want_lp, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ devices
+# Every tensor the shared-prefix code builds must be on the device of its inputs (on an H100 a CPU `first`
+# scattered with a CUDA index crashed every GRPO group). On the CPU such a bug is invisible, so: the
+# data-independent helpers run on `meta` inputs and must return `meta` tensors; the data-dependent ones
+# (`torch.unique`) run on CPU inputs while tensor constructors default to `meta` (a tensor built without
+# `device=` then lands on meta) and must return CPU tensors with the values they have outside that block.
+META = torch.device("meta")
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                      reason="no CUDA device here; the GPU lane runs it"))
+
+
+def test_index_and_position_helpers_return_tensors_on_the_inputs_device():
+    sequences, mask = grouped_batch()
+    inverse = torch.tensor([0, 0, 0, 1, 1, 1])
+    assert first_row_of_each(inverse, 2).tolist() == [0, 3]
+    assert first_row_of_each(inverse.to(META), 2).device == META
+    assert position_ids_from_mask(mask.to(META)).device == META
+
+
+def test_distinct_prompts_builds_its_indices_on_the_device_of_the_batch():
+    sequences, mask = grouped_batch()
+    want = distinct_prompts(sequences, mask, PROMPT)
+    with torch.device(META):
+        got = distinct_prompts(sequences, mask, PROMPT)
+    assert [t.device.type for t in got] == ["cpu", "cpu"]
+    for value, expected in zip(got, want, strict=True):
+        assert torch.equal(value, expected)
+
+
+# mistral is left out: its sliding-window cache layer (transformers) builds a 0-d CPU tensor and moves it to
+# the cache's device, which is right on CUDA but cannot be copied out of meta.
+@pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES - {"mistral"}))
+def test_shared_prompt_log_probs_build_nothing_off_the_batch_device(model_type):
+    model, tokenizer = tiny_causal_lm(model_type, seed=0)
+    sequences, mask = grouped_batch()
+    actor, sampling = Actor(model, tokenizer), SamplingConfig(temperature=0.7, top_k=20, top_p=0.9)
+    want = actor(sequences, mask, mask[:, PROMPT:], sampling, return_entropy=True)
+    with torch.device(META):
+        got = actor(sequences, mask, mask[:, PROMPT:], sampling, return_entropy=True)
+    for value, expected in zip(got, want, strict=True):
+        assert value.device.type == "cpu"
+        torch.testing.assert_close(value, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES))
+def test_shared_prompt_forward_runs_where_the_model_is(model_type, device):
+    model, tokenizer = tiny_causal_lm(model_type, seed=0)
+    model.to(device)
+    sequences, mask = (t.to(device) for t in grouped_batch())
+    first, inverse = distinct_prompts(sequences, mask, PROMPT)
+    assert first.device == inverse.device == sequences.device
+    plain = model(input_ids=sequences, **forward_kwargs(model, mask)).logits[:, PROMPT - 1:-1]
+    shared = shared_prefix_logits(model, sequences, mask, RESPONSE)
+    shared.square().mean().backward()
+    assert shared.device == sequences.device and all(p.grad.device == shared.device
+                                                      for p in model.parameters() if p.grad is not None)
+    scored = mask[:, PROMPT:].bool()
+    torch.testing.assert_close(shared[scored], plain[scored], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_generation_prefills_shared_prompts_where_the_model_is(device):
+    model, tokenizer = tiny_causal_lm("llama", seed=0)
+    backend = HFGenerationBackend.from_actor(Actor(model.to(device), tokenizer))
+    out = backend.generate_text([p for p in ("What is 2 + 3?", "Name a colour.") for _ in range(3)],
+                                SamplingConfig(max_new_tokens=4, do_sample=False))
+    assert backend.share_prompts and len(out.response_ids) == len(out.log_probs) == 6
+    for ids, log_probs in zip(out.response_ids, out.log_probs, strict=True):
+        assert ids.device.type == log_probs.device.type == "cpu" and ids.numel() == log_probs.numel() > 0
+        assert bool(torch.isfinite(log_probs).all()) and bool((log_probs <= 1e-4).all())

@@ -10,12 +10,14 @@ from detached_rl.generation import HFGenerationBackend
 from detached_rl.models import Actor, SamplingConfig, load_smollm2, smollm2_dir
 from detached_rl.rewards.functions import last_number
 
-pytestmark = pytest.mark.slow
+from .helpers import lane_device, needs_smollm2
+
+pytestmark = [pytest.mark.slow, needs_smollm2]
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_smollm2()
+    return load_smollm2(device=lane_device())
 
 
 def test_cached_copy_reloads_fast_and_is_plain_safetensors():
@@ -43,7 +45,7 @@ def test_generates_an_answer_and_recomputes_log_probs(smollm2):
         [Experience(p, r, lp, torch.tensor(0.0)) for p, r, lp in
          zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)],
         tokenizer.pad_token_id,
-    )
+    ).to(lane_device())
     with torch.no_grad():
         recomputed = actor.log_probs(batch.sequences, batch.attention_mask, batch.response_mask, sampling)
     assert float((recomputed - batch.log_probs).abs().max()) < 1e-3

@@ -17,7 +17,7 @@ from detached_rl.strategies import colossalai_available
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
 
-from .helpers import make_experience, tiny_policy
+from .helpers import gpu_options, group_gpus_per_rank, make_experience, tiny_policy
 
 pytestmark = pytest.mark.ray
 
@@ -74,7 +74,9 @@ def weights_of(ray, trainer) -> dict[str, torch.Tensor]:
 def naive_weights(ray_cluster):
     """A single naive trainer trained on every rank's experience, each step's batch being the ranks' union."""
     ray = ray_cluster
-    trainer = DetachedGRPOTrainer.options(name="naive_trainer", namespace=NAMESPACE).remote(
+    # On a GPU only when the groups below get GPUs too: the weights are compared within atol 1e-5.
+    options = gpu_options("trainer") if group_gpus_per_rank(WORLD_SIZE) else {}
+    trainer = DetachedGRPOTrainer.options(name="naive_trainer", namespace=NAMESPACE, **options).remote(
         "naive_trainer", tiny_policy, TrainerConfig(train_batch_size=PER_RANK * WORLD_SIZE), ALGORITHM, NAMESPACE)
     try:
         for step in range(STEPS):
@@ -98,7 +100,7 @@ def test_a_two_rank_group_ends_with_the_weights_of_one_naive_trainer(ray_cluster
     ray = ray_cluster
     prefix = f"group_{strategy}"
     group = TrainerGroupConfig(strategy=strategy, world_size=WORLD_SIZE, placement_strategy=placement,
-                               timeout_s=120)
+                               timeout_s=120, num_gpus_per_rank=group_gpus_per_rank(WORLD_SIZE))
     ranks = start_trainer_group(prefix, WORLD_SIZE, tiny_policy, TrainerConfig(train_batch_size=PER_RANK),
                                 ALGORITHM, NAMESPACE, strategy=strategy, group=group, timeout=TIMEOUT)
     try:

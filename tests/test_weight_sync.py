@@ -22,6 +22,8 @@ from detached_rl.core.weight_sync import (
 )
 from detached_rl.models import Critic, tiny_causal_lm
 
+from .helpers import lane_device, model_device
+
 CHUNK = 40_000  # bytes: the tiny llama (~0.5 MB) is cut into a dozen chunks
 IDS = torch.tensor([[1, 5, 9, 17, 33, 65, 2, 7], [3, 4, 100, 120, 8, 6, 5, 11]])
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
@@ -47,7 +49,8 @@ class Store:
 
 
 def llama(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    return tiny_causal_lm("llama", seed=seed, dtype=dtype)[0]
+    """A tiny llama on the test device (trainer and maker alike)."""
+    return tiny_causal_lm("llama", seed=seed, dtype=dtype)[0].to(lane_device())
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -63,7 +66,7 @@ def assert_state_equal(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=IDS).logits
+        return model(input_ids=IDS.to(model_device(model))).logits.cpu()
 
 
 @pytest.fixture
@@ -77,7 +80,9 @@ def maker() -> torch.nn.Module:
 
 
 def test_tensor_checksum_dtypes_and_one_element_change() -> None:
-    for tensor in (torch.randn(5, 7), torch.randn(5, 7).to(torch.bfloat16), torch.arange(35).reshape(5, 7)):
+    for on_host in (torch.randn(5, 7), torch.randn(5, 7).to(torch.bfloat16), torch.arange(35).reshape(5, 7)):
+        tensor = on_host.to(lane_device())
+        assert tensor_checksum(tensor) == tensor_checksum(on_host)  # the bytes, wherever they are
         assert tensor_checksum(tensor) == tensor_checksum(tensor.clone())
         changed = tensor.clone()
         changed[3, 4] += 1
@@ -144,7 +149,7 @@ def test_chunk_byte_budget(trainer) -> None:
 
 
 def test_tied_weights_travel_once() -> None:
-    trainer, maker = (tiny_causal_lm("gpt2", seed=seed)[0] for seed in (1, 2))
+    trainer, maker = (tiny_causal_lm("gpt2", seed=seed)[0].to(lane_device()) for seed in (1, 2))
     store = Store()
     update, stats = build_weight_update({"actor": trainer.state_dict()}, 1, store.put, chunk_bytes=CHUNK)
     (alias,) = [spec for spec in update.manifest.tensors if spec.alias_of]
@@ -471,8 +476,7 @@ def test_manifest_and_update_are_picklable(trainer) -> None:
 def test_after_swap_hook_runs_under_the_lock_with_the_written_names():
     from detached_rl.models import tiny_causal_lm as _tiny
 
-    trainer_model, _ = _tiny("llama", seed=1)
-    maker_model, _ = _tiny("llama", seed=2)
+    trainer_model, maker_model = (_tiny("llama", seed=seed)[0].to(lane_device()) for seed in (1, 2))
     calls = []
     receiver = WeightReceiver({"actor": maker_model})
     receiver.after_swap = lambda names: calls.append((receiver.lock.locked(), names))
@@ -511,3 +515,17 @@ def test_a_resumed_trainer_run_may_roll_makers_back_with_a_full_update_only():
     assert receiver.apply(rollback, store.fetch).applied
     assert (receiver.version, receiver.trainer_run) == (3, "b")
     assert_state_equal(maker, resumed.state_dict())
+
+
+def test_state_fingerprint_takes_a_lazy_stream_of_tensors() -> None:
+    state = tiny_causal_lm("llama", seed=2)[0].state_dict()
+    produced = []
+
+    def stream():
+        for key, tensor in state.items():
+            produced.append(key)
+            yield key, tensor.to(torch.bfloat16)
+
+    expected = state_fingerprint({"actor": {k: t.to(torch.bfloat16) for k, t in state.items()}})
+    assert state_fingerprint({"actor": stream()}) == expected and produced == list(state)
+    assert expected != state_fingerprint({"actor": state})

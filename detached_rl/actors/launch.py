@@ -4,10 +4,16 @@ Two kinds of launch share it. `detached=True` (the cluster commands `detached-rl
 the actors outlive the driver that creates them and ask for the config's custom resources.
 `detached=False` (`detached-rl run`): the driver owns them and ends them with itself. The actor
 class of a trainer comes from `TRAINER_CLASSES` by `config.algorithm`.
+
+Every actor asks Ray for its CPUs and GPUs: a trainer (a naive one is a 1-rank group) for
+`trainer_group.num_cpus_per_rank`/`num_gpus_per_rank`, a maker for `maker.num_cpus`/`num_gpus`,
+a scorer worker for its group's bundle. Callers check the whole launch first with
+`check_placeable(launch_requests(...))`, which refuses at once what the cluster can never place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Sequence
@@ -15,9 +21,10 @@ from typing import Any
 
 from detached_rl.actors.group import start_trainer_group, trainer_names
 from detached_rl.actors.maker import ExperienceMakerHolder
-from detached_rl.actors.scorer import start_scorer_group
+from detached_rl.actors.scorer import scorer_names, start_scorer_group
 from detached_rl.actors.trainer import trainer_class
 from detached_rl.config.schema import RunConfig
+from detached_rl.core.resources import UnplaceableError, resource_request, unplaceable
 
 
 def with_threads(threads: int, factory: Callable[[], Any], nice: int = 0) -> Any:
@@ -32,11 +39,57 @@ def with_threads(threads: int, factory: Callable[[], Any], nice: int = 0) -> Any
     return factory()
 
 
-def _options(name: str, config: RunConfig, detached: bool, resources: dict[str, float]) -> dict[str, Any]:
-    options: dict[str, Any] = {"name": name, "namespace": config.namespace}
+def _options(name: str, config: RunConfig, detached: bool, request: dict[str, float]) -> dict[str, Any]:
+    """Actor options asking Ray for `request` (CPU, GPU and, for detached actors, custom resources)."""
+    custom = {key: amount for key, amount in request.items() if key not in ("CPU", "GPU")}
+    options: dict[str, Any] = {"name": name, "namespace": config.namespace, "num_cpus": request.get("CPU", 0.0),
+                               "num_gpus": request.get("GPU", 0.0)}
     if detached:
-        options.update(lifetime="detached", resources=dict(resources) or None)
+        options.update(lifetime="detached", resources=custom or None)
     return options
+
+
+def trainer_request(config: RunConfig, detached: bool = True) -> dict[str, float]:
+    """What one trainer rank asks Ray for (`trainer_group`: CPUs, GPUs, and custom resources when detached)."""
+    group = config.trainer_group
+    return resource_request(group.num_cpus_per_rank, group.num_gpus_per_rank, group.resources if detached else None)
+
+
+def maker_request(config: RunConfig, detached: bool = True) -> dict[str, float]:
+    """What one maker asks Ray for (`maker.num_cpus`, `maker.num_gpus`, and `maker.resources` when detached)."""
+    maker = config.maker
+    return resource_request(maker.num_cpus, maker.num_gpus, maker.resources if detached else None)
+
+
+def scorer_request(config: RunConfig, role: str) -> dict[str, float]:
+    """What one worker of the `role` scorer group asks Ray for (its placement-group bundle)."""
+    return dict(getattr(config.scorers, role).bundle())
+
+
+def launch_requests(config: RunConfig, trainer: str | None = None, makers: Sequence[str] = (),
+                    scorer_roles: Sequence[str] = (), detached: bool = True) -> dict[str, dict[str, float]]:
+    """Label ("maker m0", "trainer rank t_1", ...) -> resources of every actor launching these roles creates."""
+    requests: dict[str, dict[str, float]] = {}
+    if trainer is not None:
+        kind = "trainer rank" if uses_trainer_group(config) else "trainer"
+        for name in trainer_names_of(config, trainer):
+            requests[f"{kind} {name}"] = trainer_request(config, detached)
+    for name in makers:
+        requests[f"maker {name}"] = maker_request(config, detached)
+    for role in scorer_roles:
+        group = getattr(config.scorers, role)
+        for name in scorer_names(config.maker.scorers[role], group.num_workers):
+            requests[f"{role} scorer {name}"] = scorer_request(config, role)
+    return requests
+
+
+def check_placeable(requests: dict[str, dict[str, float]]) -> None:
+    """Refuse at once (`UnplaceableError`, naming the role and the resources) what the cluster can never place."""
+    import ray
+
+    reason = unplaceable(requests, ray.cluster_resources())
+    if reason is not None:
+        raise UnplaceableError(reason)
 
 
 def uses_trainer_group(config: RunConfig) -> bool:
@@ -54,23 +107,25 @@ def launch_trainer(config: RunConfig, name: str, detached: bool = True, threads:
     factory = config.trainer_factory()
     if threads > 0:
         factory = functools.partial(with_threads, threads, factory)
-    options = _options(name, config, detached, config.trainer_group.resources)
+    options = _options(name, config, detached, trainer_request(config, detached))
     return trainer_class(config.algorithm).options(**options).remote(
         name, factory, config.trainer, config.algorithm_config, config.namespace, sampling=config.sampling)
 
 
-def launch_trainers(config: RunConfig, name: str) -> list[Any]:
+def launch_trainers(config: RunConfig, name: str, timeout: float | None = None) -> list[Any]:
     """Create the detached trainer `name`, or the trainer group `name` (`config.trainer_group`); returns the handles.
 
     A group waits until its ranks formed their process group; if one fails or the ranks cannot be
-    placed in time, nothing of the group is left and the error (RayTaskError, TimeoutError) is raised.
+    placed within `timeout` (default `trainer_group.timeout_s`, never more), nothing of the group is
+    left and the error (RayTaskError, TimeoutError) is raised.
     """
     if not uses_trainer_group(config):
         return [launch_trainer(config, name)]
     group = config.trainer_group
+    wait = group.timeout_s if timeout is None else min(timeout, group.timeout_s)
     return start_trainer_group(name, group.world_size, config.trainer_factory(), config.trainer,
                                config.algorithm_config, config.namespace, strategy=group.strategy, group=group,
-                               timeout=group.timeout_s, sampling=config.sampling)
+                               timeout=wait, sampling=config.sampling)
 
 
 def launch_maker(
@@ -91,16 +146,21 @@ def launch_maker(
     factory = config.maker_factory()
     if threads > 0 or nice > 0:
         factory = functools.partial(with_threads, threads, factory, nice)
-    options = _options(name, config, detached, config.maker.resources)
+    options = _options(name, config, detached, maker_request(config, detached))
     return ExperienceMakerHolder.options(max_restarts=config.maker.max_restarts, **options).remote(
         name, list(trainers), factory, config.prompts(*shard), config.maker_config, config.namespace,
         state_path=state_path,
     )
 
 
-def launch_scorer_group(config: RunConfig, role: str, trainers: Sequence[str] = ()) -> list[Any]:
+def launch_scorer_group(config: RunConfig, role: str, trainers: Sequence[str] = (), timeout: float | None = None
+                        ) -> list[Any]:
     """Start the scorer group the makers' config names for `role` (`maker.<role>_scorer`), shaped by
-    `config.scorers.<role>`; a critic group takes its weights from `trainers`. Returns the worker handles."""
+    `config.scorers.<role>`; a critic group takes its weights from `trainers`. Its placement waits at most
+    `timeout` (default and cap: the group's `timeout_s`). Returns the worker handles."""
     prefix = config.maker.scorers[role]
-    return start_scorer_group(prefix, role, config.scorer_factory(role), getattr(config.scorers, role),
+    group = getattr(config.scorers, role)
+    if timeout is not None and timeout < group.timeout_s:
+        group = dataclasses.replace(group, timeout_s=timeout)
+    return start_scorer_group(prefix, role, config.scorer_factory(role), group,
                               config.sampling, config.namespace, trainers if role == "critic" else ())

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from detached_rl.actors.placement import actor_device
 from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, get_all, ray_fetch
 from detached_rl.core.checkpoint import load_state, save_atomic
 from detached_rl.core.prompts import PromptSource
@@ -56,7 +57,7 @@ class ExperienceMakerHolder:
         self.namespace = namespace or DEFAULT_NAMESPACE
         self.attach_timeout_s = attach_timeout_s
         source = prompts() if callable(prompts) and not hasattr(prompts, "next_batch") else prompts
-        strategy = strategy_factory() if strategy_factory else NaiveStrategy()
+        strategy = strategy_factory() if strategy_factory else NaiveStrategy(device=actor_device())
         scoring = None
         if config is not None and config.scorers:
             from detached_rl.actors.scorer import RemoteScoring
@@ -64,6 +65,7 @@ class ExperienceMakerHolder:
             scoring = RemoteScoring(config.scorers, self.namespace, attach_timeout_s, config.scorer_timeout_s,
                                     config.scorer_attempts)
         self.core = ExperienceMaker(name, model_factory(), source, config, strategy, scoring)
+        self.device = strategy.device
         self._stop = threading.Event()
         self._running = False
         self._handles: dict[str, Any] = {}  # trainer name -> handle; dropped when that trainer dies
@@ -196,9 +198,11 @@ class ExperienceMakerHolder:
         status = self.core.status()
         status["state"] = "running" if self._running else ("stopped" if self._stop.is_set() else "idle")
         status["trainers"] = self.trainer_names
-        status.update(pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(), restarted=self.restarts,
+        context = ray.get_runtime_context()
+        status.update(pid=os.getpid(), node_id=context.get_node_id(), restarted=self.restarts,
                       first_batch_version=self.loop.first_batch_version,
-                      trainer_run=self.core.receiver.trainer_run)
+                      trainer_run=self.core.receiver.trainer_run, resources=context.get_assigned_resources(),
+                      device=str(self.device))
         status["push"] = self.loop.pusher.stats() if self.loop.pusher else None
         return status
 

@@ -27,6 +27,7 @@ from typing import Any
 import ray
 
 from detached_rl.actors.group import ActorGroup, worker_names
+from detached_rl.actors.placement import actor_device
 from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, get_all, ray_fetch
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
@@ -78,7 +79,7 @@ class ScorerWorker:
         self.namespace = namespace or DEFAULT_NAMESPACE
         from detached_rl.strategies import NaiveStrategy
 
-        self.core = Scorer(role, model_factory(), sampling, device=NaiveStrategy().device)
+        self.core = Scorer(role, model_factory(), sampling, device=NaiveStrategy(device=actor_device()).device)
         self.batcher = RequestBatcher(self.core.answer, max_batch_rows=max_batch_rows, max_wait_s=max_wait_s)
         self.trainer_names = list(trainer_names)
         self.last_error: str | None = None

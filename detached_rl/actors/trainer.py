@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from detached_rl.actors.placement import actor_device
 from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, dispatch_weight_update, put_chunk
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
@@ -65,7 +66,7 @@ class _TrainerShell:
         if strategy == "naive":
             if world_size != 1:
                 raise ValueError(f"trainer {name!r}: strategy 'naive' trains in one process, not {world_size}")
-            self._build(NaiveStrategy())
+            self._build(NaiveStrategy(device=actor_device()))
 
     def _make_learner(self, strategy: Strategy) -> Any:
         raise NotImplementedError
@@ -92,8 +93,12 @@ class _TrainerShell:
         """Form the data-parallel process group with the other ranks (all ranks call this together)."""
         from detached_rl.strategies import make_strategy
 
+        options = {key: value for key, value in (options or {}).items() if value is not None}
+        if actor_device() == "cpu" and options.get("backend", "gloo") == "gloo":
+            # A rank Ray gave no GPU trains on the CPU even where GPUs are visible (Ray does not hide them).
+            options = {"backend": "gloo", "device": "cpu", **options}
         strategy = make_strategy(self.strategy_name, rank=self.rank, world_size=self.world_size,
-                                 master_addr=master_addr, master_port=master_port, **(options or {}))
+                                 master_addr=master_addr, master_port=master_port, **options)
         strategy.setup()
         self._build(strategy)
 
@@ -116,8 +121,9 @@ class _TrainerShell:
     def status(self) -> dict[str, Any]:
         """State, version, steps, buffer fill, samples/s, last error, process id and run id."""
         core = self._core()
-        return {**core.status(), "pid": os.getpid(), "trainer_run": core.run_id,
-                "node_id": ray.get_runtime_context().get_node_id()}
+        context = ray.get_runtime_context()
+        return {**core.status(), "pid": os.getpid(), "trainer_run": core.run_id, "node_id": context.get_node_id(),
+                "resources": context.get_assigned_resources(), "device": str(core.strategy.device)}
 
     @ray.method(concurrency_group="buffer_length")
     def metrics(self, last: int | None = None) -> list[dict[str, float]]:

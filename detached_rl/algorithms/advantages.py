@@ -173,8 +173,11 @@ def _group_index(
     group_ids: Sequence[Hashable] | torch.Tensor | None,
     group_size: int | None,
     device: torch.device,
-) -> torch.Tensor:
-    """Map each of n responses to a dense group index 0..G-1 (a long tensor on ``device``)."""
+) -> tuple[torch.Tensor, int]:
+    """Map each of n responses to a dense group index 0..G-1 (a long tensor on ``device``); returns it and G.
+
+    G is known on the host in every case, so callers size per-group buffers without a device sync.
+    """
     if (group_ids is None) == (group_size is None):
         raise ValueError(f"{fn}: give exactly one of group_ids and group_size")
     if group_size is not None:
@@ -182,13 +185,14 @@ def _group_index(
             raise ValueError(f"{fn}: group_size must be a positive int, got {group_size!r}")
         if n % group_size != 0:
             raise ValueError(f"{fn}: number of scores {n} is not divisible by group_size {group_size}")
-        return torch.arange(n, device=device) // group_size
+        return torch.arange(n, device=device) // group_size, n // group_size
     if isinstance(group_ids, torch.Tensor):
         if group_ids.dim() != 1 or group_ids.shape[0] != n:
             raise ValueError(f"{fn}: group_ids shape {tuple(group_ids.shape)} != scores shape ({n},)")
         if group_ids.is_floating_point() or group_ids.is_complex():
             raise ValueError(f"{fn}: group_ids tensor must have an integer dtype, got {group_ids.dtype}")
-        return torch.unique(group_ids, return_inverse=True)[1].to(device)
+        distinct, inverse = torch.unique(group_ids, return_inverse=True)
+        return inverse.to(device), int(distinct.shape[0])
     ids = list(group_ids)  # type: ignore[arg-type]
     if len(ids) != n:
         raise ValueError(f"{fn}: group_ids has length {len(ids)} != number of scores {n}")
@@ -197,7 +201,7 @@ def _group_index(
         index = [first_seen.setdefault(g, len(first_seen)) for g in ids]
     except TypeError as e:
         raise ValueError(f"{fn}: group_ids must be hashable: {e}") from None
-    return torch.tensor(index, dtype=torch.long, device=device)
+    return torch.tensor(index, dtype=torch.long, device=device), len(first_seen)
 
 
 def group_advantages(
@@ -223,13 +227,12 @@ def group_advantages(
     if not eps >= 0.0:
         raise ValueError(f"{fn}: eps must be >= 0, got {eps}")
     n = scores.shape[0]
-    index = _group_index(fn, n, group_ids, group_size, scores.device)
+    index, num_groups = _group_index(fn, n, group_ids, group_size, scores.device)
 
     with torch.no_grad():
         r = scores.detach()
         if not r.is_floating_point():
             r = r.to(torch.get_default_dtype())
-        num_groups = int(index.max()) + 1 if n > 0 else 0
         count = r.new_zeros(num_groups).index_add_(0, index, torch.ones_like(r))[index]
         total = r.new_zeros(num_groups).index_add_(0, index, r)[index]
         singleton = count < 2

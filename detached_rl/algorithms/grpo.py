@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,11 +48,13 @@ from detached_rl.algorithms.losses import (
 )
 from detached_rl.algorithms.masks import masked_mean
 from detached_rl.algorithms.ppo import TokenWeightedMeans, micro_batches
+from detached_rl.core.devices import host_floats
 from detached_rl.core.experience import Experience, ExperienceBatch, collate
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.models.actor import Actor
 from detached_rl.models.lora import lora_backend, merged_model
 from detached_rl.strategies.base import Strategy
+from detached_rl.strategies.hardware import peak_flops
 from detached_rl.strategies.optim import OptimizerConfig
 
 
@@ -197,24 +198,6 @@ def split_groups(experiences: list[Experience]) -> list[list[Experience]]:
     return list(groups.values())
 
 
-@functools.cache
-def matmul_peak_flops(device: str = "cpu", size: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
-    """Measured matmul throughput (FLOP/s) of this device in `dtype`: the denominator of MFU on CPUs."""
-    # A private generator: measuring must not move the global RNG (exact resume depends on it).
-    generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(size, size, device=device, generator=generator).to(getattr(torch, dtype))
-    b = torch.randn(size, size, device=device, generator=generator).to(getattr(torch, dtype))
-    a @ b  # warm-up
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return 2 * size**3 * repeats / (time.perf_counter() - start)
-
-
 class GRPOLearner:
     """Trains a policy with a group-relative (critic-free) objective (a `Learner`).
 
@@ -283,7 +266,7 @@ class GRPOLearner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
-        self.policy.load_state_dict(state["actor"])
+        self.strategy.load_weights(self.actor, state["actor"], self.optimizer)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps, self.optimizer_steps = state["steps"], state["optimizer_steps"]
@@ -364,11 +347,11 @@ class GRPOLearner:
         """One GRPO step on a batch of whole groups; returns token-weighted metrics."""
         start = time.perf_counter()
         config = self.config
-        batch = collate(experiences, self.policy.tokenizer.pad_token_id).to(self.strategy.device)
-        staleness = (policy_version - batch.policy_versions) if policy_version is not None else None
+        batch = collate(experiences, self.policy.tokenizer.pad_token_id, device=self.strategy.device)
+        # From the host-side versions: deciding on it needs no device sync.
+        staleness = [policy_version - e.policy_version for e in experiences] if policy_version is not None else None
         multi_pass = config.train_epochs > 1 or (config.mini_batch_size or batch.size) < batch.size
-        recompute_old = config.proximal_recompute and (
-            multi_pass or (staleness is not None and bool((staleness > 0).any())))
+        recompute_old = config.proximal_recompute and (multi_pass or (staleness is not None and max(staleness) > 0))
         extra_forwards = 0
         with torch.no_grad():
             kl = None
@@ -411,11 +394,17 @@ class GRPOLearner:
             names.TIME_TRAINING: elapsed,
             "perf/tokens_per_s": tokens / elapsed,
             "perf/samples_per_s": batch.size / elapsed,
-            "perf/mfu": flops / elapsed / matmul_peak_flops(str(self.strategy.device),
-                                                            dtype=config.autocast_dtype or "float32"),
+            "perf/mfu": flops / elapsed / peak_flops(self.strategy.device, self._matmul_dtype()),
             "lr/actor": self.optimizer.param_groups[0]["lr"],
         })
         return names.with_aliases(metrics)
+
+    def _matmul_dtype(self) -> str:
+        """The dtype the training matmuls run in: `autocast_dtype`, else the policy's bf16/fp16, else float32."""
+        if self.config.autocast_dtype is not None:
+            return self.config.autocast_dtype
+        dtype = str(next(self.policy.model.parameters()).dtype).removeprefix("torch.")
+        return dtype if dtype in ("bfloat16", "float16") else "float32"
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """torch.autocast to `autocast_dtype` on the strategy's device, or nothing."""
@@ -426,11 +415,11 @@ class GRPOLearner:
     def _forward_in_micro_batches(self, actor: nn.Module, batch: ExperienceBatch) -> torch.Tensor:
         out = torch.zeros_like(batch.log_probs)
         for start in range(0, batch.size, self.config.micro_batch_size):
-            rows = torch.arange(start, min(start + self.config.micro_batch_size, batch.size))
-            micro = batch.select(rows)
+            end = min(start + self.config.micro_batch_size, batch.size)
+            micro = batch.select(range(start, end))
             with self._autocast():
                 lp = actor(micro.sequences, micro.attention_mask, micro.response_mask, self.sampling)
-            out[rows, : lp.shape[1]] = lp.float()
+            out[start:end, : lp.shape[1]] = lp.float()
         return out
 
     def _micro_step(self, micro: ExperienceBatch, weight: float) -> dict[str, Any]:
@@ -470,20 +459,20 @@ class GRPOLearner:
         per_token = 2 * self.num_parameters * (1 + extra_forwards) + 2 * self.num_parameters + 2 * self.num_trainable
         return float(per_token * tokens * self.config.train_epochs)
 
-    def _batch_metrics(self, batch: ExperienceBatch, scores: torch.Tensor, staleness: torch.Tensor | None,
+    def _batch_metrics(self, batch: ExperienceBatch, scores: torch.Tensor, staleness: list[int] | None,
                        kl: torch.Tensor | None) -> dict[str, float]:
         lengths = batch.response_mask.sum(1).float()
-        out = {
-            "reward/mean": float(scores.mean()),
-            "reward/std": float(scores.std()) if batch.size > 1 else 0.0,
-            "reward/raw_mean": float(batch.scores.mean()),
-            "response_length/mean": float(lengths.mean()),
+        out: dict[str, float | torch.Tensor] = {
+            "reward/mean": scores.mean(),
+            "reward/std": scores.std() if batch.size > 1 else 0.0,
+            "reward/raw_mean": batch.scores.mean(),
+            "response_length/mean": lengths.mean(),
             "samples": float(batch.size),
-            "tokens": float(batch.num_response_tokens),
+            "tokens": batch.response_mask.sum(),
         }
         if kl is not None:
-            out[names.OBJECTIVE_KL] = float(masked_mean(kl, batch.response_mask))
+            out[names.OBJECTIVE_KL] = masked_mean(kl, batch.response_mask)
         if staleness is not None:  # the histogram is added per rank by the trainer (its keys vary)
-            out["staleness/mean"] = float(staleness.float().mean())
-            out["staleness/max"] = float(staleness.max())
-        return out
+            out["staleness/mean"] = sum(staleness) / len(staleness)
+            out["staleness/max"] = float(max(staleness))
+        return host_floats(out)  # one device-to-host transfer for all of them

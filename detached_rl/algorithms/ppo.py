@@ -29,6 +29,7 @@ from detached_rl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
 from detached_rl.algorithms.kl import KL_KINDS, kl_estimate
 from detached_rl.algorithms.losses import POLICY_LOSSES, PolicyLossSettings, get_policy_loss, value_loss
 from detached_rl.algorithms.masks import masked_mean, masked_whiten
+from detached_rl.core.devices import host_floats
 from detached_rl.core.experience import Experience, ExperienceBatch, collate
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.models.actor import Actor
@@ -132,34 +133,47 @@ def micro_batches(
     """
     mini_size = mini_batch_size or batch.size
     by_tokens = loss_agg == "token-mean"
+    lengths = batch.response_mask.sum(1).tolist()  # read back once: token counts are host arithmetic below
     for _ in range(epochs):
-        order = torch.randperm(batch.size)
+        # The CPU generator on every device: the same order on CPU and GPU, restored by checkpoints.
+        order = torch.randperm(batch.size, device="cpu").tolist()
         for mini_start in range(0, batch.size, mini_size):
             rows = order[mini_start : mini_start + mini_size]
-            tokens = int(batch.response_mask[rows].sum())
+            tokens = sum(lengths[row] for row in rows)
             mini_tokens = max(tokens, 1)
             scale = share(tokens if by_tokens else len(rows)) if share is not None else 1.0
             starts = range(0, len(rows), micro_batch_size)
             for micro_start in starts:
-                micro = batch.select(rows[micro_start : micro_start + micro_batch_size])
-                weight = micro.num_response_tokens / mini_tokens if by_tokens else micro.size / len(rows)
+                micro_rows = rows[micro_start : micro_start + micro_batch_size]
+                micro = batch.select(micro_rows)
+                micro_tokens = sum(lengths[row] for row in micro_rows)
+                weight = micro_tokens / mini_tokens if by_tokens else micro.size / len(rows)
                 yield micro, weight * scale, mini_tokens, micro_start == starts[-1]
 
 
 class TokenWeightedMeans:
-    """Accumulates metrics as token-weighted means over micro-batches."""
+    """Accumulates metrics as token-weighted means over micro-batches.
+
+    Tensor values are summed where they are (in float64) and read back once in `means`, so a
+    micro-batch on a GPU costs no device sync for its metrics.
+    """
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, float | torch.Tensor] = {}
         self.weights: dict[str, float] = {}
 
     def add(self, values: dict[str, float | torch.Tensor], weight: float) -> None:
+        """Add each value with `weight` (e.g. the micro-batch's token count)."""
         for key, value in values.items():
-            self.sums[key] = self.sums.get(key, 0.0) + float(value) * weight
+            term = value.detach().to(torch.float64) * weight if isinstance(value, torch.Tensor) \
+                else float(value) * weight
+            self.sums[key] = self.sums.get(key, 0.0) + term
             self.weights[key] = self.weights.get(key, 0.0) + weight
 
     def means(self) -> dict[str, float]:
-        return {key: self.sums[key] / max(self.weights[key], 1e-12) for key in self.sums}
+        """The weighted mean of each key, as Python floats."""
+        sums = host_floats(self.sums)
+        return {key: sums[key] / max(self.weights[key], 1e-12) for key in self.sums}
 
 
 class PPOLearner:
@@ -218,9 +232,8 @@ class PPOLearner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
-        unwrap = self.strategy.unwrap
-        unwrap(self.actor).load_state_dict(state["actor"])
-        unwrap(self.critic).load_state_dict(state["critic"])
+        self.strategy.load_weights(self.actor, state["actor"], self.actor_optimizer)
+        self.strategy.load_weights(self.critic, state["critic"], self.critic_optimizer)
         for name in ("actor_optimizer", "critic_optimizer", "actor_scheduler", "critic_scheduler"):
             getattr(self, name).load_state_dict(state[name])
         self.optimizer_steps = state["optimizer_steps"]
@@ -234,7 +247,7 @@ class PPOLearner:
         """Train on one batch (epochs x mini-batches x micro-batches); returns token-weighted metrics."""
         start = time.perf_counter()
         config = self.config
-        batch = collate(experiences, self.pad_token_id).to(self.strategy.device)
+        batch = collate(experiences, self.pad_token_id, device=self.strategy.device)
         with torch.no_grad():
             advantages, returns, kl = ppo_advantages(batch, config)
         batch.advantages, batch.returns = advantages, returns
@@ -312,18 +325,18 @@ class PPOLearner:
     @staticmethod
     def _batch_metrics(batch: ExperienceBatch, kl: torch.Tensor | None, policy_version: int | None) -> dict[str, float]:
         lengths = batch.response_mask.sum(1).float()
-        out = {
-            "reward/mean": float(batch.scores.mean()),
-            "reward/std": float(batch.scores.std()) if batch.size > 1 else 0.0,
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
+        out: dict[str, float | torch.Tensor] = {
+            "reward/mean": batch.scores.mean(),
+            "reward/std": batch.scores.std() if batch.size > 1 else 0.0,
+            "response_length/mean": lengths.mean(),
+            "response_length/max": lengths.max(),
             "samples": float(batch.size),
-            "tokens": float(batch.num_response_tokens),
+            "tokens": batch.response_mask.sum(),
         }
         if kl is not None:
-            out[names.OBJECTIVE_KL] = float(masked_mean(kl, batch.response_mask))
+            out[names.OBJECTIVE_KL] = masked_mean(kl, batch.response_mask)
         if policy_version is not None:
             staleness = (policy_version - batch.policy_versions).float()
-            out["staleness/mean"] = float(staleness.mean())
-            out["staleness/max"] = float(staleness.max())
-        return out
+            out["staleness/mean"] = staleness.mean()
+            out["staleness/max"] = staleness.max()
+        return host_floats(out)  # one device-to-host transfer for all of them

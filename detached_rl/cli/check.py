@@ -45,12 +45,14 @@ def run_check(
     learning_rate: float = 1e-4,
     temperature: float = 0.7,
     seed: int = 0,
+    device: torch.device | str | None = None,
 ) -> CheckReport:
-    """Generate a GRPO batch with a LoRA policy, take one training step, and report figures."""
+    """Generate a GRPO batch with a LoRA policy, take one training step, and report figures (on `device`, by
+    default the first accelerator if present)."""
     report = CheckReport()
     figures = report.figures
     torch.manual_seed(seed)
-    strategy = NaiveStrategy()
+    strategy = NaiveStrategy(device=device)
     start = time.perf_counter()
     policy, tokenizer = load_causal_lm(model, seed=seed)
     figures["load_s"] = time.perf_counter() - start

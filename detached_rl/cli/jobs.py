@@ -120,76 +120,127 @@ def init_local_ray(namespace: str, **options: Any) -> None:
     ray.init(address="local", namespace=namespace, _node_ip_address="127.0.0.1", **options)
 
 
-def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: int, **checkpointing: Any
-                  ) -> list[str]:
+DEFAULT_START_TIMEOUT = 600.0
+
+
+def check_placeable(requests: dict[str, dict[str, float]]) -> None:
+    """Refuse at once, as a JobError naming the role and the resources, what the cluster can never place."""
+    from detached_rl.actors.launch import check_placeable as check
+    from detached_rl.core.resources import UnplaceableError
+
+    try:
+        check(requests)
+    except UnplaceableError as error:
+        raise JobError(str(error)) from None
+
+
+def _started_in_time(refs: list[Any], what: str, request: dict[str, float], timeout: float) -> list[Any]:
+    """The answers of the first calls to new actors; if they do not come within `timeout`, a JobError naming
+    `what` and the resources it asked for (an actor Ray cannot place yet never answers)."""
+    import ray
+
+    from detached_rl.actors.transport import get_all
+    from detached_rl.core.resources import describe
+
+    try:
+        return get_all(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        free = ray.available_resources()
+        raise JobError(f"{what} (asking for {describe(request)}) did not start within {timeout:.0f} s; the cluster "
+                       f"has {describe({k: free.get(k, 0.0) for k in sorted({'CPU', 'GPU', *request})})} free") from None
+
+
+def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: int,
+                  timeout: float = DEFAULT_START_TIMEOUT, **checkpointing: Any) -> list[str]:
     """Create a detached, named trainer (or trainer group) and start `fit` in the background; returns rank names.
 
     PPO or GRPO by `config.algorithm`. With `config.trainer_group` asking for more than one rank
-    or a distributed strategy, the ranks are `<name>_0` ... in one placement group.
+    or a distributed strategy, the ranks are `<name>_0` ... in one placement group. A request the
+    cluster can never place is refused at once; placing and starting take at most `timeout` s.
     """
     import ray
 
-    from detached_rl.actors.launch import launch_trainers, trainer_names_of
-    from detached_rl.actors.transport import get_all
+    from detached_rl.actors.launch import launch_requests, launch_trainers, trainer_names_of, trainer_request
 
     names = trainer_names_of(config, name)
     for rank_name in names:
         _refuse_existing(rank_name, config.namespace)
+    check_placeable(launch_requests(config, trainer=name))
+    deadline = time.monotonic() + timeout
     try:
-        handles = launch_trainers(config, name)
+        handles = launch_trainers(config, name, timeout=timeout)
     except ray.exceptions.RayTaskError as error:  # a group rank's own error (e.g. a strategy that needs CUDA)
         raise JobError(f"trainer group {name!r} did not start: {_first_line(error.cause)}") from None
     except TimeoutError as error:  # a group that could not be placed
         raise JobError(str(error)) from None
-    get_all([h.start_fit.remote(total_steps, update_steps, **checkpointing) for h in handles], timeout=600)
+    try:
+        _started_in_time([h.start_fit.remote(total_steps, update_steps, **checkpointing) for h in handles],
+                         f"trainer {name!r}", trainer_request(config), max(1.0, deadline - time.monotonic()))
+    except JobError:
+        stop(names, config.namespace, force=True, timeout=10)  # detached: it would wait for resources forever
+        raise
     return names
 
 
 def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: int | None,
-                state_dir: str | None = None, shard: tuple[int, int] = (0, 1)) -> Any:
+                state_dir: str | None = None, shard: tuple[int, int] = (0, 1),
+                timeout: float = DEFAULT_START_TIMEOUT) -> Any:
     """Create a detached, named experience maker feeding `trainers` and start it in the background.
 
     With `state_dir`, the maker saves its prompt cursor and counters to `<state_dir>/<name>` after
     every pushed batch and resumes from there when it (or a successor under its name) starts.
-    `shard` = (index, count): the maker takes that share of the prompts.
+    `shard` = (index, count): the maker takes that share of the prompts. A request the cluster can
+    never place is refused at once; placing and starting take at most `timeout` s (then the maker is removed).
     """
     import ray
 
-    from detached_rl.actors.launch import launch_maker
+    from detached_rl.actors.launch import launch_maker, launch_requests, maker_request
 
     if not trainers:
         raise JobError("a maker needs --trainers (comma-separated trainer names)")
     _refuse_existing(name, config.namespace)
+    check_placeable(launch_requests(config, makers=[name]))
     handle = launch_maker(config, name, trainers, shard,
                           state_path=str(Path(state_dir).resolve() / name) if state_dir else None)
-    ray.get(handle.start.remote(num_batches), timeout=600)
+    try:
+        _started_in_time([handle.start.remote(num_batches)], f"maker {name!r}", maker_request(config), timeout)
+    except JobError:
+        ray.kill(handle, no_restart=True)  # detached: it would otherwise wait for resources, and run, forever
+        raise
     return handle
 
 
-def start_scorers(config: RunConfig, trainers: list[str]) -> list[str]:
+def start_scorers(config: RunConfig, trainers: list[str], timeout: float | None = None) -> list[str]:
     """Start the scorer groups the makers' config names (`maker.<role>_scorer`); returns the worker names.
 
     Each group is shaped and placed by `config.scorers.<role>`; a critic group takes its weights
     from `trainers`. A group whose first worker already runs is left as it is (shared by makers).
+    Groups the cluster can never place are refused at once, before any starts; each group's
+    placement waits at most `timeout` s (and its `timeout_s`).
     """
     import ray
 
-    from detached_rl.actors.launch import launch_scorer_group
+    from detached_rl.actors.launch import launch_requests, launch_scorer_group
     from detached_rl.actors.scorer import scorer_names
 
     started: list[str] = []
+    missing = []
     for role, prefix in config.maker.scorers.items():
         group = getattr(config.scorers, role)
-        names = scorer_names(prefix, group.num_workers)
         try:
-            ray.get_actor(names[0], namespace=config.namespace)
-            continue
+            ray.get_actor(scorer_names(prefix, group.num_workers)[0], namespace=config.namespace)
         except ValueError:
-            pass
+            missing.append(role)
+    check_placeable(launch_requests(config, scorer_roles=missing))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for role in missing:
+        prefix = config.maker.scorers[role]
+        names = scorer_names(prefix, getattr(config.scorers, role).num_workers)
         if role == "critic" and not trainers:
             raise JobError("a critic scorer group needs the trainer names (its weights come from them)")
+        left = None if deadline is None else max(1.0, deadline - time.monotonic())
         try:
-            launch_scorer_group(config, role, trainers)
+            launch_scorer_group(config, role, trainers, timeout=left)
         except ray.exceptions.RayTaskError as error:
             raise JobError(f"scorer group {prefix!r} ({role}) did not start: {_first_line(error.cause)}") from None
         except TimeoutError as error:

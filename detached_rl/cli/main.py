@@ -43,6 +43,8 @@ def _run(args: argparse.Namespace) -> int:
         overrides.append(f"run.output_dir={args.output}")
     if args.no_progress:
         overrides.append("run.progress=false")
+    if args.gpus is not None:
+        overrides.append(f"run.gpus={args.gpus}")
     config = run_config(args.config, overrides, steps=args.steps, makers=args.makers, model=args.model,
                         task=args.task, name=args.name)
     try:
@@ -64,9 +66,11 @@ def _config(args: argparse.Namespace):
     from detached_rl.config import load_config
 
     overrides = list(args.set or [])
-    for flag, key in (("world_size", "world_size"), ("strategy", "strategy"), ("placement", "placement_strategy")):
+    for flag, key in (("world_size", "trainer_group.world_size"), ("strategy", "trainer_group.strategy"),
+                      ("placement", "trainer_group.placement_strategy"),
+                      ("num_gpus_per_rank", "trainer_group.num_gpus_per_rank"), ("num_gpus", "maker.num_gpus")):
         if getattr(args, flag, None) is not None:
-            overrides.append(f"trainer_group.{key}={getattr(args, flag)}")
+            overrides.append(f"{key}={getattr(args, flag)}")
     if getattr(args, "namespace", None):
         overrides.append(f"namespace={args.namespace}")
     return load_config(args.config, overrides)
@@ -213,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", default=None, help="run name: actor-name prefix and runs/<name> (default: dated)")
     run.add_argument("--output", default=None, help="parent directory of the run directory (default runs)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--gpus", default=None, choices=("auto", "manual"),
+                     help="auto (default): trainer and makers share the cluster's GPUs unless the config sets "
+                          "trainer_group.num_gpus_per_rank or maker.num_gpus; manual: only what those say")
     _config_options(run, "YAML laid over the run defaults (detached_rl/config/run.yaml)")
     _cluster_options(run, "join this Ray cluster (host:port, ray://host:port or auto) instead of starting an "
                           "embedded one on 127.0.0.1")
@@ -254,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="how ranks train (default naive; ddp or colossalai_ddp on CPU; zero2/gemini need CUDA)")
     trainer.add_argument("--placement", default=None, choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
                          help="placement-group strategy for the ranks (default PACK)")
+    trainer.add_argument("--num-gpus-per-rank", type=float, default=None,
+                         help="GPUs each rank (a naive trainer: the trainer) asks Ray for; fractions of one GPU "
+                              "allowed (default trainer_group.num_gpus_per_rank, 0)")
     trainer.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     trainer.add_argument("--update-steps", type=int, default=1, help="push weights every N steps (default 1)")
     trainer.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps")
@@ -269,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     maker.add_argument("--name", required=True, help="actor name, e.g. maker_0")
     maker.add_argument("--trainers", required=True, help="comma-separated trainer names, e.g. trainer_0,trainer_1")
     maker.add_argument("--batches", type=int, default=None, help="stop after N batches (default: until stopped)")
+    maker.add_argument("--num-gpus", type=float, default=None,
+                       help="GPUs the maker asks Ray for; fractions of one GPU allowed (default maker.num_gpus, 0)")
     maker.add_argument("--state-dir", default=None,
                        help="save the prompt cursor to <dir>/<name> after every batch; resume from it on (re)start")
     maker.add_argument("--wait", action="store_true", help="follow the maker until it stops")

@@ -60,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("num_critic_nodes", type=int, default=1, help="nodes of the critic scorer group (default 1)")
     flag("num_initial_nodes", type=int, default=1, help="nodes of the initial (reference) scorer group (default 1)")
     flag("num_reward_nodes", type=int, default=1, help="nodes of the reward scorer group (default 1)")
-    flag("num_gpus_per_node", type=int, default=0, help="GPUs per node of every group; 0 runs on CPU, one worker "
-                                                        "per node (default 0)")
+    flag("num_gpus_per_node", type=int, default=0, help="GPUs per node of every group: a rank or worker per GPU "
+                                                        "(a naive trainer takes one), and each maker takes one; "
+                                                        "0 runs on CPU, one worker per node (default 0)")
     flag("reward", default=None, help="reward: 'model' (a reward model on the policy's architecture, or on "
                                       "--reward_pretrain) or a reward function name (numeric_answer, answer_line, "
                                       "boxed, ...); default: numeric_answer when the prompt file has answers, "
@@ -108,8 +109,10 @@ def launcher_config(args: argparse.Namespace) -> RunConfig:
         f"maker.critic_scorer={args.name}-critic",
         f"trainer.train_batch_size={train_batch}", f"trainer.buffer_max_samples={max(1024, 4 * train_batch)}",
         f"trainer_group.strategy={args.strategy}",
-        f"trainer_group.world_size={args.num_actor_nodes * max(1, gpus)}",
+        # A naive trainer is one process: one GPU (on one node); a distributed group has a rank per GPU.
+        f"trainer_group.world_size={args.num_actor_nodes * (1 if args.strategy == 'naive' else max(1, gpus))}",
         f"trainer_group.num_gpus_per_rank={1 if gpus else 0}",
+        f"maker.num_gpus={1 if gpus else 0}",
     ]
     if reward == "model":
         overrides.append(f"model.reward_model={args.reward_pretrain or policy}")
@@ -126,11 +129,11 @@ def launcher_config(args: argparse.Namespace) -> RunConfig:
 
 
 def cpu_slots(config: RunConfig, makers: int) -> int:
-    """Logical CPUs the run's actors ask for: trainer ranks, scorer workers and makers (one each)."""
+    """Logical CPUs the run's actors ask for: trainer ranks, scorer workers and `makers` makers."""
     import math
 
     group = config.trainer_group
-    slots = group.world_size * group.num_cpus_per_rank + makers
+    slots = group.world_size * group.num_cpus_per_rank + makers * config.maker.num_cpus
     for role, name in config.maker.scorers.items():
         scorer = getattr(config.scorers, role)
         slots += scorer.num_workers * scorer.num_cpus_per_worker if name else 0
@@ -156,22 +159,34 @@ def launch(args: argparse.Namespace, echo=print) -> dict[str, Any]:
         jobs.connect(args.address, config.namespace)
     import ray  # after init: on a loopback cluster Ray reads its address settings when imported
 
+    from detached_rl.actors.launch import launch_requests
     from detached_rl.models.export import MERGED_DIR, write_files
+
     steps = training_steps(args)
     started: list[str] = []
     start = time.monotonic()
+    deadline = start + args.timeout
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise jobs.JobError(f"the run did not start within --timeout {args.timeout:g} s")
+        return remaining
+
+    makers = [f"{args.name}-maker-{index}" for index in range(args.num_makers)]
     try:
-        trainers = jobs.start_trainer(config, f"{args.name}-trainer", steps, 1,
+        # Everything at once: a run the cluster can never hold is refused before any actor starts.
+        jobs.check_placeable(launch_requests(config, f"{args.name}-trainer", makers, list(config.maker.scorers)))
+        trainers = jobs.start_trainer(config, f"{args.name}-trainer", steps, 1, timeout=left(),
                                       **({"train_epochs": args.train_epochs} if args.train_epochs != 1 else {}))
         started += trainers
         echo(f"actor group: {', '.join(trainers)} ({config.trainer_group.strategy}); {steps} training steps of "
              f"{config.trainer.train_batch_size} samples")
-        scorers = jobs.start_scorers(config, trainers)
+        scorers = jobs.start_scorers(config, trainers, timeout=left())
         started += scorers
         echo(f"critic, initial and reward groups: {', '.join(scorers)}")
-        for index in range(args.num_makers):
-            name = f"{args.name}-maker-{index}"
-            jobs.start_maker(config, name, trainers, None, shard=(index, args.num_makers))
+        for index, name in enumerate(makers):
+            jobs.start_maker(config, name, trainers, None, shard=(index, args.num_makers), timeout=left())
             started.append(name)
         echo(f"makers: {', '.join(n for n in started if '-maker-' in n)}")
         status = _wait_for_trainers(trainers, config.namespace, start + args.timeout, echo)

@@ -15,8 +15,10 @@ word problems); `--config` lays a YAML file over it and `--set key.path=value` o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -73,6 +75,30 @@ def default_run_name(config: RunConfig) -> str:
     model = Path(config.model.policy).name or "model"
     variant = config.grpo.algorithm if config.algorithm == "grpo" else config.algorithm
     return f"{variant}-{model}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def run_gpus(config: RunConfig, cluster_gpus: float) -> RunConfig:
+    """The config with the GPUs `run.gpus` gives the trainer and the makers on a cluster with `cluster_gpus` GPUs.
+
+    "auto" shares the cluster's GPUs (`gpu_shares`) unless `trainer_group.num_gpus_per_rank` or
+    `maker.num_gpus` is set (> 0): values in the config win. "manual", or a cluster without GPUs:
+    the config as it is.
+    """
+    from detached_rl.core.resources import gpu_shares
+
+    if config.run.gpus != "auto" or config.trainer_group.num_gpus_per_rank > 0 or config.maker.num_gpus > 0:
+        return config
+    trainer, per_maker = gpu_shares(cluster_gpus, config.run.makers)
+    if trainer == 0 and per_maker == 0:
+        return config
+    return dataclasses.replace(
+        config, maker=dataclasses.replace(config.maker, num_gpus=per_maker),
+        trainer_group=dataclasses.replace(config.trainer_group, num_gpus_per_rank=trainer))
+
+
+def run_cpu_slots(config: RunConfig) -> int:
+    """Logical CPUs an embedded cluster needs for the run's trainer and makers (they mostly wait on each other)."""
+    return math.ceil(config.trainer_group.num_cpus_per_rank + config.run.makers * config.maker.num_cpus)
 
 
 @dataclass
@@ -148,7 +174,15 @@ class JobRunner:
         """Create the named trainer and makers (refusing names already in use in the namespace)."""
         import ray
 
-        from detached_rl.actors.launch import launch_maker, launch_trainer
+        from detached_rl.actors.launch import (
+            check_placeable,
+            launch_maker,
+            launch_requests,
+            launch_trainer,
+            maker_request,
+            trainer_request,
+        )
+        from detached_rl.core.resources import UnplaceableError, describe
 
         config = self.config
         for name in [self.trainer_name, *self.maker_names]:
@@ -158,6 +192,10 @@ class JobRunner:
                 continue
             raise RunError(f"an actor named {name!r} already exists in namespace {config.namespace!r}; "
                            "choose another run.name")
+        try:
+            check_placeable(launch_requests(config, self.trainer_name, self.maker_names, detached=False))
+        except UnplaceableError as error:
+            raise RunError(str(error)) from None
         if config.model.policy == "smollm2":
             from detached_rl.models.loaders import smollm2_dir
 
@@ -169,8 +207,10 @@ class JobRunner:
             self.handles[name] = launch_maker(config, name, [self.trainer_name], (index, len(self.maker_names)),
                                               detached=False, threads=config.run.maker_threads,
                                               nice=config.run.maker_nice)
-        versions = self._get([self.handles[n].sync.remote() for n in self.maker_names], "loading the models",
-                             cap=900)
+        # Bounded by the run's deadline: actors the cluster cannot place yet never answer.
+        placed = (f"placing and loading the trainer ({describe(trainer_request(config, detached=False))}) and the "
+                  f"makers ({describe(maker_request(config, detached=False))} each)")
+        versions = self._get([self.handles[n].sync.remote() for n in self.maker_names], placed, cap=900)
         if any(v < 0 for v in versions):
             raise RunError(f"makers did not receive the trainer's weights (versions {versions})")
 
@@ -303,7 +343,9 @@ class JobRunner:
     # ------------------------------------------------------------------ the whole job
     def run(self) -> RunResult:
         """Start, evaluate, train, evaluate, export, report; the actors are gone when this returns or raises."""
-        config = self.config
+        import ray
+
+        self.config = config = run_gpus(self.config, ray.cluster_resources().get("GPU", 0.0))
         start = time.monotonic()
         if self.directory.exists() and any(self.directory.iterdir()):
             raise RunError(f"the run directory {self.directory} exists and is not empty; choose another run.name")
@@ -312,7 +354,7 @@ class JobRunner:
         self.echo(f"run {self.name!r}: {config.algorithm}/{config.algorithm_config.algorithm if config.algorithm == 'grpo' else 'ppo'}"
                   f" on {config.model.policy} ({'LoRA r=' + str(config.model.lora.r) if config.model.lora else 'full'}), "
                   f"task {config.task.name}, {config.run.steps} steps, 1 trainer + {config.run.makers} makers "
-                  f"in namespace {config.namespace!r}; writing {self.directory}")
+                  f"in namespace {config.namespace!r}{self._gpu_note()}; writing {self.directory}")
         try:
             self.start_actors()
             self.echo(f"actors up in {time.monotonic() - start:.1f} s: {self.trainer_name}, {', '.join(self.maker_names)}")
@@ -326,6 +368,10 @@ class JobRunner:
         finally:
             self.shutdown()
         return self._report(before, after, trained, files, time.monotonic() - start)
+
+    def _gpu_note(self) -> str:
+        trainer, maker = self.config.trainer_group.num_gpus_per_rank, self.config.maker.num_gpus
+        return f" (GPUs: trainer {trainer:g}, each maker {maker:g})" if trainer or maker else ""
 
     def _report(self, before: list[dict[str, Any]], after: list[dict[str, Any]], trained: dict[str, Any],
                 files: dict[str, str], seconds: float) -> RunResult:
@@ -406,8 +452,10 @@ def run_job(config: RunConfig, address: str | None = None, echo: Callable[[str],
             if address:
                 jobs.connect(address, config.namespace)
             elif not ray.is_initialized():
+                # Logical CPU slots for the trainer and every maker, also on a machine with fewer cores.
                 jobs.init_local_ray(config.namespace, include_dashboard=False, log_to_driver=False,
-                                    configure_logging=True, logging_level=logging.WARNING)
+                                    configure_logging=True, logging_level=logging.WARNING,
+                                    num_cpus=max(os.cpu_count() or 1, run_cpu_slots(config)))
                 started_ray = True
             if interrupted.is_set():
                 raise RunInterrupted("interrupted while starting Ray")

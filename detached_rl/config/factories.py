@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-import torch
-
 from detached_rl.maker.experience_maker import MakerModels
 from detached_rl.rewards.functions import REWARD_FUNCTIONS
 
@@ -27,11 +25,11 @@ def build_policy(model: ModelConfig):
 def build_critic(model: ModelConfig):
     """The critic (a value head on the critic's, else the policy's, architecture), from the model config."""
     from detached_rl.models import Critic, load_causal_lm
+    from detached_rl.models.loaders import seeded
     from detached_rl.models.scalar_heads import backbone_of
 
     critic_model, _ = load_causal_lm(model.critic or model.policy, seed=model.seed + 1)
-    with torch.random.fork_rng(devices=[]):  # the value head too: the same config gives the same critic
-        torch.manual_seed(model.seed + 1)
+    with seeded(model.seed + 1):  # the value head too: the same config gives the same critic
         return Critic(backbone_of(critic_model))
 
 
@@ -58,13 +56,13 @@ def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool =
 def build_reward(model: ModelConfig, task: TaskConfig, tokenizer):
     """The reward: a reward model when `model.reward_model` names one, else the task's reward function."""
     from detached_rl.models import FunctionReward, load_causal_lm
+    from detached_rl.models.loaders import seeded
     from detached_rl.models.scalar_heads import RewardModel, backbone_of
 
     if model.reward_model is None:
         return FunctionReward(REWARD_FUNCTIONS[task.reward], tokenizer)
     backbone, _ = load_causal_lm(model.reward_model, seed=model.seed + 2)
-    with torch.random.fork_rng(devices=[]):  # a seeded head: the same config gives the same reward model
-        torch.manual_seed(model.seed + 2)
+    with seeded(model.seed + 2):  # a seeded head: the same config gives the same reward model
         return RewardModel(backbone_of(backbone)).eval()
 
 

@@ -84,12 +84,22 @@ class TaskConfig:
                 raise ValueError(f"TaskConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
+RUN_GPUS = ("auto", "manual")
+
 TASK_REWARDS = {"addition": "numeric_answer", "word_problems": "answer_line"}
 
 
 @dataclass
 class RunSection:
-    """How `detached-rl run` drives a whole job: how long, how many makers, where the results go."""
+    """How `detached-rl run` drives a whole job: how long, how many makers, where the results go, which GPUs.
+
+    `gpus`: "auto" (default) puts the trainer and the makers on the cluster's GPUs when it has some
+    and neither `trainer_group.num_gpus_per_rank` nor `maker.num_gpus` is set (> 0): with one GPU
+    the trainer takes half and the makers split the other half, with more the trainer takes one and
+    the makers share the rest (`detached_rl.core.resources.gpu_shares`); on a cluster without GPUs
+    nothing changes. "manual": only what those two keys say (default 0: all on the CPU). Values
+    set in the config always win over "auto".
+    """
 
     name: str | None = None  # None: "<algorithm>-<model>-<date>-<time>"
     steps: int = 30
@@ -104,6 +114,7 @@ class RunSection:
     progress: bool = True
     poll_interval_s: float = 1.0
     timeout_s: float = 3600.0  # the whole run, from start to shutdown
+    gpus: str = "auto"  # "auto" | "manual": see the class docstring
 
     def __post_init__(self) -> None:
         for name in ("steps", "makers"):
@@ -115,6 +126,8 @@ class RunSection:
         for name in ("poll_interval_s", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RunSection.{name} must be > 0, got {getattr(self, name)}")
+        if self.gpus not in RUN_GPUS:
+            raise ValueError(f"RunSection.gpus must be one of {RUN_GPUS}, got {self.gpus!r}")
         if self.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
             raise ValueError(f"RunSection.name must be letters, digits, '.', '_' or '-', got {self.name!r}")
 

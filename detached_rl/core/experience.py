@@ -8,7 +8,8 @@ a per-token `reward`) have one entry per response token: entry t belongs to
 
 Batch format (`ExperienceBatch`, built by `collate` on the trainer): prompts are
 left-padded to the longest prompt, responses right-padded to the longest response, so
-every response starts at column `prompt_len` of `sequences`.
+every response starts at column `prompt_len` of `sequences`. `collate(..., device=)` pads on
+the host (in pinned memory when the batch goes to a CUDA device) and copies the batch over once.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+from detached_rl.core.devices import pin_for, to_device
 
 TOKEN_FIELDS = ("values", "ref_log_probs", "advantages", "returns")
 """Optional per-response-token float fields, present on all samples of a batch or none."""
@@ -243,16 +246,20 @@ class ExperienceBatch:
 
     def select(self, rows: Sequence[int] | torch.Tensor) -> ExperienceBatch:
         """The sub-batch of the given rows, with padding columns no row uses trimmed away."""
-        index = torch.as_tensor(rows, dtype=torch.long)
-        attention = self.attention_mask[index]
-        prompt_start = int((attention[:, : self.prompt_length].sum(0) > 0).nonzero()[0])
-        response_length = max(int(self.response_mask[index].sum(1).max()), 1)
+        positions = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        index = torch.as_tensor(positions, dtype=torch.long, device=self.sequences.device)
+        used_prompt_columns = self.attention_mask[index, : self.prompt_length].any(0)
+        # Both trim bounds in one device-to-host transfer: the first prompt column any row uses
+        # (prompts are never empty) and the longest response.
+        prompt_start, response_length = torch.stack(
+            [used_prompt_columns.int().argmax(), self.response_mask[index].sum(1).max()]).tolist()
+        response_length = max(response_length, 1)
         end = self.prompt_length + response_length
         picked = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, list):
-                picked[f.name] = [value[i] for i in index.tolist()]
+                picked[f.name] = [value[i] for i in positions]
             elif f.name in ("sequences", "attention_mask"):
                 picked[f.name] = value[index, prompt_start:end]
             elif isinstance(value, torch.Tensor) and value.dim() == 2:
@@ -265,18 +272,24 @@ class ExperienceBatch:
         return ExperienceBatch(**picked)
 
     def to(self, device: torch.device | str) -> ExperienceBatch:
-        """Return a copy with every tensor moved to `device`."""
+        """Return a copy with every tensor moved to `device` (from the host to CUDA: pinned, non-blocking)."""
         return ExperienceBatch(
             **{
-                f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
+                f.name: to_device(getattr(self, f.name), device) if isinstance(getattr(self, f.name), torch.Tensor)
                 else getattr(self, f.name)
                 for f in fields(self)
             }
         )
 
 
-def collate(experiences: Sequence[Experience], pad_token_id: int = 0) -> ExperienceBatch:
-    """Pad a list of experiences into one batch (prompts left-padded, responses right-padded)."""
+def collate(experiences: Sequence[Experience], pad_token_id: int = 0,
+            device: torch.device | str | None = None) -> ExperienceBatch:
+    """Pad a list of experiences into one batch (prompts left-padded, responses right-padded).
+
+    The batch is padded where the experiences are (the host, for experiences off the wire) and
+    then moved to `device` in one copy per tensor; for a CUDA `device` it is padded in pinned
+    memory and copied without blocking. None: it stays where the experiences are.
+    """
     if len(experiences) == 0:
         raise ValueError("collate: experiences is empty")
     for name in TOKEN_FIELDS:
@@ -286,13 +299,15 @@ def collate(experiences: Sequence[Experience], pad_token_id: int = 0) -> Experie
     batch_size = len(experiences)
     prompt_len = max(e.prompt_ids.numel() for e in experiences)
     response_len = max(e.response_length for e in experiences)
-    sequences = torch.full((batch_size, prompt_len + response_len), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch_size, prompt_len + response_len), dtype=torch.long)
-    response_mask = torch.zeros((batch_size, response_len), dtype=torch.long)
-    log_probs = torch.zeros((batch_size, response_len))
-    token_rewards = torch.zeros((batch_size, response_len))
+    where = experiences[0].prompt_ids.device
+    on = {"device": where, "pin_memory": where.type == "cpu" and pin_for(device)}
+    sequences = torch.full((batch_size, prompt_len + response_len), pad_token_id, dtype=torch.long, **on)
+    attention_mask = torch.zeros((batch_size, prompt_len + response_len), dtype=torch.long, **on)
+    response_mask = torch.zeros((batch_size, response_len), dtype=torch.long, **on)
+    log_probs = torch.zeros((batch_size, response_len), **on)
+    token_rewards = torch.zeros((batch_size, response_len), **on)
     optional = {
-        name: torch.zeros((batch_size, response_len)) if getattr(experiences[0], name) is not None else None
+        name: torch.zeros((batch_size, response_len), **on) if getattr(experiences[0], name) is not None else None
         for name in TOKEN_FIELDS
     }
     for row, exp in enumerate(experiences):
@@ -309,7 +324,7 @@ def collate(experiences: Sequence[Experience], pad_token_id: int = 0) -> Experie
         for name, target in optional.items():
             if target is not None:
                 target[row, :r] = getattr(exp, name).float()
-    return ExperienceBatch(
+    batch = ExperienceBatch(
         sequences=sequences,
         attention_mask=attention_mask,
         response_mask=response_mask,
@@ -317,24 +332,29 @@ def collate(experiences: Sequence[Experience], pad_token_id: int = 0) -> Experie
         log_probs=log_probs,
         token_rewards=token_rewards,
         scores=token_rewards.sum(dim=1),
-        scalar_reward=torch.tensor([e.reward.dim() == 0 for e in experiences]),
-        policy_versions=torch.tensor([e.policy_version for e in experiences], dtype=torch.long),
+        scalar_reward=torch.tensor([e.reward.dim() == 0 for e in experiences], device=where),
+        policy_versions=torch.tensor([e.policy_version for e in experiences], dtype=torch.long, device=where),
         ids=[e.id for e in experiences],
         makers=[e.maker for e in experiences],
         group_ids=[e.group_id for e in experiences],
         infos=[dict(e.info) for e in experiences],
         **optional,
     )
+    return batch if device is None else batch.to(device)
 
 
 def uncollate(batch: ExperienceBatch) -> list[Experience]:
     """Split a padded batch back into ragged experiences (inverse of `collate`)."""
     out = []
-    attention = batch.attention_mask.bool()
+    # Per-row lengths and flags read back once (not one device sync per row); tensors stay on the batch's device.
+    prompt_lengths = batch.attention_mask[:, : batch.prompt_length].sum(1).tolist()
+    response_lengths = batch.response_mask.sum(1).tolist()
+    scalar_rewards = batch.scalar_reward.tolist()
+    policy_versions = batch.policy_versions.tolist()
     for row in range(batch.size):
-        r = int(batch.response_mask[row].sum())
-        prompt_ids = batch.sequences[row, : batch.prompt_length][attention[row, : batch.prompt_length]]
-        if bool(batch.scalar_reward[row]):
+        r, p = response_lengths[row], prompt_lengths[row]
+        prompt_ids = batch.sequences[row, batch.prompt_length - p : batch.prompt_length]  # left-padded
+        if scalar_rewards[row]:
             reward = batch.token_rewards[row, r - 1].clone()
         else:
             reward = batch.token_rewards[row, :r].clone()
@@ -348,7 +368,7 @@ def uncollate(batch: ExperienceBatch) -> list[Experience]:
                 response_ids=batch.response_ids[row, :r].clone(),
                 log_probs=batch.log_probs[row, :r].clone(),
                 reward=reward,
-                policy_version=int(batch.policy_versions[row]),
+                policy_version=int(policy_versions[row]),
                 maker=batch.makers[row],
                 id=batch.ids[row],
                 group_id=batch.group_ids[row],

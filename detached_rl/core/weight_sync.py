@@ -235,7 +235,9 @@ def restrict_update(update: WeightUpdate, models: Iterable[str], fetch: Fetch) -
     return WeightUpdate(manifest, [update.chunk_refs[index] for index in used]), fetch_kept
 
 
-def tensor_entries(models: Mapping[str, Mapping[str, Tensor]]) -> dict[str, TensorEntry]:
+def tensor_entries(
+    models: Mapping[str, Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]],
+) -> dict[str, TensorEntry]:
     entries = {}
     for name, tensor in _named_tensors(models):
         entries[name] = (tuple(tensor.shape), str(tensor.dtype), tensor_checksum(tensor))
@@ -250,8 +252,11 @@ def fingerprint_of_entries(entries: Mapping[str, TensorEntry]) -> str:
     return digest.hexdigest()
 
 
-def state_fingerprint(models: Mapping[str, Mapping[str, Tensor]]) -> str:
-    """One sha256 hex digest over the qualified names, shapes, dtypes and checksums of all tensors."""
+def state_fingerprint(models: Mapping[str, Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]]) -> str:
+    """One sha256 hex digest over the qualified names, shapes, dtypes and checksums of all tensors.
+
+    A model's tensors may come as a lazy stream of (key, tensor) pairs: each is checksummed and dropped in turn.
+    """
     return fingerprint_of_entries(tensor_entries(models))
 
 

@@ -21,7 +21,7 @@ import torch
 
 from detached_rl.core.experience import Experience, collate
 from detached_rl.core.prompts import PromptSource, as_prompt_item
-from detached_rl.core.resources import check_resources
+from detached_rl.core.resources import check_amount, check_resources
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_receiver import WeightReceiver
 from detached_rl.core.weight_sync import (
@@ -30,7 +30,6 @@ from detached_rl.core.weight_sync import (
     WeightUpdate,
     WeightUpdateError,
     restrict_update,
-    state_fingerprint,
 )
 from detached_rl.generation.base import LORA_MODES, GenerationBackend
 from detached_rl.generation.registry import GENERATION_BACKENDS, build_generation_backend
@@ -38,7 +37,12 @@ from detached_rl.maker.pusher import PUSH_POLICIES
 from detached_rl.maker.scoring import PendingScores, ScoreAnswer, ScoreRequest, ScoringService
 from detached_rl.models.actor import Actor
 from detached_rl.models.lora import lora_backend
-from detached_rl.models.lora_merge import base_keys
+from detached_rl.models.lora_merge import (
+    base_keys,
+    base_state_fingerprint,
+    lowest_precision_dtype,
+    sent_base_fingerprint,
+)
 from detached_rl.models.reward import RewardScorer
 from detached_rl.models.scalar_heads import Critic
 from detached_rl.strategies import NaiveStrategy, Strategy
@@ -84,6 +88,10 @@ class MakerConfig:
     scorer_attempts: int = 3  # tries (on the group's other workers) before a scorer is reported down
     # Custom Ray resources the maker actor asks for (e.g. {"maker_node": 1} to place it on such a node).
     resources: dict[str, float] = field(default_factory=dict)
+    # GPUs (fractions of one allowed, e.g. 0.25: makers sharing a GPU) and CPUs the maker actor asks Ray for.
+    # Its models go to the GPU Ray gives it; with num_gpus 0 they stay on the CPU even where GPUs are visible.
+    num_gpus: float = 0.0
+    num_cpus: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("experience_batch_size", "group_size", "max_pushes_in_flight"):
@@ -99,6 +107,8 @@ class MakerConfig:
             raise ValueError(
                 f"MakerConfig.backend must be one of {sorted(GENERATION_BACKENDS)}, got {self.backend!r}")
         check_resources(self.resources, "MakerConfig.resources")
+        check_amount(self.num_gpus, "MakerConfig.num_gpus", gpu=True)
+        check_amount(self.num_cpus, "MakerConfig.num_cpus")
         if self.scorer_attempts < 1:
             raise ValueError(f"MakerConfig.scorer_attempts must be >= 1, got {self.scorer_attempts}")
         for name in ("push_timeout_s", "weight_timeout_s", "scorer_timeout_s"):
@@ -161,7 +171,8 @@ class ExperienceMaker:
         actor = models.actor.to(device).eval()
         self.critic = models.critic.to(device).eval() if models.critic is not None else None
         self.reference = models.reference.to(device).eval() if models.reference is not None else None
-        self.reward = models.reward
+        # A reward model scores the batch where it is generated; a reward function runs on the host anyway.
+        self.reward = models.reward.to(device).eval() if isinstance(models.reward, torch.nn.Module) else models.reward
         self.prompts = prompts
         self.generation_lock = threading.Lock()
         self.remote_roles = remote
@@ -182,6 +193,12 @@ class ExperienceMaker:
         self.receiver = WeightReceiver(
             synced, cast_dtype=cast, mode=self.config.weight_sync_mode, lock=self.generation_lock, version=NOT_SYNCED,
         )
+        # A maker that casts incoming weights cannot hold its trainer's bytes: it fingerprints its base cast to its
+        # coarsest stored dtype, and the trainer compares its own base cast the same way (`base_state_fingerprint`).
+        self._fingerprint_dtype: torch.dtype | None = None
+        if self._base_keys is not None and cast is not None:
+            layout = self.backend.weight_sink.layout()
+            self._fingerprint_dtype = lowest_precision_dtype(layout[key].dtype for key in self._base_keys)
         self.base_fingerprint: str | None = self._base_fingerprint()
         self.batches = 0
         self.samples_made = 0
@@ -203,8 +220,7 @@ class ExperienceMaker:
         """`base_fingerprint` of the served policy's base weights (None for a policy without LoRA)."""
         if self._base_keys is None:
             return None
-        state = self.backend.weight_sink.state()
-        return state_fingerprint({"base": {key: state[key] for key in self._base_keys}})
+        return base_state_fingerprint(self.backend.weight_sink.state(), self._base_keys, self._fingerprint_dtype)
 
     def apply_weight_update(self, update: WeightUpdate, fetch: Fetch) -> ApplyResult:
         """Apply a versioned weight update (see `WeightReceiver.apply`); refused updates change nothing."""
@@ -215,11 +231,11 @@ class ExperienceMaker:
         manifest = update.manifest
         try:
             if manifest.kind == "lora" and manifest.version > self.receiver.version:
-                expected = manifest.metadata.get("base_fingerprint")
+                expected = sent_base_fingerprint(manifest.metadata, self._fingerprint_dtype)
                 if expected != self.base_fingerprint:
                     raise WeightUpdateError(
                         f"v{manifest.version}: base fingerprint mismatch: the LoRA update is for base weights "
-                        f"{str(expected)[:16]}, this maker holds {str(self.base_fingerprint)[:16]}; "
+                        f"{str(expected)[:24]}, this maker holds {str(self.base_fingerprint)[:24]}; "
                         "it needs a full update first"
                     )
             result = self.receiver.apply(update, fetch, timeout=self.config.weight_timeout_s)
@@ -258,6 +274,7 @@ class ExperienceMaker:
             ref = remote["reference"].token_scores
         # Scoring needs no synced weights: outside the lock, so a slow verifier never delays a swap.
         rewards, components = self._score(batch, metadata, remote.get("reward"))
+        rewards = rewards.detach().float().cpu()  # to the host once per batch, not once per row
         elapsed = time.perf_counter() - start
         group_ids = [uuid.uuid4().hex for _ in items]
         experiences = []
@@ -274,7 +291,7 @@ class ExperienceMaker:
                 prompt_ids=base.prompt_ids,
                 response_ids=base.response_ids,
                 log_probs=base.log_probs,
-                reward=rewards[row].detach().float().cpu(),
+                reward=rewards[row].clone(),
                 values=values[row, :length].clone() if values is not None else None,
                 ref_log_probs=ref[row, :length].clone() if ref is not None else None,
                 policy_version=version,
@@ -292,7 +309,7 @@ class ExperienceMaker:
         """Generated responses as placeholder experiences (reward 0) and their padded batch on the device."""
         placeholder = [Experience(p, r, lp, torch.tensor(0.0))
                        for p, r, lp in zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)]
-        return placeholder, collate(placeholder, self.tokenizer.pad_token_id).to(self.strategy.device)
+        return placeholder, collate(placeholder, self.tokenizer.pad_token_id, device=self.strategy.device)
 
     def _submit_remote(self, batch: Any, metadata: list[dict[str, Any]], version: int,
                        roles: frozenset[str] | None = None) -> PendingScores | None:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from detached_rl.core.devices import to_device
 from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_resources
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_receiver import WeightReceiver
@@ -265,10 +266,13 @@ class Scorer:
         start = time.perf_counter()
         merged = merge_requests(requests)
         self.wait_for_version(merged.min_version, self.weight_timeout_s)
-        batch = [t.to(self.device) for t in (merged.sequences, merged.attention_mask, merged.response_mask)]
+        batch = [to_device(t, self.device) for t in (merged.sequences, merged.attention_mask, merged.response_mask)]
         with self.lock, torch.no_grad():
             version = self.version
             rewards, components, token_scores = self._forward(*batch, merged.metadata)
+        # To the host once for the merged batch; each answer then takes (a copy of) its rows.
+        rewards = rewards.float().cpu() if rewards is not None else None
+        token_scores = token_scores.float().cpu() if token_scores is not None else None
         elapsed = time.perf_counter() - start
         answers, row = [], 0
         for request in requests:
@@ -276,9 +280,9 @@ class Scorer:
             width = int(request.response_mask.shape[1])
             answers.append(ScoreAnswer(
                 role=self.role,
-                rewards=rewards[rows].float().cpu().clone() if rewards is not None else None,
+                rewards=rewards[rows].clone() if rewards is not None else None,
                 components=components[rows] if components is not None else None,
-                token_scores=token_scores[rows, :width].float().cpu().clone() if token_scores is not None else None,
+                token_scores=token_scores[rows, :width].clone() if token_scores is not None else None,
                 version=version, batched_requests=len(requests), seconds=elapsed,
             ))
             row += request.size

@@ -227,7 +227,7 @@ def tiny_causal_lm(
         )
     except ValueError as error:
         raise ValueError(f"tiny_causal_lm: unknown model_type {model_type!r}: {error}") from error
-    with _seeded(seed):
+    with seeded(seed):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -247,10 +247,12 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
 
 
 @contextlib.contextmanager
-def _seeded(seed: int):
+def seeded(seed: int):
     """Run a block under a fixed torch seed without disturbing the caller's RNG stream."""
+    # Models are built on the CPU: seed its generator only. `torch.manual_seed` would also reseed every
+    # CUDA generator, which `fork_rng(devices=[])` does not restore, and reset the caller's GPU sampling.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.random.default_generator.manual_seed(seed)
         yield
 
 

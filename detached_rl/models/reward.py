@@ -2,7 +2,8 @@
 
 A `RewardScorer` maps a padded batch (`sequences` [B, P+R], `attention_mask` [B, P+R],
 `response_mask` [B, R], responses in the last R columns) plus optional per-sample
-`metadata` dicts (e.g. the ground-truth answer) to one reward per sequence, [B] float32.
+`metadata` dicts (e.g. the ground-truth answer) to one reward per sequence, [B] float32 on the
+device of `sequences`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from detached_rl.core.devices import to_device
 from detached_rl.models.scalar_heads import RewardModel
 
 RewardFunction = Callable[..., float | Mapping[str, float]]
@@ -31,7 +33,7 @@ class RewardScorer(Protocol):
         response_mask: torch.Tensor,
         metadata: list[dict[str, Any]] | None = None,
     ) -> torch.Tensor:
-        """Rewards [B], float32, no gradient."""
+        """Rewards [B], float32 on the device of `sequences`, no gradient."""
         ...
 
 
@@ -42,6 +44,8 @@ def decode_batch(
     response_mask: torch.Tensor,
 ) -> tuple[list[str], list[str]]:
     """Prompt texts and response texts of a padded batch (special tokens dropped)."""
+    # The tokenizer reads Python lists: one copy of the batch to the host, not two per row.
+    sequences, attention_mask, response_mask = sequences.cpu(), attention_mask.cpu(), response_mask.cpu()
     response_length = response_mask.shape[1]
     prompt_part = sequences[:, :-response_length]
     prompt_mask = attention_mask[:, :-response_length].bool()
@@ -90,7 +94,7 @@ class FunctionReward:
                 raise ValueError(f"reward function returned a non-finite reward {value} for response {response!r}")
             rewards.append(value)
             components.append(parts)
-        return torch.tensor(rewards, dtype=torch.float32), components
+        return torch.tensor(rewards, dtype=torch.float32, device=sequences.device), components
 
     def score(
         self,
@@ -129,11 +133,12 @@ class RetokenizingRewardModel:
         response_mask: torch.Tensor,
         metadata: list[dict[str, Any]] | None = None,
     ) -> torch.Tensor:
-        """Rewards [B]."""
+        """Rewards [B] on the device of `sequences` (the reward model runs where its weights are)."""
         prompts, responses = decode_batch(self.policy_tokenizer, sequences, attention_mask, response_mask)
         encoded = self.tokenizer(
             prompts, responses, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
         )
         device = next(self.model.parameters()).device
         with torch.no_grad():
-            return self.model(encoded["input_ids"].to(device), encoded["attention_mask"].to(device)).float().cpu()
+            rewards = self.model(to_device(encoded["input_ids"], device), to_device(encoded["attention_mask"], device))
+        return rewards.float().to(sequences.device)

@@ -37,12 +37,18 @@ def supports_shared_prefix(model: nn.Module) -> bool:
 
 def distinct_prompts(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first row of each distinct prompt [U], row -> distinct prompt index [B]) over the prompt region."""
+    """(first row of each distinct prompt [U], row -> distinct prompt index [B]) over the prompt region,
+    both on the device of `sequences`."""
     region = torch.cat([sequences[:, :prompt_length], attention_mask[:, :prompt_length].long()], dim=1)
-    _, inverse = torch.unique(region, dim=0, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1,), region.shape[0], dtype=torch.long)
-    first = first.scatter_reduce(0, inverse, torch.arange(region.shape[0]), reduce="amin")
-    return first, inverse
+    distinct, inverse = torch.unique(region, dim=0, return_inverse=True)
+    return first_row_of_each(inverse, distinct.shape[0]), inverse
+
+
+def first_row_of_each(inverse: torch.Tensor, count: int) -> torch.Tensor:
+    """For row -> group index `inverse` [B] over `count` groups, the first row of each group [count]."""
+    rows = inverse.shape[0]
+    first = torch.full((count,), rows, dtype=torch.long, device=inverse.device)
+    return first.scatter_reduce(0, inverse, torch.arange(rows, device=inverse.device), reduce="amin")
 
 
 def run_distinct_prompts(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -50,10 +56,9 @@ def run_distinct_prompts(model: nn.Module, sequences: torch.Tensor, attention_ma
     """Run the first `prompt_length` columns of each distinct prompt once, keeping the cache, and index that
     cache out to every row: (the model's output for the distinct prompts, row -> distinct prompt index [B]);
     None when no two rows share a prompt (the plain forward is as cheap)."""
-    first, inverse = distinct_prompts(sequences, attention_mask, prompt_length)
-    if first.numel() == sequences.shape[0]:
+    prompt_rows, rows = distinct_prompts(sequences, attention_mask, prompt_length)
+    if prompt_rows.numel() == sequences.shape[0]:
         return None
-    prompt_rows, rows = first.to(sequences.device), inverse.to(sequences.device)
     prefix = model(input_ids=sequences[prompt_rows, :prompt_length],
                    attention_mask=attention_mask[prompt_rows, :prompt_length],
                    position_ids=position_ids_from_mask(attention_mask)[prompt_rows, :prompt_length],

@@ -22,6 +22,9 @@ class Strategy(ABC):
     # True when ranks hold shards of the weights (ZeRO, Gemini): gathering them is a collective
     # every rank joins, and only rank 0 pushes weight updates to makers.
     shards_weights: bool = False
+    # False when the strategy takes one backward per optimizer step: gradients cannot be accumulated over
+    # micro-batches, so a learner must back-propagate each mini-batch at once (micro_batch_size >= mini-batch).
+    supports_gradient_accumulation: bool = True
 
     @property
     @abstractmethod
@@ -86,12 +89,13 @@ class Strategy(ABC):
         """Clip gradients (when asked), step and zero them; returns the gradient norm before clipping."""
         params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
         if max_grad_norm is not None and params:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         else:
-            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
+            # Grouped per device and dtype (foreach kernels), reduced where the gradients are.
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return norm
+        return float(norm) if norm is not None else 0.0  # read back after the step is queued
 
     def all_true(self, flag: bool) -> bool:
         """True when `flag` is true on every rank (ranks agree before a collective step)."""
@@ -121,6 +125,11 @@ class Strategy(ABC):
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model inside any wrapper this strategy added."""
         return model
+
+    def load_weights(self, model: nn.Module, state: dict[str, torch.Tensor], optimizer: Any = None) -> None:
+        """Load a state dict (as `unwrap(model).state_dict()` gave it) into `model` (what `prepare_model` returned);
+        `optimizer` is the model's, for strategies that keep their own copy of the weights (master weights)."""
+        self.unwrap(model).load_state_dict(state)
 
     def named_tensors(
         self, model: nn.Module, prefix: str = "", only_trainable: bool = False
@@ -167,7 +176,7 @@ class Strategy(ABC):
     ) -> dict[str, Any]:
         """Restore what `save_checkpoint` wrote; returns `extra`."""
         state = load_state(path)
-        self.unwrap(model).load_state_dict(state["model"])
+        self.load_weights(model, state["model"], optimizer)
         if optimizer is not None:
             if state["optimizer"] is None:
                 raise ValueError(f"{path}: the checkpoint holds no optimizer state")

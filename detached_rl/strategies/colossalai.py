@@ -6,6 +6,17 @@ only when they are built, and refuse with an error that says what to do when it 
 
 The process group is formed the same way as for `DDPStrategy` (rank 0's node address and a free
 port there); the plugins need it before they are constructed.
+
+What makers receive from the sharded plugins (colossalai 0.5.0):
+* ZeRO-2 (`LowLevelZeroPlugin`): the module itself is cast to the precision dtype (bf16 by default) and holds
+  the working weights; `LowLevelZeroOptimizer` keeps fp32 master shards, and after each step all-gathers
+  `master.to(working dtype)` back into the module. The gathered state dict is therefore bf16(master): exactly
+  what the trainer's own forward computes with. A tensor whose fp32 update is smaller than half a bf16 step
+  (RMSNorm weights at 1.0 after two steps at lr 1e-3 move by <= 2e-3; half a bf16 step is 2**-9 below 1.0 and
+  2**-8 above) keeps its bf16 value, so some tensors look unchanged although their masters moved (the 19 of 21
+  seen on an H100); precision "fp32" sends the master values themselves.
+* Gemini (`GeminiPlugin`): parameters live in chunks; `state_dict_shard` gathers them (bf16 with the gradient
+  accumulation enabled here, see `ColossalAIGeminiStrategy`).
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -47,6 +58,48 @@ def _import_colossalai(strategy: str) -> Any:
         import colossalai.booster
         import colossalai.booster.plugin
     return colossalai
+
+
+class BackwardsPerStep:
+    """Counts backward passes per optimizer since its last step, and refuses a second one where `allowed` is False.
+
+    Turns what a plugin without gradient accumulation would do with a second micro-batch (Gemini: an
+    AssertionError deep in its chunk bookkeeping, or gradients written over the weights) into an error
+    that names the setting to change.
+    """
+
+    def __init__(self, strategy: str, allowed: bool, how_to_allow: str) -> None:
+        self.strategy = strategy
+        self.allowed = allowed
+        self.how_to_allow = how_to_allow
+        self._counts: dict[int, int] = {}
+
+    def backward(self, optimizer: Any) -> None:
+        """Record one backward pass for `optimizer`; raise ValueError if it is a second one and that is not allowed."""
+        count = self._counts.get(id(optimizer), 0) + 1
+        if count > 1 and not self.allowed:
+            raise ValueError(
+                f"strategy {self.strategy!r} takes one backward pass per optimizer step (no gradient accumulation), "
+                f"but a second micro-batch was back-propagated before the step: set the learner's micro_batch_size "
+                f"(PPOConfig.micro_batch_size / GRPOConfig.micro_batch_size) to at least its mini-batch size, "
+                f"or {self.how_to_allow}"
+            )
+        self._counts[id(optimizer)] = count
+
+    def stepped(self, optimizer: Any) -> None:
+        """The optimizer stepped: its gradients start afresh."""
+        self._counts.pop(id(optimizer), None)
+
+
+def gemini_plugin_options(precision: str, max_grad_norm: float | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    """`GeminiPlugin` keyword arguments: ours, with gradient accumulation on, then the user's `plugin_options`.
+
+    With `enable_gradient_accumulation` GeminiDDP keeps gradients in chunks of their own and adds each
+    backward pass to them until the optimizer steps; without it, it writes gradients over the bf16
+    weight chunks (`reuse_fp16_chunk`), so only one backward pass per step is possible.
+    """
+    return {"precision": precision, "max_norm": max_grad_norm or 0.0, "enable_gradient_accumulation": True,
+            **options}
 
 
 class ColossalAIStrategy(DDPStrategy):
@@ -170,6 +223,14 @@ class _ShardedColossalAIStrategy(ColossalAIStrategy):
     def __init__(self, *args: Any, precision: str = "bf16", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.precision = precision
+        self._backwards = BackwardsPerStep(self.name, self.supports_gradient_accumulation, self._how_to_accumulate)
+
+    _how_to_accumulate = ""
+
+    def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any) -> None:
+        """Back-propagate through the plugin's optimizer; a second pass before the step only where it accumulates."""
+        self._backwards.backward(optimizer)
+        optimizer.backward(loss)
 
     def _optimizer(self, params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
         from colossalai.nn.optimizer import HybridAdam
@@ -182,6 +243,7 @@ class _ShardedColossalAIStrategy(ColossalAIStrategy):
         optimizer.step()
         norm = optimizer.get_grad_norm() if hasattr(optimizer, "get_grad_norm") else None
         optimizer.zero_grad()
+        self._backwards.stepped(optimizer)
         return float(norm) if norm is not None else math.nan
 
 
@@ -197,6 +259,25 @@ class ColossalAIZero2Strategy(_ShardedColossalAIStrategy):
         options = {"stage": 2, "precision": self.precision, "max_norm": max_grad_norm or 0.0, **self.plugin_options}
         return LowLevelZeroPlugin(**options)
 
+    def load_weights(self, model: nn.Module, state: dict[str, torch.Tensor], optimizer: Any = None) -> None:
+        """Load the working weights, then copy them into the optimizer's fp32 master shards: the next step
+        updates the masters and gathers them back, so masters left stale would undo the load."""
+        super().load_weights(model, state, optimizer)
+        if optimizer is not None:
+            optimizer.update_master_params(model)
+
+    def named_tensors(
+        self, model: nn.Module, prefix: str = "", only_trainable: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The module's working weights (bf16(master) after each step), once any all-gather still in flight landed.
+
+        With `plugin_options={"overlap_allgather": True}` the optimizer step only starts the all-gathers of
+        the updated weights; the plugin's own checkpoint code waits for them first, and so does this.
+        """
+        if hasattr(model, "_force_wait_all_gather"):
+            model._force_wait_all_gather()
+        yield from super().named_tensors(model, prefix, only_trainable)
+
 
 class ColossalAIGeminiStrategy(_ShardedColossalAIStrategy):
     """ColossalAI `GeminiPlugin`: parameters, gradients and optimizer states in chunks sharded over ranks (CUDA)."""
@@ -204,11 +285,17 @@ class ColossalAIGeminiStrategy(_ShardedColossalAIStrategy):
     name = "colossalai_gemini"
     _needs_cuda_because = "GeminiPlugin manages parameter chunks in GPU memory"
 
+    _how_to_accumulate = "leave plugin_options['enable_gradient_accumulation'] on (the default)"
+
+    @property
+    def supports_gradient_accumulation(self) -> bool:
+        """True unless `plugin_options` turn Gemini's gradient accumulation off."""
+        return bool(gemini_plugin_options(self.precision, None, self.plugin_options)["enable_gradient_accumulation"])
+
     def _plugin(self, max_grad_norm: float | None) -> Any:
         from colossalai.booster.plugin import GeminiPlugin
 
-        options = {"precision": self.precision, "max_norm": max_grad_norm or 0.0, **self.plugin_options}
-        return GeminiPlugin(**options)
+        return GeminiPlugin(**gemini_plugin_options(self.precision, max_grad_norm, self.plugin_options))
 
     def named_tensors(
         self, model: nn.Module, prefix: str = "", only_trainable: bool = False

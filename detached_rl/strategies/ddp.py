@@ -102,6 +102,12 @@ class DDPStrategy(Strategy):
         return self._device
 
     @property
+    def collective_device(self) -> torch.device:
+        """Where tensors for this process group's collectives live: the rank's GPU for NCCL, the CPU for gloo
+        (gloo reduces host memory; a CUDA model under gloo would pay a device round trip per collective)."""
+        return self._device if self.backend == "nccl" else torch.device("cpu")
+
+    @property
     def rank(self) -> int:
         """This process's rank in the training group."""
         return self._rank
@@ -176,7 +182,7 @@ class DDPStrategy(Strategy):
         if self._world_size == 1:
             return bool(flag)
         self.setup()
-        value = torch.tensor([int(bool(flag))], dtype=torch.int32, device=self._device)
+        value = torch.tensor([int(bool(flag))], dtype=torch.int32, device=self.collective_device)
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
         return bool(value.item())
 
@@ -188,9 +194,10 @@ class DDPStrategy(Strategy):
         if self._world_size == 1:
             return 1.0
         self.setup()
-        total = torch.tensor([local_count], dtype=torch.float64, device=self._device)
+        total = torch.tensor([local_count], dtype=torch.float64, device=self.collective_device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return self._world_size * local_count / float(total) if float(total) > 0 else 0.0
+        total_count = float(total)
+        return self._world_size * local_count / total_count if total_count > 0 else 0.0
 
     def barrier(self) -> None:
         """Wait until every rank has reached this point."""
@@ -210,7 +217,7 @@ class DDPStrategy(Strategy):
             return obj
         self.setup()
         box = [obj]
-        dist.broadcast_object_list(box, src=src, device=self._device)
+        dist.broadcast_object_list(box, src=src, device=self.collective_device)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -238,16 +245,17 @@ class DDPStrategy(Strategy):
         # The same key set gives the same checksum everywhere; max(c) == -max(-c) iff all ranks agree.
         # Checking first means mismatched ranks all raise instead of summing unrelated values.
         checksum = zlib.crc32("\0".join(keys).encode())
-        check = torch.tensor([checksum, -checksum], dtype=torch.int64, device=self._device)
+        check = torch.tensor([checksum, -checksum], dtype=torch.int64, device=self.collective_device)
         dist.all_reduce(check, op=dist.ReduceOp.MAX)
-        if int(check[0]) != -int(check[1]):
+        highest, minus_lowest = check.tolist()
+        if highest != -minus_lowest:
             raise ValueError(f"reduce_metrics: ranks passed different metric keys (rank {self._rank} has {keys})")
         values = [float(metrics[k]) if _is_sum(k) else float(metrics[k]) * weight for k in keys]
-        totals = torch.tensor([*values, weight], dtype=torch.float64, device=self._device)
+        totals = torch.tensor([*values, weight], dtype=torch.float64, device=self.collective_device)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        total_weight = float(totals[-1])
+        *summed, total_weight = totals.tolist()
         reduced = {}
-        for key, total in zip(keys, totals[:-1].tolist(), strict=True):
+        for key, total in zip(keys, summed, strict=True):
             if _is_sum(key):
                 reduced[key] = total
             else:
@@ -264,7 +272,11 @@ def _default_device(backend: str) -> torch.device:
     if backend != "nccl":
         return torch.device("cpu")
     local_rank = os.environ.get("LOCAL_RANK")
-    return torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
+    # A LOCAL_RANK beyond the visible GPUs comes from a launcher that numbers all GPUs of the node while
+    # CUDA_VISIBLE_DEVICES (Ray) shows this process only its own: that one is the current device.
+    if local_rank is not None and int(local_rank) < torch.cuda.device_count():
+        return torch.device("cuda", int(local_rank))
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _host_for_url(address: str) -> str:

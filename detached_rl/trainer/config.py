@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_resources
+from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_amount, check_resources
 from detached_rl.core.weight_sync import KINDS as WEIGHT_SYNC_KINDS
 
 
@@ -53,6 +53,8 @@ class TrainerGroupConfig:
     strategy: str = "naive"  # naive | ddp | colossalai_ddp | colossalai_zero2 | colossalai_gemini
     world_size: int = 1
     placement_strategy: str = "PACK"  # PACK: ranks on as few nodes as fit; SPREAD: over as many as possible
+    # What each rank asks Ray for; a naive trainer is a 1-rank group and asks for these too. Fractions of a GPU
+    # are allowed (0.5: the trainer shares a GPU with makers); a rank with no GPU keeps its models on the CPU.
     num_cpus_per_rank: float = 1.0
     num_gpus_per_rank: float = 0.0
     backend: str | None = None  # process-group backend: gloo (CPU) or nccl (GPU); None picks by device
@@ -75,9 +77,8 @@ class TrainerGroupConfig:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"TrainerGroupConfig.placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                              f"got {self.placement_strategy!r}")
-        for name in ("num_cpus_per_rank", "num_gpus_per_rank"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"TrainerGroupConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        check_amount(self.num_cpus_per_rank, "TrainerGroupConfig.num_cpus_per_rank")
+        check_amount(self.num_gpus_per_rank, "TrainerGroupConfig.num_gpus_per_rank", gpu=True)
         if self.num_cpus_per_rank == 0 and self.num_gpus_per_rank == 0:
             raise ValueError("TrainerGroupConfig.num_cpus_per_rank must be > 0 when num_gpus_per_rank is 0 "
                              "(a placement-group bundle cannot be empty)")

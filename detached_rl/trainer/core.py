@@ -30,7 +30,12 @@ from detached_rl.core.checkpoint import load_state, rng_state, save_atomic, set_
 from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
 from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate, build_weight_update, state_fingerprint
 from detached_rl.models.lora import lora_backend, lora_config_dict
-from detached_rl.models.lora_merge import base_fingerprint
+from detached_rl.models.lora_merge import (
+    base_fingerprint,
+    cast_base_fingerprints,
+    dtype_name,
+    fingerprint_cast_dtype,
+)
 from detached_rl.trainer.config import TrainerConfig, oldest_useful_version
 
 
@@ -87,11 +92,16 @@ class TrainerCore:
         self.latest_update: WeightUpdate | None = None
         self.fingerprints: dict[int, str] = {}
         self.base_fingerprint: str | None = None
+        # dtype name -> the base's fingerprint cast to it, for makers that cast weights (bf16/fp16 makers). Every
+        # update carries these, so a maker registered with any rank can check a LoRA update from rank 0.
+        self.cast_base_fingerprints: dict[str, str] = {}
+        self._base_fingerprint_lock = threading.Lock()
         if self.config.weight_sync == "lora":
             actor_model = self.strategy.unwrap(learner.actor).model
             if lora_backend(actor_model) is None:
                 raise ValueError("TrainerConfig.weight_sync='lora' needs a LoRA policy (see detached_rl.models.apply_lora)")
             self.base_fingerprint = base_fingerprint(actor_model)
+            self.cast_base_fingerprints = cast_base_fingerprints(actor_model)
         # Held while the weights change (a training step) and while they are snapshotted for an update.
         self.weights_lock = threading.Lock()
         self._stop = threading.Event()
@@ -148,7 +158,9 @@ class TrainerCore:
     def _build(self, put: Put, kind: str) -> tuple[WeightUpdate, SendStats]:
         metadata: dict[str, Any] = {"trainer_run": self.run_id}
         if self.base_fingerprint is not None:
-            metadata.update({"base_fingerprint": self.base_fingerprint,
+            with self._base_fingerprint_lock:
+                cast = dict(self.cast_base_fingerprints)
+            metadata.update({"base_fingerprint": self.base_fingerprint, "base_fingerprints": cast,
                              "lora": lora_config_dict(self.synced_models()["actor"])})
         # `put` copies each chunk (ray.put serialises it), so the lock covers the snapshot only.
         with self.weights_lock:
@@ -170,15 +182,16 @@ class TrainerCore:
                        ) -> WeightUpdate | None:
         """Record a maker; returns the update it should start from.
 
-        With LoRA sync, a maker that holds the same base weights (equal fingerprint) gets the
-        latest LoRA-only update; any other maker gets a full update of the current weights.
+        With LoRA sync, a maker that holds the same base weights (equal fingerprint; for a maker that
+        casts weights, equal after casting both bases to its dtype) gets the latest LoRA-only update;
+        any other maker gets a full update of the current weights.
         """
         self.makers.add(name)
         latest = self.latest_update
         if latest is None or latest.manifest.kind == "full":
             return latest
-        if base_fingerprint is not None and base_fingerprint == self.base_fingerprint:
-            return latest
+        if base_fingerprint is not None and base_fingerprint == self.base_fingerprint_like(base_fingerprint):
+            return self._with_cast_base_fingerprints(latest)
         if put is None:
             raise ValueError("register_maker: this maker needs a full update but no `put` was given")
         if self.strategy.shards_weights:
@@ -189,6 +202,30 @@ class TrainerCore:
                 f"{self.strategy.name!r}) and sends LoRA-only updates; start the maker from the trainer's base model"
             )
         return self._build(put, "full")[0]
+
+    def base_fingerprint_like(self, fingerprint: str) -> str | None:
+        """This trainer's base fingerprint in the form of a maker's: exact, or cast to the dtype it names."""
+        dtype = fingerprint_cast_dtype(fingerprint)
+        if dtype is None or self.base_fingerprint is None:
+            return self.base_fingerprint
+        with self._base_fingerprint_lock:
+            key = dtype_name(dtype)
+            if key not in self.cast_base_fingerprints:  # a dtype beyond the common ones (fp64 ...): once, on demand
+                model = self.strategy.unwrap(self.learner.actor).model
+                self.cast_base_fingerprints[key] = base_fingerprint(model, dtype)
+            return self.cast_base_fingerprints[key]
+
+    def _with_cast_base_fingerprints(self, update: WeightUpdate) -> WeightUpdate:
+        """`update` with this trainer's current cast base fingerprints in its metadata (same chunks)."""
+        metadata = update.manifest.metadata
+        if "base_fingerprint" not in metadata:
+            return update
+        with self._base_fingerprint_lock:
+            cast = dict(self.cast_base_fingerprints)
+        if metadata.get("base_fingerprints") == cast:
+            return update
+        manifest = dataclasses.replace(update.manifest, metadata={**metadata, "base_fingerprints": cast})
+        return WeightUpdate(manifest, update.chunk_refs)
 
     def makers_of_this_rank(self) -> list[str]:
         """This rank's share of every maker registered with any rank (same answer on every rank)."""
