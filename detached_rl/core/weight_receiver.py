@@ -52,6 +52,16 @@ class _Progress:
     chunks: int = 0
     checksum_seconds: float = 0.0
 
+    def result(self, version: int, start: float, fetch_seconds: float | None, lock_wait: float, swap_start: float
+               ) -> ApplyResult:
+        """The `ApplyResult` of an applied update whose swap began at `swap_start` and ends now
+        (`fetch_seconds=None`: fetching was the swap, as in place)."""
+        end = time.perf_counter()
+        fetch_seconds = end - swap_start if fetch_seconds is None else fetch_seconds
+        return ApplyResult(applied=True, version=version, bytes=self.bytes, chunks=self.chunks,
+                           fetch_seconds=fetch_seconds, checksum_seconds=self.checksum_seconds,
+                           lock_wait_seconds=lock_wait, swap_seconds=end - swap_start, seconds=end - start)
+
 
 class WeightReceiver:
     """Maker side: validates, fetches, verifies and applies `WeightUpdate`s to named models.
@@ -360,18 +370,7 @@ class WeightReceiver:
                     self._dirty -= plan.models
         finally:
             self.lock.release()
-        end = time.perf_counter()
-        return ApplyResult(
-            applied=True,
-            version=manifest.version,
-            bytes=progress.bytes,
-            chunks=progress.chunks,
-            fetch_seconds=fetched - start,
-            checksum_seconds=progress.checksum_seconds,
-            lock_wait_seconds=lock_wait,
-            swap_seconds=end - swap_start,
-            seconds=end - start,
-        )
+        return progress.result(manifest.version, start, fetched - start, lock_wait, swap_start)
 
     def _apply_in_place(
         self, update: WeightUpdate, plan: _Plan, fetch: Fetch, start: float, deadline: float | None
@@ -413,18 +412,8 @@ class WeightReceiver:
                 self._fingerprint = None if entries is None else fingerprint_of_entries(entries)
         finally:
             self.lock.release()
-        end = time.perf_counter()
-        return ApplyResult(
-            applied=True,
-            version=manifest.version,
-            bytes=progress.bytes,
-            chunks=progress.chunks,
-            fetch_seconds=end - swap_start,
-            checksum_seconds=progress.checksum_seconds,
-            lock_wait_seconds=lock_wait,
-            swap_seconds=end - swap_start,
-            seconds=end - start,
-        )
+        # In place, fetching and swapping are one pass under the lock.
+        return progress.result(manifest.version, start, None, lock_wait, swap_start)
 
     def _commit(self, manifest: WeightManifest) -> None:
         """Tell each sink its part of the update is written, then run `after_swap` (under the lock)."""
