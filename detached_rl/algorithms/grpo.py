@@ -40,6 +40,7 @@ from detached_rl.algorithms.advantages import (
 )
 from detached_rl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
 from detached_rl.algorithms.kl import KL_KINDS, kl_estimate
+from detached_rl.algorithms.learner import EpochsFromConfig
 from detached_rl.algorithms.losses import (
     POLICY_LOSSES,
     PolicyLossSettings,
@@ -198,7 +199,7 @@ def split_groups(experiences: list[Experience]) -> list[list[Experience]]:
     return list(groups.values())
 
 
-class GRPOLearner:
+class GRPOLearner(EpochsFromConfig):
     """Trains a policy with a group-relative (critic-free) objective (a `Learner`).
 
     `sampling` is how the makers sample (the trainer recomputes log-probs under the same
@@ -233,17 +234,6 @@ class GRPOLearner:
     def policy(self) -> Actor:
         """The unwrapped Actor."""
         return self.strategy.unwrap(self.actor)
-
-    @property
-    def train_epochs(self) -> int:
-        """Passes over each batch (the config's `train_epochs`)."""
-        return self.config.train_epochs
-
-    @train_epochs.setter
-    def train_epochs(self, epochs: int) -> None:
-        if epochs < 1:
-            raise ValueError(f"GRPOConfig.train_epochs must be >= 1, got {epochs}")
-        self.config.train_epochs = epochs
 
     @property
     def max_sampling_rounds(self) -> int:

@@ -57,3 +57,20 @@ class Learner(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
         ...
+
+
+class EpochsFromConfig:
+    """`train_epochs` read from and written to the learner's `config`, refusing values below 1 by field name."""
+
+    config: Any
+
+    @property
+    def train_epochs(self) -> int:
+        """Passes over each batch (the config's `train_epochs`)."""
+        return self.config.train_epochs
+
+    @train_epochs.setter
+    def train_epochs(self, epochs: int) -> None:
+        if epochs < 1:
+            raise ValueError(f"{type(self.config).__name__}.train_epochs must be >= 1, got {epochs}")
+        self.config.train_epochs = epochs

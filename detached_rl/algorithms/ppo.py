@@ -27,6 +27,7 @@ from detached_rl.algorithms.advantages import (
 )
 from detached_rl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
 from detached_rl.algorithms.kl import KL_KINDS, kl_estimate
+from detached_rl.algorithms.learner import EpochsFromConfig
 from detached_rl.algorithms.losses import POLICY_LOSSES, PolicyLossSettings, get_policy_loss, value_loss
 from detached_rl.algorithms.masks import masked_mean, masked_whiten
 from detached_rl.core.devices import host_floats
@@ -176,7 +177,7 @@ class TokenWeightedMeans:
         return {key: sums[key] / max(self.weights[key], 1e-12) for key in self.sums}
 
 
-class PPOLearner:
+class PPOLearner(EpochsFromConfig):
     """Trains an actor and a critic with PPO on batches of experience (a `Learner`).
 
     `sampling` is how the makers sample (the trainer recomputes log-probs under the same
@@ -197,17 +198,6 @@ class PPOLearner:
         self.critic, self.critic_optimizer, self.critic_scheduler = strategy.prepare_training(
             critic, self.config.critic_optimizer)
         self.optimizer_steps = 0
-
-    @property
-    def train_epochs(self) -> int:
-        """Passes over each batch (the config's `train_epochs`)."""
-        return self.config.train_epochs
-
-    @train_epochs.setter
-    def train_epochs(self, epochs: int) -> None:
-        if epochs < 1:
-            raise ValueError(f"PPOConfig.train_epochs must be >= 1, got {epochs}")
-        self.config.train_epochs = epochs
 
     def make_batch(self, sample: Callable[[int], list[Experience]], size: int
                    ) -> tuple[list[Experience], dict[str, float]]:

@@ -381,23 +381,20 @@ class JobRunner:
         result = RunResult(self.name, self.directory, seconds, int(trained["trainer"]["steps"]), summary_before,
                            summary_after, {**files, "metrics": str(self.directory / "metrics.jsonl"),
                                            "tensorboard": str(self.directory / "tensorboard")})
+        # A failure drawing the plot is reported and leaves the plot out; eval.json is on disk already.
+        plot = self.directory / "metrics.png"
+        try:
+            plot_metrics(read_metrics(self.directory / "metrics.jsonl"), plot, title=self.name)
+        except Exception as error:  # noqa: BLE001 - reported; the run's results are written below
+            self.echo(f"warning: {plot} not written ({type(error).__name__}: {error})")
+        else:
+            result.files["plot"] = str(plot)
         summary = {"name": self.name, "seconds": seconds, "train_seconds": trained["seconds"],
                    "steps": result.steps, "held_out_before": summary_before, "held_out_after": summary_after,
                    "makers": [{k: m.get(k) for k in ("name", "policy_version", "samples_made", "tokens_per_s")}
                               for m in trained["makers"]],
                    "cpu_count": os.cpu_count(), "files": result.files}
-        summary_path = self.directory / "summary.json"
-        summary_path.write_text(json.dumps(summary, indent=1))
-        # The plot comes after the results are on disk: a failure drawing it cannot lose them.
-        plot = self.directory / "metrics.png"
-        try:
-            plot_metrics(read_metrics(self.directory / "metrics.jsonl"), plot, title=self.name)
-        except Exception as error:  # noqa: BLE001 - reported; the run's results are already written
-            self.echo(f"warning: {plot} not written ({type(error).__name__}: {error}); "
-                      "eval.json and summary.json are")
-        else:
-            result.files["plot"] = str(plot)  # `summary["files"]` is this dict
-            summary_path.write_text(json.dumps(summary, indent=1))
+        (self.directory / "summary.json").write_text(json.dumps(summary, indent=1))
         self.echo("")
         self.echo(f"{'':24}{'before':>10}{'after':>10}")
         labels = (("accuracy", "held-out accuracy"), ("format_rate", "answer format"),
