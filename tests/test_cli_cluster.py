@@ -93,14 +93,18 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
               *gpus)
     assert "trainer 'trainer_0' started" in out.stdout
 
-    # Both outlive the processes that started them; inspect through the Ray client.
+    # Both outlive the processes that started them. Wait on the direct address, then inspect once through
+    # the Ray client: each client join makes the head start a server process of its own, which lingers after
+    # the client leaves, so polling through the client piles them up on a loaded machine.
     deadline = time.monotonic() + 300
     while True:
-        report = json.loads(cli(cluster, "inspect", "trainer_0", "--json", "--last", "3",
-                                "--address", cluster["client"], "--namespace", "cli_test").stdout)
+        report = json.loads(cli(cluster, "inspect", "trainer_0", "--json", "--last", "3", *address,
+                                "--namespace", "cli_test").stdout)
         if report["stats"]["sampled"] >= 16 or time.monotonic() > deadline:
             break
         time.sleep(2)
+    report = json.loads(cli(cluster, "inspect", "trainer_0", "--json", "--last", "3",
+                            "--address", cluster["client"], "--namespace", "cli_test").stdout)
     stats = report["stats"]
     assert stats["sampled"] >= 16 and stats["accounting_ok"] and "maker_0" in stats["per_maker"]
     assert len(report["samples"]) == 3 and all(s["response_text"] is not None for s in report["samples"])
@@ -123,11 +127,10 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
              "trainer.fit.remote(100000); time.sleep(1)")
     subprocess.run([sys.executable, "-c", refit.format(address=cluster["address"])], env=cluster["env"],
                    check=True, timeout=120, capture_output=True)
-    start = time.monotonic()
+    # The fit never ends (100000 steps, no maker): had status or inspect queued behind it, they would
+    # time out; they answer, and report the trainer still training.
     status = json.loads(cli(cluster, "status", "--json", *address, "--namespace", "cli_test").stdout)
     inspected = cli(cluster, "inspect", "trainer_0", *address, "--namespace", "cli_test")
-    elapsed = time.monotonic() - start
-    assert elapsed < 30, f"status and inspect took {elapsed:.0f} s: they waited for the compute call"
     roles = {row["name"]: row for row in status}
     assert roles["trainer_0"]["role"] == "trainer" and roles["trainer_0"]["state"] == "training"
     assert roles["maker_0"]["role"] == "maker" and roles["maker_0"]["policy_version"] >= 1
