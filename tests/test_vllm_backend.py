@@ -1,4 +1,6 @@
-"""The vLLM generation backend prototype on a real engine (CPU): skipped where `vllm` does not import.
+"""The vLLM generation backend on a real engine (CPU), plain policies: skipped where `vllm` does not import.
+
+LoRA policies (keep mode with versioned adapters, merge mode): tests/test_vllm_lora.py.
 
 Install recipe: docs/vllm-notes.md. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
 on a tiny random llama whose head size (32) vLLM's CPU attention supports.
@@ -18,7 +20,6 @@ if not vllm_available():
                 allow_module_level=True)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from detached_rl.core.sampling import SamplingConfig, process_logits, token_log_probs  # noqa: E402
 from detached_rl.core.weight_sink import SinkCommit  # noqa: E402
@@ -57,6 +58,7 @@ def engine():
 def test_is_a_generation_backend(engine):
     backend, *_ = engine
     assert isinstance(backend, GenerationBackend)
+    assert backend.lora_sink is None  # a plain policy: updates reload every weight
 
 
 @pytest.mark.parametrize("sampling", [

@@ -3,7 +3,8 @@
 The math, one formula per function, in small modules whose docstrings state their conventions:
 `masks` (masked statistics), `advantages` (GAE, group-relative and REINFORCE++ estimators, registered
 by name in `ADVANTAGE_ESTIMATORS`), `kl` (KL estimators), `aggregation` (loss aggregation modes),
-`losses` (policy losses, registered in `POLICY_LOSSES`; value loss; truncated importance weights).
+`losses` (policy losses, registered in `POLICY_LOSSES`; value loss; truncated importance weights),
+`mismatch` (engine tags, when the learners correct behaviour log-probs, the train/inference mismatch metrics).
 `metrics` names what learners report; `learner` is the `Learner` protocol the trainer drives.
 `detached_rl.algorithms.<function>` names the pure functions; the learners live in
 `detached_rl.algorithms.ppo` and `detached_rl.algorithms.grpo` (imported on demand: they load models).
@@ -33,12 +34,14 @@ from detached_rl.algorithms.losses import (
     value_loss,
 )
 from detached_rl.algorithms.masks import broadcast_to_tokens, masked_mean, masked_sum, masked_whiten
+from detached_rl.algorithms.mismatch import mismatch_metrics, needs_behaviour_correction
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ADVANTAGE_METHODS", "KL_KINDS", "LOSS_AGG_MODES", "POLICY_LOSSES",
     "AdvantageInputs", "AdvantageSettings", "PolicyLossSettings",
     "aggregate_loss", "broadcast_to_tokens", "compute_gae", "get_advantage_estimator", "get_policy_loss",
-    "group_advantages", "kl_estimate", "masked_mean", "masked_sum", "masked_whiten", "policy_loss",
+    "group_advantages", "kl_estimate", "masked_mean", "masked_sum", "masked_whiten", "mismatch_metrics",
+    "needs_behaviour_correction", "policy_loss",
     "register_advantage_estimator", "register_policy_loss", "rewards_to_go", "scores_at_last_token",
     "truncated_importance_weight", "value_loss",
 ]

@@ -8,9 +8,10 @@ dynamic sampling, overlong shaping, and whether the KL goes into the reward; eac
 be overridden in `GRPOConfig`.
 
 Off-policy control: the PPO ratio's "old" policy is the behaviour policy when every sample in
-the batch is fresh (staleness 0, one pass over the batch); otherwise the trainer recomputes
-the old log-probs with its current weights before updating (the proximal policy) and weights
-each token by a truncated importance weight min(pi_old / pi_behaviour, `tis_cap`).
+the batch is fresh (staleness 0, one pass over the batch) and came from the trainer's own engine;
+otherwise the trainer recomputes the old log-probs with its current weights before updating (the
+proximal policy), weights each token by a truncated importance weight min(pi_old / pi_behaviour,
+`tis_cap`) and reports the train/inference mismatch (`detached_rl.algorithms.mismatch`).
 
 The reference model (only when `kl_coef` > 0) lives on the trainer: a frozen copy of the
 initial policy, optionally moved towards the policy by `update_ref_policy` (Polyak averaging).
@@ -41,14 +42,17 @@ from detached_rl.algorithms.advantages import (
 from detached_rl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
 from detached_rl.algorithms.kl import KL_KINDS, kl_estimate
 from detached_rl.algorithms.learner import EpochsFromConfig
-from detached_rl.algorithms.losses import (
-    POLICY_LOSSES,
-    PolicyLossSettings,
-    get_policy_loss,
-    truncated_importance_weight,
-)
+from detached_rl.algorithms.losses import POLICY_LOSSES, PolicyLossSettings, get_policy_loss
 from detached_rl.algorithms.masks import masked_mean
-from detached_rl.algorithms.ppo import TokenWeightedMeans, micro_batches
+from detached_rl.algorithms.mismatch import (
+    apply_behaviour_correction,
+    experience_engine,
+    finite_token_mask,
+    masked_kl,
+    needs_behaviour_correction,
+    trainer_engine,
+)
+from detached_rl.algorithms.ppo import TokenWeightedMeans, micro_batches, recompute_log_probs
 from detached_rl.core.devices import host_floats
 from detached_rl.core.experience import Experience, ExperienceBatch, collate
 from detached_rl.core.sampling import SamplingConfig
@@ -111,10 +115,11 @@ class GRPOConfig:
     overlong_shaping: bool | None = None  # dapo: on
     overlong_buffer: int | None = None  # the last N tokens before max_new_tokens are penalised; default 20 %
     overlong_penalty: float = 1.0
-    tis_cap: float | None = 2.0  # truncated importance weight cap for stale samples; None: off
-    # Stale or multi-pass batches: recompute the "old" log-probs with the trainer's weights (the proximal
-    # policy) and weight tokens by truncated importance weights. False: ratios and clipping are taken
-    # against the behaviour policy itself (one forward pass less per step).
+    tis_cap: float | None = 2.0  # truncated importance weight cap for corrected batches; None: weights 1
+    # Stale, multi-pass or other-engine batches (`needs_behaviour_correction`): recompute the "old" log-probs
+    # with the trainer's weights (the proximal policy), weight tokens by truncated importance weights and
+    # report the mismatch. False: ratios and clipping are taken against the behaviour policy itself (one
+    # forward pass less per step).
     proximal_recompute: bool = True
     ref_update_every: int = 0  # Polyak-update the reference every N steps (0: never)
     ref_update_alpha: float = 1.0  # ref <- alpha * policy + (1 - alpha) * ref
@@ -236,6 +241,11 @@ class GRPOLearner(EpochsFromConfig):
         return self.strategy.unwrap(self.actor)
 
     @property
+    def engine(self) -> str:
+        """The engine of this trainer's log-probs (`trainer_engine`): "hf:float32", "hf:autocast-bfloat16", ..."""
+        return trainer_engine(self.policy.model, self.config.autocast_dtype)
+
+    @property
     def max_sampling_rounds(self) -> int:
         """Draws `make_batch` makes at most per batch: `max_sampling_rounds` with dynamic sampling, else 1."""
         return self.config.max_sampling_rounds if self.config.dynamic_sampling else 1
@@ -341,25 +351,21 @@ class GRPOLearner(EpochsFromConfig):
         # From the host-side versions: deciding on it needs no device sync.
         staleness = [policy_version - e.policy_version for e in experiences] if policy_version is not None else None
         multi_pass = config.train_epochs > 1 or (config.mini_batch_size or batch.size) < batch.size
-        recompute_old = config.proximal_recompute and (multi_pass or (staleness is not None and max(staleness) > 0))
+        recompute_old = config.proximal_recompute and self._any_rank(needs_behaviour_correction(
+            staleness, multi_pass, (experience_engine(e.info) for e in experiences), self.engine))
         extra_forwards = 0
         with torch.no_grad():
             kl = None
             if self.reference is not None:
                 batch.ref_log_probs = self._forward_in_micro_batches(self.reference, batch)
-                kl = kl_estimate(batch.log_probs, batch.ref_log_probs, config.kl_kind)
-                kl = kl.masked_fill(batch.response_mask == 0, 0.0)
+                kl = masked_kl(batch.log_probs, batch.ref_log_probs, batch.response_mask, config.kl_kind)
                 extra_forwards += 1
             scores = self.scores(batch)
             batch.advantages = self.advantages(batch, scores, kl if config.kl_in_reward else None)
-            batch.old_log_probs, batch.loss_weights = batch.log_probs, torch.ones_like(batch.log_probs)
-            if recompute_old:
-                # The proximal "old" policy: this trainer's weights before the update.
-                batch.old_log_probs = self._forward_in_micro_batches(self.actor, batch)
-                extra_forwards += 1
-                if config.tis_cap is not None:
-                    batch.loss_weights = truncated_importance_weight(
-                        batch.log_probs, batch.old_log_probs, config.tis_cap, batch.response_mask)
+            # The proximal "old" policy, when recomputed: this trainer's weights before the update.
+            recomputed = self._forward_in_micro_batches(self.actor, batch) if recompute_old else None
+            extra_forwards += int(recompute_old)
+            mismatch = apply_behaviour_correction(batch, recomputed, config.tis_cap)
         means = TokenWeightedMeans()
         self.actor.train()
         for micro, weight, mini_tokens, last in micro_batches(
@@ -378,7 +384,7 @@ class GRPOLearner(EpochsFromConfig):
         metrics = means.means()
         elapsed = time.perf_counter() - start
         tokens = batch.num_response_tokens
-        metrics.update(self._batch_metrics(batch, scores, staleness, kl))
+        metrics.update(self._batch_metrics(batch, scores, staleness, kl, mismatch))
         flops = self._training_flops(batch, extra_forwards)
         metrics.update({
             names.TIME_TRAINING: elapsed,
@@ -388,6 +394,11 @@ class GRPOLearner(EpochsFromConfig):
             "lr/actor": self.optimizer.param_groups[0]["lr"],
         })
         return names.with_aliases(metrics)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True when `flag` is true on some rank: ranks must agree on forwards through the wrapped model and on
+        their metrics' keys."""
+        return not self.strategy.all_true(not flag)
 
     def _matmul_dtype(self) -> str:
         """The dtype the training matmuls run in: `autocast_dtype`, else the policy's bf16/fp16, else float32."""
@@ -403,20 +414,17 @@ class GRPOLearner(EpochsFromConfig):
         return torch.autocast(self.strategy.device.type, dtype=getattr(torch, self.config.autocast_dtype))
 
     def _forward_in_micro_batches(self, actor: nn.Module, batch: ExperienceBatch) -> torch.Tensor:
-        out = torch.zeros_like(batch.log_probs)
-        for start in range(0, batch.size, self.config.micro_batch_size):
-            end = min(start + self.config.micro_batch_size, batch.size)
-            micro = batch.select(range(start, end))
-            with self._autocast():
-                lp = actor(micro.sequences, micro.attention_mask, micro.response_mask, self.sampling)
-            out[start:end, : lp.shape[1]] = lp.float()
-        return out
+        return recompute_log_probs(actor, batch, self.sampling, self.config.micro_batch_size, self._autocast)
 
     def _micro_step(self, micro: ExperienceBatch, weight: float) -> dict[str, Any]:
-        config, mask = self.config, micro.response_mask
+        config, response_mask = self.config, micro.response_mask
         with self._autocast():
-            log_probs, entropy = self.actor(micro.sequences, micro.attention_mask, mask, self.sampling,
+            log_probs, entropy = self.actor(micro.sequences, micro.attention_mask, response_mask, self.sampling,
                                             return_entropy=True, entropy_grad=config.entropy_coef > 0)
+        # Tokens with a non-finite log-prob on any side stay out of every loss term (and its gradient).
+        mask = finite_token_mask(response_mask, log_probs.detach(), micro.old_log_probs, micro.log_probs,
+                                 micro.ref_log_probs)
+        log_probs = torch.where(mask, log_probs, torch.zeros_like(log_probs))
         max_length = self.sampling.max_new_tokens
         loss_settings = PolicyLossSettings(config.clip_low, config.clip_high, config.dual_clip, config.loss_agg,
                                            max_length=max_length)
@@ -426,7 +434,8 @@ class GRPOLearner(EpochsFromConfig):
         kl_loss = torch.zeros((), device=log_probs.device)
         if self.reference is not None:  # with the KL in the reward it is in the advantages; here only reported
             in_loss = not config.kl_in_reward
-            kl_loss = aggregate_loss(kl_estimate(log_probs if in_loss else log_probs.detach(), micro.ref_log_probs,
+            ref_log_probs = torch.where(mask, micro.ref_log_probs, torch.zeros_like(log_probs))
+            kl_loss = aggregate_loss(kl_estimate(log_probs if in_loss else log_probs.detach(), ref_log_probs,
                                                  config.kl_kind), mask, config.loss_agg, max_length=max_length)
             if in_loss:
                 total = total + config.kl_coef * kl_loss
@@ -438,8 +447,9 @@ class GRPOLearner(EpochsFromConfig):
             names.LOSS_POLICY: policy_loss.detach(), names.LOSS_KL: kl_loss.detach(),
             names.LOSS_ENTROPY: entropy_term.detach(), names.LOSS_TOTAL: total.detach(),
             names.POLICY_CLIPFRAC: stats["clipfrac"], names.POLICY_APPROX_KL: stats["approx_kl"],
-            names.POLICY_RATIO: stats["ratio_mean"], names.POLICY_ENTROPY: masked_mean(entropy.detach(), mask),
+            names.POLICY_RATIO: stats["ratio_mean"], names.POLICY_ENTROPY: masked_mean(entropy.detach(), response_mask),
             names.POLICY_IMPORTANCE_WEIGHT: masked_mean(micro.loss_weights, mask),
+            names.POLICY_NONFINITE_FRACTION: masked_mean((~mask).to(entropy.dtype), response_mask),
         }
 
     def _training_flops(self, batch: ExperienceBatch, extra_forwards: int) -> float:
@@ -450,7 +460,7 @@ class GRPOLearner(EpochsFromConfig):
         return float(per_token * tokens * self.config.train_epochs)
 
     def _batch_metrics(self, batch: ExperienceBatch, scores: torch.Tensor, staleness: list[int] | None,
-                       kl: torch.Tensor | None) -> dict[str, float]:
+                       kl: torch.Tensor | None, mismatch: dict[str, torch.Tensor]) -> dict[str, float]:
         lengths = batch.response_mask.sum(1).float()
         out: dict[str, float | torch.Tensor] = {
             "reward/mean": scores.mean(),
@@ -465,4 +475,5 @@ class GRPOLearner(EpochsFromConfig):
         if staleness is not None:  # the histogram is added per rank by the trainer (its keys vary)
             out["staleness/mean"] = sum(staleness) / len(staleness)
             out["staleness/max"] = float(max(staleness))
+        out.update(mismatch)
         return host_floats(out)  # one device-to-host transfer for all of them

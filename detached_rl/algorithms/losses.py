@@ -194,10 +194,11 @@ def truncated_importance_weight(
     cap: float = 2.0,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Truncated importance weight min(pi / mu, cap) per token, for stale (off-policy) experience.
+    """Truncated importance weight min(pi / mu, cap) per token, for off-policy or other-engine experience.
 
     Conventions: elementwise, w = min(exp(clamp(lp - behaviour, -20, 20)), cap), detached (a constant
-    weight, as in truncated IS / "TIS"); 0 at masked positions when mask is given. cap must be > 0.
+    weight, as in truncated IS / "TIS"); 0 at masked positions when mask is given, and 0 wherever
+    either log-prob is not finite (-inf: a token one side's top-k/top-p filtered out). cap must be > 0.
     """
     fn = "truncated_importance_weight"
     check_shape(fn, "log_probs", log_probs, "behaviour_log_probs", behaviour_log_probs)
@@ -207,6 +208,8 @@ def truncated_importance_weight(
     with torch.no_grad():
         log_ratio = (log_probs - behaviour_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         w = torch.exp(log_ratio).clamp(max=cap)
+        keep = torch.isfinite(log_probs) & torch.isfinite(behaviour_log_probs)
         if m is not None:
-            w = torch.where(m, w, torch.zeros_like(w))
+            keep = keep & m
+        w = torch.where(keep, w, torch.zeros_like(w))
     return w.detach()

@@ -31,6 +31,20 @@ POLICY_APPROX_KL = "policy/approx_kl_avg"
 POLICY_RATIO = "val/ratio"
 #: Mean truncated importance weight per token (1 when every sample is fresh).
 POLICY_IMPORTANCE_WEIGHT = "policy/importance_weight_avg"
+#: Share of valid response tokens left out of the loss because a log-prob there (behaviour, old, reference or
+#: the current policy's) is not finite.
+POLICY_NONFINITE_FRACTION = "policy/nonfinite_fraction_avg"
+#: Train/inference mismatch, reported on steps that recomputed the old log-probs (`algorithms.mismatch`):
+#: mean k3 estimate of KL(behaviour || recompute) per valid response token.
+MISMATCH_KL = "mismatch/kl"
+#: Largest |recompute - behaviour| log-prob over the batch's valid response tokens.
+MISMATCH_MAX_ABS_DIFF = "mismatch/max_abs_log_prob_diff"
+#: Mean |recompute - behaviour| log-prob per valid response token.
+MISMATCH_MEAN_ABS_DIFF = "mismatch/mean_abs_log_prob_diff"
+#: Share of valid response tokens whose importance weight recompute / behaviour exceeded `tis_cap` (was capped).
+MISMATCH_TIS_CLIPPED = "mismatch/tis_clipped_fraction"
+#: Count of response tokens whose behaviour or recomputed log-prob is not finite (weight 0, out of the loss).
+MISMATCH_MASKED_TOKENS = "mismatch/masked_tokens"
 #: Share of valid tokens where the clipped value term was the larger (PPO).
 VALUE_CLIPFRAC = "value/clipfrac_avg"
 #: Mean squared error of the critic's values to the returns per token (PPO).
@@ -52,6 +66,12 @@ METRICS: dict[str, str] = {
     POLICY_APPROX_KL: "mean (old - new) log-prob per token",
     POLICY_RATIO: "mean new / old probability ratio per token",
     POLICY_IMPORTANCE_WEIGHT: "mean truncated importance weight per token",
+    POLICY_NONFINITE_FRACTION: "share of tokens left out of the loss for a non-finite log-prob",
+    MISMATCH_KL: "k3 KL(behaviour || trainer recompute) per token",
+    MISMATCH_MAX_ABS_DIFF: "largest |recompute - behaviour| log-prob of the batch",
+    MISMATCH_MEAN_ABS_DIFF: "mean |recompute - behaviour| log-prob per token",
+    MISMATCH_TIS_CLIPPED: "share of tokens whose importance weight was capped at tis_cap",
+    MISMATCH_MASKED_TOKENS: "tokens with a non-finite behaviour or recomputed log-prob (masked out)",
     VALUE_CLIPFRAC: "share of tokens whose value was clipped",
     VALUE_ERROR: "mean squared error of the values to the returns",
     OBJECTIVE_KL: "KL(behaviour || reference) per token of the batch",

@@ -6,11 +6,16 @@ their optimizers and schedules, and turns a list of `Experience` into optimizer 
 the policy loss are looked up by name in `ADVANTAGE_ESTIMATORS` and `POLICY_LOSSES`.
 Experience must carry `values` (the maker's critic) and, when the KL coefficient is
 non-zero, `ref_log_probs` (the maker's reference model). The "old" policy of the PPO ratio
-is the behaviour policy: the log-probs the maker sampled with.
+is the behaviour policy (the log-probs the maker sampled with) when every sample is fresh, the
+batch is trained on in one pass and it came from the trainer's own engine; otherwise, as in GRPO,
+the trainer recomputes the old log-probs with its current weights (the proximal policy), weights
+tokens by truncated importance weights (`tis_cap`) and reports the mismatch
+(`detached_rl.algorithms.mismatch`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +35,14 @@ from detached_rl.algorithms.kl import KL_KINDS, kl_estimate
 from detached_rl.algorithms.learner import EpochsFromConfig
 from detached_rl.algorithms.losses import POLICY_LOSSES, PolicyLossSettings, get_policy_loss, value_loss
 from detached_rl.algorithms.masks import masked_mean, masked_whiten
+from detached_rl.algorithms.mismatch import (
+    apply_behaviour_correction,
+    experience_engine,
+    finite_token_mask,
+    masked_kl,
+    needs_behaviour_correction,
+    trainer_engine,
+)
 from detached_rl.core.devices import host_floats
 from detached_rl.core.experience import Experience, ExperienceBatch, collate
 from detached_rl.core.sampling import SamplingConfig
@@ -65,6 +78,11 @@ class PPOConfig:
     micro_batch_size: int = 8
     mini_batch_size: int | None = None  # samples per optimizer step; None: the whole batch
     train_epochs: int = 1
+    tis_cap: float | None = 2.0  # truncated importance weight cap for corrected batches; None: weights 1
+    # Stale, multi-pass or other-engine batches (`needs_behaviour_correction`): recompute the "old" log-probs
+    # with the trainer's weights (the proximal policy), weight tokens by truncated importance weights and
+    # report the mismatch. False: ratios and clipping are taken against the behaviour policy itself.
+    proximal_recompute: bool = True
     # How the makers sample, for the learner built without an explicit `sampling` (PPOLearner(..., sampling=)
     # wins). RunConfig keeps its one `sampling` at the top and leaves this None; None here and there: defaults.
     sampling: SamplingConfig | None = None
@@ -87,6 +105,8 @@ class PPOConfig:
         for name in ("kl_coef", "entropy_coef", "value_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PPOConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"PPOConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"PPOConfig.gamma and PPOConfig.lam must be in [0, 1], got {self.gamma}, {self.lam}")
 
@@ -97,8 +117,7 @@ def shaped_rewards(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Ten
         return batch.token_rewards, None
     if batch.ref_log_probs is None:
         raise ValueError("PPO with kl_coef > 0 needs ref_log_probs on every experience (field ref_log_probs)")
-    kl = kl_estimate(batch.log_probs, batch.ref_log_probs, config.kl_kind)
-    kl = kl.masked_fill(batch.response_mask == 0, 0.0)
+    kl = masked_kl(batch.log_probs, batch.ref_log_probs, batch.response_mask, config.kl_kind)
     if config.kl_mode == "reward":
         return batch.token_rewards - config.kl_coef * kl, kl
     return batch.token_rewards, kl
@@ -150,6 +169,21 @@ def micro_batches(
                 micro_tokens = sum(lengths[row] for row in micro_rows)
                 weight = micro_tokens / mini_tokens if by_tokens else micro.size / len(rows)
                 yield micro, weight * scale, mini_tokens, micro_start == starts[-1]
+
+
+def recompute_log_probs(
+    actor: torch.nn.Module, batch: ExperienceBatch, sampling: SamplingConfig, micro_batch_size: int,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> torch.Tensor:
+    """`actor`'s log-probs [B, R] of the batch's responses under `sampling`, `micro_batch_size` rows at a time."""
+    out = torch.zeros_like(batch.log_probs)
+    for start in range(0, batch.size, micro_batch_size):
+        end = min(start + micro_batch_size, batch.size)
+        micro = batch.select(range(start, end))
+        with autocast():
+            lp = actor(micro.sequences, micro.attention_mask, micro.response_mask, sampling)
+        out[start:end, : lp.shape[1]] = lp.float()
+    return out
 
 
 class TokenWeightedMeans:
@@ -229,6 +263,11 @@ class PPOLearner(EpochsFromConfig):
         self.optimizer_steps = state["optimizer_steps"]
 
     @property
+    def engine(self) -> str:
+        """The engine of this trainer's log-probs (`trainer_engine`), e.g. "hf:float32"."""
+        return trainer_engine(self.strategy.unwrap(self.actor).model)
+
+    @property
     def pad_token_id(self) -> int:
         """Pad id used when collating."""
         return int(self.strategy.unwrap(self.actor).tokenizer.pad_token_id)
@@ -238,8 +277,16 @@ class PPOLearner(EpochsFromConfig):
         start = time.perf_counter()
         config = self.config
         batch = collate(experiences, self.pad_token_id, device=self.strategy.device)
+        staleness = [policy_version - e.policy_version for e in experiences] if policy_version is not None else None
+        multi_pass = config.train_epochs > 1 or (config.mini_batch_size or batch.size) < batch.size
+        # Every rank decides alike: the recompute runs through the wrapped model, and metric keys must match.
+        recompute_old = config.proximal_recompute and not self.strategy.all_true(not needs_behaviour_correction(
+            staleness, multi_pass, (experience_engine(e.info) for e in experiences), self.engine))
         with torch.no_grad():
             advantages, returns, kl = ppo_advantages(batch, config)
+            recomputed = (recompute_log_probs(self.actor, batch, self.sampling, config.micro_batch_size)
+                          if recompute_old else None)
+            mismatch = apply_behaviour_correction(batch, recomputed, config.tis_cap)
         batch.advantages, batch.returns = advantages, returns
         means = TokenWeightedMeans()
         self.actor.train()
@@ -252,7 +299,7 @@ class PPOLearner(EpochsFromConfig):
             if last:
                 means.add(self._optimizer_step(), mini_tokens)
         metrics = means.means()
-        metrics.update(self._batch_metrics(batch, kl, policy_version))
+        metrics.update(self._batch_metrics(batch, kl, policy_version, mismatch))
         elapsed = time.perf_counter() - start
         metrics.update({
             names.TIME_TRAINING: elapsed,
@@ -265,13 +312,18 @@ class PPOLearner(EpochsFromConfig):
 
     def _micro_step(self, micro: ExperienceBatch, weight: float) -> dict[str, Any]:
         config = self.config
-        mask = micro.response_mask
+        response_mask = micro.response_mask
         log_probs, entropy = self.actor(
-            micro.sequences, micro.attention_mask, mask, self.sampling, return_entropy=True,
+            micro.sequences, micro.attention_mask, response_mask, self.sampling, return_entropy=True,
             entropy_grad=config.entropy_coef > 0,
         )
+        # Tokens with a non-finite log-prob on any side stay out of the policy's loss terms (and their gradient).
+        mask = finite_token_mask(response_mask, log_probs.detach(), micro.old_log_probs, micro.log_probs,
+                                 micro.ref_log_probs)
+        log_probs = torch.where(mask, log_probs, torch.zeros_like(log_probs))
         loss_settings = PolicyLossSettings(config.clip_low, config.clip_high, config.dual_clip, config.loss_agg)
-        policy_loss, stats = self.policy_loss(log_probs, micro.log_probs, micro.advantages, mask, loss_settings)
+        policy_loss, stats = self.policy_loss(log_probs, micro.old_log_probs, micro.advantages, mask, loss_settings,
+                                              weights=micro.loss_weights)
         entropy_term = aggregate_loss(entropy, mask, config.loss_agg)
         actor_loss = policy_loss - config.entropy_coef * entropy_term
         kl_loss = torch.zeros((), device=log_probs.device)
@@ -279,25 +331,27 @@ class PPOLearner(EpochsFromConfig):
         # only with kl_coef > 0 and kl_mode="loss" (with kl_mode="reward" it is in the advantages already).
         if micro.ref_log_probs is not None:
             in_loss = config.kl_coef > 0 and config.kl_mode == "loss"
-            kl_loss = aggregate_loss(kl_estimate(log_probs if in_loss else log_probs.detach(), micro.ref_log_probs,
+            ref_log_probs = torch.where(mask, micro.ref_log_probs, torch.zeros_like(log_probs))
+            kl_loss = aggregate_loss(kl_estimate(log_probs if in_loss else log_probs.detach(), ref_log_probs,
                                                  config.kl_kind), mask, config.loss_agg)
             if in_loss:
                 actor_loss = actor_loss + config.kl_coef * kl_loss
         self.strategy.backward(actor_loss * weight, self.actor, self.actor_optimizer)
 
-        values = self.critic(micro.sequences, micro.attention_mask, mask)
-        critic_loss, value_stats = value_loss(values, micro.values, micro.returns, mask, config.value_clip,
+        values = self.critic(micro.sequences, micro.attention_mask, response_mask)
+        critic_loss, value_stats = value_loss(values, micro.values, micro.returns, response_mask, config.value_clip,
                                               config.loss_agg)
         self.strategy.backward(config.value_coef * critic_loss * weight, self.critic, self.critic_optimizer)
-        value_error = masked_mean((values.detach() - micro.returns) ** 2, mask)
+        value_error = masked_mean((values.detach() - micro.returns) ** 2, response_mask)
         return {
             names.LOSS_POLICY: policy_loss.detach(), names.LOSS_VALUE: critic_loss.detach(),
             names.LOSS_ENTROPY: entropy_term.detach(), names.LOSS_KL: kl_loss.detach(),
             names.LOSS_TOTAL: (actor_loss + config.value_coef * critic_loss).detach(),
-            names.POLICY_ENTROPY: masked_mean(entropy.detach(), mask),
+            names.POLICY_ENTROPY: masked_mean(entropy.detach(), response_mask),
             names.POLICY_CLIPFRAC: stats["clipfrac"], names.POLICY_APPROX_KL: stats["approx_kl"],
             names.POLICY_RATIO: stats["ratio_mean"], names.VALUE_CLIPFRAC: value_stats["vf_clipfrac"],
-            names.VALUE_ERROR: value_error,
+            names.VALUE_ERROR: value_error, names.POLICY_IMPORTANCE_WEIGHT: masked_mean(micro.loss_weights, mask),
+            names.POLICY_NONFINITE_FRACTION: masked_mean((~mask).to(entropy.dtype), response_mask),
         }
 
     def _optimizer_step(self) -> dict[str, float]:
@@ -313,7 +367,8 @@ class PPOLearner(EpochsFromConfig):
         return {"grad_norm/actor": actor_norm, "grad_norm/critic": critic_norm}
 
     @staticmethod
-    def _batch_metrics(batch: ExperienceBatch, kl: torch.Tensor | None, policy_version: int | None) -> dict[str, float]:
+    def _batch_metrics(batch: ExperienceBatch, kl: torch.Tensor | None, policy_version: int | None,
+                       mismatch: dict[str, torch.Tensor]) -> dict[str, float]:
         lengths = batch.response_mask.sum(1).float()
         out: dict[str, float | torch.Tensor] = {
             "reward/mean": batch.scores.mean(),
@@ -329,4 +384,5 @@ class PPOLearner(EpochsFromConfig):
             staleness = (policy_version - batch.policy_versions).float()
             out["staleness/mean"] = staleness.mean()
             out["staleness/max"] = staleness.max()
+        out.update(mismatch)
         return host_floats(out)  # one device-to-host transfer for all of them

@@ -15,8 +15,12 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from detached_rl import __version__
+
+if TYPE_CHECKING:
+    from detached_rl.config import RunConfig
 
 EXIT_ERROR = 2
 
@@ -33,8 +37,9 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _run(args: argparse.Namespace) -> int:
-    from detached_rl.cli.run import RunInterrupted, run_config, run_job
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    """The `run` command's config, from the packaged defaults, `--config`, `--set` and the other flags."""
+    from detached_rl.cli.run import run_config
 
     overrides = list(args.set or [])
     if args.namespace:
@@ -45,8 +50,16 @@ def _run(args: argparse.Namespace) -> int:
         overrides.append("run.progress=false")
     if args.gpus is not None:
         overrides.append(f"run.gpus={args.gpus}")
-    config = run_config(args.config, overrides, steps=args.steps, makers=args.makers, model=args.model,
-                        task=args.task, name=args.name)
+    if args.backend is not None:
+        overrides.append(f"maker.backend={args.backend}")
+    return run_config(args.config, overrides, steps=args.steps, makers=args.makers, model=args.model,
+                      task=args.task, name=args.name)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from detached_rl.cli.run import RunInterrupted, run_job
+
+    config = _run_config(args)
     try:
         run_job(config, address=args.address)
     except RunInterrupted as error:
@@ -68,7 +81,8 @@ def _config(args: argparse.Namespace):
     overrides = list(args.set or [])
     for flag, key in (("world_size", "trainer_group.world_size"), ("strategy", "trainer_group.strategy"),
                       ("placement", "trainer_group.placement_strategy"),
-                      ("num_gpus_per_rank", "trainer_group.num_gpus_per_rank"), ("num_gpus", "maker.num_gpus")):
+                      ("num_gpus_per_rank", "trainer_group.num_gpus_per_rank"), ("num_gpus", "maker.num_gpus"),
+                      ("backend", "maker.backend")):
         if getattr(args, flag, None) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
     if getattr(args, "namespace", None):
@@ -199,6 +213,12 @@ def _config_options(parser: argparse.ArgumentParser, config_help: str = "YAML co
                         help="override a config value, e.g. --set trainer.train_batch_size=16 (repeatable)")
 
 
+def _backend_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default=None,
+                        help="the makers' generation backend: hf (default) | vllm (needs the vllm extra; engine "
+                             "settings under maker.vllm, e.g. --set maker.vllm.kv_cache_gb=2)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
     parser = argparse.ArgumentParser(prog="detached-rl", description=__doc__.splitlines()[0])
@@ -220,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--gpus", default=None, choices=("auto", "manual"),
                      help="auto (default): trainer and makers share the cluster's GPUs unless the config sets "
                           "trainer_group.num_gpus_per_rank or maker.num_gpus; manual: only what those say")
+    _backend_option(run)
     _config_options(run, "YAML laid over the run defaults (detached_rl/config/run.yaml)")
     _cluster_options(run, "join this Ray cluster (host:port, ray://host:port or auto) instead of starting an "
                           "embedded one on 127.0.0.1")
@@ -283,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="GPUs the maker asks Ray for; fractions of one GPU allowed (default maker.num_gpus, 0)")
     maker.add_argument("--state-dir", default=None,
                        help="save the prompt cursor to <dir>/<name> after every batch; resume from it on (re)start")
+    _backend_option(maker)
     maker.add_argument("--wait", action="store_true", help="follow the maker until it stops")
     _config_options(maker)
     _cluster_options(maker)

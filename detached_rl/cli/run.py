@@ -354,6 +354,7 @@ class JobRunner:
         self.echo(f"run {self.name!r}: {config.algorithm}/{config.algorithm_config.algorithm if config.algorithm == 'grpo' else 'ppo'}"
                   f" on {config.model.policy} ({'LoRA r=' + str(config.model.lora.r) if config.model.lora else 'full'}), "
                   f"task {config.task.name}, {config.run.steps} steps, 1 trainer + {config.run.makers} makers "
+                  f"({config.maker.backend} generation) "
                   f"in namespace {config.namespace!r}{self._gpu_note()}; writing {self.directory}")
         try:
             self.start_actors()
@@ -391,7 +392,8 @@ class JobRunner:
             result.files["plot"] = str(plot)
         summary = {"name": self.name, "seconds": seconds, "train_seconds": trained["seconds"],
                    "steps": result.steps, "held_out_before": summary_before, "held_out_after": summary_after,
-                   "makers": [{k: m.get(k) for k in ("name", "policy_version", "samples_made", "tokens_per_s")}
+                   "makers": [{k: m.get(k) for k in ("name", "backend", "policy_version", "samples_made",
+                                                   "tokens_per_s")}
                               for m in trained["makers"]],
                    "cpu_count": os.cpu_count(), "files": result.files}
         (self.directory / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -437,12 +439,22 @@ def stop_on_signals(echo: Callable[[str], None]) -> Iterator[threading.Event]:
             signal.signal(signum, handler)
 
 
+def check_vllm_installed() -> None:
+    """Refuse `maker.backend: vllm` where the vllm package is not installed (RunError with the install command)."""
+    from detached_rl.generation.vllm_config import VLLM_INSTALL_HINT, vllm_installed
+
+    if not vllm_installed():
+        raise RunError(f"maker.backend 'vllm' needs the vllm package, which is not installed; {VLLM_INSTALL_HINT}")
+
+
 def run_job(config: RunConfig, address: str | None = None, echo: Callable[[str], None] = print) -> RunResult:
     """Run the whole job on a local embedded Ray cluster (or the cluster at `address`)."""
     import ray
 
     from detached_rl.cli import jobs
 
+    if config.maker.backend == "vllm" and not address:
+        check_vllm_installed()  # the makers run on this machine: say so before Ray starts
     with stop_on_signals(echo) as interrupted:
         started_ray = False
         try:

@@ -46,6 +46,10 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
         if match:
             key = f"{path}.{match.group(1)}" if path else match.group(1)
             raise ConfigError(f"{key}: {match.group(2)}") from None
+        # "maker.vllm.dtype must be ..." (a section that names its own dotted keys) -> "maker.vllm.dtype: must be ..."
+        match = re.match(rf"({re.escape(path)}\.[\w.]+)(?::)? (.*)", message, flags=re.DOTALL) if path else None
+        if match:
+            raise ConfigError(f"{match.group(1)}: {match.group(2)}") from None
         raise ConfigError(f"{path or 'config'}: {message}") from None
 
 

@@ -175,8 +175,12 @@ class RunConfig:
 
     @property
     def maker_config(self) -> MakerConfig:
-        """The makers' settings with the run's one `sampling` (a copy: the `maker` section carries none of its own)."""
-        return dataclasses.replace(self.maker, sampling=self.sampling)
+        """The makers' settings with the run's one `sampling` (a copy: the `maker` section carries none of its own),
+        and, unless set, the LoRA adapter versions a vLLM engine keeps: `trainer.max_staleness` + 1."""
+        vllm = self.maker.vllm
+        if vllm.lora_versions_kept is None and self.trainer.max_staleness is not None:
+            vllm = dataclasses.replace(vllm, lora_versions_kept=self.trainer.max_staleness + 1)
+        return dataclasses.replace(self.maker, sampling=self.sampling, vllm=vllm)
 
     def trainer_factory(self) -> functools.partial:
         """A picklable zero-argument factory of the trainer's models ((Actor, Critic) for PPO, Actor for GRPO)."""

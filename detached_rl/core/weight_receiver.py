@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
+from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, SinkUnchanged, TensorLayout, WeightSink
 from detached_rl.core.weight_sync import (
     KINDS,
     ApplyResult,
@@ -271,6 +271,14 @@ class WeightReceiver:
                     raise WeightUpdateError(
                         f"{v}: full update lacks key {model_name + '/' + missing[0]!r}{more}"
                     )
+        for model_name in sorted(named):
+            # Optional sink hook: what the tensors cannot show (e.g. a LoRA update's alpha) is checked here.
+            check_update = getattr(self.sinks[model_name], "check_update", None)
+            if check_update is not None:
+                try:
+                    check_update(manifest.kind, manifest.metadata)
+                except Exception as error:
+                    raise WeightUpdateError(f"{v}: model {model_name!r}: {error}") from error
         covers_all = sum(map(len, layouts.values())) == len(specs)
         return _Plan(targets, by_chunk, aliases, named, covers_all)
 
@@ -360,8 +368,9 @@ class WeightReceiver:
                         self.sinks[model_name].write(tensors)
                     self._commit(manifest)
                 except Exception as error:
-                    self._dirty |= plan.models
-                    self._entries = self._fingerprint = None
+                    if not _left_unchanged(error, plan):
+                        self._dirty |= plan.models
+                        self._entries = self._fingerprint = None
                     raise WeightUpdateError(f"v{manifest.version}: swap failed: {error}") from error
                 self._version = manifest.version
                 self.trainer_run = manifest.metadata.get("trainer_run", self.trainer_run)
@@ -396,10 +405,13 @@ class WeightReceiver:
                                 entries[spec.name] = self._entry(spec, plan.layouts[spec.name], tensor)
                     self._commit(manifest)
                 except Exception as error:
-                    if written:
-                        self._dirty |= plan.models
-                    if entries is not None:
-                        self._fingerprint = fingerprint_of_entries(entries)
+                    if _left_unchanged(error, plan):
+                        self._entries = self._fingerprint = None  # `entries` took the refused chunks: recompute
+                    else:
+                        if written:
+                            self._dirty |= plan.models
+                        if entries is not None:
+                            self._fingerprint = fingerprint_of_entries(entries)
                     if isinstance(error, WeightUpdateError):
                         raise
                     raise WeightUpdateError(
@@ -443,6 +455,11 @@ def _by_model(plan: _Plan, index: int, chunk: Mapping[str, Tensor]) -> dict[str,
         model_name, _, key = spec.name.partition("/")
         out.setdefault(model_name, {})[key] = chunk[spec.alias_of or spec.name]
     return out
+
+
+def _left_unchanged(error: Exception, plan: _Plan) -> bool:
+    """True when the one model the update named put everything back (`SinkUnchanged`): nothing is half-written."""
+    return isinstance(error, SinkUnchanged) and len(plan.models) == 1
 
 
 def _check_deadline(deadline: float | None, message: str) -> None:

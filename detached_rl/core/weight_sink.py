@@ -32,6 +32,13 @@ class SinkCommit:
     metadata: Mapping[str, Any]  # the manifest's (LoRA updates: "lora" holds the adapter config)
 
 
+class SinkUnchanged(RuntimeError):
+    """Raised by `WeightSink.write`/`commit` that failed but put back all it had changed: it serves the previous version.
+
+    The `WeightReceiver` then refuses the update without marking the model half-written.
+    """
+
+
 @runtime_checkable
 class WeightSink(Protocol):
     """Where one model's verified weights go: the engine-specific part of applying a `WeightUpdate`.
@@ -44,7 +51,14 @@ class WeightSink(Protocol):
     staged tensor (mode "staged") or once per verified chunk, unstaged (mode "in_place"); then
     `commit`. `write` and `commit` run under the generation lock, so an update becomes visible
     between two generation batches. If either raises, the receiver refuses the update and marks
-    the model half-written until a later full update.
+    the model half-written until a later full update, unless the sink raised `SinkUnchanged`.
+
+    Optional hook, not part of the protocol's checked members: a sink may define
+    `check_update(kind: str, metadata: Mapping[str, Any]) -> None`, raising ValueError naming the
+    field for an update it cannot take although its tensors fit `layout` (e.g. a LoRA update
+    whose `metadata["lora"]` has another alpha). The receiver calls it, for each model the update
+    names, after checking the manifest and before fetching or writing anything, and refuses the
+    update with the error.
     """
 
     def layout(self) -> Mapping[str, TensorLayout]:

@@ -12,6 +12,7 @@ from detached_rl.generation.base import (
 )
 from detached_rl.generation.hf import HFGenerationBackend, MergedLoraSink
 from detached_rl.generation.registry import GENERATION_BACKENDS, backend_factory, build_generation_backend
+from detached_rl.generation.vllm_config import VLLMConfig, engine_environment
 
 __all__ = [
     "GENERATION_BACKENDS",
@@ -23,8 +24,10 @@ __all__ = [
     "ModuleWeightSink",
     "SinkCommit",
     "TensorLayout",
+    "VLLMConfig",
     "WeightSink",
     "backend_factory",
     "build_generation_backend",
+    "engine_environment",
     "left_pad",
 ]

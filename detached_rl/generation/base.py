@@ -11,6 +11,8 @@ seam as Hugging Face `generate`. A new backend provides:
   tokenizer's eos), `finished` says whether it did.
 * `generate_text(prompts, sampling)`: the same from text or chat prompts, encoded with the
   policy's tokenizer (`Actor.encode_prompts`), with `prompt_ids` filled in.
+* `engine`: "<backend>:<dtype>" of the behaviour log-probs ("hf:float32", "vllm:bfloat16"), stamped
+  into each experience's `info["engine"]`; trainers correct log-probs of any engine but their own.
 * `weight_sink`: a `WeightSink` (see `detached_rl.core.weight_sync`) that takes the policy's
   verified updates under the trainer's state-dict names: `layout` (the keys, shapes and dtypes
   it accepts), `state` (the tensors as served, for fingerprints), `stage` (outside the lock),
@@ -78,6 +80,11 @@ class GenerationBackend(Protocol):
     @property
     def weight_sink(self) -> WeightSink:
         """Where the policy's verified weight updates are written."""
+        ...
+
+    @property
+    def engine(self) -> str:
+        """The engine of the behaviour log-probs, "<backend>:<dtype>" ("hf:float32", "vllm:bfloat16")."""
         ...
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,11 +14,12 @@ from detached_rl.core.sampling import SamplingConfig, token_log_probs
 from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, WeightSink
 from detached_rl.generation.base import LORA_MODES, GenerationOutput, left_pad
 from detached_rl.models.actor import Actor, Prompt
-from detached_rl.models.lora import lora_backend
+from detached_rl.models.lora import check_lora_update, lora_backend, lora_config_dict
 from detached_rl.models.lora_merge import LoraMergeTarget
 from detached_rl.models.shared_prefix import run_distinct_prompts, supports_shared_prefix
 
-__all__ = ["CACHE_IMPLEMENTATIONS", "GENERATION_DTYPES", "BehaviourLogProbs", "HFGenerationBackend", "MergedLoraSink"]
+__all__ = ["CACHE_IMPLEMENTATIONS", "GENERATION_DTYPES", "BehaviourLogProbs", "HFGenerationBackend", "LoraModuleSink",
+           "MergedLoraSink"]
 
 # `backend_options` values: "dynamic" is HF's default KV cache; "static" preallocates it (prompt +
 # max_new_tokens), which HF compiles on CUDA for fast decode steps.
@@ -61,12 +62,28 @@ class BehaviourLogProbs(LogitsProcessor):
         return torch.stack(self.steps[:steps], dim=1)
 
 
+class LoraModuleSink(ModuleWeightSink):
+    """A `ModuleWeightSink` over a LoRA model (keep mode) that refuses updates made for another adapter config."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.adapter_config = lora_config_dict(model)
+
+    def check_update(self, kind: str, metadata: Mapping[str, Any]) -> None:
+        """ValueError naming the field where metadata["lora"] differs (a "lora" update must carry it)."""
+        check_lora_update(self.adapter_config, kind, metadata, "LoRA adapter")
+
+
 class MergedLoraSink(ModuleWeightSink):
     """Writes W0, A and B (trainer naming) into a `LoraMergeTarget`; commit re-merges the weights they touch."""
 
     def __init__(self, target: LoraMergeTarget) -> None:
         super().__init__(target)
         self.target = target
+
+    def check_update(self, kind: str, metadata: Mapping[str, Any]) -> None:
+        """ValueError naming the field where metadata["lora"] differs (a "lora" update must carry it)."""
+        check_lora_update(self.target.adapter_config, kind, metadata, "merged LoRA adapter")
 
     def commit(self, update: SinkCommit) -> None:
         """Recompute W = W0 + scaling·B·A of the adapted modules whose W0, A or B was written."""
@@ -97,6 +114,12 @@ class HFGenerationBackend:
         self.encode_prompts = encode_prompts
         self.weight_sink: WeightSink = weight_sink if weight_sink is not None else ModuleWeightSink(model)
 
+    @property
+    def engine(self) -> str:
+        """The engine tag of the behaviour log-probs: "hf:<dtype the model generates in>", e.g. "hf:float32"."""
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        return f"hf:{str(dtype).removeprefix('torch.')}"
+
     @classmethod
     def from_actor(cls, actor: Actor, lora_mode: str = "keep", *, cache_implementation: str = "dynamic",
                    dtype: str | None = None) -> HFGenerationBackend:
@@ -125,6 +148,8 @@ class HFGenerationBackend:
             target = LoraMergeTarget.from_lora_model(actor.model)
             sink = MergedLoraSink(target)
             actor = Actor(target.model, actor.tokenizer, share_prompts=actor.share_prompts)
+        elif lora_backend(actor.model) is not None:
+            sink = LoraModuleSink(actor.model)
         generation_dtype = resolve_generation_dtype(actor.model, dtype)
         if generation_dtype is not None:
             actor.model.to(generation_dtype)  # in place: the sink then writes (casts) into the cast weights

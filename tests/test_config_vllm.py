@@ -1,0 +1,122 @@
+"""The `maker.vllm` section: validation naming the field, YAML, overrides, the CLI flag, the engine's environment.
+
+None of this needs vLLM installed: the section and the backend's factory import it only to build an engine.
+"""
+
+import os
+import sys
+
+import pytest
+
+from detached_rl.cli.main import _config, _run_config, build_parser
+from detached_rl.config import ConfigError, dump_config, load_config
+from detached_rl.generation.vllm_config import (
+    VLLMConfig,
+    apply_engine_environment,
+    engine_environment,
+    model_head_size,
+)
+from detached_rl.models.loaders import tiny_causal_lm
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("dtype", "int8", "maker.vllm.dtype must be one of"),
+    ("kv_cache_gb", 0, "maker.vllm.kv_cache_gb must be an integer >= 1"),
+    ("kv_cache_gb", 1.5, "maker.vllm.kv_cache_gb must be an integer >= 1"),
+    ("max_model_len", 0, "maker.vllm.max_model_len must be an integer >= 1"),
+    ("max_num_seqs", True, "maker.vllm.max_num_seqs must be an integer >= 1"),
+    ("seed", -1, "maker.vllm.seed must be an integer >= 0"),
+    ("lora_versions_kept", 0, "maker.vllm.lora_versions_kept must be an integer >= 1"),
+    ("enforce_eager", "yes", "maker.vllm.enforce_eager must be true or false"),
+    ("gpu_memory_utilization", 0.0, r"maker.vllm.gpu_memory_utilization must be in \(0, 1\]"),
+    ("gpu_memory_utilization", 1.5, r"maker.vllm.gpu_memory_utilization must be in \(0, 1\]"),
+])
+def test_bad_values_are_refused_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        VLLMConfig(**{field: value})
+
+
+def test_defaults_and_backend_kwargs():
+    config = VLLMConfig()
+    assert (config.dtype, config.kv_cache_gb, config.lora_versions_kept) == ("bfloat16", 1, None)
+    assert config.backend_kwargs()["lora_versions_kept"] == 2  # no run: the servable version and the one before
+    assert VLLMConfig(lora_versions_kept=5).backend_kwargs()["lora_versions_kept"] == 5
+
+
+def test_section_loads_from_yaml_and_overrides(tmp_path):
+    path = tmp_path / "vllm.yaml"
+    path.write_text("maker: {backend: vllm, vllm: {dtype: float32, enforce_eager: false}}\n")
+    config = load_config(path, ["maker.vllm.kv_cache_gb=2", "maker.backend_options={max_num_seqs: 8}"])
+    assert config.maker.backend == "vllm"
+    assert (config.maker.vllm.dtype, config.maker.vllm.kv_cache_gb, config.maker.vllm.enforce_eager) == (
+        "float32", 2, False)
+    kwargs = config.maker_config.backend_kwargs()
+    assert (kwargs["dtype"], kwargs["kv_cache_gb"], kwargs["max_num_seqs"]) == ("float32", 2, 8)
+    again = tmp_path / "again.yaml"
+    again.write_text(dump_config(config))
+    assert load_config(again).to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["maker.vllm.dtype=int8"], "maker.vllm.dtype: must be one of"),
+    (["maker.vllm.kv_cache_gb=0"], "maker.vllm.kv_cache_gb: must be an integer >= 1"),
+    (["maker.vllm.bogus=1"], "maker.vllm.bogus: unknown key"),
+    (["maker.vllm.enforce_eager=3"], "maker.vllm.enforce_eager: expected true or false"),
+    (["maker.backend=vllm", "maker.backend_options={kv_cache: 1}"],
+     r"maker.backend_options: \['kv_cache'\] are not options of backend 'vllm'"),
+    (["maker.backend=vllm", "maker.backend_options={dtype: int8}"], "maker.vllm.dtype: must be one of"),
+    (["maker.backend=tgi"], r"maker.backend: must be one of \['hf', 'vllm'\]"),
+])
+def test_bad_values_in_config_files_name_the_dotted_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_lora_versions_kept_follows_the_runs_max_staleness():
+    assert load_config(None, ["trainer.max_staleness=4"]).maker_config.vllm.lora_versions_kept == 5
+    assert load_config(None, []).maker_config.vllm.lora_versions_kept is None  # unbounded staleness: 2 (see above)
+    kept = load_config(None, ["trainer.max_staleness=4", "maker.vllm.lora_versions_kept=2"])
+    assert kept.maker_config.vllm.lora_versions_kept == 2  # set explicitly: kept as set
+
+
+def test_run_and_maker_commands_take_backend_and_vllm_overrides():
+    args = build_parser().parse_args(["run", "--backend", "vllm", "--model", "tiny", "--set", "maker.vllm.kv_cache_gb=2"])
+    config = _run_config(args)
+    assert config.maker.backend == "vllm" and config.maker.vllm.kv_cache_gb == 2
+    # run.yaml's trainer.max_staleness 4 reaches the makers as the adapter versions a vLLM engine keeps.
+    assert config.maker_config.vllm.lora_versions_kept == config.trainer.max_staleness + 1 == 5
+    assert _run_config(build_parser().parse_args(["run"])).maker.backend == "hf"
+    args = build_parser().parse_args(["maker", "--name", "m0", "--trainers", "t0", "--backend", "vllm",
+                                      "--set", "maker.vllm.dtype=float32"])
+    config = _config(args)
+    assert config.maker.backend == "vllm" and config.maker.vllm.dtype == "float32"
+    with pytest.raises(ConfigError, match="maker.backend: must be one of"):
+        _config(build_parser().parse_args(["maker", "--name", "m0", "--trainers", "t0", "--backend", "tgi"]))
+
+
+def test_engine_environment_is_set_only_where_unset(monkeypatch):
+    config = VLLMConfig(kv_cache_gb=3)
+    wanted = engine_environment(config)
+    assert wanted == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    for key in wanted:
+        monkeypatch.setenv(key, "placeholder")  # recorded, so teardown restores this process's environment
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # the user's own setting wins
+    applied = apply_engine_environment(config)
+    assert applied == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert apply_engine_environment(config) == {}
+
+
+def test_head_size_of_the_tiny_models():
+    assert model_head_size(tiny_causal_lm("llama")[0]) == 16  # the default tiny llama: too small for vLLM on CPU
+    assert model_head_size(tiny_causal_lm("llama", hidden_size=128, intermediate_size=256)[0]) == 32
+
+
+def test_run_with_vllm_where_it_is_not_installed_says_how_to_install(monkeypatch, capsys):
+    from detached_rl.cli.main import main
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `vllm` found nowhere, as where it is not installed
+    assert main(["run", "--backend", "vllm", "--model", "tiny", "--no-progress"]) == 2  # before Ray starts
+    error = capsys.readouterr().err
+    assert "maker.backend 'vllm' needs the vllm package" in error and "pip install 'detached-rl[vllm]'" in error
