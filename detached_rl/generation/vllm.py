@@ -179,6 +179,12 @@ class VLLMBackend:
         if lora_backend(model) is not None and lora_mode == "keep":
             keep = KeepModeLayout.from_lora_model(model)  # refuses what keep mode cannot serve, before any engine
             plain = keep.hf_model
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                from detached_rl.generation import vllm_cpu_lora
+
+                vllm_cpu_lora.install()  # one matmul per layer instead of a per-token gather (one adapter per batch)
             engine_options = dict(enable_lora=True, max_lora_rank=engine_lora_rank(keep.config["r"]),
                                   max_loras=lora_versions_kept, max_cpu_loras=lora_versions_kept + 1)
         elif lora_backend(model) is not None:
@@ -241,7 +247,9 @@ class VLLMBackend:
         """vLLM `SamplingParams` for `sampling` (n samples of one prompt)."""
         from vllm import SamplingParams
 
-        stop_ids = list(sampling.stop_token_ids or self.eos_token_ids)
+        # Ids outside the vocabulary can never be sampled (HF `generate` just never meets them); vLLM refuses them.
+        vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        stop_ids = [i for i in (sampling.stop_token_ids or self.eos_token_ids) if 0 <= i < vocab_size]
         if sampling.do_sample:
             knobs: dict[str, Any] = dict(temperature=sampling.temperature, top_k=sampling.top_k or -1,
                                          top_p=sampling.top_p, seed=seed)
