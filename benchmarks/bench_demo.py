@@ -51,13 +51,16 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--output", default=None, help="run directories go here (default: a temporary one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
+    parser.add_argument("--set-for", action="append", nargs=2, default=[], metavar=("BACKEND", "KEY=VALUE"),
+                        help="an override for one backend's runs only")
     args = parser.parse_args()
     output = Path(args.output or tempfile.mkdtemp(prefix="bench-demo-"))
     extra = [item for pair in args.set for item in ("--set", pair)]
     rows = []
     for seed in args.seeds:  # backends alternate, so slow drift of the machine hits both alike
         for backend in args.backends:
-            row = run_once(backend, seed, output, extra)
+            own = [item for name, pair in args.set_for if name == backend for item in ("--set", pair)]
+            row = run_once(backend, seed, output, extra + own)
             rows.append(row)
             print(f"{backend:<6} seed {seed}: {row['seconds']:6.1f} s, held-out {row['before']:.1%} -> "
                   f"{row['after']:.1%} ({row['lift_points']:+.1f} points)", flush=True)

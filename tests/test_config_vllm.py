@@ -65,7 +65,7 @@ def test_section_loads_from_yaml_and_overrides(tmp_path):
     (["maker.backend=vllm", "maker.backend_options={kv_cache: 1}"],
      r"maker.backend_options: \['kv_cache'\] are not options of backend 'vllm'"),
     (["maker.backend=vllm", "maker.backend_options={dtype: int8}"], "maker.vllm.dtype: must be one of"),
-    (["maker.backend=tgi"], r"maker.backend: must be one of \['hf', 'vllm'\]"),
+    (["maker.backend=tgi"], r"maker.backend: must be one of \['auto', 'hf', 'vllm'\]"),
 ])
 def test_bad_values_in_config_files_name_the_dotted_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -83,9 +83,9 @@ def test_run_and_maker_commands_take_backend_and_vllm_overrides():
     args = build_parser().parse_args(["run", "--backend", "vllm", "--model", "tiny", "--set", "maker.vllm.kv_cache_gb=2"])
     config = _run_config(args)
     assert config.maker.backend == "vllm" and config.maker.vllm.kv_cache_gb == 2
-    # run.yaml's trainer.max_staleness 4 reaches the makers as the adapter versions a vLLM engine keeps.
-    assert config.maker_config.vllm.lora_versions_kept == config.trainer.max_staleness + 1 == 5
-    assert _run_config(build_parser().parse_args(["run"])).maker.backend == "hf"
+    # run.yaml's trainer.max_staleness 1 reaches the makers as the adapter versions a vLLM engine keeps.
+    assert config.maker_config.vllm.lora_versions_kept == config.trainer.max_staleness + 1 == 2
+    assert _run_config(build_parser().parse_args(["run"])).maker.backend == "auto"
     args = build_parser().parse_args(["maker", "--name", "m0", "--trainers", "t0", "--backend", "vllm",
                                       "--set", "maker.vllm.dtype=float32"])
     config = _config(args)

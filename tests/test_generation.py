@@ -156,7 +156,7 @@ def test_a_refused_update_leaves_the_sink_weights_untouched(mode, lora_mode, cor
 
 
 def test_unknown_backend_names_and_unfitting_options_are_refused_naming_the_field():
-    with pytest.raises(ValueError, match=r"MakerConfig\.backend must be one of \['hf', 'vllm'\], got 'tgi'"):
+    with pytest.raises(ValueError, match=r"MakerConfig\.backend must be one of \['auto', 'hf', 'vllm'\], got 'tgi'"):
         MakerConfig(backend="tgi")
     actor = Actor(*tiny_lm("llama", seed=0))
     with pytest.raises(ValueError, match=r"MakerConfig\.backend must be one of"):

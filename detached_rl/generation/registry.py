@@ -20,6 +20,8 @@ GENERATION_BACKENDS: dict[str, str | BackendFactory] = {
     "hf": "detached_rl.generation.hf:HFGenerationBackend.from_actor",
     # Settings in `MakerConfig.vllm`; the factory sets the engine's environment before vLLM is imported.
     "vllm": "detached_rl.generation.vllm_config:build_vllm_backend",
+    # vLLM where the maker's process can serve the policy with it (installed, head size), else "hf".
+    "auto": "detached_rl.generation.vllm_config:build_auto_backend",
 }
 
 

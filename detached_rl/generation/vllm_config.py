@@ -160,3 +160,29 @@ def build_vllm_backend(actor: Actor, lora_mode: str = "keep", **options: Any) ->
     from detached_rl.generation.vllm import VLLMBackend
 
     return VLLMBackend.from_actor(actor, lora_mode, **config.backend_kwargs())
+
+
+def vllm_unfit_reason(actor: Actor) -> str | None:
+    """Why this process cannot serve `actor` with vLLM (not importable, head size), or None when it can."""
+    from detached_rl.generation.vllm import vllm_available
+
+    if not vllm_installed() or not vllm_available():
+        return "vllm is not importable"
+    try:
+        check_head_size(actor.model)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def build_auto_backend(actor: Actor, lora_mode: str = "keep", **options: Any) -> GenerationBackend:
+    """The `GENERATION_BACKENDS["auto"]` factory: vLLM where this process can serve the policy with it, else HF.
+
+    `options` are the `maker.vllm` settings; the HF fallback takes its defaults. The chosen engine is the
+    backend's `engine` tag (maker status, experience `info["engine"]`).
+    """
+    if vllm_unfit_reason(actor) is None:
+        return build_vllm_backend(actor, lora_mode, **options)
+    from detached_rl.generation.hf import HFGenerationBackend
+
+    return HFGenerationBackend.from_actor(actor, lora_mode)

@@ -109,7 +109,7 @@ class MakerConfig:
         if self.backend not in GENERATION_BACKENDS:
             raise ValueError(
                 f"MakerConfig.backend must be one of {sorted(GENERATION_BACKENDS)}, got {self.backend!r}")
-        if self.backend == "vllm":
+        if self.backend in ("vllm", "auto"):
             vllm_config_with(self.vllm, self.backend_options)  # unknown or bad options are refused here, by name
         check_resources(self.resources, "MakerConfig.resources")
         check_amount(self.num_gpus, "MakerConfig.num_gpus", gpu=True)
@@ -125,7 +125,7 @@ class MakerConfig:
 
     def backend_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the backend's factory: `backend_options`, for vLLM laid over the `vllm` section."""
-        if self.backend == "vllm":
+        if self.backend in ("vllm", "auto"):
             return dataclasses.asdict(vllm_config_with(self.vllm, self.backend_options))
         return dict(self.backend_options)
 
@@ -395,12 +395,18 @@ class ExperienceMaker:
         self.batches, self.samples_made = state["batches"], state["samples_made"]
         self.tokens_made = state["tokens_made"]
 
+    @property
+    def backend_name(self) -> str:
+        """The backend that generates ("hf", "vllm"; what `MakerConfig.backend: auto` chose)."""
+        engine = getattr(self.backend, "engine", None)
+        return engine.partition(":")[0] if engine else self.config.backend
+
     def status(self) -> dict[str, Any]:
         """Counters for `detached-rl status` (cheap; safe to call while a batch is generated)."""
         return {
             "name": self.name,
             "role": "maker",
-            "backend": self.config.backend,
+            "backend": self.backend_name,
             "policy_version": self.receiver.version,
             "synced": self.synced,
             "batches": self.batches,
