@@ -120,3 +120,21 @@ def test_run_with_vllm_where_it_is_not_installed_says_how_to_install(monkeypatch
     assert main(["run", "--backend", "vllm", "--model", "tiny", "--no-progress"]) == 2  # before Ray starts
     error = capsys.readouterr().err
     assert "maker.backend 'vllm' needs the vllm package" in error and "pip install 'detached-rl[vllm]'" in error
+
+
+def test_auto_backend_falls_back_to_hf_where_vllm_cannot_serve_the_policy():
+    """The default job's `maker.backend: auto` on a policy vLLM's CPU attention cannot run (head size 16), or
+    where vllm is not installed: the HF backend, and the maker says so."""
+    from detached_rl.core.prompts import CyclingPrompts
+    from detached_rl.generation.hf import HFGenerationBackend
+    from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
+    from detached_rl.models.actor import Actor
+    from detached_rl.models.loaders import tiny_causal_lm
+    from detached_rl.rewards.tasks import addition_problems
+
+    from .helpers import LowTokenReward
+
+    maker = ExperienceMaker("m", MakerModels(actor=Actor(*tiny_causal_lm("llama")), reward=LowTokenReward()),
+                            CyclingPrompts(addition_problems(4)), MakerConfig(backend="auto"))
+    assert isinstance(maker.backend, HFGenerationBackend)
+    assert maker.backend_name == "hf" and maker.status()["backend"] == "hf"

@@ -49,7 +49,8 @@ def pair():
     trainer.build_update(store.put)
     maker = ExperienceMaker(
         "maker", MakerModels(actor=lora_actor(seed=3), reward=LowTokenReward()), CyclingPrompts(arithmetic_prompts()),
-        MakerConfig(experience_batch_size=2, group_size=4, sampling=SAMPLING, backend="vllm",
+        # "auto": vLLM, as this process can serve the policy with it (head size 32).
+        MakerConfig(experience_batch_size=2, group_size=4, sampling=SAMPLING, backend="auto",
                     vllm=VLLMConfig(dtype="float32", max_model_len=256, lora_versions_kept=3)),
         strategy=naive_strategy())
     maker.apply_weight_update(trainer.register_maker("maker"), store.fetch)  # first contact: a full update
@@ -66,6 +67,7 @@ def recompute(actor: Actor, prompt: torch.Tensor, response: torch.Tensor) -> tor
 
 def test_experience_carries_the_engine_and_trains(pair):
     maker, trainer, store = pair
+    assert maker.backend_name == "vllm" and maker.status()["backend"] == "vllm"
     experiences = maker.make_experience()
     assert len(experiences) == 8 and all(e.info["engine"] == "vllm:float32" for e in experiences)
     assert trainer.push_experience(experiences).accepted == 8
