@@ -70,6 +70,7 @@ bench: bench-env
 	$(PY) benchmarks/bench_core.py --model smollm2 --repeats 3
 	$(PY) benchmarks/bench_weight_sync.py --model smollm2 --makers 1 2 4 --repeats 3
 	$(PY) benchmarks/bench_lora_sync.py --repeats 3
+	$(PY) benchmarks/bench_generation.py --repeats 3
 	$(PY) benchmarks/bench_scorer_batching.py --model smollm2 --makers 4 --repeats 3
 	$(PY) benchmarks/bench_pipeline.py --steps 10 --repeats 3
 	$(PY) benchmarks/bench_pipeline.py --steps 10 --repeats 3 --max-staleness 4

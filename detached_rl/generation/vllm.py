@@ -26,6 +26,10 @@ How it fits the seam of `detached_rl.generation.base`:
   `detached_rl.core.sampling.process_logits` reproduces (checked in tests/test_vllm_backend.py).
 * Groups: consecutive equal prompts (the maker repeats each prompt `group_size` times) become one
   request with `n` = the run's length, so the engine shares the prompt's KV blocks.
+* One engine per process: vLLM keeps its distributed state in module globals and an engine's
+  shutdown tears it down, so a second backend is refused until `close()` shut the first down.
+* On CPU, keep mode installs a one-adapter fast path for vLLM's PyTorch LoRA ops
+  (`detached_rl.generation.vllm_cpu_lora`).
 """
 
 from __future__ import annotations
