@@ -1,5 +1,6 @@
 """Maker and trainer logic wired together in one process (no Ray): versions, weight sync, refusals."""
 
+import math
 import threading
 import time
 
@@ -340,3 +341,24 @@ def test_a_maker_waiting_for_the_acknowledged_version_never_generates_stale_batc
     assert stats["dropped"].get("stale", 0) == 0 and stats["accounting_ok"]
     assert waits, "the producer never had to wait: the test did not exercise the bound"
     assert all(0.0 <= m.get("staleness/max", 0.0) <= 1.0 for m in trainer.history)
+
+
+def test_a_reference_that_filters_out_sampled_tokens_still_trains():
+    """With top-k, the maker's reference (the initial policy) gives -inf to sampled tokens outside its own top-k;
+    the experience is accepted and the PPO step leaves those tokens out of the KL: nothing non-finite."""
+    sampling = SamplingConfig(max_new_tokens=6, top_k=2)
+    maker = ExperienceMaker("maker_0", tiny_maker_models(seed=7), CyclingPrompts(arithmetic_prompts()),
+                            MakerConfig(experience_batch_size=4, sampling=sampling), strategy=naive_strategy())
+    actor, critic = tiny_actor_critic(seed=0)
+    learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=sampling, kl_coef=0.1))
+    trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8))
+    store = ObjectStore()
+    trainer.build_update(store.put)
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)  # the policy now differs from ref
+    experiences = maker.make_experience() + maker.make_experience()
+    assert sum(int(torch.isinf(e.ref_log_probs).sum()) for e in experiences) > 0
+    assert all(math.isfinite(e.info["kl"]) for e in experiences)
+    assert trainer.push_experience(experiences).accepted == 8
+    metrics = trainer.train_step()
+    assert all(math.isfinite(value) for value in metrics.values() if isinstance(value, float))
+    assert all(torch.isfinite(p).all() for p in learner.actor.parameters())

@@ -98,7 +98,9 @@ class Experience:
         for name in TOKEN_FIELDS:
             value = getattr(self, name)
             if value is not None:
-                _check_token_floats(value, name, length)
+                # A reference scored on the processed distribution gives -inf to a sampled token its own top-k/top-p
+                # filters out; the trainers leave such tokens out of the KL (`algorithms.mismatch.masked_kl`).
+                _check_token_floats(value, name, length, negative_infinity=name == "ref_log_probs")
         if isinstance(self.policy_version, bool) or not isinstance(self.policy_version, int):
             raise ExperienceValidationError("policy_version", f"must be an int, got {self.policy_version!r}")
         if self.policy_version < 0:
@@ -181,14 +183,17 @@ def _check_ids(value: Any, name: str, vocab_size: int | None) -> None:
         raise ExperienceValidationError(name, f"has token ids >= vocab size {vocab_size}")
 
 
-def _check_floats(value: torch.Tensor, name: str) -> None:
+def _check_floats(value: torch.Tensor, name: str, negative_infinity: bool = False) -> None:
     if value.dtype not in _FLOAT_DTYPES:
         raise ExperienceValidationError(name, f"dtype must be floating point, got {value.dtype}")
-    if not bool(torch.isfinite(value).all()):
+    if negative_infinity:
+        if bool((torch.isnan(value) | (value == float("inf"))).any()):
+            raise ExperienceValidationError(name, "has NaN or +inf values (-inf is allowed: a filtered token)")
+    elif not bool(torch.isfinite(value).all()):
         raise ExperienceValidationError(name, "has non-finite values (NaN or inf)")
 
 
-def _check_token_floats(value: Any, name: str, length: int, what: str = "") -> None:
+def _check_token_floats(value: Any, name: str, length: int, what: str = "", negative_infinity: bool = False) -> None:
     if not isinstance(value, torch.Tensor):
         raise ExperienceValidationError(name, f"must be a tensor, got {type(value).__name__}")
     if value.dim() != 1 or value.numel() != length:
@@ -196,7 +201,7 @@ def _check_token_floats(value: Any, name: str, length: int, what: str = "") -> N
         raise ExperienceValidationError(
             name, f"must be {expected} (one per response token), got shape {tuple(value.shape)}"
         )
-    _check_floats(value, name)
+    _check_floats(value, name, negative_infinity)
 
 
 @dataclass

@@ -296,7 +296,9 @@ class ExperienceMaker:
             length = base.response_length
             info: dict[str, Any] = {"finished": out.finished[row], **components[row], "engine": engine}
             if ref is not None:  # mean k1 KL to the reference, for inspection (the trainer shapes rewards)
-                info["kl"] = float((base.log_probs - ref[row, :length]).mean())
+                gap = base.log_probs - ref[row, :length]
+                finite = torch.isfinite(gap)  # -inf reference log-probs: tokens its top-k/top-p filters out
+                info["kl"] = float(gap[finite].mean()) if bool(finite.any()) else 0.0
             if fingerprint is not None:
                 info["weights_fingerprint"] = fingerprint
             if "critic" in remote:
