@@ -35,8 +35,9 @@ Figures, each a median [min-max] over `--repeats` runs (the two sides alternate)
 Settings that differ, and why:
 * staleness: ours trains on a batch the maker generated while the previous step trained
   (`trainer.max_staleness=1`, `--max-staleness`: the maker waits for weights fresh enough, so every
-  batch is one version behind; the PPO ratio is taken against the maker's float32 behaviour
-  log-probs, `proximal_recompute: false`, so no TIS weights); TRL is on-policy (it
+  batch is one version behind; the maker generates with the default job's backend, vLLM in bf16
+  where installed, so the trainer recomputes the "old" log-probs and weights tokens by TIS,
+  `proximal_recompute: true`); TRL is on-policy (it
   generates with the weights it then trains, and its "old" log-probs are the trained forward's own,
   so the ratio is exactly 1). That overlap is what is being measured.
 * threads: 1 + 1 in two processes (ours) against 2 in one (TRL), so both use the machine's 2 cores.
