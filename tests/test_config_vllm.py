@@ -138,3 +138,22 @@ def test_auto_backend_falls_back_to_hf_where_vllm_cannot_serve_the_policy():
                             CyclingPrompts(addition_problems(4)), MakerConfig(backend="auto"))
     assert isinstance(maker.backend, HFGenerationBackend)
     assert maker.backend_name == "hf" and maker.status()["backend"] == "hf"
+
+
+def test_work_directories_of_gone_processes_are_removed(tmp_path):
+    """A maker killed without close() leaves its RAM-backed directory; the next engine's start removes it."""
+    import subprocess
+    import sys
+
+    from detached_rl.generation.vllm import WORKDIR_PREFIX, remove_orphaned_workdirs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead = tmp_path / f"{WORKDIR_PREFIX}{int(gone.stdout)}-abc"
+    mine = tmp_path / f"{WORKDIR_PREFIX}{os.getpid()}-def"
+    alive = tmp_path / f"{WORKDIR_PREFIX}1-ghi"  # pid 1 always runs
+    other = tmp_path / "something-else"
+    for path in (dead, mine, alive, other):
+        (path / "adapters").mkdir(parents=True)
+    assert remove_orphaned_workdirs(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and mine.exists() and alive.exists() and other.exists()

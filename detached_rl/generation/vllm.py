@@ -105,6 +105,28 @@ class VLLMWeightSink:
         self.reloads += 1
 
 
+# Work directories (config, adapters) are named after their process: a maker killed without `close()` (Ray
+# kills actors at shutdown) leaves its directory in RAM-backed /dev/shm, and the next engine removes it.
+WORKDIR_PREFIX = "detached-rl-vllm-"
+
+
+def remove_orphaned_workdirs(root: str) -> list[str]:
+    """Delete the work directories under `root` whose process is gone; returns their paths."""
+    removed = []
+    for name in os.listdir(root):
+        pid_text = name[len(WORKDIR_PREFIX):].partition("-")[0] if name.startswith(WORKDIR_PREFIX) else ""
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(os.path.join(root, name))
+        except PermissionError:  # alive, another user's
+            continue
+    return removed
+
+
 # The live in-process engine: vLLM keeps its distributed state in module globals, and an engine's shutdown
 # tears them down under any other engine of the process (docs/vllm-notes.md), so a process runs one at a time.
 _LIVE_ENGINE: list[weakref.ref] = []
@@ -202,8 +224,9 @@ class VLLMBackend:
         # Only the config goes to a RAM-backed directory: the engine starts on dummy weights, then takes the
         # policy's weights from memory, the way every full update arrives. Keep mode's adapters go there too.
         _refuse_a_second_engine()
-        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        workdir = tempfile.mkdtemp(prefix="detached-rl-vllm-", dir=root)
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        remove_orphaned_workdirs(root)
+        workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=root)
         try:
             plain.config.save_pretrained(workdir)
             llm = LLM(model=workdir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
