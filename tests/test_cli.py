@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import detached_rl
 from detached_rl.cli.check import run_check
 from detached_rl.cli.main import main
@@ -43,3 +45,35 @@ def test_every_command_has_help_and_a_scorers_command_without_groups_is_refused(
         assert parser.description, f"{name} has no description"
     assert main(["scorers", "--address", "127.0.0.1:1"]) == 2
     assert "no scorer groups configured: set maker.reward_scorer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "--steps", "-5"], "argument --steps: must be >= 1, got -5"),
+        (["run", "--makers", "0"], "argument --makers: must be >= 1"),
+        (["trainer", "--name", "t", "--update-steps", "0"], "argument --update-steps: must be >= 1"),
+        (["trainer", "--name", "t", "--checkpoint-every", "-1"], "argument --checkpoint-every: must be >= 0"),
+        (["trainer", "--name", "t", "--num-gpus-per-rank", "inf"], "argument --num-gpus-per-rank: expected a finite"),
+        (["maker", "--name", "m", "--trainers", "t", "--batches", "0"], "argument --batches: must be >= 1"),
+        (["inspect", "t", "--last", "-1"], "argument --last: must be >= 0"),
+        (["inspect", "t", "--min-reward", "nan"], "argument --min-reward: expected a finite number"),
+        (["stop", "--timeout", "0"], "argument --timeout: must be > 0"),
+        (["ppo-on-ray", "--prompt_csv", "p.csv", "--num_episodes", "0"], "argument --num_episodes"),
+        (["run", "--steps", "x"], "argument --steps: expected an integer, got 'x'"),
+    ],
+)
+def test_bad_numbers_are_refused_while_parsing_in_one_line(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_non_finite_config_values_are_refused_naming_the_key():
+    from detached_rl.config import ConfigError, load_config
+
+    for text in ("trainer.batch_timeout_s=inf", "trainer.weight_push_timeout_s=nan", "sampling.temperature=-inf"):
+        with pytest.raises(ConfigError, match=text.split("=")[0] + ": expected a finite number"):
+            load_config(None, [text])

@@ -78,7 +78,8 @@ def connect(address: str | None, namespace: str, timeout: float | None = None) -
         # Otherwise Ray replaces a loopback address by the machine's external one, where a cluster
         # bound to loopback does not listen. Read when ray is imported, so set it first.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # RAY_AUTH_MODE is the user's: with token auth on (RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or
+    # ~/.ray/auth_token), Ray reads the token itself when this process joins.
     import ray
 
     done = threading.Event()
@@ -99,8 +100,9 @@ def connect(address: str | None, namespace: str, timeout: float | None = None) -
                 # A busy head node can be slow to start the per-client server: try again before giving up.
                 if not (address.startswith("ray://") and "Initialization failure" in str(error)) or attempt == 2:
                     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                    raise JobError(f"cannot connect to a Ray cluster at {address!r}: {first} "
-                                   "(start one with `ray start --head`, or pass --address)") from None
+                    hint = ("start one with `ray start --head`, or pass --address; with token auth on, "
+                            "RAY_AUTH_MODE=token and the cluster's RAY_AUTH_TOKEN (or ~/.ray/auth_token)")
+                    raise JobError(f"cannot connect to a Ray cluster at {address!r}: {first} ({hint})") from None
                 time.sleep(2.0)
     finally:
         done.set()
@@ -109,11 +111,11 @@ def connect(address: str | None, namespace: str, timeout: float | None = None) -
 def init_local_ray(namespace: str, **options: Any) -> None:
     """Start an embedded single-node Ray bound to 127.0.0.1 (nothing listens on other interfaces).
 
-    Ray has no authentication of its own unless token auth is on: a cluster reachable from the
-    network runs whatever any client sends it. For a real multi-node cluster, start it with
-    `ray start --head --node-ip-address=<private address>` on a trusted network (and token auth).
+    RAY_AUTH_MODE is left as the user set it; unset, Ray 2.60 turns token auth on for a new local
+    cluster and keeps its token in ~/.ray/auth_token. For a real multi-node cluster, start it with
+    `ray start --head --node-ip-address=<private address>` on a trusted network and token auth
+    (docs/operations.md#security).
     """
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # else Ray swaps 127.0.0.1 for the LAN address
     import ray
 

@@ -18,6 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from detached_rl import __version__
+from detached_rl.cli.arguments import (
+    OneLineParser,
+    finite_float,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 if TYPE_CHECKING:
     from detached_rl.config import RunConfig
@@ -120,9 +128,25 @@ def _maker(args: argparse.Namespace) -> int:
     config = _config(args)
     trainers = [t for t in (args.trainers or "").split(",") if t]
     jobs.connect(args.address, config.namespace)
+    _refuse_missing_trainers(trainers, config.namespace)
     jobs.start_maker(config, args.name, trainers, args.batches, args.state_dir)
     print(f"maker {args.name!r} started in namespace {config.namespace!r}, feeding {', '.join(trainers)}")
     return _follow(args.name, config.namespace) if args.wait else 0
+
+
+def _refuse_missing_trainers(trainers: Sequence[str], namespace: str) -> None:
+    """Fail at once, naming them, when trainers the maker is to feed are not running in `namespace`."""
+    import ray
+
+    missing = []
+    for trainer in trainers:
+        try:
+            ray.get_actor(trainer, namespace=namespace)
+        except ValueError:
+            missing.append(trainer)
+    if missing:
+        raise ValueError(f"--trainers: no trainer named {', '.join(map(repr, missing))} in namespace {namespace!r} "
+                         "(start it first with `detached-rl trainer --name ...`; a group's ranks are <name>_<rank>)")
 
 
 def _scorers(args: argparse.Namespace) -> int:
@@ -221,7 +245,7 @@ def _backend_option(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
-    parser = argparse.ArgumentParser(prog="detached-rl", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="detached-rl", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"detached-rl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -230,8 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start (or join) a Ray cluster, train with one named trainer and N named makers, grade the "
                     "held-out split before and after, and write runs/<name>/ (metrics, TensorBoard, plot, adapter, "
                     "merged model). Defaults: SmolLM2-135M-Instruct + LoRA, GRPO, arithmetic word problems.")
-    run.add_argument("--steps", type=int, default=None, help="training steps (default 30)")
-    run.add_argument("--makers", type=int, default=None, help="experience makers (default 2)")
+    run.add_argument("--steps", type=positive_int, default=None, help="training steps (default 30)")
+    run.add_argument("--makers", type=positive_int, default=None, help="experience makers (default 2)")
     run.add_argument("--model", default=None, help="smollm2 (default) | tiny[-<model_type>] | a local model directory")
     run.add_argument("--task", default=None, choices=("word_problems", "addition"), help="default word_problems")
     run.add_argument("--name", default=None, help="run name: actor-name prefix and runs/<name> (default: dated)")
@@ -265,10 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check", help="load a model, apply LoRA, generate, score and take one GRPO step (no Ray)",
                                 description="End-to-end check of the toolkit's core in one process.")
     check.add_argument("--model", default="smollm2", help="smollm2 | tiny[-<model_type>] | a local model directory")
-    check.add_argument("--prompts", type=int, default=4, help="distinct prompts (default 4)")
-    check.add_argument("--group-size", type=int, default=4, help="responses per prompt (default 4)")
-    check.add_argument("--max-new-tokens", type=int, default=32, help="response length limit (default 32)")
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--prompts", type=positive_int, default=4, help="distinct prompts (default 4)")
+    check.add_argument("--group-size", type=positive_int, default=4, help="responses per prompt (default 4)")
+    check.add_argument("--max-new-tokens", type=positive_int, default=32, help="response length limit (default 32)")
+    check.add_argument("--seed", type=non_negative_int, default=0)
     check.set_defaults(handler=_check)
 
     trainer = commands.add_parser(
@@ -276,18 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a named, detached trainer; it outlives this command. With --world-size N > 1 it starts "
                     "ranks <name>_0 ... <name>_{N-1} in one placement group, forming one process group.")
     trainer.add_argument("--name", required=True, help="actor name (a group's ranks are <name>_<rank>)")
-    trainer.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default 1)")
+    trainer.add_argument("--world-size", type=positive_int, default=None, help="data-parallel ranks (default 1)")
     trainer.add_argument("--strategy", default=None,
                          choices=("naive", "ddp", "colossalai_ddp", "colossalai_zero2", "colossalai_gemini"),
                          help="how ranks train (default naive; ddp or colossalai_ddp on CPU; zero2/gemini need CUDA)")
     trainer.add_argument("--placement", default=None, choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
                          help="placement-group strategy for the ranks (default PACK)")
-    trainer.add_argument("--num-gpus-per-rank", type=float, default=None,
+    trainer.add_argument("--num-gpus-per-rank", type=non_negative_float, default=None,
                          help="GPUs each rank (a naive trainer: the trainer) asks Ray for; fractions of one GPU "
                               "allowed (default trainer_group.num_gpus_per_rank, 0)")
-    trainer.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
-    trainer.add_argument("--update-steps", type=int, default=1, help="push weights every N steps (default 1)")
-    trainer.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps")
+    trainer.add_argument("--steps", type=positive_int, default=100, help="training steps (default 100)")
+    trainer.add_argument("--update-steps", type=positive_int, default=1, help="push weights every N steps (default 1)")
+    trainer.add_argument("--checkpoint-every", type=non_negative_int, default=0, help="save a checkpoint every N steps")
     trainer.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (one folder per rank)")
     trainer.add_argument("--resume-from", default=None, help="continue from a checkpoint directory")
     trainer.add_argument("--wait", action="store_true", help="follow the trainer until it finishes")
@@ -299,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Start a named, detached maker; it waits for its trainers by name.")
     maker.add_argument("--name", required=True, help="actor name, e.g. maker_0")
     maker.add_argument("--trainers", required=True, help="comma-separated trainer names, e.g. trainer_0,trainer_1")
-    maker.add_argument("--batches", type=int, default=None, help="stop after N batches (default: until stopped)")
-    maker.add_argument("--num-gpus", type=float, default=None,
+    maker.add_argument("--batches", type=positive_int, default=None, help="stop after N batches (default: until stopped)")
+    maker.add_argument("--num-gpus", type=non_negative_float, default=None,
                        help="GPUs the maker asks Ray for; fractions of one GPU allowed (default maker.num_gpus, 0)")
     maker.add_argument("--state-dir", default=None,
                        help="save the prompt cursor to <dir>/<name> after every batch; resume from it on (re)start")
@@ -329,9 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="a trainer's replay buffer: sizes, staleness, makers, rewards, samples",
                                   description="Look into a trainer's replay buffer without stopping training.")
     inspect.add_argument("name", help="trainer name")
-    inspect.add_argument("--last", type=int, default=5, help="newest samples to show (default 5)")
+    inspect.add_argument("--last", type=non_negative_int, default=5, help="newest samples to show (default 5)")
     inspect.add_argument("--maker", default=None, help="only samples from this maker")
-    inspect.add_argument("--min-reward", type=float, default=None, help="only samples with at least this reward")
+    inspect.add_argument("--min-reward", type=finite_float, default=None, help="only samples with at least this reward")
     inspect.add_argument("--json", action="store_true", help="print JSON")
     _cluster_options(inspect)
     inspect.set_defaults(handler=_inspect)
@@ -347,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Stop makers, then trainers: finish the current batch or step, then kill.")
     stop.add_argument("names", nargs="*", help="actor names (default: every actor of the namespace)")
     stop.add_argument("--force", action="store_true", help="kill at once, without draining")
-    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each actor to drain")
+    stop.add_argument("--timeout", type=positive_float, default=60.0, help="seconds to wait for each actor to drain")
     _cluster_options(stop)
     stop.set_defaults(handler=_stop)
     return parser

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from detached_rl.cli.arguments import non_negative_int, positive_float, positive_int
+
 if TYPE_CHECKING:  # the CLI builds its parser from here: keep torch out of `detached-rl --help`
     from detached_rl.config import RunConfig
 
@@ -50,17 +52,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
               "colossalai_zero2/gemini need CUDA)")
     flag("save_path", default="ppo_on_ray_actor", help="directory the trained policy is saved to (default "
                                                        "ppo_on_ray_actor)")
-    flag("num_episodes", type=int, default=1, help="episodes (default 1)")
-    flag("max_timesteps", type=int, default=4, help="experience batches per episode (default 4)")
-    flag("update_timesteps", type=int, default=2, help="experience batches per training step (default 2)")
-    flag("train_epochs", type=int, default=1, help="passes over each training batch (default 1)")
-    flag("experience_batch_size", type=int, default=4, help="prompts per experience batch (default 4)")
-    flag("num_makers", type=int, default=1, help="experience makers that generate (default 1)")
-    flag("num_actor_nodes", type=int, default=1, help="nodes of the actor (trainer) group (default 1)")
-    flag("num_critic_nodes", type=int, default=1, help="nodes of the critic scorer group (default 1)")
-    flag("num_initial_nodes", type=int, default=1, help="nodes of the initial (reference) scorer group (default 1)")
-    flag("num_reward_nodes", type=int, default=1, help="nodes of the reward scorer group (default 1)")
-    flag("num_gpus_per_node", type=int, default=0, help="GPUs per node of every group: a rank or worker per GPU "
+    flag("num_episodes", type=positive_int, default=1, help="episodes (default 1)")
+    flag("max_timesteps", type=positive_int, default=4, help="experience batches per episode (default 4)")
+    flag("update_timesteps", type=positive_int, default=2, help="experience batches per training step (default 2)")
+    flag("train_epochs", type=positive_int, default=1, help="passes over each training batch (default 1)")
+    flag("experience_batch_size", type=positive_int, default=4, help="prompts per experience batch (default 4)")
+    flag("num_makers", type=positive_int, default=1, help="experience makers that generate (default 1)")
+    flag("num_actor_nodes", type=positive_int, default=1, help="nodes of the actor (trainer) group (default 1)")
+    flag("num_critic_nodes", type=positive_int, default=1, help="nodes of the critic scorer group (default 1)")
+    flag("num_initial_nodes", type=positive_int, default=1, help="nodes of the initial (reference) scorer group (default 1)")
+    flag("num_reward_nodes", type=positive_int, default=1, help="nodes of the reward scorer group (default 1)")
+    flag("num_gpus_per_node", type=non_negative_int, default=0, help="GPUs per node of every group: a rank or worker per GPU "
                                                         "(a naive trainer takes one), and each maker takes one; "
                                                         "0 runs on CPU, one worker per node (default 0)")
     flag("reward", default=None, help="reward: 'model' (a reward model on the policy's architecture, or on "
@@ -68,11 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                       "boxed, ...); default: numeric_answer when the prompt file has answers, "
                                       "else model")
     flag("reward_pretrain", default=None, help="local directory of the reward model's backbone (with --reward model)")
-    flag("max_new_tokens", type=int, default=16, help="response length limit (default 16)")
-    flag("lr", type=float, default=None, help="learning rate of the actor (default: ppo.actor_optimizer.lr, 1e-5)")
-    flag("seed", type=int, default=0, help="seed of the models and the makers' sampling (default 0)")
+    flag("max_new_tokens", type=positive_int, default=16, help="response length limit (default 16)")
+    flag("lr", type=positive_float, default=None, help="learning rate of the actor (default: ppo.actor_optimizer.lr, 1e-5)")
+    flag("seed", type=non_negative_int, default=0, help="seed of the models and the makers' sampling (default 0)")
     flag("name", default="ppo", help="actor-name prefix (default ppo)")
-    flag("timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
+    flag("timeout", type=positive_float, default=3600.0, help="give up after this many seconds (default 3600)")
 
 
 def launcher_config(args: argparse.Namespace) -> RunConfig:

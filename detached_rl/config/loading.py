@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -103,6 +104,8 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
                 raise ConfigError(f"{path}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # no setting means "unlimited" by inf: those take null
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
