@@ -77,3 +77,12 @@ def test_non_finite_config_values_are_refused_naming_the_key():
     for text in ("trainer.batch_timeout_s=inf", "trainer.weight_push_timeout_s=nan", "sampling.temperature=-inf"):
         with pytest.raises(ConfigError, match=text.split("=")[0] + ": expected a finite number"):
             load_config(None, [text])
+
+
+def test_run_refuses_an_unknown_model_before_starting_anything(capsys, tmp_path):
+    assert main(["run", "--model", "no-such-model", "--output", str(tmp_path)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("detached-rl: error: model.policy: 'no-such-model' is neither") and "\n" not in line
+    assert main(["run", "--model", str(tmp_path), "--output", str(tmp_path)]) == 2
+    assert "without config.json" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*/"))  # no run directory was made

@@ -64,10 +64,23 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
                       task=args.task, name=args.name)
 
 
+def _refuse_unloadable_models(config: RunConfig) -> None:
+    """Fail before anything starts when a model spec of the config names nothing loadable here."""
+    from detached_rl.models.loaders import model_spec_problem
+
+    for key in ("policy", "critic", "reward_model"):
+        spec = getattr(config.model, key)
+        problem = model_spec_problem(spec) if spec is not None else None
+        if problem:
+            raise ValueError(f"model.{key}: {problem}")
+
+
 def _run(args: argparse.Namespace) -> int:
     from detached_rl.cli.run import RunInterrupted, run_job
 
     config = _run_config(args)
+    if not args.address:  # a joined cluster's nodes may hold directories this machine does not
+        _refuse_unloadable_models(config)
     try:
         run_job(config, address=args.address)
     except RunInterrupted as error:
