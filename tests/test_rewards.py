@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -15,7 +16,7 @@ import torch
 from detached_rl import Experience, collate
 from detached_rl.models import FunctionReward, tiny_tokenizer
 from detached_rl.rewards import functions as rewards_module
-from detached_rl.rewards import sandbox
+from detached_rl.rewards import isolation, sandbox
 from detached_rl.rewards.functions import (
     REWARD_FUNCTIONS,
     answers_match,
@@ -28,7 +29,8 @@ from detached_rl.rewards.functions import (
     numeric_answer_reward,
     think_answer_tags_reward,
 )
-from detached_rl.rewards.sandbox import run_python
+from detached_rl.rewards.math_verify import MathVerifyWorker
+from detached_rl.rewards.sandbox import SandboxUnavailable, run_python
 
 SECRET = "hunter2-not-for-the-sandbox"
 
@@ -175,14 +177,8 @@ def test_last_boxed(text, expected):
 )
 def test_boxed(response, answer, correct, has_format):
     result = boxed_reward("q", response, answer=answer)
-    assert result == {"reward": pytest.approx(correct + 0.1 * has_format), "correct": correct, "format": has_format}
-
-
-def test_boxed_falls_back_to_string_equality_without_math_verify(monkeypatch):
-    monkeypatch.setattr(rewards_module, "_MATH_VERIFY", rewards_module._MathVerifyWorker())
-    monkeypatch.setattr(rewards_module._MATH_VERIFY, "_available", False)
-    assert boxed_reward("q", r"\boxed{ 1 / 2 }", answer="1/2")["correct"] == 1.0
-    assert boxed_reward("q", r"\boxed{0.5}", answer="1/2")["correct"] == 0.0
+    assert result == {"reward": pytest.approx(correct + 0.1 * has_format), "correct": correct, "format": has_format,
+                      "verifier_unavailable": 0.0}
 
 
 def test_math_rewards_from_worker_threads():
@@ -200,20 +196,17 @@ def test_math_rewards_from_worker_threads():
 
 
 def test_boxed_survives_pathological_answers_off_the_main_thread():
-    start = time.monotonic()
     with ThreadPoolExecutor(1) as pool:
         result = pool.submit(boxed_reward, "q", r"\boxed{10^{10^{10}} + 2^{2^{2^{2^{100}}}}}", answer="1",
                              timeout_s=1).result(timeout=30)
-    assert result == {"reward": pytest.approx(0.1), "correct": 0.0, "format": 1.0}
-    assert time.monotonic() - start < 10
+    assert result == {"reward": pytest.approx(0.1), "correct": 0.0, "format": 1.0, "verifier_unavailable": 0.0}
 
 
 def test_math_worker_that_overruns_is_killed_and_restarted():
-    stuck = rewards_module._MathVerifyWorker("import time\nprint('ready', flush=True)\ntime.sleep(600)")
-    start = time.monotonic()
+    stuck = MathVerifyWorker("import time\nprint('ready', flush=True)\ntime.sleep(600)")
     assert stuck.equal("1", "2", timeout_s=0.1) is False
-    assert time.monotonic() - start < 5 and stuck._process is None
-    assert rewards_module._MathVerifyWorker("raise SystemExit(1)").equal("1", "1", timeout_s=1) is None
+    assert stuck._process is None and stuck.timeouts == 1
+    assert MathVerifyWorker("raise SystemExit(1)").equal("1", "1", timeout_s=1) is None
 
 
 # ------------------------------------------------------------------ code: extraction
@@ -342,8 +335,8 @@ def test_run_python_basics(secret_env, no_leftovers):
     assert result.ok and result.stderr == "ok\n" and not result.timed_out and result.killed_reason is None
     shouted, listing, env, cwd = result.stdout.splitlines()
     assert shouted == "HELLO" and listing == "[]"  # starts in an empty directory
-    assert env == str(["HOME", "LANG", "PATH", "PYTHONDONTWRITEBYTECODE", "TMPDIR"])  # nothing inherited
-    assert not os.path.exists(cwd)  # which is deleted afterwards
+    assert env == str(["HOME", "LANG", "MALLOC_ARENA_MAX", "PATH", "PWD"])  # nothing inherited
+    assert cwd == "/tmp" and not os.path.exists("/tmp/scratch.txt")  # a private tmpfs, gone afterwards
     assert run_python("import sys\nsys.exit(3)").returncode == 3
 
 
@@ -358,16 +351,92 @@ def test_run_python_limits_report_why(no_leftovers):
     memory = run_python("x = bytearray(300 * 2**20)", memory_mb=256)
     assert memory.returncode == 1 and "MemoryError" in memory.stderr
     assert run_python("x = bytearray(100 * 2**20)\nprint(len(x))", memory_mb=256).stdout == f"{100 * 2**20}\n"
+    disk = run_python("f = open('big', 'wb')\nfor _ in range(8):\n    f.write(b'x' * 2**20)", max_file_mb=4)
+    assert disk.returncode == 1 and "File too large" in disk.stderr
+    full = run_python("for i in range(8):\n    open(f'f{i}', 'wb').write(b'x' * 2**20)", max_file_mb=1, max_tmp_mb=4)
+    assert full.returncode == 1 and "No space left" in full.stderr
     assert run_python("print(1)\0").killed_reason == "invalid_code"
     assert run_python("x = 1\n" * 100_000).killed_reason == "invalid_code"
 
 
-def test_run_python_guards_hold_without_a_network_namespace(monkeypatch, tmp_path, no_leftovers):
-    monkeypatch.setattr(sandbox, "network_isolation_prefix", lambda: ())
-    for name in ("socket", "fork_bomb", "parent_env_secret"):
-        result = run_python(HOSTILE[name] + "\nprint('done')")
-        assert result.returncode == 1 and "sandbox:" in result.stderr and "done" not in result.stdout
-    assert "sandbox:" in run_python(f"open({str(tmp_path / 'x')!r}, 'w')").stderr and not (tmp_path / "x").exists()
+def test_run_python_confinement_as_the_code_sees_it(no_leftovers):
+    status = run_python("print(open('/proc/self/status').read())", audit_hook=False).stdout
+    fields = {key: value.split() for key, _, value in (line.partition(":") for line in status.splitlines())}
+    assert fields["Uid"] == ["65534"] * 4 and fields["Gid"] == ["65534"] * 4 and fields["Groups"] == []
+    assert fields["CapEff"] == fields["CapPrm"] == fields["CapBnd"] == ["0000000000000000"]
+    assert fields["NoNewPrivs"] == ["1"] and fields["Seccomp"] == ["2"]
+    seen = run_python("import os\nprint(sorted(os.listdir('/')), sorted(p for p in os.listdir('/proc') if p.isdigit()))",
+                      audit_hook=False).stdout
+    assert "etc" not in seen and "home" not in seen and "['1', '2']" in seen  # only its own PID namespace
+
+
+# Each prints "escaped" only if the OS layers let it through; run without the audit hook (second layer).
+OS_LAYER_ATTACKS = {
+    "fork": "import os\nos.fork()",
+    "ctypes_fork": "import ctypes\nassert ctypes.CDLL(None).fork() >= 0",
+    "subprocess": "import subprocess\nsubprocess.run(['/usr/bin/true'])",
+    "new_user_namespace": "import ctypes\nassert ctypes.CDLL(None).unshare(0x10000000) == 0",
+    "ptrace_init": "import ctypes\nassert ctypes.CDLL(None).ptrace(16, 1, 0, 0) == 0",
+    "mount": "import ctypes\nassert ctypes.CDLL(None).mount(b'none', b'/tmp', b'tmpfs', 0, None) == 0",
+    "tiocsti_high_bits": "import ctypes\nc = ctypes.c_char(b'x')\n"
+                         "assert ctypes.CDLL(None).ioctl(0, ctypes.c_ulong(0x100005412), ctypes.byref(c)) == 0",
+    "inet_socket": "import socket\nsocket.socket().connect(('1.1.1.1', 53))",
+    "netlink_socket": "import socket\nsocket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)",
+    "pidfd_kill": "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(1), signal.SIGKILL)",
+    "kill_init": "import os\nos.kill(1, 9)",
+    "setuid_root": "import os\nos.setuid(0)",
+    "read_passwd": "open('/etc/passwd').read()",
+    "list_root": "import os\nos.listdir('/root')",
+    "write_usr": "open('/usr/escaped', 'w')",
+    "raise_limits": "import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))",
+}
+
+
+@pytest.mark.parametrize("name", sorted(OS_LAYER_ATTACKS))
+def test_os_layers_hold_without_the_audit_hook(name, no_leftovers):
+    result = run_python(OS_LAYER_ATTACKS[name] + "\nprint('escaped')", timeout_s=3, audit_hook=False)
+    assert "escaped" not in result.stdout and result.returncode != 0, result
+
+
+def test_no_process_outlives_the_call(no_leftovers):
+    daemon = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+              "        time.sleep(60)  # {marker}\n    os._exit(0)\nprint('parent done'){tail}")
+
+    def marked(marker: str) -> bool:
+        return any(marker.encode() in _cmdline(pid) for pid in Path("/proc").iterdir() if pid.name.isdigit())
+
+    # the parent exits at once (the daemon holds its stdout), or runs into the timeout
+    for marker, tail, timeout_s in (("DAEMON_A", "", 5.0), ("DAEMON_B", "\ntime.sleep(30)", 0.5)):
+        result = run_python(daemon.format(marker=marker, tail=tail), timeout_s=timeout_s, max_processes=4,
+                            audit_hook=False)
+        assert result.timed_out == (timeout_s < 1) and not marked(marker)
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_refuses_to_run_without_bubblewrap_or_libseccomp(monkeypatch):
+    monkeypatch.setattr(sandbox, "_verified", False)
+    monkeypatch.setenv("DETACHED_RL_BWRAP", "/nonexistent/bwrap")
+    isolation.find_bwrap.cache_clear()
+    try:
+        with pytest.raises(SandboxUnavailable, match="bwrap"):
+            run_python("print(1)")
+        with pytest.raises(SandboxUnavailable, match="bwrap"):  # code_reward fails loudly, not 0
+            code_reward("q", _block("print(1)"), [{"input": "", "output": "1"}])
+        monkeypatch.delenv("DETACHED_RL_BWRAP")
+        isolation.find_bwrap.cache_clear()
+        monkeypatch.setitem(sys.modules, "pyseccomp", None)
+        isolation.seccomp_program.cache_clear()
+        with pytest.raises(SandboxUnavailable, match="libseccomp"):
+            run_python("print(1)")
+    finally:
+        isolation.find_bwrap.cache_clear()
+        isolation.seccomp_program.cache_clear()
 
 
 def test_run_python_is_safe_from_threads(no_leftovers):
@@ -393,4 +462,5 @@ def test_rewards_through_function_reward_on_a_tiny_tokenizer(no_leftovers):
         scorer = FunctionReward(get_reward_function(name), tokenizer)
         rewards, parts = scorer.score_detailed(batch.sequences, batch.attention_mask, batch.response_mask, [metadata])
         expected = 1.0 if name == "code" else 1.1
-        assert rewards.tolist() == pytest.approx([expected]) and parts == [{"correct": 1.0, "format": 1.0}]
+        extra = {"verifier_unavailable": 0.0} if name == "boxed" else {}
+        assert rewards.tolist() == pytest.approx([expected]) and parts == [{"correct": 1.0, "format": 1.0, **extra}]

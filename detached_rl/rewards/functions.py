@@ -7,19 +7,12 @@ both in [0, 1]), the shape `detached_rl.models.FunctionReward` turns into a batc
 
 from __future__ import annotations
 
-import atexit
-import importlib.util
-import json
 import math
 import re
-import secrets
-import select
-import subprocess
-import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 
-from detached_rl.rewards.sandbox import run_python
+from detached_rl.rewards.grading import run_assert_test, run_io_test
+from detached_rl.rewards.math_verify import MathVerifyWorker
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
@@ -176,90 +169,7 @@ def think_answer_tags_reward(
 _BOXED = re.compile(r"\\boxed\s*\{")
 _MAX_MATH_CHARS = 1000  # no real answer is longer; sympy would only burn time on it
 
-# Serves math-verify in a separate process: sympy can spin for minutes (or forever) on answers
-# such as 2^{2^{2^{2^{100}}}}, math-verify's own timeouts use SIGALRM, which only works in a main
-# thread, and makers score from worker threads. Its main thread keeps those timeouts; the caller
-# kills it if it still overruns, and a memory cap turns huge integers into a quick MemoryError.
-_MATH_WORKER_CODE = """\
-import json, resource, sys
-resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
-from math_verify import parse, verify
-print("ready", flush=True)
-for line in sys.stdin:
-    gold, guess, timeout = json.loads(line)
-    try:
-        gold = parse("\\\\boxed{" + gold + "}", parsing_timeout=timeout)
-        guess = parse("\\\\boxed{" + guess + "}", parsing_timeout=timeout)
-        equal = bool(gold and guess and verify(gold, guess, timeout_seconds=timeout))
-    except Exception:
-        equal = False
-    print(json.dumps(equal), flush=True)
-"""
-
-
-class _MathVerifyWorker:
-    """A lazily started, thread-safe math-verify process; restarted after it is killed for overrunning."""
-
-    startup_timeout_s = 120.0
-
-    def __init__(self, code: str = _MATH_WORKER_CODE) -> None:
-        self._code = code
-        self._lock = threading.Lock()
-        self._process: subprocess.Popen[str] | None = None
-        self._available = importlib.util.find_spec("math_verify") is not None
-        atexit.register(self.close)
-
-    def _readline(self, timeout_s: float) -> str | None:
-        """One line from the worker, or None on timeout or exit."""
-        assert self._process is not None and self._process.stdout is not None
-        readable, _, _ = select.select([self._process.stdout], [], [], timeout_s)
-        return self._process.stdout.readline() if readable else None
-
-    def _start(self) -> bool:
-        """Start the worker; False (and math-verify marked unavailable) if it does not come up."""
-        try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-c", self._code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, text=True,
-            )
-        except OSError:
-            self._available = False
-            return False
-        if self._readline(self.startup_timeout_s) != "ready\n":
-            self.close()
-            self._available = False
-            return False
-        return True
-
-    def close(self) -> None:
-        """Kill the worker (the next call starts a new one)."""
-        if self._process is not None:
-            self._process.kill()
-            self._process.wait()
-            for stream in (self._process.stdin, self._process.stdout):
-                if stream is not None:
-                    stream.close()
-            self._process = None
-
-    def equal(self, predicted: str, answer: str, timeout_s: float) -> bool | None:
-        """Whether math-verify deems them equivalent; None when math-verify is unavailable."""
-        with self._lock:
-            if not self._available or (self._process is None and not self._start()):
-                return None
-            assert self._process is not None and self._process.stdin is not None
-            try:
-                self._process.stdin.write(json.dumps([answer, predicted, max(1, math.ceil(timeout_s))]) + "\n")
-                self._process.stdin.flush()
-                reply = self._readline(3 * timeout_s + 1)  # two parses and a comparison, each with its own timeout
-            except (OSError, ValueError):
-                reply = None
-            if not reply:
-                self.close()
-                return False
-            return json.loads(reply) is True
-
-
-_MATH_VERIFY = _MathVerifyWorker()
+_MATH_VERIFY = MathVerifyWorker()
 
 
 def last_boxed(text: str) -> str | None:
@@ -283,16 +193,22 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def math_equal(predicted: str, answer: str, timeout_s: float = 3.0) -> bool:
-    """Mathematically equivalent per math-verify; whitespace-insensitive string equality without it.
+def math_equal_or_none(predicted: str, answer: str, timeout_s: float = 3.0) -> bool | None:
+    """Mathematically equivalent per math-verify; None when its worker is down (and the strings differ).
 
-    Safe from any thread; a comparison that overruns `timeout_s` counts as not equal.
+    Safe from any thread; a comparison that overruns `timeout_s` counts as not equal. Raises
+    `MathVerifyUnavailable` when math-verify is not installed.
     """
     if "".join(predicted.split()) == "".join(answer.split()):
         return True
     if max(len(predicted), len(answer)) > _MAX_MATH_CHARS:
         return False
-    return bool(_MATH_VERIFY.equal(predicted, answer, timeout_s))
+    return _MATH_VERIFY.equal(predicted, answer, timeout_s)
+
+
+def math_equal(predicted: str, answer: str, timeout_s: float = 3.0) -> bool:
+    """`math_equal_or_none`, a down worker counting as not equal (whitespace-insensitive strings still match)."""
+    return bool(math_equal_or_none(predicted, answer, timeout_s))
 
 
 def boxed_reward(
@@ -303,33 +219,24 @@ def boxed_reward(
 
     format = 1 when the response has a closed \\boxed{…}; correct = 1 when the last one is
     mathematically equivalent to `answer` (math-verify in a helper process, counted as wrong
-    after `timeout_s` per step; whitespace-insensitive string equality when math-verify is not
-    installed). A boxed `answer` is unboxed first. Other metadata is ignored.
+    after `timeout_s` per step). While its worker is down, only whitespace-insensitive string
+    equality counts and the component `verifier_unavailable` is 1 (a metric, never silent);
+    without math-verify installed it raises. A boxed `answer` is unboxed first. Other metadata
+    is ignored.
     """
     predicted = last_boxed(response)
     if predicted is None:
-        return _result(0.0, 0.0, format_weight)
+        return {**_result(0.0, 0.0, format_weight), "verifier_unavailable": 0.0}
     gold = str(answer)
     gold = last_boxed(gold) or gold
-    return _result(float(math_equal(predicted, gold, timeout_s)), 1.0, format_weight)
+    equal = math_equal_or_none(predicted, gold, timeout_s)
+    return {**_result(float(bool(equal)), 1.0, format_weight), "verifier_unavailable": float(equal is None)}
 
 
 # ------------------------------------------------------------------ code
 
 _FENCE = "```"
 _PYTHON_LANGUAGES = ("", "python", "python3", "py")
-
-# Runs an assert-style test after the solution; prints the token only if the test itself ran and passed,
-# so a solution that exits early (os._exit(0)) does not pass.
-_ASSERT_HARNESS = """\
-_namespace = {{"__name__": "solution"}}
-try:
-    exec(compile({solution!r}, "solution.py", "exec"), _namespace)
-except SystemExit:
-    pass
-exec(compile({test!r}, "test.py", "exec"), _namespace)
-print({token!r})
-"""
 
 
 def last_python_block(response: str) -> str | None:
@@ -342,22 +249,13 @@ def last_python_block(response: str) -> str | None:
     return None
 
 
-def _normalise_output(text: str) -> str:
-    """Trailing whitespace dropped from every line and trailing blank lines dropped."""
-    return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
-
-
 def _run_test(program: str, test: str | Mapping[str, str], timeout_s: float, memory_mb: int) -> tuple[bool, bool]:
-    """(passed, timed out) for one test of `program`."""
+    """(passed, timed out) for one test of `program` (`detached_rl.rewards.grading`)."""
     if isinstance(test, str):
-        token = secrets.token_hex(16)
-        harness = _ASSERT_HARNESS.format(solution=program, test=test, token=token)
-        result = run_python(harness, timeout_s=timeout_s, memory_mb=memory_mb)
-        passed = result.ok and result.stdout.rstrip().endswith(token)
+        verdict = run_assert_test(program, test, timeout_s=timeout_s, memory_mb=memory_mb)
     else:
-        result = run_python(program, stdin=test.get("input", ""), timeout_s=timeout_s, memory_mb=memory_mb)
-        passed = result.ok and _normalise_output(result.stdout) == _normalise_output(test["output"])
-    return passed, result.timed_out
+        verdict = run_io_test(program, test.get("input", ""), test["output"], timeout_s=timeout_s, memory_mb=memory_mb)
+    return verdict.passed, verdict.timed_out
 
 
 def _check_tests(tests: Sequence[str | Mapping[str, str]]) -> None:
@@ -381,13 +279,14 @@ def code_reward(
 ) -> dict[str, float]:
     """reward = correct + format_weight * format, correct = fraction of `tests` passed.
 
-    format = 1 when the response has a closed fenced Python block; the last one is run in the
-    sandbox (`detached_rl.rewards.sandbox.run_python`) once per test. A test is either
-    {"input": stdin, "output": expected stdout} (passes on exit status 0 and equal output after
-    stripping trailing whitespace per line), or an assert string run after the solution in the
-    same namespace (passes when it completes). After a timeout the remaining tests count as
-    failed unless `stop_on_timeout` is False (a looping solution would otherwise cost
-    len(tests) * timeout_s). Other metadata is ignored.
+    format = 1 when the response has a closed fenced Python block; the last one is graded in the
+    sandbox (`detached_rl.rewards.grading`) once per test. A test is either {"input": stdin,
+    "output": expected stdout} (passes on exit status 0 and equal output after stripping trailing
+    whitespace per line, compared by this process), or an assert string run by a separate judge
+    interpreter that calls into the solution and accepts only literal values back (passes when it
+    completes). After a timeout the remaining tests count as failed unless `stop_on_timeout` is
+    False (a looping solution would otherwise cost len(tests) * timeout_s). Other metadata is
+    ignored. Raises `SandboxUnavailable` where the sandbox cannot be set up (never scores 0 silently).
     """
     _check_tests(tests)
     program = last_python_block(response)
