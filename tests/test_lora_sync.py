@@ -97,7 +97,7 @@ def test_rank_mismatch_is_refused_with_the_key_named():
     actor_state = {k: torch.zeros(8, v.shape[1], device=v.device) if "lora_A" in k
                    else torch.zeros(v.shape[0], 8, device=v.device) if "lora_B" in k else v for k, v in trainer.synced_state(trainable_only=True)["actor"].items()}
     bad, _ = build_weight_update({"actor": actor_state}, 1, store.put, kind="lora",
-                                 metadata={"base_fingerprint": trainer.base_fingerprint})
+                                 metadata={"base_fingerprint": trainer.base_fingerprint, "trainer_run": trainer.run_id})
     before = logits_of(maker.backend.model)
     with pytest.raises(WeightUpdateError, match="shape mismatch.*lora_A"):
         maker.apply_weight_update(bad, store.fetch)

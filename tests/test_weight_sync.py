@@ -492,7 +492,7 @@ def test_after_swap_hook_runs_under_the_lock_with_the_written_names():
     assert calls[0][1] == {f"actor/{k}" for k in trainer_model.state_dict()}
 
 
-def test_a_resumed_trainer_run_may_roll_makers_back_with_a_full_update_only():
+def test_a_resumed_trainer_run_may_roll_makers_back_with_a_full_update_as_a_reset_only():
     store, maker = Store(), llama(seed=1)
     receiver = WeightReceiver({"actor": maker})
     first_run = llama(seed=2)
@@ -506,13 +506,15 @@ def test_a_resumed_trainer_run_may_roll_makers_back_with_a_full_update_only():
     resumed = llama(seed=3)  # resumed from its step-3 checkpoint in a new process
     lora_like, _ = build_weight_update({"actor": {Q_PROJ: resumed.state_dict()[Q_PROJ]}}, 3, store.put, kind="lora",
                                        metadata={"trainer_run": "b"})
+    with pytest.raises(WeightUpdateError, match="trainer_run 'b' is not the trainer run"):
+        receiver.apply(lora_like, store.fetch)  # a push: only a reset (registering again) may change the run
     with pytest.raises(WeightUpdateError, match="new trainer run 'b'.*needs a full update first"):
-        receiver.apply(lora_like, store.fetch)
+        receiver.apply(lora_like, store.fetch, reset=True)
     assert (receiver.version, receiver.trainer_run) == (5, "a")
     assert_state_equal(maker, first_run.state_dict())
 
     rollback, _ = build_weight_update({"actor": resumed.state_dict()}, 3, store.put, metadata={"trainer_run": "b"})
-    assert receiver.apply(rollback, store.fetch).applied
+    assert receiver.apply(rollback, store.fetch, reset=True).applied
     assert (receiver.version, receiver.trainer_run) == (3, "b")
     assert_state_equal(maker, resumed.state_dict())
 

@@ -21,7 +21,7 @@ import ray
 
 from detached_rl.actors.placement import actor_device
 from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, get_all, ray_fetch
-from detached_rl.core.checkpoint import load_state, save_atomic
+from detached_rl.core.checkpoint import has_checkpoint, load_state, save_atomic
 from detached_rl.core.prompts import PromptSource
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
@@ -71,7 +71,7 @@ class ExperienceMakerHolder:
         self._handles: dict[str, Any] = {}  # trainer name -> handle; dropped when that trainer dies
         # Where the prompt cursor and counters are saved after every pushed batch, and resumed from.
         self.state_path = state_path
-        if state_path is not None and os.path.isdir(state_path):
+        if state_path is not None and has_checkpoint(state_path):
             self.core.load_state_dict(load_state(state_path))
         save = None if state_path is None else functools.partial(save_atomic, directory=state_path)
         self.loop = MakerLoop(self.core, self._stop, save)
@@ -106,7 +106,7 @@ class ExperienceMakerHolder:
         try:
             handle = ray.get_actor(trainer, namespace=self.namespace)
         except ValueError:
-            # Not a ValueError: the pusher treats those as a refused push and would not retry it.
+            # Said as a ConnectionError: the pusher retries any error `submit` raises (nothing was sent).
             raise ConnectionError(f"trainer {trainer!r} is not running (waiting for it to come back)") from None
         update = ray.get(handle.register_maker.remote(self.name, self.core.base_fingerprint),
                          timeout=self.core.config.weight_timeout_s)
@@ -136,7 +136,11 @@ class ExperienceMakerHolder:
 
     @ray.method(concurrency_group="compute")
     def sync(self) -> int:
-        """Register with the trainers and take the newest weights they offer; returns the policy version served."""
+        """Register with the trainers and take the newest weights they offer; returns the policy version served.
+
+        The explicit reset of the weight protocol: the maker then follows the run of the trainer that
+        offered them, even at an older version (a trainer resumed from a checkpoint) or far ahead.
+        """
         self._attach_trainers()
         return self.core.policy_version
 

@@ -3,7 +3,12 @@
 It checks a `WeightUpdate`'s manifest against its models' `WeightSink`s, pulls the chunks one at
 a time, verifies names, shapes, dtypes and checksums, and only then has the sinks swap the new
 weights in under the generation lock. A refused update changes nothing; the previous version
-keeps serving. Versions only move forward within a trainer run.
+keeps serving. A receiver follows one trainer run (the `trainer_run` of the first update it takes
+with a run id): updates of that run move it forward by at most `max_version_jump` versions; another
+run, a rollback or a bigger jump is taken only as an explicit reset (`apply(..., reset=True)`, what a
+maker does when it registers with its trainers). A tensor with NaN or Inf, or with values its stored
+dtype cannot hold, refuses the update before it is written (checksums cannot tell: a trainer's NaN
+weights checksum fine).
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ from detached_rl.core.weight_sync import (
     tensor_entries,
 )
 
+# Trainers push every `update_steps` steps; a push that skips more versions than this is no push of theirs.
+DEFAULT_MAX_VERSION_JUMP = 1000
+# Float8 tensors have no min/max kernel: they are widened this many elements at a time to be checked.
+_WIDEN_ELEMENTS = 2**22
+
 
 @dataclass
 class _Plan:
@@ -44,6 +54,8 @@ class _Plan:
     aliases: list[list[TensorSpec]]
     models: set[str]
     covers_all: bool  # every key of every receiver model is in the update
+    trainer_run: str | None = None  # the run the receiver follows once this update is applied
+    reset: bool = False
 
 
 @dataclass
@@ -74,6 +86,7 @@ class WeightReceiver:
     each verified chunk is written straight into the models (no second copy, but generation
     pauses for the whole transfer, and a chunk failing after others were written leaves the
     models half-updated: `consistent` turns False until a later full update of those models succeeds).
+    `max_version_jump`: how far beyond the current version an update that is not a reset may go.
     """
 
     def __init__(
@@ -84,7 +97,10 @@ class WeightReceiver:
         lock: threading.Lock | threading.RLock | None = None,
         version: int = 0,
         after_swap: Callable[[set[str]], None] | None = None,
+        max_version_jump: int = DEFAULT_MAX_VERSION_JUMP,
     ) -> None:
+        if max_version_jump < 1:
+            raise ValueError(f"max_version_jump must be >= 1, got {max_version_jump}")
         if mode not in ("staged", "in_place"):
             raise ValueError(f"mode must be 'staged' or 'in_place', got {mode!r}")
         if cast_dtype is not None and not cast_dtype.is_floating_point:
@@ -101,12 +117,13 @@ class WeightReceiver:
         self.models = dict(models)
         self.cast_dtype = cast_dtype
         self.mode = mode
+        self.max_version_jump = max_version_jump
         self.lock = lock if lock is not None else threading.Lock()
         # Called under the lock with the qualified names just written (e.g. re-merge LoRA weights).
         self.after_swap = after_swap
         self.last_error: WeightUpdateError | None = None
         self._version = version
-        self.trainer_run: str | None = None  # `trainer_run` of the last update applied (see `_apply`)
+        self.trainer_run: str | None = None  # the trainer run this receiver follows (see `_check_provenance`)
         self._dirty: set[str] = set()  # models left half-written by a failed update
         self._apply_lock = threading.Lock()  # one apply at a time
         # Guards the weights against the lazy fingerprint computation. Lock order: `lock`, then this.
@@ -163,40 +180,65 @@ class WeightReceiver:
             self._entries = tensor_entries({name: sink.state() for name, sink in self.sinks.items()})
         return self._entries
 
-    def apply(self, update: WeightUpdate, fetch: Fetch, timeout: float | None = None) -> ApplyResult:
+    def apply(self, update: WeightUpdate, fetch: Fetch, timeout: float | None = None, reset: bool = False
+              ) -> ApplyResult:
         """Apply `update`, pulling its chunks with `fetch`; raise `WeightUpdateError` if refused.
 
         `timeout` bounds the whole update (fetches and waiting for the lock). `fetch` itself is
-        not interrupted: give it its own timeout (e.g. `ray.get(ref, timeout=...)`).
+        not interrupted: give it its own timeout (e.g. `ray.get(ref, timeout=...)`). `reset`: an
+        explicit reset (the maker registered with its trainers and takes what they offer): the
+        update may come from another trainer run (a full update then) and go back or jump ahead
+        any number of versions; the receiver follows its run from then on.
         """
         with self._apply_lock:
             try:
-                result = self._apply(update, fetch, timeout)
+                result = self._apply(update, fetch, timeout, reset)
             except WeightUpdateError as error:
                 self.last_error = error
                 raise
             self.last_error = None
             return result
 
-    def _apply(self, update: WeightUpdate, fetch: Fetch, timeout: float | None) -> ApplyResult:
+    def _apply(self, update: WeightUpdate, fetch: Fetch, timeout: float | None, reset: bool) -> ApplyResult:
         start = time.perf_counter()
         manifest = update.manifest
-        version = manifest.version
-        run = manifest.metadata.get("trainer_run")
-        # A trainer resumed from a checkpoint (a new run id) may legitimately go back to an older version;
-        # only a full update can roll back (a LoRA update assumes the adapter it was computed against).
-        rollback = run is not None and run != self.trainer_run and self.trainer_run is not None
-        if rollback and manifest.kind != "full":
-            raise WeightUpdateError(f"v{version}: a {manifest.kind} update from a new trainer run {run!r} "
-                                    f"(this maker follows {self.trainer_run!r}) needs a full update first")
-        if version == self._version and not self._dirty and not rollback:
-            return ApplyResult(applied=False, version=version, reason="same version")
-        if version < self._version and not rollback:
-            raise WeightUpdateError(f"stale version {version} < current {self._version}")
+        if self._check_provenance(manifest, reset):
+            return ApplyResult(applied=False, version=manifest.version, reason="same version")
         plan = self._validate(update)
+        plan.trainer_run = manifest.metadata.get("trainer_run") if reset else (
+            manifest.metadata.get("trainer_run") or self.trainer_run)
+        plan.reset = reset
         deadline = None if timeout is None else start + timeout
         apply = self._apply_staged if self.mode == "staged" else self._apply_in_place
         return apply(update, plan, fetch, start, deadline)
+
+    def _check_provenance(self, manifest: WeightManifest, reset: bool) -> bool:
+        """Refuse an update from another trainer run, a rollback or a jump (unless `reset`); True: nothing to do."""
+        version, run, followed = manifest.version, manifest.metadata.get("trainer_run"), self.trainer_run
+        v = f"v{version}"
+        other_run = followed is not None and run != followed
+        if other_run and not reset:
+            raise WeightUpdateError(
+                f"{v}: trainer_run {run!r} is not the trainer run this maker follows ({followed!r}); "
+                "only an explicit reset (registering with the trainer again) changes it"
+            )
+        if other_run and manifest.kind != "full":
+            # A LoRA update assumes the adapter and base it was computed against: a new run starts with a full one.
+            raise WeightUpdateError(f"{v}: a {manifest.kind} update from a new trainer run {run!r} "
+                                    f"(this maker follows {followed!r}) needs a full update first")
+        if version == self._version and not self._dirty and not other_run:
+            return True
+        if reset or (self._dirty and manifest.kind == "full"):
+            return False  # half-written models serve nothing: any full update of the run may repair them
+        if version < self._version:
+            raise WeightUpdateError(f"stale version {version} < current {self._version} "
+                                    "(a rollback needs an explicit reset)")
+        if self._version >= 0 and version - self._version > self.max_version_jump:
+            raise WeightUpdateError(
+                f"{v}: version {version} jumps {version - self._version} beyond current {self._version} "
+                f"(max_version_jump {self.max_version_jump}); a jump that large needs an explicit reset"
+            )
+        return False
 
     def _validate(self, update: WeightUpdate) -> _Plan:
         """Check the manifest against the models before anything is fetched."""
@@ -329,6 +371,10 @@ class WeightReceiver:
                 raise WeightUpdateError(
                     f"{where}: checksum mismatch for {spec.name!r}: got {checksum:08x}, manifest {spec.checksum:08x}"
                 )
+            target = plan.layouts[spec.name].dtype
+            if not _finite_in(tensor, target):
+                raise WeightUpdateError(f"{where}: tensor {spec.name!r} holds NaN or Inf"
+                                        + ("" if str(target) == spec.dtype else f" or values beyond {target}"))
             progress.bytes += spec.nbytes
         progress.chunks += 1
         return chunk
@@ -369,11 +415,11 @@ class WeightReceiver:
                     self._commit(manifest)
                 except Exception as error:
                     if not _left_unchanged(error, plan):
-                        self._dirty |= plan.models
+                        self._mark_dirty(plan)
                         self._entries = self._fingerprint = None
                     raise WeightUpdateError(f"v{manifest.version}: swap failed: {error}") from error
                 self._version = manifest.version
-                self.trainer_run = manifest.metadata.get("trainer_run", self.trainer_run)
+                self.trainer_run = plan.trainer_run
                 self._entries, self._fingerprint = entries, fingerprint
                 if manifest.kind == "full":
                     self._dirty -= plan.models
@@ -409,7 +455,7 @@ class WeightReceiver:
                         self._entries = self._fingerprint = None  # `entries` took the refused chunks: recompute
                     else:
                         if written:
-                            self._dirty |= plan.models
+                            self._mark_dirty(plan)
                         if entries is not None:
                             self._fingerprint = fingerprint_of_entries(entries)
                     if isinstance(error, WeightUpdateError):
@@ -418,7 +464,7 @@ class WeightReceiver:
                         f"v{manifest.version}: in-place update failed: {error}"
                     ) from error
                 self._version = manifest.version
-                self.trainer_run = manifest.metadata.get("trainer_run", self.trainer_run)
+                self.trainer_run = plan.trainer_run
                 if manifest.kind == "full":
                     self._dirty -= plan.models
                 self._fingerprint = None if entries is None else fingerprint_of_entries(entries)
@@ -426,6 +472,12 @@ class WeightReceiver:
             self.lock.release()
         # In place, fetching and swapping are one pass under the lock.
         return progress.result(manifest.version, start, None, lock_wait, swap_start)
+
+    def _mark_dirty(self, plan: _Plan) -> None:
+        """Record models left half-written; after a reset, they belong to the run it was resetting to."""
+        self._dirty |= plan.models
+        if plan.reset:  # the old run's weights are partly gone: its repair is a full update of the new run
+            self.trainer_run = plan.trainer_run
 
     def _commit(self, manifest: WeightManifest) -> None:
         """Tell each sink its part of the update is written, then run `after_swap` (under the lock)."""
@@ -460,6 +512,26 @@ def _by_model(plan: _Plan, index: int, chunk: Mapping[str, Tensor]) -> dict[str,
 def _left_unchanged(error: Exception, plan: _Plan) -> bool:
     """True when the one model the update named put everything back (`SinkUnchanged`): nothing is half-written."""
     return isinstance(error, SinkUnchanged) and len(plan.models) == 1
+
+
+def _finite_in(tensor: Tensor, stored: torch.dtype) -> bool:
+    """False if `tensor` holds NaN or Inf, or a value beyond the largest of `stored` (the dtype it is kept in).
+
+    One min/max pass (as fast as the checksum; `isfinite` is ~20x slower on CPU): NaN propagates into
+    both, an infinity becomes one of them.
+    """
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    if tensor.dtype.itemsize == 1:  # float8: widened (exactly) a slice at a time
+        flat = tensor.reshape(-1)
+        return all(_finite_in(flat[i:i + _WIDEN_ELEMENTS].float(), stored)
+                   for i in range(0, flat.numel(), _WIDEN_ELEMENTS))
+    lo, hi = torch.aminmax(tensor)
+    lowest, highest = float(lo), float(hi)
+    limit = torch.finfo(stored).max if stored.is_floating_point else math.inf
+    return math.isfinite(lowest) and math.isfinite(highest) and max(-lowest, highest) <= limit
 
 
 def _check_deadline(deadline: float | None, message: str) -> None:

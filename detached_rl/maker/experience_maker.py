@@ -23,7 +23,7 @@ from detached_rl.core.experience import Experience, collate
 from detached_rl.core.prompts import PromptSource, as_prompt_item
 from detached_rl.core.resources import check_amount, check_resources
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.weight_receiver import WeightReceiver
+from detached_rl.core.weight_receiver import DEFAULT_MAX_VERSION_JUMP, WeightReceiver
 from detached_rl.core.weight_sync import (
     ApplyResult,
     Fetch,
@@ -64,6 +64,9 @@ class MakerConfig:
     weight_timeout_s: float = 300.0
     weight_sync_mode: str = "staged"  # or "in_place" for models too large to stage twice
     weight_cast_dtype: str | None = None  # e.g. "bfloat16": cast incoming weights
+    # A pushed update may move the weights at most this many versions ahead; a bigger jump, a rollback or
+    # another trainer run is taken only when the maker registers with its trainers (an explicit reset).
+    max_version_jump: int = DEFAULT_MAX_VERSION_JUMP
     record_weights_fingerprint: bool = False  # tag each sample with the weights' fingerprint (costs a checksum)
     lora_mode: str = "keep"  # LoRA policies: "keep" the adapters, or "merge" W = W0 + scaling*B*A on update
     backend: str = "hf"  # generation backend, a name in `detached_rl.generation.GENERATION_BACKENDS`
@@ -97,7 +100,7 @@ class MakerConfig:
     num_cpus: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("experience_batch_size", "group_size", "max_pushes_in_flight"):
+        for name in ("experience_batch_size", "group_size", "max_pushes_in_flight", "max_version_jump"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MakerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.push_policy not in PUSH_POLICIES:
@@ -203,6 +206,7 @@ class ExperienceMaker:
         cast = getattr(torch, self.config.weight_cast_dtype) if self.config.weight_cast_dtype else None
         self.receiver = WeightReceiver(
             synced, cast_dtype=cast, mode=self.config.weight_sync_mode, lock=self.generation_lock, version=NOT_SYNCED,
+            max_version_jump=self.config.max_version_jump,
         )
         # A maker that casts incoming weights cannot hold its trainer's bytes: it fingerprints its base cast to its
         # coarsest stored dtype, and the trainer compares its own base cast the same way (`base_state_fingerprint`).
@@ -233,8 +237,8 @@ class ExperienceMaker:
             return None
         return base_state_fingerprint(self.backend.weight_sink.state(), self._base_keys, self._fingerprint_dtype)
 
-    def apply_weight_update(self, update: WeightUpdate, fetch: Fetch) -> ApplyResult:
-        """Apply a versioned weight update (see `WeightReceiver.apply`); refused updates change nothing."""
+    def apply_weight_update(self, update: WeightUpdate, fetch: Fetch, reset: bool = False) -> ApplyResult:
+        """Apply a versioned weight update (see `WeightReceiver.apply`, `reset` too); refused updates change nothing."""
         if "critic" in self.remote_roles:
             # The trainer's updates carry its critic too; the critic scorers take that part themselves.
             held = {spec.name.partition("/")[0] for spec in update.manifest.tensors} - {"critic"}
@@ -249,7 +253,7 @@ class ExperienceMaker:
                         f"{str(expected)[:24]}, this maker holds {str(self.base_fingerprint)[:24]}; "
                         "it needs a full update first"
                     )
-            result = self.receiver.apply(update, fetch, timeout=self.config.weight_timeout_s)
+            result = self.receiver.apply(update, fetch, timeout=self.config.weight_timeout_s, reset=reset)
         except Exception as error:
             self.last_error = f"weight update v{manifest.version}: {error}"
             raise

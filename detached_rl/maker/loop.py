@@ -39,9 +39,13 @@ def update_to_apply(offered: Sequence[WeightUpdate | None], policy_version: int,
 
 
 def take_offered(maker: ExperienceMaker, offered: Sequence[WeightUpdate | None], fetch: Fetch) -> ApplyResult | None:
-    """Apply the update `update_to_apply` chooses (pulling its chunks with `fetch`); None if none is chosen."""
+    """Apply the update `update_to_apply` chooses (pulling its chunks with `fetch`); None if none is chosen.
+
+    `offered` are the answers of the maker's own registration with its trainers, so the update is
+    applied as an explicit reset: the maker follows that trainer run from then on, at that version.
+    """
     update = update_to_apply(offered, maker.policy_version, maker.receiver.trainer_run)
-    return None if update is None else maker.apply_weight_update(update, fetch)
+    return None if update is None else maker.apply_weight_update(update, fetch, reset=True)
 
 
 class MakerLoop:

@@ -236,12 +236,15 @@ class Scorer:
         """The critic weights' policy version (None for roles without trained weights)."""
         return self.receiver.version if self.receiver is not None else None
 
-    def apply_weight_update(self, update: WeightUpdate, fetch: Fetch) -> ApplyResult:
-        """Critic: take the `critic/` tensors of a trainer's update (refused as a whole on any error)."""
+    def apply_weight_update(self, update: WeightUpdate, fetch: Fetch, reset: bool = False) -> ApplyResult:
+        """Critic: take the `critic/` tensors of a trainer's update (refused as a whole on any error).
+
+        `reset`: the update answers this scorer's registration (see `WeightReceiver.apply`).
+        """
         if self.receiver is None:
             raise ValueError(f"a {self.role!r} scorer holds no trained weights; it takes no weight updates")
         restricted, fetch_critic = restrict_update(update, ["critic"], fetch)
-        result = self.receiver.apply(restricted, fetch_critic, timeout=self.weight_timeout_s)
+        result = self.receiver.apply(restricted, fetch_critic, timeout=self.weight_timeout_s, reset=reset)
         with self.version_changed:
             self.version_changed.notify_all()
         return result

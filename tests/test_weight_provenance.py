@@ -1,0 +1,239 @@
+"""Where a maker's weights may come from (no Ray): only the trainer run it registered with, no big jumps, no
+rollbacks, except through an explicit reset (registering again); and never NaN or Inf, whatever the checksums say."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from detached_rl.core.prompts import CyclingPrompts
+from detached_rl.core.weight_receiver import WeightReceiver
+from detached_rl.core.weight_sync import WeightUpdate, WeightUpdateError, build_weight_update, tensor_checksum
+from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
+from detached_rl.maker.loop import take_offered
+from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
+
+from .helpers import ObjectStore, arithmetic_prompts, grpo_maker_models, lane_device
+
+CHUNK = 40_000  # bytes: the tiny llama is cut into a dozen chunks
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+
+
+def llama(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return tiny_causal_lm("llama", seed=seed, dtype=dtype)[0].to(lane_device())
+
+
+def lora_llama(seed: int) -> torch.nn.Module:
+    """A tiny llama (base seed 0) with a peft adapter whose A and B come from `seed`."""
+    model = apply_lora(tiny_causal_lm("llama", seed=0)[0], LoraSettings(r=4, alpha=8))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return model.to(lane_device())
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {key: tensor.detach().clone() for key, tensor in model.state_dict().items()}
+
+
+def unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(tensor, before[key]) for key, tensor in model.state_dict().items())
+
+
+def full(store: ObjectStore, model: torch.nn.Module, version: int, run: str | None = "run-a") -> WeightUpdate:
+    metadata = {} if run is None else {"trainer_run": run}
+    return build_weight_update({"actor": model.state_dict()}, version, store.put, chunk_bytes=CHUNK,
+                               metadata=metadata)[0]
+
+
+def poisoned(update: WeightUpdate, store: ObjectStore, name: str, value: float) -> WeightUpdate:
+    """`update` with one element of tensor `name` set to `value`, its checksum recomputed: the manifest vouches
+    for it, as a trainer's own NaN weights would be vouched for."""
+    spec = next(spec for spec in update.manifest.tensors if spec.name == name)
+    ref = update.chunk_refs[spec.chunk]
+    tensor = store.objects[ref][name].clone()
+    tensor.view(-1)[tensor.numel() // 2] = value
+    store.objects[ref] = {**store.objects[ref], name: tensor}
+    tensors = tuple(dataclasses.replace(s, checksum=tensor_checksum(tensor)) if s.name == name else s
+                    for s in update.manifest.tensors)
+    return WeightUpdate(dataclasses.replace(update.manifest, tensors=tensors), update.chunk_refs)
+
+
+@pytest.fixture
+def bound():
+    """A maker's receiver that took version 3 of trainer run "run-a"."""
+    store, maker = ObjectStore(), llama(seed=1)
+    receiver = WeightReceiver({"actor": maker}, version=-1)
+    assert receiver.apply(full(store, llama(seed=2), 3), store.fetch).applied
+    assert (receiver.version, receiver.trainer_run) == (3, "run-a")
+    return store, maker, receiver
+
+
+def test_an_update_of_another_trainer_run_is_refused_until_an_explicit_reset(bound):
+    store, maker, receiver = bound
+    before = snapshot(maker)
+    for run in ("run-b", None):  # another run, or none named
+        with pytest.raises(WeightUpdateError, match=f"trainer_run {run!r} is not the trainer run"):
+            receiver.apply(full(store, llama(seed=3), 4, run=run), store.fetch)
+        assert unchanged(maker, before) and (receiver.version, receiver.trainer_run) == (3, "run-a")
+    # A trainer resumed from its step-2 checkpoint (a new run): the maker registers with it again.
+    resumed = llama(seed=3)
+    assert receiver.apply(full(store, resumed, 2, run="run-b"), store.fetch, reset=True).applied
+    assert (receiver.version, receiver.trainer_run) == (2, "run-b") and unchanged(maker, snapshot(resumed))
+    with pytest.raises(WeightUpdateError, match="trainer_run 'run-a'"):
+        receiver.apply(full(store, llama(seed=2), 5), store.fetch)  # the old run is now the foreign one
+    assert receiver.apply(full(store, llama(seed=4), 3, run="run-b"), store.fetch).applied
+    assert (receiver.version, receiver.trainer_run) == (3, "run-b")
+
+
+def test_a_far_future_version_is_refused_and_the_real_next_update_still_applies(bound):
+    store, maker, receiver = bound
+    before = snapshot(maker)
+    with pytest.raises(WeightUpdateError, match=r"version 1000000000 .*max_version_jump 1000"):
+        receiver.apply(full(store, llama(seed=3), 10**9), store.fetch)
+    assert unchanged(maker, before) and receiver.version == 3
+    nxt = llama(seed=4)
+    assert receiver.apply(full(store, nxt, 4), store.fetch).applied
+    assert receiver.version == 4 and unchanged(maker, snapshot(nxt))
+    assert receiver.apply(full(store, llama(seed=5), 4 + 1000), store.fetch).applied  # the bound itself is allowed
+    # An explicit reset may go anywhere.
+    assert receiver.apply(full(store, llama(seed=6), 10**9), store.fetch, reset=True).applied
+    assert receiver.version == 10**9
+
+
+def test_rollbacks_are_refused_from_any_run_without_a_reset(bound):
+    store, maker, receiver = bound
+    before = snapshot(maker)
+    with pytest.raises(WeightUpdateError, match="stale version 2 < current 3"):
+        receiver.apply(full(store, llama(seed=3), 2), store.fetch)
+    with pytest.raises(WeightUpdateError, match="trainer_run 'run-b'"):
+        receiver.apply(full(store, llama(seed=3), 2, run="run-b"), store.fetch)
+    assert unchanged(maker, before) and (receiver.version, receiver.trainer_run) == (3, "run-a")
+    assert receiver.apply(full(store, llama(seed=3), 2), store.fetch, reset=True).applied
+    assert receiver.version == 2
+
+
+def test_a_lora_update_of_a_new_run_needs_its_full_update_first_even_as_a_reset():
+    store, maker = ObjectStore(), lora_llama(seed=1)
+    receiver = WeightReceiver({"actor": maker})
+    assert receiver.apply(full(store, lora_llama(seed=2), 1), store.fetch).applied
+    adapter = {key: p.detach() for key, p in lora_llama(seed=3).named_parameters() if p.requires_grad}
+    update = build_weight_update({"actor": adapter}, 1, store.put, kind="lora", metadata={"trainer_run": "run-b"})[0]
+    with pytest.raises(WeightUpdateError, match="new trainer run 'run-b'.*needs a full update first"):
+        receiver.apply(update, store.fetch, reset=True)
+
+
+@pytest.mark.parametrize("mode", ["staged", "in_place"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_full_update_with_nan_or_inf_is_refused_and_nothing_changes(bound, mode, value):
+    store, maker, receiver = bound
+    receiver.mode = mode
+    before, fingerprint = snapshot(maker), receiver.fingerprint
+    update = poisoned(full(store, llama(seed=3), 4), store, f"actor/{Q_PROJ}", value)
+    assert update.manifest.tensors[0].name != f"actor/{Q_PROJ}"  # in place, an earlier chunk could be written first
+    with pytest.raises(WeightUpdateError, match=f"'actor/{Q_PROJ}' holds NaN or Inf"):
+        receiver.apply(update, store.fetch)
+    assert (receiver.version, receiver.trainer_run) == (3, "run-a")
+    assert all(torch.isfinite(tensor).all() for tensor in maker.state_dict().values())
+    if mode == "staged":
+        assert unchanged(maker, before) and receiver.consistent and receiver.fingerprint == fingerprint
+
+
+@pytest.mark.parametrize("mode", ["staged", "in_place"])
+def test_a_full_update_poisoned_in_its_first_chunk_leaves_the_weights_as_they_were(bound, mode):
+    store, maker, receiver = bound
+    receiver.mode = mode
+    before = snapshot(maker)
+    clean = full(store, llama(seed=3), 4)
+    update = poisoned(clean, store, clean.manifest.tensors[0].name, float("nan"))
+    with pytest.raises(WeightUpdateError, match="holds NaN or Inf"):
+        receiver.apply(update, store.fetch)
+    assert unchanged(maker, before) and receiver.consistent and receiver.version == 3
+
+
+@pytest.mark.parametrize("mode", ["staged", "in_place"])
+def test_a_lora_update_with_nan_is_refused_and_the_adapter_is_kept(mode):
+    store, maker = ObjectStore(), lora_llama(seed=1)
+    receiver = WeightReceiver({"actor": maker}, mode=mode, version=-1)
+    assert receiver.apply(full(store, lora_llama(seed=2), 1), store.fetch).applied
+    before = snapshot(maker)
+    adapter = {key: p.detach() for key, p in lora_llama(seed=3).named_parameters() if p.requires_grad}
+    update = build_weight_update({"actor": adapter}, 2, store.put, kind="lora", metadata={"trainer_run": "run-a"})[0]
+    name = next(spec.name for spec in update.manifest.tensors if "lora_B" in spec.name)
+    with pytest.raises(WeightUpdateError, match=f"{name!r} holds NaN or Inf"):
+        receiver.apply(poisoned(update, store, name, float("nan")), store.fetch)
+    assert unchanged(maker, before) and receiver.version == 1 and receiver.consistent
+
+
+def test_a_value_the_cast_dtype_cannot_hold_is_refused():
+    store, maker = ObjectStore(), llama(seed=1, dtype=torch.float16)
+    receiver = WeightReceiver({"actor": maker}, cast_dtype=torch.float16)
+    before = snapshot(maker)
+    update = poisoned(full(store, llama(seed=2), 1), store, f"actor/{Q_PROJ}", 1e6)  # finite in float32
+    with pytest.raises(WeightUpdateError, match="holds NaN or Inf or values beyond torch.float16"):
+        receiver.apply(update, store.fetch)
+    assert unchanged(maker, before) and receiver.version == 0
+
+
+class Buffers(torch.nn.Module):
+    def __init__(self, value: float = 0.0) -> None:
+        super().__init__()
+        for name, dtype in (("f8", torch.float8_e4m3fn), ("bf16", torch.bfloat16), ("c64", torch.complex64)):
+            self.register_buffer(name, torch.full((5,), value).to(dtype))
+        self.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("name", ["f8", "bf16", "c64"])
+def test_nan_is_found_in_float8_bfloat16_and_complex_tensors(name):
+    store, maker = ObjectStore(), Buffers()
+    receiver = WeightReceiver({"actor": maker})
+    update = build_weight_update({"actor": Buffers(1.0).state_dict()}, 1, store.put)[0]
+    with pytest.raises(WeightUpdateError, match=f"'actor/{name}' holds NaN"):
+        receiver.apply(poisoned(update, store, f"actor/{name}", float("nan")), store.fetch)
+    assert receiver.apply(build_weight_update({"actor": Buffers(1.0).state_dict()}, 1, store.put)[0],
+                          store.fetch).applied
+
+
+def test_a_failed_in_place_reset_binds_to_the_new_run_whose_full_update_repairs_it(bound):
+    store, maker, receiver = bound
+    receiver.mode = "in_place"
+    resumed = llama(seed=3)
+    update = full(store, resumed, 1, run="run-b")
+    lost = update.chunk_refs[2]
+    del store.objects[lost]
+    with pytest.raises(WeightUpdateError, match="chunk 2"):
+        receiver.apply(update, store.fetch, reset=True)
+    assert not receiver.consistent and receiver.trainer_run == "run-b"
+    # The resumed trainer's next push (an older version than the half-written weights carry) repairs them.
+    assert receiver.apply(full(store, resumed, 2, run="run-b"), store.fetch).applied
+    assert receiver.consistent and receiver.version == 2 and unchanged(maker, snapshot(resumed))
+
+
+def test_a_makers_registration_is_the_reset_and_pushes_are_not():
+    config = MakerConfig(experience_batch_size=1, max_version_jump=10)
+    maker = ExperienceMaker("maker_0", grpo_maker_models(device=lane_device()), CyclingPrompts(arithmetic_prompts()),
+                            config)
+    assert maker.receiver.max_version_jump == 10
+    store, trainer = ObjectStore(), maker.backend.weight_sink.state()
+    state = {"actor": dict(trainer)}
+
+    def update(version: int, run: str) -> WeightUpdate:
+        return build_weight_update(state, version, store.put, metadata={"trainer_run": run})[0]
+
+    take_offered(maker, [update(5, "run-a")], store.fetch)
+    assert (maker.policy_version, maker.receiver.trainer_run) == (5, "run-a")
+    with pytest.raises(WeightUpdateError, match="trainer_run 'run-b'"):
+        maker.apply_weight_update(update(1, "run-b"), store.fetch)  # a push
+    assert "trainer_run 'run-b'" in maker.last_error
+    with pytest.raises(WeightUpdateError, match="max_version_jump 10"):
+        maker.apply_weight_update(update(16, "run-a"), store.fetch)
+    take_offered(maker, [update(1, "run-b")], store.fetch)  # registered with the resumed trainer
+    assert (maker.policy_version, maker.receiver.trainer_run) == (1, "run-b")
+    take_offered(maker, [update(500, "run-b")], store.fetch)  # registering again after a long absence
+    assert maker.policy_version == 500
+    with pytest.raises(ValueError, match="max_version_jump"):
+        MakerConfig(max_version_jump=0)
