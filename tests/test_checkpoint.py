@@ -1,6 +1,8 @@
 """Checkpoints: atomic writes, and resuming a trainer ends with the weights of an uninterrupted run."""
 
+import functools
 import json
+import logging
 import pickle
 import random
 
@@ -10,11 +12,12 @@ import torch
 
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
-from detached_rl.core.checkpoint import CheckpointError, load_state, rng_state, save_atomic
+from detached_rl.core.checkpoint import CheckpointError, load_state, rng_state, save_atomic, set_rng_state
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
 from detached_rl.models import SamplingConfig
 from detached_rl.strategies.optim import OptimizerConfig
+from detached_rl.trainer import core as trainer_core
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 
@@ -27,6 +30,7 @@ from .helpers import (
     tiny_maker_models,
     tiny_policy,
 )
+from .test_checkpoint_recovery import kill_during
 
 SAMPLING = SamplingConfig(max_new_tokens=5)
 
@@ -83,7 +87,7 @@ def test_unstorable_state_is_refused_with_its_path_and_a_pickle_is_never_loaded(
         load_state(tmp_path / "ckpt")
 
 
-def make_trainer(algorithm):
+def make_trainer(algorithm, mini_batch_size=None):
     if algorithm == "ppo":
         actor, critic = tiny_actor_critic(seed=0)
         learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01,
@@ -91,12 +95,14 @@ def make_trainer(algorithm):
     else:
         learner = GRPOLearner(tiny_policy(seed=0), naive_strategy(),
                               GRPOConfig(sampling=SAMPLING, kl_coef=0.05, ref_update_every=2, ref_update_alpha=0.5,
+                                         mini_batch_size=mini_batch_size,
                                          actor_optimizer=OptimizerConfig(lr=1e-3, schedule="cosine",
                                                                          total_steps=10, warmup_steps=1)))
     return TrainerCore("trainer", learner, TrainerConfig(train_batch_size=8))
 
 
-def make_batches(algorithm, count):
+@functools.cache
+def make_batches(algorithm, count):  # shared by the tests: pushing an experience leaves it unchanged
     models = tiny_maker_models(seed=4) if algorithm == "ppo" else MakerModels(
         actor=tiny_policy(seed=4), reward=LowTokenReward())
     maker = ExperienceMaker("maker", models, CyclingPrompts(arithmetic_prompts()),
@@ -138,3 +144,60 @@ def test_resume_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, algorith
     for (name, a), (_, b) in zip(straight.learner.state_dict()["actor"].items(),
                                  resumed.learner.state_dict()["actor"].items(), strict=True):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_set_rng_state_restores_python_numpy_and_torch_through_a_checkpoint(tmp_path):
+    def draws():
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    save_atomic({"rng": rng_state()}, tmp_path / "ckpt")
+    expected = draws()
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)  # what a fresh process would hold
+    set_rng_state(load_state(tmp_path / "ckpt")["rng"])
+    got = draws()
+    assert got[0] == expected[0] and got[1] == expected[1] and got[2] == expected[2]
+
+
+def test_resume_restores_the_random_order_of_mini_batches(tmp_path, monkeypatch):
+    """Two mini-batches per step in a random order: only a restored RNG gives the uninterrupted run's weights."""
+    push = make_batches("grpo", 5)[0]  # one 8-sample step
+
+    def step_after_resume():
+        torch.manual_seed(1234)  # a fresh process's random state, not the checkpoint's
+        trainer = make_trainer("grpo", mini_batch_size=4)
+        trainer.load_checkpoint(tmp_path / "ckpt")
+        trainer.push_experience(push)
+        trainer.train_step()
+        return trainer.learner.state_dict()["actor"]
+
+    torch.manual_seed(1)
+    straight = make_trainer("grpo", mini_batch_size=4)
+    straight.save_checkpoint(tmp_path / "ckpt")
+    straight.push_experience(push)
+    straight.train_step()
+    expected = straight.learner.state_dict()["actor"]
+
+    resumed = step_after_resume()
+    assert all(torch.allclose(expected[name], resumed[name], atol=1e-6) for name in expected)
+    monkeypatch.setattr(trainer_core, "set_rng_state", lambda state: None)
+    unrestored = step_after_resume()
+    assert not all(torch.allclose(expected[name], unrestored[name], atol=1e-6) for name in expected)
+
+
+def test_a_trainer_killed_between_the_renames_of_its_save_resumes_from_the_previous_checkpoint(tmp_path, caplog):
+    trainer = make_trainer("grpo")
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    trainer.push_experience(make_batches("grpo", 5)[0])
+    trainer.train_step()
+    kill_during(lambda: trainer.save_checkpoint(tmp_path / "ckpt"), "rename_1")
+    assert not (tmp_path / "ckpt" / "rank_0").exists() and (tmp_path / "ckpt" / ".rank_0.old").is_dir()
+
+    resumed = make_trainer("grpo")
+    with caplog.at_level(logging.WARNING):
+        resumed.load_checkpoint(tmp_path / "ckpt", ObjectStore().put)
+    assert resumed.policy_version == 0 and "loading the previous checkpoint" in caplog.text
+    resumed.push_experience(make_batches("grpo", 5)[0])
+    resumed.train_step()
+    resumed.save_checkpoint(tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank_0"]

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import ipaddress
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import socket
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -151,7 +153,31 @@ def _scenarios(strategy: DDPStrategy) -> dict[str, Any]:
     start = time.monotonic()
     strategy.barrier()
     results["barrier_wait_s"] = time.monotonic() - start
+    results["listening"] = (strategy.master_port, listening_sockets())
     return results
+
+
+def listening_sockets() -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket this process listens on, from /proc (IPv4 and IPv6)."""
+    inodes = set()
+    for descriptor in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{descriptor}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN, owned by this process
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                # /proc prints each 32-bit word of the address in host (little-endian) byte order.
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return found
 
 
 def _rank_main(target: Callable[[DDPStrategy], Any], rank: int, world_size: int, port: int, out: mp.Queue,
@@ -276,6 +302,13 @@ def test_broadcast_object_and_barrier(ranks):
     assert ranks[0]["barrier_wait_s"] > 0.3  # rank 0 waited for the sleeping rank 1
 
 
+def test_the_group_store_listens_on_master_addr_only(ranks):
+    port, listening = ranks[0]["listening"]
+    assert ("127.0.0.1", port) in listening
+    for rank in ranks:  # gloo's own sockets too: nothing of a rank listens on every interface
+        assert all(not ipaddress.ip_address(address).is_unspecified for address, _ in rank["listening"][1])
+
+
 def test_frozen_models_are_not_wrapped(ranks):
     assert all(r["frozen"] == {"same_object": True, "unwrap_same": True} for r in ranks)
 
@@ -308,6 +341,13 @@ def test_a_group_of_one_process_trains_and_its_collectives_are_identities():
         strategy.destroy()
     assert not dist.is_initialized()
     strategy.destroy()  # nothing left to destroy
+
+
+def test_a_master_addr_that_is_not_this_machines_is_refused_by_rank_zero():
+    strategy = DDPStrategy(0, 1, "203.0.113.7", find_free_port(), backend="gloo", timeout_s=30)  # TEST-NET-3
+    with pytest.raises(RuntimeError, match="cannot listen on DDPStrategy.master_addr '203.0.113.7'"):
+        strategy.setup()
+    assert not dist.is_initialized()
 
 
 @pytest.mark.parametrize(

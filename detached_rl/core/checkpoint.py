@@ -1,19 +1,26 @@
-"""Atomic checkpoints: write everything to a temporary directory, then rename it into place.
+"""Atomic checkpoints: write everything to a staging directory, fsync it, then rename it into place.
 
-A crash during a save leaves the previous checkpoint whole. A checkpoint is two files and
-nothing is pickled: `tensors.safetensors` holds every tensor (and NumPy array), `state.json`
-holds the rest of the nested state (dicts, lists, tuples, numbers, strings) with references
-to the tensors by name. Loading one runs no code from the files.
+A checkpoint `<dir>` is replaced in two renames: `<dir>` -> `.<dir>.old`, then the staging
+directory `.<dir>.staging-<pid>-<random>` -> `<dir>`; each is made durable by an fsync of the
+parent. A process killed at any point leaves a loadable checkpoint: the new one, or the previous
+one as `.<dir>.old` (which `load_state` falls back to, saying so in the log). Staging directories
+of dead processes are removed by the next save or load.
+
+A checkpoint is two files and nothing is pickled: `tensors.safetensors` holds every tensor (and
+NumPy array), `state.json` holds the rest of the nested state (dicts, lists, tuples, numbers,
+strings) with references to the tensors by name. Loading one runs no code from the files.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import random
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +32,13 @@ from safetensors.torch import load_file, save_file
 STATE_FILE = "state.json"
 TENSOR_FILE = "tensors.safetensors"
 FORMAT = "detached-rl-checkpoint/1"
+STAGING_MARK = ".staging-"  # staging directories: .<name>.staging-<pid>-<random>
+
+logger = logging.getLogger(__name__)
+# Saves and loads of this process: a load never sees a save between its renames, and a save's
+# staging directory (named after this pid, like a dead predecessor's would be) is never taken for stale.
+_LOCK = threading.RLock()
+_IN_PROGRESS: set[Path] = set()
 
 
 class CheckpointError(ValueError):
@@ -121,28 +135,116 @@ def save_atomic(state: dict[str, Any], directory: str | os.PathLike) -> Path:
 
 
 def write_directory_atomically(directory: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Let `write` fill a staging directory, then swap it in for `directory` (the old one stays whole until then)."""
+    """Let `write` fill a staging directory, fsync it, then swap it in for `directory` (see the module doc)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    remove_stale_staging(directory)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}{STAGING_MARK}{os.getpid()}-", dir=directory.parent))
+    with _LOCK:
+        _IN_PROGRESS.add(staging.resolve())
     try:
         write(staging)
-        if directory.exists():
-            retired = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(retired, ignore_errors=True)
-            directory.rename(retired)
+        _fsync_tree(staging)
+        retired = previous_checkpoint(directory)
+        with _LOCK:
+            if directory.exists():
+                # An existing `<dir>` is complete, so a `.old` beside it is the leftover of a finished swap.
+                shutil.rmtree(retired, ignore_errors=True)
+                directory.rename(retired)
+                _fsync(directory.parent)
             staging.rename(directory)
+            _fsync(directory.parent)
+        if retired.exists():
             shutil.rmtree(retired, ignore_errors=True)
-        else:
-            staging.rename(directory)
+            _fsync(directory.parent)
     finally:
+        with _LOCK:
+            _IN_PROGRESS.discard(staging.resolve())
         shutil.rmtree(staging, ignore_errors=True)
     return directory
 
 
+def previous_checkpoint(directory: str | os.PathLike) -> Path:
+    """Where a save keeps the checkpoint it replaces until the new one is in place: `.<name>.old` beside it."""
+    directory = Path(directory)
+    return directory.with_name(f".{directory.name}.old")
+
+
+def has_checkpoint(directory: str | os.PathLike) -> bool:
+    """True if `load_state(directory)` finds a checkpoint there or, after an interrupted save, its previous one."""
+    return _is_complete(Path(directory)) or _is_complete(previous_checkpoint(directory))
+
+
+def remove_stale_staging(directory: str | os.PathLike) -> list[Path]:
+    """Delete the staging directories of `directory` left by killed saves; returns their paths.
+
+    Stale means made by a process that is gone, or by this process but no save of it is using it
+    (a restarted process may get the pid of its killed predecessor).
+    """
+    directory = Path(directory)
+    prefix = f".{directory.name}{STAGING_MARK}"
+    try:
+        names = os.listdir(directory.parent)
+    except FileNotFoundError:
+        return []
+    removed = []
+    with _LOCK:
+        for name in names:
+            pid_text = name[len(prefix):].partition("-")[0] if name.startswith(prefix) else ""
+            path = directory.parent / name
+            if pid_text.isdigit() and path.resolve() not in _IN_PROGRESS and not _other_process_alive(int(pid_text)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    if removed:
+        logger.info("removed %d staging directories of interrupted saves of %s: %s",
+                    len(removed), directory, ", ".join(p.name for p in removed))
+    return removed
+
+
+def _other_process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _is_complete(directory: Path) -> bool:
+    return (directory / STATE_FILE).is_file() and (directory / TENSOR_FILE).is_file()
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory bottom-up, so the tree is on disk before it is renamed in."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync(Path(folder) / name)
+        _fsync(Path(folder))
+
+
 def load_state(directory: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by `save_atomic` (no unpickling)."""
-    return read_state(directory)
+    """Read a checkpoint written by `save_atomic` (no unpickling), or its previous one after an interrupted save."""
+    directory = Path(directory)
+    with _LOCK:
+        remove_stale_staging(directory)
+        source = directory
+        previous = previous_checkpoint(directory)
+        if not _is_complete(directory) and _is_complete(previous):
+            logger.warning("checkpoint %s is missing or incomplete (a save was interrupted between its renames): "
+                           "loading the previous checkpoint %s", directory, previous)
+            source = previous
+        return read_state(source)
 
 
 def rng_state() -> dict[str, Any]:

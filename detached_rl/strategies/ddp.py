@@ -43,6 +43,26 @@ def node_address() -> str:
         return "127.0.0.1"
 
 
+def listen_on(address: str, port: int) -> socket.socket:
+    """A TCP socket listening on `address`:`port` only (not on every interface)."""
+    try:
+        family, kind, protocol, _, socket_address = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, protocol)
+    except OSError as error:
+        raise RuntimeError(f"DDPStrategy.master_addr {address!r} does not resolve: {error}") from error
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(socket_address)
+        listener.listen()
+    except OSError as error:
+        listener.close()
+        raise RuntimeError(
+            f"rank 0 cannot listen on DDPStrategy.master_addr {address!r}, master_port {port} ({error}): "
+            "master_addr must be an address of rank 0's own machine and the port free there"
+        ) from error
+    return listener
+
+
 class DDPStrategy(Strategy):
     """Data-parallel training: each rank holds a replica and DDP averages gradients during backward.
 
@@ -133,12 +153,26 @@ class DDPStrategy(Strategy):
                 torch.cuda.set_device(self._device)  # NCCL and object collectives use the current device
             dist.init_process_group(
                 self.backend,
-                init_method=f"tcp://{_host_for_url(self.master_addr)}:{self.master_port}",
+                store=self._rendezvous_store(),
                 rank=self._rank,
                 world_size=self._world_size,
                 timeout=timedelta(seconds=self.timeout_s),
             )
         self._initialised = True
+
+    def _rendezvous_store(self) -> dist.TCPStore:
+        """The group's key-value store; rank 0 serves it on `master_addr` only.
+
+        torch's own `tcp://` rendezvous listens on every interface of rank 0's machine, so anyone who
+        can reach the machine could talk to the store; a socket bound here is handed to it instead.
+        """
+        timeout = timedelta(seconds=self.timeout_s)
+        if self._rank != 0:
+            return dist.TCPStore(self.master_addr, self.master_port, self._world_size, False, timeout)
+        listener = listen_on(self.master_addr, self.master_port)
+        # The store's server owns the socket from here on (and closes it with the store).
+        return dist.TCPStore(self.master_addr, self.master_port, self._world_size, True, timeout,
+                             master_listen_fd=listener.detach())
 
     def destroy(self) -> None:
         """Leave and destroy the process group, if there is one; drop the prepared models first.
@@ -277,7 +311,3 @@ def _default_device(backend: str) -> torch.device:
     if local_rank is not None and int(local_rank) < torch.cuda.device_count():
         return torch.device("cuda", int(local_rank))
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def _host_for_url(address: str) -> str:
-    return f"[{address}]" if ":" in address and not address.startswith("[") else address
