@@ -29,7 +29,7 @@ from detached_rl.maker.experience_maker import MakerConfig
     ("maker.num_gpus=1.5", "maker.num_gpus: must be a fraction up to 1 or a whole number of GPUs, got 1.5"),
     ("maker.num_gpus=0.00001", "maker.num_gpus: must be 0 or at least 0.0001"),
     ("maker.num_gpus=many", "maker.num_gpus: expected a number, got 'many'"),
-    ("maker.num_gpus=.nan", "maker.num_gpus: must be a number >= 0, got nan"),
+    ("maker.num_gpus=.nan", "maker.num_gpus: expected a finite number, got nan"),
     ("maker.num_cpus=-0.5", "maker.num_cpus: must be a number >= 0"),
     ("trainer_group.num_gpus_per_rank=2.5", "trainer_group.num_gpus_per_rank: must be a fraction up to 1 or a whole"),
     ("trainer_group.num_cpus_per_rank=-1", "trainer_group.num_cpus_per_rank: must be a number >= 0"),

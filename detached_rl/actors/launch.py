@@ -9,6 +9,12 @@ Every actor asks Ray for its CPUs and GPUs: a trainer (a naive one is a 1-rank g
 `trainer_group.num_cpus_per_rank`/`num_gpus_per_rank`, a maker for `maker.num_cpus`/`num_gpus`,
 a scorer worker for its group's bundle. Callers check the whole launch first with
 `check_placeable(launch_requests(...))`, which refuses at once what the cluster can never place.
+
+A maker's constructor arguments stay small (`check_inline_arguments`): Ray puts an argument over
+its inlining limit in the object store, and an actor restarted after its process died cannot get
+it back (Ray issue 53727: the restart dies with ReferenceCountingAssertionError; a detached
+maker's arguments are even owned by a driver that has exited). So a maker gets its prompts as a
+factory it calls itself, not as the (hundreds of kB) prompt list.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from detached_rl.actors.group import start_trainer_group, trainer_names
@@ -25,6 +32,38 @@ from detached_rl.actors.scorer import scorer_names, start_scorer_group
 from detached_rl.actors.trainer import trainer_class
 from detached_rl.config.schema import RunConfig
 from detached_rl.core.resources import UnplaceableError, resource_request, unplaceable
+
+# Ray's `max_direct_call_object_size` (its default): a task or actor argument whose serialised form is larger goes
+# to the object store instead of travelling inside the call.
+INLINE_ARGUMENT_BYTES = 100 * 1024
+
+
+def check_inline_arguments(what: str, arguments: dict[str, Any]) -> None:
+    """Refuse (ValueError naming the argument and its size) an argument Ray would put in the object store, where a
+    restarted actor cannot find it."""
+    from ray import cloudpickle
+
+    for name, value in arguments.items():
+        size = len(cloudpickle.dumps(value))
+        if size > INLINE_ARGUMENT_BYTES:
+            raise ValueError(f"{what}: constructor argument {name!r} is {size} bytes serialised, over Ray's inlining "
+                             f"limit of {INLINE_ARGUMENT_BYTES}; it would live in the object store, from which a "
+                             "restarted actor cannot read it (pass something it can build itself)")
+
+
+def prompt_factory(config: RunConfig, shard: tuple[int, int] = (0, 1)) -> Callable[[], Any]:
+    """A small picklable zero-argument factory of the prompt shard `shard` = (index, count), built where it is called.
+
+    Checked here once (a `task.prompt_file` it cannot read, fewer prompts than shards fail now, not
+    in the actor). The actor reads `task.prompt_file` itself, as it loads `model.policy`: on a cluster
+    of several machines the file must be at the same path on the maker's; a relative path is made
+    absolute here, as the actor's working directory may differ.
+    """
+    config.prompts(*shard)
+    if config.task.prompt_file is not None:
+        task = dataclasses.replace(config.task, prompt_file=str(Path(config.task.prompt_file).resolve()))
+        config = dataclasses.replace(config, task=task)
+    return functools.partial(config.prompts, *shard)
 
 
 def with_threads(threads: int, factory: Callable[[], Any], nice: int = 0) -> Any:
@@ -128,6 +167,26 @@ def launch_trainers(config: RunConfig, name: str, timeout: float | None = None) 
                                timeout=wait, sampling=config.sampling)
 
 
+def maker_arguments(
+    config: RunConfig,
+    name: str,
+    trainers: Sequence[str],
+    shard: tuple[int, int] = (0, 1),
+    state_path: str | None = None,
+    threads: int = 0,
+    nice: int = 0,
+) -> dict[str, Any]:
+    """The constructor arguments of maker `name` (see `launch_maker`), each small enough to travel inline."""
+    factory = config.maker_factory()
+    if threads > 0 or nice > 0:
+        factory = functools.partial(with_threads, threads, factory, nice)
+    arguments = {"name": name, "trainer_names": list(trainers), "model_factory": factory,
+                 "prompts": prompt_factory(config, shard), "config": config.maker_config,
+                 "namespace": config.namespace, "state_path": state_path}
+    check_inline_arguments(f"maker {name!r}", arguments)
+    return arguments
+
+
 def launch_maker(
     config: RunConfig,
     name: str,
@@ -141,16 +200,12 @@ def launch_maker(
     """Create a named experience maker feeding `trainers` with prompt shard `shard` = (index, count).
 
     `state_path`: where it saves its prompt cursor and counters after every batch (and resumes from);
-    `threads` and `nice` cap its torch threads and lower its CPU priority.
+    `threads` and `nice` cap its torch threads and lower its CPU priority. Ray restarts it after its
+    process dies (`maker.max_restarts`) from the same, inline, constructor arguments.
     """
-    factory = config.maker_factory()
-    if threads > 0 or nice > 0:
-        factory = functools.partial(with_threads, threads, factory, nice)
+    arguments = maker_arguments(config, name, trainers, shard, state_path, threads, nice)
     options = _options(name, config, detached, maker_request(config, detached))
-    return ExperienceMakerHolder.options(max_restarts=config.maker.max_restarts, **options).remote(
-        name, list(trainers), factory, config.prompts(*shard), config.maker_config, config.namespace,
-        state_path=state_path,
-    )
+    return ExperienceMakerHolder.options(max_restarts=config.maker.max_restarts, **options).remote(**arguments)
 
 
 def launch_scorer_group(config: RunConfig, role: str, trainers: Sequence[str] = (), timeout: float | None = None

@@ -96,14 +96,14 @@ class ScorerWorker:
             if updates:
                 newest = max(updates, key=lambda u: u.manifest.version)
                 if newest.manifest.version > self.core.version:
-                    self.apply_weight_update_local(newest)
+                    self.apply_weight_update_local(newest, reset=True)  # answers this scorer's registration
         except Exception as error:  # noqa: BLE001 - shown by status; requests wait for weights meanwhile
             self.last_error = f"registering with trainers {self.trainer_names}: {error}"
             logger.exception("scorer %s could not register with its trainers", self.name)
 
-    def apply_weight_update_local(self, update: WeightUpdate) -> ApplyResult:
+    def apply_weight_update_local(self, update: WeightUpdate, reset: bool = False) -> ApplyResult:
         try:
-            return self.core.apply_weight_update(update, ray_fetch(self.core.weight_timeout_s))
+            return self.core.apply_weight_update(update, ray_fetch(self.core.weight_timeout_s), reset=reset)
         except Exception as error:
             self.last_error = f"weight update v{update.manifest.version}: {error}"
             raise

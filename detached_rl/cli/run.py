@@ -8,6 +8,11 @@ maker serves, grades the held-out split again with the final weights, and writes
 summary.json, the LoRA adapter (adapter/) and a merged model (merged/). Everything it
 started is shut down at the end, also on failure or Ctrl-C.
 
+A maker whose process dies is restarted by Ray (`maker.max_restarts`): it re-attaches, takes the
+newest weights and resumes its prompt cursor (saved under `maker_state/` when the cluster is this
+machine alone). One that dies for good is reported and left out; the run ends with its evaluation,
+summary and export as long as the trainer finishes and one maker is left.
+
 The packaged `config/run.yaml` holds the defaults (SmolLM2-135M-Instruct + LoRA, GRPO,
 word problems); `--config` lays a YAML file over it and `--set key.path=value` overrides.
 """
@@ -44,6 +49,10 @@ class RunError(RuntimeError):
 
 class RunInterrupted(RunError):
     """Ctrl-C or SIGTERM: the run stopped early and shut down what it started."""
+
+
+class ActorDied(RunError):
+    """A call failed because the actor's process died (Ray may be restarting it)."""
 
 
 def run_config(
@@ -137,6 +146,8 @@ class JobRunner:
         self.trainer_name = f"{self.name}-trainer"
         self.maker_names = [f"{self.name}-maker-{i}" for i in range(config.run.makers)]
         self.handles: dict[str, Any] = {}
+        self.dead_makers: dict[str, str] = {}  # maker name -> why it died for good (Ray will not restart it)
+        self._status_calls: dict[str, Any] = {}  # maker name -> its `status` call not yet answered
         self.deadline = time.monotonic() + config.run.timeout_s
         self.interrupted = interrupted or threading.Event()  # set by Ctrl-C / SIGTERM (see `run_job`)
 
@@ -164,7 +175,7 @@ class JobRunner:
                 except ray.exceptions.GetTimeoutError:
                     continue
         except ray.exceptions.RayActorError as error:
-            raise RunError(f"{what}: an actor died ({str(error).splitlines()[0]})") from None
+            raise ActorDied(f"{what}: an actor died ({str(error).splitlines()[0]})") from None
         except ray.exceptions.RayTaskError as error:
             cause = error.cause if getattr(error, "cause", None) is not None else error
             raise RunError(f"{what} failed: {type(cause).__name__}: {str(cause).splitlines()[0]}") from None
@@ -203,8 +214,10 @@ class JobRunner:
         # Owned by this driver (not detached): they end with the run, also when it is killed.
         self.handles[self.trainer_name] = launch_trainer(config, self.trainer_name, detached=False,
                                                          threads=config.run.trainer_threads)
+        state_dir = self.directory / "maker_state" if single_machine_cluster() else None
         for index, name in enumerate(self.maker_names):
             self.handles[name] = launch_maker(config, name, [self.trainer_name], (index, len(self.maker_names)),
+                                              state_path=str(state_dir / name) if state_dir else None,
                                               detached=False, threads=config.run.maker_threads,
                                               nice=config.run.maker_nice)
         # Bounded by the run's deadline: actors the cluster cannot place yet never answer.
@@ -214,14 +227,47 @@ class JobRunner:
         if any(v < 0 for v in versions):
             raise RunError(f"makers did not receive the trainer's weights (versions {versions})")
 
+    def live_makers(self) -> list[str]:
+        """The makers not known to have died for good."""
+        return [name for name in self.maker_names if name not in self.dead_makers]
+
+    def _dead_for_good(self, name: str) -> bool:
+        """True when Ray's actor table shows maker `name` dead and not restarting; recorded and reported once.
+
+        Through a Ray client, where the table cannot be read, a maker is never taken for dead.
+        """
+        from detached_rl.cli.jobs import actor_table
+
+        if name in self.dead_makers:
+            return True
+        entry = actor_table(self.config.namespace).get(name)
+        if entry is None or entry["state"] != "DEAD":
+            return False
+        reason = entry["death_cause"] or "no cause recorded"
+        self.dead_makers[name] = f"{reason} (after {entry['restarts']} restarts)"
+        self.echo(f"warning: maker {name!r} died and will not be restarted ({self.dead_makers[name]}); "
+                  "the run goes on without it")
+        return True
+
     def evaluate(self, label: str) -> list[dict[str, Any]]:
-        """Grade the held-out split, shared across the makers; every answer comes from one policy version."""
+        """Grade the held-out split, shared across the live makers; every answer comes from one policy version.
+
+        A maker that dies during the evaluation is left out (once it is dead for good) and the split graded again.
+        """
         problems = self.config.eval_problems()
-        makers = [self.handles[n] for n in self.maker_names]
-        chunks = split_evenly(problems, len(makers))
         start = time.perf_counter()
-        parts = self._get([m.evaluate.remote(c) for m, c in zip(makers, chunks, strict=False)],
-                          f"held-out evaluation ({label})")
+        while True:
+            names = self.live_makers()
+            if not names:
+                raise RunError(f"held-out evaluation ({label}): no maker left ({self._dead_summary()})")
+            chunks = split_evenly(problems, len(names))
+            try:
+                parts = self._get([self.handles[n].evaluate.remote(c) for n, c in zip(names, chunks, strict=False)],
+                                  f"held-out evaluation ({label})")
+                break
+            except ActorDied:
+                if not any(self._dead_for_good(n) for n in names):
+                    self._wait_while_restarting(names, f"held-out evaluation ({label})")
         results = [r for part in parts for r in part]
         versions = sorted({r["policy_version"] for r in results})
         if len(versions) != 1:
@@ -249,6 +295,8 @@ class JobRunner:
                 new = status["steps"] - recorded
                 rows = self._get(trainer.metrics.remote(last=new), "trainer metrics", cap=60) if new > 0 else []
                 maker_status = self._maker_status()
+                if not self.live_makers():
+                    raise RunError(f"every maker died: {self._dead_summary()}")
                 versions = {n: s.get("policy_version") for n, s in maker_status.items()}
                 for row in rows:
                     step = int(row["policy_version"])
@@ -273,38 +321,81 @@ class JobRunner:
             raise RunError(f"the trainer failed: {status['last_error']}")
         # The trainer pushed the final weights and stopped the makers; their `run` calls return.
         maker_final = [self._maker_result(name, ref) for name, ref in zip(self.maker_names, maker_runs, strict=True)]
+        self._sync_laggards(maker_final, int(status["policy_version"]))
         return {"trainer": status, "makers": maker_final, "seconds": time.monotonic() - started}
 
     def _maker_result(self, name: str, run_ref: Any) -> dict[str, Any]:
         """What a maker's `run` returned; for a maker Ray restarted (its first `run` died with it), its status
-        once the restarted process, which resumed by itself, has been stopped by the trainer."""
+        once the restarted process, which resumed by itself, has been stopped by the trainer; for one that died
+        for good, a row saying so."""
         import ray
 
+        if name in self.dead_makers:
+            return self._dead_row(name)
         try:
             return self._get(run_ref, f"stopping maker {name!r}", cap=300)
-        except RunError:
-            deadline = time.monotonic() + self._remaining(300)
-            while time.monotonic() < deadline:
-                state = self._get(self.handles[name].status.remote(), f"maker {name!r} status", cap=60)
-                if state.get("state") != "running":
-                    if not state.get("restarted"):
-                        raise
-                    return state
-                if self.interrupted.wait(0.5):
-                    raise RunInterrupted("interrupted while stopping the makers") from None
-            raise
+        except ActorDied:
+            pass
         except ray.exceptions.RayError as error:
             raise RunError(f"maker {name!r}: {error}") from None
+        deadline = time.monotonic() + self._remaining(300)
+        while time.monotonic() < deadline:
+            if self._dead_for_good(name):
+                return self._dead_row(name)
+            with contextlib.suppress(ActorDied):  # a status call that met the process dying: ask again
+                state = self._get(self.handles[name].status.remote(), f"maker {name!r} status", cap=60)
+                if state.get("state") != "running":
+                    return state
+            if self.interrupted.wait(0.5):
+                raise RunInterrupted("interrupted while stopping the makers")
+        raise RunError(f"maker {name!r} did not stop after the trainer finished")
+
+    def _dead_row(self, name: str) -> dict[str, Any]:
+        return {"name": name, "state": "dead", "last_error": self.dead_makers[name]}
+
+    def _dead_summary(self) -> str:
+        return "; ".join(f"{name}: {reason}" for name, reason in self.dead_makers.items())
+
+    def _wait_while_restarting(self, names: Sequence[str], what: str) -> None:
+        """Wait until each maker in `names` answers `status` again or is dead for good (bounded by the deadline)."""
+        for name in names:
+            while not self._dead_for_good(name):
+                try:
+                    self._get(self.handles[name].status.remote(), f"{what}: maker {name!r} status", cap=60)
+                    break
+                except ActorDied:
+                    if self.interrupted.wait(0.5):
+                        raise RunInterrupted(f"interrupted during {what}") from None
+
+    def _sync_laggards(self, makers: list[dict[str, Any]], version: int) -> None:
+        """Bring a live maker that does not serve the final weights (`version`) up to them, so the held-out
+        evaluation after training answers with one policy version."""
+        behind = [row["name"] for row in makers
+                  if row.get("state") != "dead" and row.get("policy_version") != version and row.get("name")]
+        if behind:
+            self._get([self.handles[n].sync.remote() for n in behind], f"syncing makers {behind}", cap=300)
 
     def _maker_status(self) -> dict[str, dict[str, Any]]:
+        """Each live maker's status; one that has not answered yet (slow, or being restarted by Ray) is shown without
+        a version and asked again only once its pending call answers, so it never holds up the others."""
         import ray
 
-        refs = {n: self.handles[n].status.remote() for n in self.maker_names}
+        for name in self.live_makers():
+            if name not in self._status_calls:
+                self._status_calls[name] = self.handles[name].status.remote()
+        calls = dict(self._status_calls)
+        ray.wait(list(calls.values()), num_returns=len(calls), timeout=1.0)
         out = {}
-        for name, ref in refs.items():
+        for name, ref in calls.items():
+            if not ray.wait([ref], timeout=0)[0]:
+                out[name] = {"policy_version": None, "error": "no answer yet"}
+                continue
+            del self._status_calls[name]
             try:
-                out[name] = ray.get(ref, timeout=10)
-            except Exception as error:  # noqa: BLE001 - a slow status answer must not end the run
+                out[name] = ray.get(ref)
+            except Exception as error:  # noqa: BLE001 - a failed status answer must not end the run
+                if isinstance(error, ray.exceptions.RayActorError):
+                    self._dead_for_good(name)
                 out[name] = {"policy_version": None, "error": str(error)}
         return out
 
@@ -392,8 +483,8 @@ class JobRunner:
             result.files["plot"] = str(plot)
         summary = {"name": self.name, "seconds": seconds, "train_seconds": trained["seconds"],
                    "steps": result.steps, "held_out_before": summary_before, "held_out_after": summary_after,
-                   "makers": [{k: m.get(k) for k in ("name", "backend", "policy_version", "samples_made",
-                                                   "tokens_per_s")}
+                   "makers": [{k: m.get(k) for k in ("name", "state", "restarted", "backend", "policy_version",
+                                                   "samples_made", "tokens_per_s", "last_error")}
                               for m in trained["makers"]],
                    "cpu_count": os.cpu_count(), "files": result.files}
         (self.directory / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -411,9 +502,22 @@ class JobRunner:
         if self.config.run.examples:
             self.echo("\nexamples (held-out):")
             self.echo(side_by_side(before, after, self.config.run.examples))
+        if self.dead_makers:
+            self.echo(f"\nmakers that died during the run: {self._dead_summary()}")
         self.echo(f"\n{result.steps} steps, {seconds:.0f} s in all ({trained['seconds']:.0f} s training); "
                   f"results in {self.directory}")
         return result
+
+
+def single_machine_cluster() -> bool:
+    """True when the Ray cluster is one node, this driver's: its actors share this machine's file system."""
+    import ray
+
+    try:
+        nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+        return nodes == [ray.get_runtime_context().get_node_id()]
+    except Exception:  # noqa: BLE001 - a Ray client may not answer this: take the cluster for several machines
+        return False
 
 
 @contextlib.contextmanager
