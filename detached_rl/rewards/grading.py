@@ -10,9 +10,10 @@
   answers with a literal. The judge accepts only what `ast.literal_eval` reads back (int, float,
   complex, str, bytes, bool, None and lists, tuples, dicts, sets of them): an object whose `__eq__`
   always returns True cannot cross. Other results come back as opaque handles that support calls,
-  attribute access, len/iter/next/indexing/`in`/truth (so `Solution().method(...)` works) but compare
-  equal only to themselves. Exceptions come back as the builtin exception of that name (else
-  `SolutionError`). Builtin names always mean the judge's builtins.
+  attribute access, len/iter/next/indexing/truth (so `Solution().method(...)` works) but compare
+  equal only to themselves; `in` on one is decided judge-side by iterating it. Exceptions come back
+  as the builtin exception of that name (else `SolutionError`). Builtin names always mean the
+  judge's builtins.
 * The verdict is what the judge writes on a pipe only it holds, after the test code ran to the end;
   the parent reads it together with the judge's exit status. The two sandboxes share nothing but the
   two request/answer pipes (separate PID, IPC, network and mount namespaces), so the candidate can
@@ -280,7 +281,8 @@ class Remote:
         return self._operation("getitem", key)
 
     def __contains__(self, item):
-        return self._operation("contains", item)
+        # Decided here, by iterating: a solution object answering "yes" to every `in` must not pass.
+        return any(element is item or element == item for element in self)
 
     def __repr__(self):
         return f"<solution object {self._handle}>"
