@@ -156,7 +156,8 @@ def test_malformed_experience_and_weights_are_refused_remotely(ray_cluster):
         state = {"actor": actor.model.state_dict(), "critic": critic.state_dict()}
         state["actor"] = {k: (v + 1 if k.endswith("q_proj.weight") else v) for k, v in state["actor"].items()}
         del state["critic"]["head.bias"]
-        update, _ = build_weight_update(state, 5, put_chunk, chunk_bytes=50_000)
+        update, _ = build_weight_update(state, 5, put_chunk, chunk_bytes=50_000,
+                                        metadata={"trainer_run": before["trainer_run"]})  # from the run it follows
         with pytest.raises(WeightUpdateError, match="head.bias"):
             ray.get(maker.apply_weight_update.remote(update), timeout=TIMEOUT)
         after = ray.get(maker.status.remote())
@@ -261,3 +262,42 @@ def test_grpo_trainer_respects_the_staleness_bound(ray_cluster, max_staleness):
         assert stats["accounting_ok"]
     finally:
         kill(trainer, *makers)
+
+
+def test_a_push_whose_answer_was_lost_is_stored_once_across_two_trainers(ray_cluster):
+    """The first attempt reaches trainer a and is stored, but its answer is lost: the retry goes to a, not b."""
+    from concurrent.futures import Future
+
+    from detached_rl.actors.trainer import DetachedGRPOTrainer
+    from detached_rl.algorithms.grpo import GRPOConfig
+    from detached_rl.maker.pusher import ExperiencePusher
+
+    from .helpers import tiny_policy
+
+    ray = ray_cluster
+    handles = {name: DetachedGRPOTrainer.options(name=name, namespace=NAMESPACE, **gpu_options("trainer")).remote(
+        name, tiny_policy, TrainerConfig(train_batch_size=8), GRPOConfig(sampling=SAMPLING), NAMESPACE)
+        for name in ("once_a", "once_b")}
+    calls = []
+
+    def submit(trainer, experiences):
+        calls.append(trainer)
+        answer = handles[trainer].push_experience.remote(experiences).future()
+        if len(calls) > 1:
+            return answer
+        lost = Future()  # fails once the trainer has stored the push
+        answer.add_done_callback(lambda _: lost.set_exception(ConnectionError("connection reset")))
+        return lost
+
+    try:
+        pusher = ExperiencePusher(submit, list(handles), backoff_initial=0.01)
+        push = [Experience(torch.tensor([5, 6]), torch.tensor([7, 8]), torch.tensor([-0.5, -0.5]), torch.tensor(1.0))
+                for _ in range(3)]
+        pusher.push(push)
+        assert pusher.flush(timeout=TIMEOUT)
+        assert calls == ["once_a", "once_a"]
+        stats = ray.get([handle.buffer_stats.remote() for handle in handles.values()], timeout=TIMEOUT)
+        assert [(s["received"], s["duplicates"]) for s in stats] == [(3, 3), (0, 0)]
+        assert pusher.stats()["duplicates"] == 3
+    finally:
+        kill(*handles.values())

@@ -256,7 +256,8 @@ def test_a_transient_failure_is_retried(executor, fails):
     stats = assert_accounted(pusher, 2)
     assert stats["accepted"] == 2 and stats["failed_attempts"] == 1 and calls[0] == 2
     assert stats["per_trainer"]["t0"]["failures"] == 1
-    assert stats["last_error"] == "trainer 't0': ConnectionError: connection reset"
+    not_sent = "not sent: " if fails == "at_submit" else ""
+    assert stats["last_error"] == f"trainer 't0': {not_sent}ConnectionError: connection reset"
 
 
 def dead_trainer(executor, buffers, dead: str):
@@ -286,10 +287,11 @@ def test_pushes_avoid_a_dead_trainer_and_reach_the_healthy_one(executor):
         pusher.push(push)
     assert pusher.flush(timeout=5)
     stats = assert_accounted(pusher, 16)
-    assert stats["accepted"] == 16 and stats["dropped"]["failed"] == 0
-    # Only the first push tried the dead trainer; while it cools down every push goes to the other.
-    assert calls.count("dead") == 1 and stats["per_trainer"]["dead"]["failures"] == 1
-    assert sorted(buffer_ids(buffers["alive"])) == sorted(exp.id for push in pushes for exp in push)
+    # Only the first push tried the dead trainer: sent there, it stays there (it may have been stored) and is
+    # dropped after its attempts; while the dead trainer cools down every other push goes to the healthy one.
+    assert stats["accepted"] == 14 and stats["dropped"]["failed"] == 2
+    assert calls[:2] == ["dead", "dead"] and calls.count("dead") == 2
+    assert sorted(buffer_ids(buffers["alive"])) == sorted(exp.id for push in pushes[1:] for exp in push)
 
 
 def test_a_single_dead_trainer_drops_pushes_as_failed_after_max_attempts(executor):
@@ -464,3 +466,107 @@ def test_the_latest_acknowledgement_says_how_new_the_next_batch_must_be(executor
     pusher.push(batches(1)[0])  # round robin: t1 answers last
     assert pusher.flush(timeout=5) and pusher.oldest_useful_version == 5
     assert pusher.stats()["per_trainer"]["t0"]["oldest_useful_version"] == 3
+
+
+def reply_lost_once(executor, buffers, calls):
+    """A transport whose first attempt reaches the trainer and stores the push, but whose answer is lost."""
+
+    def store_then_fail(trainer, experiences):
+        buffers[trainer].append(experiences, 0)
+        raise ConnectionError("connection reset after the call was sent")
+
+    def submit(trainer, experiences):
+        calls.append(trainer)
+        if len(calls) == 1:
+            return executor.submit(store_then_fail, trainer, experiences)
+        return executor.submit(buffers[trainer].append, experiences, 0)
+
+    return submit
+
+
+def test_a_push_whose_answer_failed_is_retried_on_the_same_trainer_and_stored_once(executor):
+    buffers = {"t0": ReplayBuffer(), "t1": ReplayBuffer()}
+    calls: list[str] = []
+    pusher = ExperiencePusher(reply_lost_once(executor, buffers, calls), ["t0", "t1"], backoff_initial=0.01)
+    push = batches(1, size=3)[0]
+    pusher.push(push)
+    assert pusher.flush(timeout=5)
+    assert calls == ["t0", "t0"]  # t0 is cooling down after its failure, yet the retry may not go to t1
+    stats = assert_accounted(pusher, 3)
+    assert (stats["accepted"], stats["duplicates"], stats["failed_attempts"]) == (0, 3, 1)
+    everywhere = buffer_ids(buffers["t0"]) + buffer_ids(buffers["t1"])
+    assert sorted(everywhere) == sorted(exp.id for exp in push)
+
+
+def test_a_pinned_push_is_dropped_after_its_attempts_rather_than_sent_to_another_trainer(executor):
+    """The trainer died after the call was sent and is not running: a checkpoint of it may hold the push."""
+    buffers = {"t0": ReplayBuffer(), "t1": ReplayBuffer()}
+    calls: list[str] = []
+    healthy = submitter(executor, buffers)
+
+    def died(experiences):
+        raise ConnectionError("actor t0 died")
+
+    def submit(trainer, experiences):
+        calls.append(trainer)
+        if trainer == "t1":
+            return healthy(trainer, experiences)
+        if calls.count("t0") == 1:
+            return executor.submit(died, experiences)
+        raise ConnectionError("trainer 't0' is not running")  # later attempts: nothing is sent
+
+    pusher = ExperiencePusher(submit, ["t0", "t1"], max_in_flight=1, max_attempts=3, backoff_initial=0.005,
+                              backoff_max=0.01)
+    lost, later = batches(2)
+    pusher.push(lost)
+    assert pusher.flush(timeout=5)
+    pusher.push(later)  # a new push is free to go to the healthy trainer
+    assert pusher.flush(timeout=5)
+    assert calls == ["t0", "t0", "t0", "t1"]
+    stats = assert_accounted(pusher, 4)
+    assert stats["dropped"]["failed"] == 2 and stats["accepted"] == 2
+    assert sorted(buffer_ids(buffers["t1"])) == sorted(exp.id for exp in later)
+    assert "after 3 failed attempts" in stats["last_error"] and "not running" in stats["last_error"]
+
+
+def test_a_push_that_was_never_sent_may_go_to_another_trainer(executor):
+    buffers = {"t0": ReplayBuffer(), "t1": ReplayBuffer()}
+    calls: list[str] = []
+    healthy = submitter(executor, buffers)
+
+    def submit(trainer, experiences):
+        calls.append(trainer)
+        if trainer == "t0":
+            raise ConnectionError("trainer 't0' is not running")
+        return healthy(trainer, experiences)
+
+    pusher = ExperiencePusher(submit, ["t0", "t1"], backoff_initial=0.01)
+    push = batches(1, size=3)[0]
+    pusher.push(push)
+    assert pusher.flush(timeout=5)
+    assert calls == ["t0", "t1"]
+    assert assert_accounted(pusher, 3)["accepted"] == 3
+    assert sorted(buffer_ids(buffers["t1"])) == sorted(exp.id for exp in push) and len(buffers["t0"]) == 0
+
+
+def test_a_weight_update_error_while_registering_again_is_retried_not_rejected(executor):
+    """`submit` registers with a restarted trainer before it sends; taking that trainer's weights may fail."""
+    from detached_rl.core.weight_sync import WeightUpdateError
+
+    buffer = ReplayBuffer()
+    healthy = submitter(executor, {"t0": buffer})
+    registrations = [0]
+
+    def submit(trainer, experiences):
+        registrations[0] += 1
+        if registrations[0] <= 2:
+            raise WeightUpdateError("chunk 3 of version 7 failed its checksum")
+        return healthy(trainer, experiences)
+
+    pusher = ExperiencePusher(submit, ["t0"], backoff_initial=0.01)
+    push = batches(1, size=3)[0]
+    pusher.push(push)
+    assert pusher.flush(timeout=5)
+    stats = assert_accounted(pusher, 3)
+    assert stats["accepted"] == 3 and stats["dropped"]["rejected"] == 0 and stats["failed_attempts"] == 2
+    assert sorted(buffer_ids(buffer)) == sorted(exp.id for exp in push)

@@ -1,10 +1,22 @@
 """ExperiencePusher: the maker's side of pushing experience to trainers (docs/design.md §3.3).
 
 Every push ends either acked (the trainer's `AppendResult` counts its samples as accepted,
-duplicates or dropped as stale) or dropped with a reason: "rejected" (malformed, never
-retried), "failed" (a transport failure on each of `max_attempts` attempts) or "stopped"
+duplicates or dropped as stale) or dropped with a reason: "rejected" (the trainer refused it as
+malformed; never retried), "failed" (no answer on each of `max_attempts` attempts) or "stopped"
 (`should_stop()` while the push still needed a retry). So once `flush` returns True,
 `samples_pushed == accepted + duplicates + dropped_stale_by_trainer + sum(dropped.values())`.
+
+A push is stored at most once across trainers. Its idempotency key is its experiences' ids
+(made once by the maker, the same on every attempt); each trainer's buffer dedupes by id, and
+its checkpoints keep the ids it has seen. An attempt handed to a trainer (`submit` returned a
+future) may have been stored even when its answer failed or never came, so the push is then
+pinned: every later attempt goes to that trainer name, alive, restarted or resumed under it,
+where a copy already stored counts as duplicates; it is never sent to another trainer (a dead
+trainer's checkpoint may hold it and come back), and is dropped as "failed" after
+`max_attempts`. An attempt whose `submit` raised was never sent: that push may go to any
+trainer. A `submit` error (finding the trainer, registering again with a restarted one, a
+`WeightUpdateError` taking its weights) is a failed attempt retried with backoff, never a
+rejection: only a trainer's own answer, a `ValueError` such as `RejectedPushError`, rejects.
 
 No thread of its own: finished attempts and due retries are handled whenever `push` or
 `flush` runs on the maker's thread; `stats` may be called from any thread.
@@ -33,6 +45,7 @@ _COUNTERS = (
 # Longest single wait, so that `should_stop()` is noticed soon even during a long backoff.
 _POLL_SECONDS = 0.1
 
+# Sends one attempt to the named trainer; raises (rather than returning a failed future) when nothing was sent.
 Submit = Callable[[str, list[Experience]], "Future[AppendResult]"]
 
 
@@ -44,8 +57,9 @@ class _Push:
     future: Future[AppendResult] | None = None
     deadline: float = 0.0  # when the current attempt times out
     retry_at: float = 0.0  # when a waiting retry is due
-    # After a timeout the attempt may still land: retry on the same trainer, whose id dedupe
-    # makes that safe (another trainer would store the samples a second time).
+    sent: bool = False  # the current attempt was handed to the trainer (`submit` returned)
+    # Set once an attempt that was sent failed or timed out, as it may have been stored: every retry
+    # goes to that trainer, whose id dedupe makes it safe (another trainer would store it twice).
     pinned: str | None = None
 
 
@@ -170,11 +184,12 @@ class ExperiencePusher:
             push.trainer = push.pinned or self._choose_trainer(self._clock())
         try:
             future = self._submit(push.trainer, push.experiences)
-        except Exception as err:  # a submit that fails at once is handled like a failed future
-            future = Future()
+            sent = True
+        except Exception as err:  # nothing was sent: handled like a failed attempt, without pinning
+            future, sent = Future(), False
             future.set_exception(err)
         with self._lock:
-            push.future = future
+            push.future, push.sent = future, sent
             push.deadline = self._clock() + self.push_timeout
             self._in_flight.append(push)
 
@@ -239,13 +254,18 @@ class ExperiencePusher:
     def _settle(self, push: _Push, stopping: bool, now: float) -> None:
         try:
             result = push.future.result()
-        # RejectedPushError; through Ray too, as a RayTaskError subclasses the remote error's class.
-        except ValueError as err:
-            self._dropped["rejected"] += len(push.experiences)
-            self._last_error = f"trainer {push.trainer!r} rejected {len(push.experiences)} samples: {err}"
-            return
-        except Exception as err:  # RayActorError, GetTimeoutError, ConnectionError, ...: the transport failed
-            self._transport_failed(push, f"{type(err).__name__}: {err}", stopping, now)
+        except Exception as err:
+            # The trainer's RejectedPushError (through Ray too: a RayTaskError subclasses the remote error's
+            # class) rejects; a ValueError raised by `submit` (e.g. a WeightUpdateError while registering
+            # again) never reached the trainer's buffer and is retried like RayActorError, ConnectionError...
+            if push.sent and isinstance(err, ValueError):
+                self._dropped["rejected"] += len(push.experiences)
+                self._last_error = f"trainer {push.trainer!r} rejected {len(push.experiences)} samples: {err}"
+                return
+            if push.sent:
+                push.pinned = push.trainer
+            reason = f"{type(err).__name__}: {err}" if push.sent else f"not sent: {type(err).__name__}: {err}"
+            self._transport_failed(push, reason, stopping, now)
             return
         trainer = self._state[push.trainer]
         trainer.last_size = result.size
