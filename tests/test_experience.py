@@ -12,8 +12,8 @@ def test_valid_experience_passes_and_ids_are_unique():
     a, b = make().validate(), make().validate()
     assert a.id != b.id and len(a.id) == 32
     assert a.response_length == 2 and a.score == 1.0
-    # 3 + 2 int64 ids, 2 float32 log-probs, 1 float32 reward.
-    assert a.nbytes() == 5 * 8 + 2 * 4 + 4
+    # 3 + 2 int64 ids, 2 float32 log-probs, 1 float32 reward, the 32-byte id and info as JSON ("{}").
+    assert a.nbytes() == 5 * 8 + 2 * 4 + 4 + 32 + 2
 
 
 @pytest.mark.parametrize(

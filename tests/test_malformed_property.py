@@ -132,7 +132,10 @@ def buffer_state(buffer: ReplayBuffer) -> tuple:
 @pytest.fixture(scope="module")
 def buffer() -> ReplayBuffer:
     buffer = ReplayBuffer(max_samples=64, max_staleness=8, vocab_size=VOCAB, max_sequence_length=MAX_SEQUENCE)
-    seed = [make_experience(prompt=(1, 2), response=(3, 4), maker="maker_0", id=f"seed-{i}") for i in range(4)]
+    # With every optional field, as the generated pushes: samples of one buffer carry the same fields.
+    seed = [make_experience(prompt=(1, 2), response=(3, 4), maker="maker_0", id=f"seed-{i}", values=torch.zeros(2),
+                            ref_log_probs=-torch.ones(2), advantages=torch.zeros(2), returns=torch.zeros(2))
+            for i in range(4)]
     buffer.append(seed, current_version=CURRENT_VERSION)
     return buffer
 

@@ -14,7 +14,8 @@ from detached_rl.core.replay_buffer import AppendResult, RejectedPushError, Repl
 
 from .helpers import make_experience as make
 
-SAMPLE_BYTES = 5 * 8 + 2 * 4 + 4  # make(): 3 + 2 int64 ids, 2 float32 log-probs, 1 float32 reward
+# make(): 3 + 2 int64 ids, 2 float32 log-probs, 1 float32 reward; a 2-byte id ("a0") and info as JSON ("{}")
+SAMPLE_BYTES = 5 * 8 + 2 * 4 + 4 + 2 + 2
 
 
 def makes(count: int, prefix: str = "e", **kwargs) -> list[Experience]:
@@ -441,3 +442,16 @@ def test_wait_for_counts_available_after_dropping_stale():
     assert buffer.stats()["dropped"]["stale"] == 1
     threading.Timer(0.05, lambda: buffer.append([make(policy_version=1)], current_version=1)).start()
     assert buffer.wait_for(1, current_version=1, timeout=5.0) == 1
+
+
+def test_a_push_whose_optional_fields_differ_from_the_buffer_is_refused_naming_the_field():
+    reference = torch.tensor([-0.5, -0.5])
+    buffer = ReplayBuffer(max_samples=10)
+    buffer.append([make(id="r0", ref_log_probs=reference)], current_version=0)
+    with pytest.raises(RejectedPushError, match="ref_log_probs: absent here but present on the buffer's samples") as info:
+        buffer.append([make(id="r1")], current_version=0)
+    assert info.value.field == "ref_log_probs" and len(buffer) == 1
+    with pytest.raises(RejectedPushError, match="push's first"):
+        ReplayBuffer(max_samples=10).append([make(id="r2"), make(id="r3", ref_log_probs=reference)], current_version=0)
+    buffer.sample(1, current_version=0)  # drained: samples of another shape may start
+    buffer.append([make(id="r4")], current_version=0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,7 @@ from detached_rl.algorithms.mismatch import (
     trainer_engine,
 )
 from detached_rl.algorithms.ppo import TokenWeightedMeans, micro_batches, recompute_log_probs
+from detached_rl.algorithms.step_guard import skip_metrics, step_unless_nonfinite
 from detached_rl.core.devices import host_floats
 from detached_rl.core.experience import Experience, ExperienceBatch, collate
 from detached_rl.core.sampling import SamplingConfig
@@ -367,21 +369,31 @@ class GRPOLearner(EpochsFromConfig):
             extra_forwards += int(recompute_old)
             mismatch = apply_behaviour_correction(batch, recomputed, config.tis_cap)
         means = TokenWeightedMeans()
+        skipped: Counter[str] = Counter()
+        losses: list[torch.Tensor] = []
         self.actor.train()
         for micro, weight, mini_tokens, last in micro_batches(
             batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size, config.loss_agg,
             share=self.strategy.gradient_share,
         ):
-            means.add(self._micro_step(micro, weight), micro.num_response_tokens)
+            micro_metrics = self._micro_step(micro, weight)
+            losses.append(micro_metrics[names.LOSS_TOTAL])
+            means.add(micro_metrics, micro.num_response_tokens)
             if last:
-                norm = self.strategy.optimizer_step(self.optimizer, self.actor, config.actor_optimizer.max_grad_norm)
-                self.scheduler.step()
-                self.optimizer_steps += 1
+                (norm,), skip = step_unless_nonfinite(
+                    self.strategy, [(self.optimizer, self.actor, config.actor_optimizer.max_grad_norm)], losses)
+                losses = []
+                if skip is None:
+                    self.scheduler.step()
+                    self.optimizer_steps += 1
+                else:
+                    skipped[skip] += 1
                 means.add({"grad_norm/actor": norm}, mini_tokens)
         self.steps += 1
         if self.reference is not None and config.ref_update_every and self.steps % config.ref_update_every == 0:
             self.update_ref_policy()
         metrics = means.means()
+        metrics.update(skip_metrics(skipped))
         elapsed = time.perf_counter() - start
         tokens = batch.num_response_tokens
         metrics.update(self._batch_metrics(batch, scores, staleness, kl, mismatch))

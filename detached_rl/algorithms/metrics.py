@@ -53,6 +53,14 @@ VALUE_ERROR = "value/error_avg"
 OBJECTIVE_KL = "objective/kl_avg"
 #: Seconds the learner's train_step took.
 TIME_TRAINING = "time/training"
+#: Optimizer steps of this training step skipped for a non-finite loss or gradient norm (`algorithms.step_guard`).
+SKIPPED_STEPS = "train/skipped_steps"
+
+
+def skipped_steps_key(reason: str) -> str:
+    """The metric counting the optimizer steps skipped for `reason` (one of `step_guard.SKIP_REASONS`)."""
+    return f"{SKIPPED_STEPS}/{reason}"
+
 
 #: Every name above with its description (for docs and `--help`-style listings).
 METRICS: dict[str, str] = {
@@ -76,6 +84,7 @@ METRICS: dict[str, str] = {
     VALUE_ERROR: "mean squared error of the values to the returns",
     OBJECTIVE_KL: "KL(behaviour || reference) per token of the batch",
     TIME_TRAINING: "seconds of the learner's train_step",
+    SKIPPED_STEPS: "optimizer steps skipped (weights and optimizer untouched) for a non-finite loss or gradient norm",
 }
 
 #: Old name -> name above. A step's metrics carry the value under both.

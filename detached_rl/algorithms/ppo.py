@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ from detached_rl.algorithms.mismatch import (
     needs_behaviour_correction,
     trainer_engine,
 )
+from detached_rl.algorithms.step_guard import skip_metrics, step_unless_nonfinite
 from detached_rl.core.devices import host_floats
 from detached_rl.core.experience import Experience, ExperienceBatch, collate
 from detached_rl.core.sampling import SamplingConfig
@@ -289,16 +291,25 @@ class PPOLearner(EpochsFromConfig):
             mismatch = apply_behaviour_correction(batch, recomputed, config.tis_cap)
         batch.advantages, batch.returns = advantages, returns
         means = TokenWeightedMeans()
+        skipped: Counter[str] = Counter()
+        losses: list[torch.Tensor] = []
         self.actor.train()
         self.critic.train()
         for micro, weight, mini_tokens, last in micro_batches(
             batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size, config.loss_agg,
             share=self.strategy.gradient_share,
         ):
-            means.add(self._micro_step(micro, weight), micro.num_response_tokens)
+            micro_metrics = self._micro_step(micro, weight)
+            losses.append(micro_metrics[names.LOSS_TOTAL])
+            means.add(micro_metrics, micro.num_response_tokens)
             if last:
-                means.add(self._optimizer_step(), mini_tokens)
+                norms, skip = self._optimizer_step(losses)
+                losses = []
+                if skip is not None:
+                    skipped[skip] += 1
+                means.add(norms, mini_tokens)
         metrics = means.means()
+        metrics.update(skip_metrics(skipped))
         metrics.update(self._batch_metrics(batch, kl, policy_version, mismatch))
         elapsed = time.perf_counter() - start
         metrics.update({
@@ -354,17 +365,17 @@ class PPOLearner(EpochsFromConfig):
             names.POLICY_NONFINITE_FRACTION: masked_mean((~mask).to(entropy.dtype), response_mask),
         }
 
-    def _optimizer_step(self) -> dict[str, float]:
-        actor_norm = self.strategy.optimizer_step(
-            self.actor_optimizer, self.actor, self.config.actor_optimizer.max_grad_norm
-        )
-        critic_norm = self.strategy.optimizer_step(
-            self.critic_optimizer, self.critic, self.config.critic_optimizer.max_grad_norm
-        )
-        self.actor_scheduler.step()
-        self.critic_scheduler.step()
-        self.optimizer_steps += 1
-        return {"grad_norm/actor": actor_norm, "grad_norm/critic": critic_norm}
+    def _optimizer_step(self, losses: list[torch.Tensor]) -> tuple[dict[str, float], str | None]:
+        """Step actor and critic together, or neither (`step_unless_nonfinite`); their norms and any skip reason."""
+        (actor_norm, critic_norm), skip = step_unless_nonfinite(self.strategy, [
+            (self.actor_optimizer, self.actor, self.config.actor_optimizer.max_grad_norm),
+            (self.critic_optimizer, self.critic, self.config.critic_optimizer.max_grad_norm),
+        ], losses)
+        if skip is None:
+            self.actor_scheduler.step()
+            self.critic_scheduler.step()
+            self.optimizer_steps += 1
+        return {"grad_norm/actor": actor_norm, "grad_norm/critic": critic_norm}, skip
 
     @staticmethod
     def _batch_metrics(batch: ExperienceBatch, kl: torch.Tensor | None, policy_version: int | None,

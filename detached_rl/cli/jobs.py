@@ -356,7 +356,9 @@ def format_status(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         trainer = row.get("role") == "trainer"
         buffer = f"{row.get('buffer_size', 0)}/{row.get('buffer_max_samples', '?')}" if trainer else "-"
-        steps = row.get("steps" if trainer else "batches", "")
+        steps = str(row.get("steps" if trainer else "batches", ""))
+        if trainer and row.get("skipped_steps"):
+            steps += f" ({row['skipped_steps']} skipped)"
         rate = row.get("samples_per_s") or 0.0
         table.append((
             str(row.get("name", "?")), str(row.get("role", "?")), str(row.get("state", "?")),

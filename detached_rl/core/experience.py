@@ -10,6 +10,13 @@ Batch format (`ExperienceBatch`, built by `collate` on the trainer): prompts are
 left-padded to the longest prompt, responses right-padded to the longest response, so
 every response starts at column `prompt_len` of `sequences`. `collate(..., device=)` pads on
 the host (in pinned memory when the batch goes to a CUDA device) and copies the batch over once.
+
+Numeric guards (`Experience.validate`): float fields are trained in float32 (`TRAINING_DTYPE`, `collate`
+casts to it), so every value must be finite there, not only in the dtype it travels in (1e300 in
+float64 is inf in float32), and within a bound that keeps sums, squares and normalisations finite:
+rewards within `max_abs_reward`, values/returns/advantages within `ESTIMATE_SCALE` times that,
+log-probs within `LOG_PROB_BOUND`. Strings (`id`, `maker`, `group_id`) are at most `MAX_NAME_BYTES`
+of UTF-8; strings and `info` count in `nbytes`, the replay buffer's budget unit.
 """
 
 from __future__ import annotations
@@ -29,6 +36,21 @@ TOKEN_FIELDS = ("values", "ref_log_probs", "advantages", "returns")
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LOG_PROB_SLACK = 1e-4  # log-probs are <= 0; allow float rounding above zero.
+
+TRAINING_DTYPE = torch.float32
+"""The dtype `collate` casts every float field to: the one its values must be finite in."""
+DEFAULT_MAX_ABS_REWARD = 1e4
+"""The replay buffer's default bound on |reward| (`TrainerConfig.max_abs_reward`)."""
+MAX_ABS_REWARD_LIMIT = 1e8
+"""The largest `max_abs_reward` allowed, and `validate`'s default: with it, the largest estimate
+(`ESTIMATE_SCALE` times it) squared and summed over a batch's tokens stays far inside float32."""
+ESTIMATE_SCALE = 1e6
+"""values, returns and advantages may be this many times `max_abs_reward` (a return sums many rewards)."""
+LOG_PROB_BOUND = 1e4
+"""|log-prob| bound: the smallest float32 probability is e^-104; beyond 1e4 a log-prob is garbage that only
+overflows KL terms (k2 squares it)."""
+MAX_NAME_BYTES = 256
+"""UTF-8 bytes allowed in `id`, `group_id` and `maker` (a uuid hex id is 32)."""
 
 
 class ExperienceValidationError(ValueError):
@@ -69,48 +91,63 @@ class Experience:
 
     @property
     def score(self) -> float:
-        """The sequence-level reward: the scalar reward, or the sum of a per-token reward."""
-        return float(self.reward.sum())
+        """The sequence-level reward: the scalar reward, or the sum of a per-token reward (summed in float64)."""
+        return float(self.reward.detach().to(torch.float64).sum())
 
     def nbytes(self) -> int:
-        """Bytes held by the tensors (the budget unit of the replay buffer)."""
+        """Bytes the sample holds: its tensors, its strings (UTF-8) and its `info` (as JSON); the buffer's budget unit."""
         total = 0
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 total += value.numel() * value.element_size()
-        return total
+            elif isinstance(value, str):
+                total += len(value.encode("utf-8", "surrogatepass"))
+        return total + _info_nbytes(self.info)
 
-    def validate(self, vocab_size: int | None = None) -> Experience:
-        """Check shapes, dtypes and values; raise `ExperienceValidationError` naming the bad field."""
+    def validate(self, vocab_size: int | None = None, max_abs_reward: float = MAX_ABS_REWARD_LIMIT) -> Experience:
+        """Check shapes, dtypes, values and sizes; raise `ExperienceValidationError` naming the bad field.
+
+        Rewards must lie within `max_abs_reward` (the trainer's `trainer.max_abs_reward`), values, returns and
+        advantages within `ESTIMATE_SCALE` times it, log-probs within `LOG_PROB_BOUND`; all finite in float32.
+        """
+        if not (isinstance(max_abs_reward, int | float) and 0 < max_abs_reward <= MAX_ABS_REWARD_LIMIT):
+            raise ValueError(f"max_abs_reward must be in (0, {MAX_ABS_REWARD_LIMIT:g}], got {max_abs_reward!r}")
         _check_ids(self.prompt_ids, "prompt_ids", vocab_size)
         _check_ids(self.response_ids, "response_ids", vocab_size)
         length = self.response_length
-        _check_token_floats(self.log_probs, "log_probs", length)
+        _check_token_floats(self.log_probs, "log_probs", length, _LOG_PROBS)
         if bool((self.log_probs > _LOG_PROB_SLACK).any()):
             raise ExperienceValidationError("log_probs", "log-probabilities must be <= 0")
-        if not isinstance(self.reward, torch.Tensor):
-            raise ExperienceValidationError("reward", f"must be a tensor, got {type(self.reward).__name__}")
+        _check_tensor(self.reward, "reward")
+        reward_bound = _Bound(max_abs_reward, "max_abs_reward (trainer.max_abs_reward)")
         if self.reward.dim() == 0:
-            _check_floats(self.reward, "reward")
+            _check_floats(self.reward, "reward", reward_bound)
         else:
-            _check_token_floats(self.reward, "reward", length, what="a scalar or")
+            _check_token_floats(self.reward, "reward", length, reward_bound, what="a scalar or")
+        estimate_bound = _Bound(max_abs_reward * ESTIMATE_SCALE, f"{ESTIMATE_SCALE:g} x max_abs_reward")
         for name in TOKEN_FIELDS:
             value = getattr(self, name)
             if value is not None:
                 # A reference scored on the processed distribution gives -inf to a sampled token its own top-k/top-p
                 # filters out; the trainers leave such tokens out of the KL (`algorithms.mismatch.masked_kl`).
-                _check_token_floats(value, name, length, negative_infinity=name == "ref_log_probs")
+                log_prob = name == "ref_log_probs"
+                _check_token_floats(value, name, length, _LOG_PROBS if log_prob else estimate_bound,
+                                    negative_infinity=log_prob)
         if isinstance(self.policy_version, bool) or not isinstance(self.policy_version, int):
             raise ExperienceValidationError("policy_version", f"must be an int, got {self.policy_version!r}")
         if self.policy_version < 0:
             raise ExperienceValidationError("policy_version", f"must be >= 0, got {self.policy_version}")
         if not isinstance(self.maker, str):
             raise ExperienceValidationError("maker", f"must be a str, got {type(self.maker).__name__}")
+        _check_name(self.maker, "maker")
         if not isinstance(self.id, str) or not self.id:
-            raise ExperienceValidationError("id", f"must be a non-empty str, got {self.id!r}")
-        if self.group_id is not None and not isinstance(self.group_id, str):
-            raise ExperienceValidationError("group_id", f"must be a str or None, got {self.group_id!r}")
+            raise ExperienceValidationError("id", f"must be a non-empty str, got {short_repr(self.id)}")
+        _check_name(self.id, "id")
+        if self.group_id is not None:
+            if not isinstance(self.group_id, str):
+                raise ExperienceValidationError("group_id", f"must be a str or None, got {short_repr(self.group_id)}")
+            _check_name(self.group_id, "group_id")
         if not isinstance(self.info, dict):
             raise ExperienceValidationError("info", f"must be a dict, got {type(self.info).__name__}")
         _check_info(self.info)
@@ -157,6 +194,42 @@ class Experience:
 MAX_INFO_BYTES = 64 * 1024  # decoded text and reward components fit easily; megabytes of it do not belong here
 
 
+@dataclass(frozen=True)
+class _Bound:
+    """The largest magnitude a float field may hold, and the setting it comes from (for the message)."""
+
+    limit: float
+    source: str
+
+
+_LOG_PROBS = _Bound(LOG_PROB_BOUND, "LOG_PROB_BOUND: no sampled token is that unlikely")
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """repr of a pushed value for a message, cut to about `limit` characters (a refused id may be megabytes)."""
+    text = repr(value[: limit + 1] if isinstance(value, str | bytes) else value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def _check_name(value: str, name: str) -> None:
+    # Characters never outnumber UTF-8 bytes: a 20 MB string is refused before it is encoded.
+    if len(value) > MAX_NAME_BYTES:
+        raise ExperienceValidationError(name, f"is {len(value)} characters long, over the {MAX_NAME_BYTES}-byte limit")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as error:
+        raise ExperienceValidationError(name, f"is not valid UTF-8 text: {error.reason}") from None
+    if size > MAX_NAME_BYTES:
+        raise ExperienceValidationError(name, f"is {size} bytes as UTF-8, over the {MAX_NAME_BYTES}-byte limit")
+
+
+def _info_nbytes(info: Any) -> int:
+    try:
+        return len(json.dumps(info, allow_nan=True))  # ASCII (non-ASCII is escaped): characters are bytes
+    except (TypeError, ValueError):  # an unvalidated sample (a restored state): count its text form
+        return len(repr(info))
+
+
 def _check_info(info: dict[str, Any]) -> None:
     if any(not isinstance(key, str) for key in info):
         raise ExperienceValidationError("info", "keys must be strings")
@@ -168,9 +241,18 @@ def _check_info(info: dict[str, Any]) -> None:
         raise ExperienceValidationError("info", f"is {size} bytes as JSON, over the {MAX_INFO_BYTES}-byte limit")
 
 
-def _check_ids(value: Any, name: str, vocab_size: int | None) -> None:
+def _check_tensor(value: Any, name: str) -> None:
+    """A dense tensor with data: sparse, other non-strided and meta tensors are refused before anything reads them."""
     if not isinstance(value, torch.Tensor):
         raise ExperienceValidationError(name, f"must be a tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise ExperienceValidationError(name, f"must be a dense (strided) tensor, got layout {value.layout}")
+    if value.is_meta:
+        raise ExperienceValidationError(name, "is a meta tensor (a shape without data)")
+
+
+def _check_ids(value: Any, name: str, vocab_size: int | None) -> None:
+    _check_tensor(value, name)
     if value.dim() != 1:
         raise ExperienceValidationError(name, f"must be 1-D, got shape {tuple(value.shape)}")
     if value.dtype != torch.long:
@@ -183,7 +265,7 @@ def _check_ids(value: Any, name: str, vocab_size: int | None) -> None:
         raise ExperienceValidationError(name, f"has token ids >= vocab size {vocab_size}")
 
 
-def _check_floats(value: torch.Tensor, name: str, negative_infinity: bool = False) -> None:
+def _check_floats(value: torch.Tensor, name: str, bound: _Bound, negative_infinity: bool = False) -> None:
     if value.dtype not in _FLOAT_DTYPES:
         raise ExperienceValidationError(name, f"dtype must be floating point, got {value.dtype}")
     if negative_infinity:
@@ -191,17 +273,27 @@ def _check_floats(value: torch.Tensor, name: str, negative_infinity: bool = Fals
             raise ExperienceValidationError(name, "has NaN or +inf values (-inf is allowed: a filtered token)")
     elif not bool(torch.isfinite(value).all()):
         raise ExperienceValidationError(name, "has non-finite values (NaN or inf)")
+    finite = value.detach()[torch.isfinite(value)]
+    if not finite.numel():
+        return
+    magnitude = float(finite.to(torch.float64).abs().max())
+    if not bool(torch.isfinite(finite.to(TRAINING_DTYPE)).all()):
+        raise ExperienceValidationError(
+            name, f"has a value of magnitude {magnitude:.3g}, which is inf in {TRAINING_DTYPE} (the training dtype)")
+    if magnitude > bound.limit:
+        raise ExperienceValidationError(
+            name, f"has a value of magnitude {magnitude:.3g}, over the limit {bound.limit:g} ({bound.source})")
 
 
-def _check_token_floats(value: Any, name: str, length: int, what: str = "", negative_infinity: bool = False) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise ExperienceValidationError(name, f"must be a tensor, got {type(value).__name__}")
+def _check_token_floats(value: Any, name: str, length: int, bound: _Bound, what: str = "",
+                        negative_infinity: bool = False) -> None:
+    _check_tensor(value, name)
     if value.dim() != 1 or value.numel() != length:
         expected = f"{what} a 1-D tensor of length {length}".strip()
         raise ExperienceValidationError(
             name, f"must be {expected} (one per response token), got shape {tuple(value.shape)}"
         )
-    _check_floats(value, name, negative_infinity)
+    _check_floats(value, name, bound, negative_infinity)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -21,7 +22,14 @@ from typing import Any
 
 import torch
 
-from detached_rl.core.experience import Experience, ExperienceValidationError
+from detached_rl.core.experience import (
+    DEFAULT_MAX_ABS_REWARD,
+    MAX_ABS_REWARD_LIMIT,
+    TOKEN_FIELDS,
+    Experience,
+    ExperienceValidationError,
+    short_repr,
+)
 
 OVERFLOW_POLICIES = ("refuse", "evict_oldest")
 DROP_REASONS = ("stale", "evicted", "cleared")
@@ -83,6 +91,7 @@ class ReplayBuffer:
         vocab_size: int | None = None,
         dedupe_window: int = 1_000_000,
         max_sequence_length: int | None = None,
+        max_abs_reward: float = DEFAULT_MAX_ABS_REWARD,
     ) -> None:
         self.max_samples = _check_int("max_samples", max_samples, minimum=1)
         self.max_bytes = _check_int("max_bytes", max_bytes, minimum=1)
@@ -96,6 +105,8 @@ class ReplayBuffer:
         # Longest prompt + response the trainer's model can take (its max_position_embeddings).
         self.max_sequence_length = (None if max_sequence_length is None
                                     else _check_int("max_sequence_length", max_sequence_length, minimum=2))
+        # Pushed rewards beyond it are refused (see `Experience.validate` for the other float fields' bounds).
+        self.max_abs_reward = check_max_abs_reward("max_abs_reward", max_abs_reward)
 
         self._cond = threading.Condition()
         # The same entries in two orders: `_queue` is the sampling order (reused samples
@@ -115,7 +126,7 @@ class ReplayBuffer:
 
     @property
     def nbytes(self) -> int:
-        """Tensor bytes held by the samples in the buffer."""
+        """Bytes held by the samples in the buffer (tensors, strings and info: `Experience.nbytes`)."""
         with self._cond:
             return self._nbytes
 
@@ -331,12 +342,14 @@ class ReplayBuffer:
 
     def _check_push(self, experiences: list[Experience], current_version: int) -> None:
         ids_in_push: set[str] = set()
+        # Samples that may meet in one training batch must carry the same optional fields (collate needs it).
+        reference = next(iter(self._arrivals.values())).experience if self._arrivals else None
         for index, exp in enumerate(experiences):
             if not isinstance(exp, Experience):
                 where = _where(index, len(experiences), exp)
                 raise RejectedPushError(f"{where}: expected an Experience, got {type(exp).__name__}", index)
             try:
-                exp.validate(self.vocab_size)
+                exp.validate(self.vocab_size, max_abs_reward=self.max_abs_reward)
                 if exp.policy_version > current_version:
                     raise ExperienceValidationError(
                         "policy_version",
@@ -349,6 +362,8 @@ class ReplayBuffer:
                                         f"{self.max_sequence_length}")
                 if exp.id in ids_in_push:
                     raise ExperienceValidationError("id", "appears twice in this push")
+                reference = reference or exp
+                _check_same_fields(exp, reference, "the buffer's samples" if self._arrivals else "this push's first")
             except ExperienceValidationError as err:
                 where = _where(index, len(experiences), exp)
                 raise RejectedPushError(f"{where}: {err}", index, err.field) from err
@@ -411,16 +426,33 @@ class ReplayBuffer:
         return self._counts["received"] == self._counts["sampled"] + in_buffer + sum(self._dropped.values())
 
 
+def _check_same_fields(exp: Experience, reference: Experience, whose: str) -> None:
+    """Refuse `exp` when it carries an optional per-token field `reference` lacks, or lacks one it has."""
+    for name in TOKEN_FIELDS:
+        has, expected = getattr(exp, name) is not None, getattr(reference, name) is not None
+        if has != expected:
+            raise ExperienceValidationError(
+                name, f"{'present' if has else 'absent'} here but {'absent' if has else 'present'} on {whose} "
+                      "(every maker of a trainer must send the same fields)")
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 
 
+def check_max_abs_reward(name: str, value: Any) -> float:
+    """`value` as a bound on |reward|: a finite number in (0, MAX_ABS_REWARD_LIMIT]; else ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_ABS_REWARD_LIMIT:
+        raise ValueError(f"{name} must be a number in (0, {MAX_ABS_REWARD_LIMIT:g}], got {value!r}")
+    return float(value)
+
+
 def _where(index: int, total: int, exp: Any) -> str:
     return (
         f"experience at index {index} of {total} "
-        f"(id {getattr(exp, 'id', None)!r}, maker {getattr(exp, 'maker', None)!r})"
+        f"(id {short_repr(getattr(exp, 'id', None))}, maker {short_repr(getattr(exp, 'maker', None))})"
     )
 
 
@@ -434,14 +466,26 @@ def _copy_fields(exp: Experience | dict[str, Any]) -> dict[str, Any]:
 
 
 def _summary(values: list[float]) -> dict[str, float | None]:
+    """Mean, std, min and max; never raises and stays finite for any finite values (1e308s included)."""
     if not values:
         return {"mean": None, "std": None, "min": None, "max": None}
-    return {
-        "mean": statistics.fmean(values),
-        "std": statistics.pstdev(values),
-        "min": min(values),
-        "max": max(values),
-    }
+    if not all(math.isfinite(v) for v in values):  # only an unvalidated (restored) state can hold these
+        return {"mean": math.nan, "std": math.nan, "min": min(values, key=_nan_last), "max": max(values, key=_nan_first)}
+    try:
+        mean, std = statistics.fmean(values), statistics.pstdev(values)
+    except OverflowError:  # sums of values near the float64 limit: scaled into [-1, 1] first
+        scale = max(abs(v) for v in values)
+        scaled = [v / scale for v in values]
+        mean, std = statistics.fmean(scaled) * scale, min(statistics.pstdev(scaled) * scale, sys.float_info.max)
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values)}
+
+
+def _nan_last(value: float) -> float:
+    return math.inf if math.isnan(value) else value
+
+
+def _nan_first(value: float) -> float:
+    return -math.inf if math.isnan(value) else value
 
 
 def _describe(entry: _Entry, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:

@@ -97,6 +97,10 @@ class Strategy(ABC):
         optimizer.zero_grad(set_to_none=True)
         return float(norm) if norm is not None else 0.0  # read back after the step is queued
 
+    def skip_step(self, optimizer: Any) -> None:
+        """Drop the gradients of an optimizer step that is not taken (non-finite loss or gradients)."""
+        optimizer.zero_grad(set_to_none=True)
+
     def all_true(self, flag: bool) -> bool:
         """True when `flag` is true on every rank (ranks agree before a collective step)."""
         return bool(flag)

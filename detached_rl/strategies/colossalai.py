@@ -246,6 +246,11 @@ class _ShardedColossalAIStrategy(ColossalAIStrategy):
         self._backwards.stepped(optimizer)
         return float(norm) if norm is not None else math.nan
 
+    def skip_step(self, optimizer: Any) -> None:
+        """Drop the gradients of a step not taken; the next backward starts a fresh step."""
+        optimizer.zero_grad()
+        self._backwards.stepped(optimizer)
+
 
 class ColossalAIZero2Strategy(_ShardedColossalAIStrategy):
     """ColossalAI `LowLevelZeroPlugin(stage=2)`: optimizer states and gradients sharded over ranks (CUDA)."""

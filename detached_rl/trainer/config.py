@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from detached_rl.core.experience import DEFAULT_MAX_ABS_REWARD
+from detached_rl.core.replay_buffer import check_max_abs_reward
 from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_amount, check_resources
 from detached_rl.core.weight_sync import KINDS as WEIGHT_SYNC_KINDS
 
@@ -29,6 +31,9 @@ class TrainerConfig:
     # Train the next step while makers apply an update (they swap between two generation batches, which can
     # take a batch's time); the trainer waits for it only before sending the next one and at the end of `fit`.
     overlap_weight_push: bool = False
+    # Pushes with a reward beyond +-this are refused (naming the field); values, returns and advantages may be
+    # `ESTIMATE_SCALE` times it (`detached_rl.core.experience`). At most MAX_ABS_REWARD_LIMIT (1e8).
+    max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
 
     def __post_init__(self) -> None:
         for name in ("train_batch_size", "buffer_max_samples", "buffer_max_bytes", "weight_chunk_bytes"):
@@ -44,6 +49,7 @@ class TrainerConfig:
         for name in ("weight_push_timeout_s", "batch_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainerConfig.{name} must be > 0, got {getattr(self, name)}")
+        self.max_abs_reward = check_max_abs_reward("TrainerConfig.max_abs_reward", self.max_abs_reward)
 
 
 @dataclass

@@ -15,6 +15,8 @@ end of `fit`), so a sample's staleness is `policy_version - sample.policy_versio
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import threading
 import time
 import uuid
@@ -26,7 +28,9 @@ from typing import Any
 import torch
 
 from detached_rl.algorithms.learner import Learner
-from detached_rl.core.checkpoint import load_state, rng_state, save_atomic, set_rng_state
+from detached_rl.algorithms.metrics import SKIPPED_STEPS, skipped_steps_key
+from detached_rl.algorithms.step_guard import SKIP_REASONS
+from detached_rl.core.checkpoint import CheckpointError, load_state, rng_state, save_atomic, set_rng_state
 from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
 from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate, build_weight_update, state_fingerprint
 from detached_rl.models.lora import lora_backend, lora_config_dict
@@ -37,6 +41,9 @@ from detached_rl.models.lora_merge import (
     fingerprint_cast_dtype,
 )
 from detached_rl.trainer.config import TrainerConfig, oldest_useful_version
+from detached_rl.trainer.resume import merge_buffer_states
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingStopped(Exception):
@@ -55,8 +62,22 @@ def info_means(experiences: list[Any]) -> dict[str, float]:
     for key in sorted(common):
         values = [e.info[key] for e in experiences]
         if all(isinstance(v, int | float) for v in values):  # bools count as 0/1
-            means[f"info/{key}"] = float(sum(values)) / len(values)
+            mean = _finite_mean(values)
+            if mean is not None:
+                means[f"info/{key}"] = mean
     return means
+
+
+def _finite_mean(values: list[int | float]) -> float | None:
+    """The mean of numbers, or None when one is not a finite float (NaN, inf, an int beyond float's range)."""
+    try:
+        floats = [float(v) for v in values]
+    except OverflowError:
+        return None
+    if not all(math.isfinite(v) for v in floats):
+        return None
+    scale = max(abs(v) for v in floats) or 1.0  # scaled: a sum of values near float's limit would overflow
+    return math.fsum(v / scale for v in floats) / len(floats) * scale
 
 
 def _discard(chunk: Any) -> None:
@@ -79,7 +100,7 @@ class TrainerCore:
             max_sequence_length=int(max_positions) if isinstance(max_positions, int) and max_positions > 1 else None,
             max_samples=self.config.buffer_max_samples, max_bytes=self.config.buffer_max_bytes,
             max_staleness=self.config.max_staleness, max_reuse=self.config.max_reuse,
-            overflow=self.config.buffer_overflow, vocab_size=vocab_size,
+            overflow=self.config.buffer_overflow, vocab_size=vocab_size, max_abs_reward=self.config.max_abs_reward,
         )
         self.policy_version = 0
         # Identifies this trainer process (all ranks share rank 0's): makers accept a full update from a new
@@ -87,6 +108,10 @@ class TrainerCore:
         self.run_id = self.strategy.broadcast_object(uuid.uuid4().hex)
         self.state = "idle"
         self.last_error: str | None = None
+        # Optimizer steps skipped for a non-finite loss or gradient norm (`algorithms.step_guard`), by reason.
+        self.skipped_steps = 0
+        self.skip_reasons: Counter[str] = Counter()
+        self.last_skip: str | None = None
         self.history: deque[dict[str, float]] = deque(maxlen=self.config.metrics_history)
         self.makers: set[str] = set()
         self.latest_update: WeightUpdate | None = None
@@ -104,6 +129,8 @@ class TrainerCore:
             self.cast_base_fingerprints = cast_base_fingerprints(actor_model)
         # Held while the weights change (a training step) and while they are snapshotted for an update.
         self.weights_lock = threading.Lock()
+        # Held by a push and while a resume swaps the buffer: no push is acknowledged into a buffer being replaced.
+        self._push_lock = threading.Lock()
         self._stop = threading.Event()
         self._pending_push: Callable[[], Mapping[str, Any]] | None = None
         self._started = time.monotonic()
@@ -114,7 +141,8 @@ class TrainerCore:
     # ---------------------------------------------------------------- experience in
     def push_experience(self, experiences: list[Any]) -> AppendResult:
         """Append one push to the buffer, tagged against the current version (all-or-nothing)."""
-        result = self.buffer.append(experiences, current_version=self.policy_version)
+        with self._push_lock:
+            result = self.buffer.append(experiences, current_version=self.policy_version)
         return dataclasses.replace(result, oldest_useful_version=self.oldest_useful_version(result.size))
 
     def oldest_useful_version(self, queued: int) -> int | None:
@@ -351,6 +379,7 @@ class TrainerCore:
         finally:
             self._step_in_progress = False
         metrics.update(batch_metrics)
+        self._count_skips(metrics)
         self.samples_trained += len(experiences)
         metrics = self.strategy.reduce_metrics(metrics, weight=metrics["tokens"])
         metrics.update(info_means(experiences))  # this rank's samples (ranks may see different info keys)
@@ -365,6 +394,19 @@ class TrainerCore:
         })
         return metrics
 
+    def _count_skips(self, metrics: Mapping[str, float]) -> None:
+        """Add a step's skipped optimizer steps (the learner's `train/skipped_steps*` metrics) to the counters."""
+        skipped = int(metrics.get(SKIPPED_STEPS, 0))
+        if not skipped:
+            return
+        reasons = {reason: int(metrics.get(skipped_steps_key(reason), 0)) for reason in SKIP_REASONS}
+        self.skipped_steps += skipped
+        self.skip_reasons.update({reason: n for reason, n in reasons.items() if n})
+        self.last_skip = (f"step {self.policy_version}: {skipped} optimizer step(s) skipped ("
+                          + ", ".join(f"{reason}: {n}" for reason, n in reasons.items() if n)
+                          + "); weights and optimizer state unchanged")
+        logger.warning("trainer %s: %s", self.name, self.last_skip)
+
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Save learner, buffer, RNG states and counters atomically (each rank to its own `rank_<r>` folder)."""
         path = Path(directory) / f"rank_{self.strategy.rank}"
@@ -376,14 +418,16 @@ class TrainerCore:
     def load_checkpoint(self, directory: str | Path, put: Put | None = None) -> None:
         """Restore a checkpoint of this rank; with `put`, rebuild the update new makers start from."""
         state = load_state(Path(directory) / f"rank_{self.strategy.rank}")
-        live = self.buffer.experiences()  # acknowledged to makers since this trainer started: keep them
+        steps = self.strategy.all_gather_object(state["policy_version"])
+        if len(set(steps)) > 1:  # ranks save separately: a save interrupted on some rank leaves them apart
+            raise CheckpointError(f"{directory}: the ranks' checkpoints are of different steps {steps} "
+                                  "(a save was interrupted on some rank); resume every rank from one step")
         with self.weights_lock:
             self.learner.load_state_dict(state["learner"])
-            self.buffer.load_state_dict(state["buffer"])
-            self.policy_version, self.samples_trained = state["policy_version"], state["samples_trained"]
+            with self._push_lock:  # pushes acknowledged since this trainer started are kept, merged after the restored
+                self.buffer.load_state_dict(merge_buffer_states(state["buffer"], self.buffer.state_dict()))
+                self.policy_version, self.samples_trained = state["policy_version"], state["samples_trained"]
             set_rng_state(state["rng"])
-        if live:
-            self.buffer.append(live, current_version=self.policy_version)  # ids already restored count as duplicates
         if put is not None:
             self.latest_update = None  # the first update after a resume is full
             self.build_update(put)
@@ -466,5 +510,8 @@ class TrainerCore:
             "samples_per_s": self.samples_trained / elapsed if elapsed > 0 else 0.0,
             "makers": sorted(self.makers),
             "stops_makers_at_end": self.config.stop_makers_at_end,
+            "skipped_steps": self.skipped_steps,
+            "skip_reasons": dict(self.skip_reasons),
+            "last_skip": self.last_skip,
             "last_error": self.last_error,
         }
