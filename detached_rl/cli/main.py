@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from detached_rl.config import RunConfig
 
 EXIT_ERROR = 2
+MAKER_ATTACH_TIMEOUT_S = 120.0  # ExperienceMakerHolder's attach_timeout_s, which `detached-rl maker` leaves as it is
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -141,14 +142,19 @@ def _maker(args: argparse.Namespace) -> int:
     config = _config(args)
     trainers = [t for t in (args.trainers or "").split(",") if t]
     jobs.connect(args.address, config.namespace)
-    _refuse_missing_trainers(trainers, config.namespace)
+    missing = _missing_trainers(trainers, config.namespace)
     jobs.start_maker(config, args.name, trainers, args.batches, args.state_dir)
     print(f"maker {args.name!r} started in namespace {config.namespace!r}, feeding {', '.join(trainers)}")
+    if missing:  # jobs may start in any order, so not an error; a typo shows here at once
+        print(f"detached-rl: warning: no trainer named {', '.join(map(repr, missing))} is running in namespace "
+              f"{config.namespace!r} yet; the maker waits for it up to {MAKER_ATTACH_TIMEOUT_S:g} s, then stops with an "
+              "error (see `detached-rl status`)",
+              file=sys.stderr)
     return _follow(args.name, config.namespace) if args.wait else 0
 
 
-def _refuse_missing_trainers(trainers: Sequence[str], namespace: str) -> None:
-    """Fail at once, naming them, when trainers the maker is to feed are not running in `namespace`."""
+def _missing_trainers(trainers: Sequence[str], namespace: str) -> list[str]:
+    """The names among `trainers` with no running actor in `namespace`."""
     import ray
 
     missing = []
@@ -157,9 +163,7 @@ def _refuse_missing_trainers(trainers: Sequence[str], namespace: str) -> None:
             ray.get_actor(trainer, namespace=namespace)
         except ValueError:
             missing.append(trainer)
-    if missing:
-        raise ValueError(f"--trainers: no trainer named {', '.join(map(repr, missing))} in namespace {namespace!r} "
-                         "(start it first with `detached-rl trainer --name ...`; a group's ranks are <name>_<rank>)")
+    return missing
 
 
 def _scorers(args: argparse.Namespace) -> int:
