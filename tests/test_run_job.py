@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -26,7 +27,9 @@ def finished_run(tmp_path_factory) -> tuple[Path, str, str]:
     `CLUSTER_MARKER` that every process it started carries."""
     marker = new_cluster_marker()
     output = tmp_path_factory.mktemp("runs")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), CLUSTER_MARKER: marker}
+    # With Ray's token auth on: the whole job (driver, GCS, raylet, every actor) runs on a token-auth cluster.
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "PYTHONPATH": str(ROOT),
+           CLUSTER_MARKER: marker}
     command = [sys.executable, "-m", "detached_rl.cli.main", "run", "--model", "tiny", "--steps", str(STEPS),
                "--name", "tiny-test", "--output", str(output), "--namespace", "detached_rl_run_test",
                "--set", "task.eval_size=16", "--set", "sampling.max_new_tokens=12",
