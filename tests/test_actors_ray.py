@@ -35,19 +35,24 @@ SAMPLING = SamplingConfig(max_new_tokens=6)
 TIMEOUT = 180
 
 
-def new_maker(name, trainers, **config):
+def in_namespace(namespace):
+    """Actor options and arguments placing it in `namespace`; None: neither (it follows the driver's namespace)."""
+    return {} if namespace is None else {"namespace": namespace}
+
+
+def new_maker(name, trainers, namespace=NAMESPACE, **config):
     config = {"experience_batch_size": 4, "sampling": SAMPLING, **config}
-    return ExperienceMakerHolder.options(name=name, namespace=NAMESPACE, **gpu_options("maker")).remote(
+    return ExperienceMakerHolder.options(name=name, **in_namespace(namespace), **gpu_options("maker")).remote(
         name, trainers, tiny_maker_models, CyclingPrompts(arithmetic_prompts()), MakerConfig(**config),
-        namespace=NAMESPACE,
+        **in_namespace(namespace),
     )
 
 
-def new_trainer(name, **config):
+def new_trainer(name, namespace=NAMESPACE, **config):
     config = {"train_batch_size": 8, **config}
-    return DetachedPPOTrainer.options(name=name, namespace=NAMESPACE, **gpu_options("trainer")).remote(
+    return DetachedPPOTrainer.options(name=name, **in_namespace(namespace), **gpu_options("trainer")).remote(
         name, tiny_actor_critic, TrainerConfig(**config), PPOConfig(sampling=SAMPLING, kl_coef=0.01),
-        namespace=NAMESPACE,
+        **in_namespace(namespace),
     )
 
 
@@ -181,16 +186,20 @@ def test_attach_waits_for_a_late_actor_and_times_out_with_its_name(ray_cluster):
 
 
 def test_maker_first_then_trainer_and_a_late_maker_starts_from_current_weights(ray_cluster):
+    """Given no namespace, the actors meet in the driver's (`ray.init(namespace=NAMESPACE)`), not in `detached_rl`:
+    the makers find the trainer, it pushes to and stops them there, and the driver's `attach` finds it too."""
     ray = ray_cluster
-    maker = new_maker("early_maker", ["solo_trainer"])
+    assert ray.get_runtime_context().namespace == NAMESPACE
+    maker = new_maker("early_maker", ["solo_trainer"], namespace=None)
     run = maker.run.remote()  # waits for the trainer by name
     time.sleep(1.0)
-    trainer = new_trainer("solo_trainer")
+    trainer = new_trainer("solo_trainer", namespace=None)
     late = None
     try:
+        assert ray.get(attach("solo_trainer", timeout=60).buffer_length.remote(), timeout=TIMEOUT) >= 0
         ray.get(trainer.fit.remote(2), timeout=TIMEOUT)
         ray.get(run, timeout=TIMEOUT)
-        late = new_maker("late_maker", ["solo_trainer"])
+        late = new_maker("late_maker", ["solo_trainer"], namespace=None)
         status = ray.get(late.run.remote(num_batches=1), timeout=TIMEOUT)
         assert status["policy_version"] == 2  # received the trainer's current weights before generating
         samples = ray.get(trainer.buffer_peek.remote(count=50, maker="late_maker"))

@@ -28,8 +28,9 @@ def test_valid_experience_passes_and_ids_are_unique():
         (dict(reward=float("inf")), "reward", "non-finite"),
         (dict(reward=[1.0, 2.0, 3.0]), "reward", "scalar or"),
         (dict(values=torch.zeros(3)), "values", "length 2"),
-        (dict(ref_log_probs=torch.tensor([-0.5, float("nan")])), "ref_log_probs", "NaN or \\+inf"),
-        (dict(ref_log_probs=torch.tensor([-0.5, float("inf")])), "ref_log_probs", "NaN or \\+inf"),
+        (dict(ref_log_probs=torch.tensor([-0.5, float("nan")])), "ref_log_probs", "non-finite"),
+        (dict(ref_log_probs=torch.tensor([-0.5, float("inf")])), "ref_log_probs", "non-finite"),
+        (dict(ref_log_probs=torch.tensor([-0.5, float("-inf")])), "ref_log_probs", "full distribution"),
         (dict(values=torch.tensor([0.0, float("-inf")])), "values", "non-finite"),
         (dict(advantages=torch.zeros(2, 1)), "advantages", r"shape \(2, 1\)"),
         (dict(policy_version=-1), "policy_version", ">= 0"),
@@ -128,8 +129,9 @@ def test_select_rows_trims_unused_padding():
     assert only_a.sequences.tolist() == [[5, 6, 7, 8, 9]] and only_a.log_probs.shape == (1, 2)
 
 
-def test_a_reference_may_give_minus_infinity_to_a_token_it_filters_out():
-    """Scored on the processed distribution (top-k/top-p), a reference gives -inf to a token outside its own
-    top-k; the trainers leave such tokens out of the KL, so the experience is valid."""
-    exp = make(ref_log_probs=torch.tensor([-0.5, float("-inf")]))
-    assert exp.validate() is exp
+def test_reference_log_probs_are_finite_for_every_sampled_token():
+    """Reference log-probs come from the temperature-scaled full distribution (`reference_sampling`), where every
+    token has a finite log-prob: -inf is a reference scored with top-k/top-p, refused by field."""
+    with pytest.raises(ExperienceValidationError, match="reference_sampling") as info:
+        make(ref_log_probs=torch.tensor([-0.5, float("-inf")])).validate()
+    assert info.value.field == "ref_log_probs"

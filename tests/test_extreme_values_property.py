@@ -66,8 +66,6 @@ def in_bounds(rng: random.Random, field: str, dtype: torch.dtype) -> float:
 def tensor(rng: random.Random, field: str, length: int) -> torch.Tensor:
     dtype = rng.choice(DTYPES)
     values = [in_bounds(rng, field, dtype) for _ in range(length)]
-    if field == "ref_log_probs" and rng.random() < 0.3:
-        values[rng.randrange(length)] = -math.inf  # a token the reference's top-k filters out
     return torch.tensor(values, dtype=torch.float64).to(dtype)
 
 
@@ -92,8 +90,6 @@ def corrupt(data: st.DataObject, exp: Experience) -> str:
     field = data.draw(st.sampled_from(sorted(BOUNDS)), label="corrupted field")
     value = getattr(exp, field).to(torch.float64).reshape(-1).clone()
     bad = data.draw(st.sampled_from(BAD + (BOUNDS[field] * 1.5, -BOUNDS[field] * 1.5)), label="bad value")
-    if field == "ref_log_probs" and bad == -math.inf:
-        bad = math.nan  # -inf is a valid reference log-prob
     if field == "log_probs" and data.draw(st.booleans(), label="positive log-prob"):
         bad = 0.5
     value[data.draw(st.integers(0, value.numel() - 1))] = bad

@@ -23,6 +23,9 @@ ALLOWED = {
     "actors": {"core", "algorithms", "models", "generation", "rewards", "strategies", "maker", "trainer", "config"},
     "cli": {"core", "algorithms", "models", "generation", "rewards", "strategies", "maker", "trainer", "config",
             "actors"},
+    # Migration paths for other systems' users: thin shells over everything below, the CLI's job helpers included.
+    "compat": {"core", "algorithms", "models", "generation", "rewards", "strategies", "maker", "trainer", "config",
+               "actors", "cli"},
 }
 # Ray-free layers: everything with logic is a plain class or function, testable without a cluster.
 RAY_FREE = {"core", "rewards", "models", "generation", "algorithms", "maker", "trainer", "config"}

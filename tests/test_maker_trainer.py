@@ -343,9 +343,9 @@ def test_a_maker_waiting_for_the_acknowledged_version_never_generates_stale_batc
     assert all(0.0 <= m.get("staleness/max", 0.0) <= 1.0 for m in trainer.history)
 
 
-def test_a_reference_that_filters_out_sampled_tokens_still_trains():
-    """With top-k, the maker's reference (the initial policy) gives -inf to sampled tokens outside its own top-k;
-    the experience is accepted and the PPO step leaves those tokens out of the KL: nothing non-finite."""
+def test_with_top_k_the_reference_scores_every_sampled_token_and_trains():
+    """With top-k, the maker's reference (the initial policy) scores the temperature-scaled full distribution: a
+    sampled token outside its own top-k still has a finite log-prob, and the PPO step trains on finite numbers."""
     sampling = SamplingConfig(max_new_tokens=6, top_k=2)
     maker = ExperienceMaker("maker_0", tiny_maker_models(seed=7), CyclingPrompts(arithmetic_prompts()),
                             MakerConfig(experience_batch_size=4, sampling=sampling), strategy=naive_strategy())
@@ -356,7 +356,7 @@ def test_a_reference_that_filters_out_sampled_tokens_still_trains():
     trainer.build_update(store.put)
     maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)  # the policy now differs from ref
     experiences = maker.make_experience() + maker.make_experience()
-    assert sum(int(torch.isinf(e.ref_log_probs).sum()) for e in experiences) > 0
+    assert all(bool(torch.isfinite(e.ref_log_probs).all()) for e in experiences)
     assert all(math.isfinite(e.info["kl"]) for e in experiences)
     assert trainer.push_experience(experiences).accepted == 8
     metrics = trainer.train_step()

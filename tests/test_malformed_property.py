@@ -73,9 +73,7 @@ def corrupt(data: st.DataObject, exp: Experience) -> str:
         value = getattr(exp, name)
         if kind == "float_nan":
             value = value.clone().reshape(-1) if value.dim() else value.clone().reshape(1)
-            # -inf is a valid reference log-prob (a token the reference's top-k/top-p filters out)
-            bad = BAD_FLOATS if name != "ref_log_probs" else (math.nan, math.inf)
-            value[data.draw(st.integers(0, value.numel() - 1))] = data.draw(st.sampled_from(bad))
+            value[data.draw(st.integers(0, value.numel() - 1))] = data.draw(st.sampled_from(BAD_FLOATS))
             value = value.reshape(getattr(exp, name).shape)
         elif kind == "float_dtype":
             value = value.long()

@@ -105,15 +105,15 @@ def test_extreme_but_harmless_values_are_accepted():
     tiny = torch.finfo(torch.float32).smallest_normal / 4  # subnormal in float32
     exp = make_experience(response=(8, 9), log_probs=torch.tensor([-tiny, -LOG_PROB_BOUND]))
     exp.reward = torch.tensor([5e-324, -DEFAULT_MAX_ABS_REWARD], dtype=torch.float64)  # subnormal in float64
-    exp.ref_log_probs = torch.tensor([float("-inf"), -LOG_PROB_BOUND])  # -inf: a token the reference filters out
+    exp.ref_log_probs = torch.tensor([-tiny, -LOG_PROB_BOUND])
     exp.values = torch.tensor([1e9, -1e9], dtype=torch.bfloat16)
     buffer = ReplayBuffer()
     assert buffer.append([exp], 0).accepted == 1
     assert buffer.stats()["reward"]["mean"] == pytest.approx(-DEFAULT_MAX_ABS_REWARD)
 
 
-def test_a_positive_or_nan_reference_log_prob_beyond_the_bound_is_refused():
-    for value in (LOG_PROB_BOUND * 2, float("inf"), math.nan):
+def test_a_non_finite_positive_or_unbounded_reference_log_prob_is_refused():
+    for value in (LOG_PROB_BOUND * 2, float("inf"), math.nan, float("-inf")):
         exp = make_experience(response=(8, 9))
         exp.ref_log_probs = torch.tensor([-1.0, value])
         assert refusal(exp).field == "ref_log_probs"

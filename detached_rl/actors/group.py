@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from detached_rl.actors.trainer import trainer_class
-from detached_rl.actors.transport import DEFAULT_NAMESPACE, get_all
+from detached_rl.actors.transport import get_all, resolve_namespace
 from detached_rl.algorithms.grpo import GRPOConfig
 from detached_rl.algorithms.ppo import PPOConfig
 from detached_rl.core.sampling import SamplingConfig
@@ -66,7 +66,7 @@ class ActorGroup:
             raise ValueError(f"ActorGroup {prefix!r}: size must be an int >= 1, got {size!r}")
         self.prefix = prefix
         self.size = size
-        self.namespace = namespace or DEFAULT_NAMESPACE
+        self.namespace = resolve_namespace(namespace)
         self.kind = kind  # how errors and warnings name the group, e.g. "trainer group"
         self.names = worker_names(prefix, size)
         self.placement_group_name = placement_group_name(prefix)
@@ -173,7 +173,7 @@ def start_trainer_group(
     elif (group.world_size, group.strategy) != (world_size, strategy):
         raise ValueError(f"start_trainer_group: world_size/strategy ({world_size}, {strategy!r}) disagree with "
                          f"group ({group.world_size}, {group.strategy!r})")
-    namespace = namespace or DEFAULT_NAMESPACE
+    namespace = resolve_namespace(namespace)
     bundle = {"CPU": group.num_cpus_per_rank} if group.num_cpus_per_rank else {}
     if group.num_gpus_per_rank:
         bundle["GPU"] = group.num_gpus_per_rank

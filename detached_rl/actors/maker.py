@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from detached_rl.actors.placement import actor_device
-from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, get_all, ray_fetch
+from detached_rl.actors.transport import attach, get_all, ray_fetch, resolve_namespace
 from detached_rl.core.checkpoint import has_checkpoint, load_state, save_atomic
 from detached_rl.core.prompts import PromptSource
 from detached_rl.core.sampling import SamplingConfig
@@ -54,7 +54,10 @@ class ExperienceMakerHolder:
             raise ValueError("ExperienceMakerHolder: trainer_names is empty")
         self.name = name
         self.trainer_names = list(trainer_names)
-        self.namespace = namespace or DEFAULT_NAMESPACE
+        if strategy_factory is not None and not callable(strategy_factory):
+            raise TypeError(f"maker {name!r}: strategy_factory must be a callable returning a Strategy, got "
+                            f"{type(strategy_factory).__name__}")
+        self.namespace = resolve_namespace(namespace)
         self.attach_timeout_s = attach_timeout_s
         source = prompts() if callable(prompts) and not hasattr(prompts, "next_batch") else prompts
         strategy = strategy_factory() if strategy_factory else NaiveStrategy(device=actor_device())

@@ -28,7 +28,7 @@ import ray
 
 from detached_rl.actors.group import ActorGroup, worker_names
 from detached_rl.actors.placement import actor_device
-from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, get_all, ray_fetch
+from detached_rl.actors.transport import attach, get_all, ray_fetch, resolve_namespace
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
 from detached_rl.maker.scoring import (
@@ -76,7 +76,7 @@ class ScorerWorker:
         if role == "critic" and not trainer_names:
             raise ValueError(f"critic scorer {name!r} needs the trainer names (its weights come from them)")
         self.name, self.group, self.group_size = name, group, group_size
-        self.namespace = namespace or DEFAULT_NAMESPACE
+        self.namespace = resolve_namespace(namespace)
         from detached_rl.strategies import NaiveStrategy
 
         self.core = Scorer(role, model_factory(), sampling, device=NaiveStrategy(device=actor_device()).device)
@@ -153,7 +153,7 @@ def start_scorer_group(
     If any worker fails to start, every worker and the placement group are removed and the error is raised.
     """
     group = group or ScorerGroupConfig()
-    namespace = namespace or DEFAULT_NAMESPACE
+    namespace = resolve_namespace(namespace)
     count = group.num_workers
     options = {"num_cpus": group.num_cpus_per_worker, "num_gpus": 1 if group.num_gpus_per_node else 0,
                "resources": dict(group.resources) or None}
@@ -168,7 +168,7 @@ def start_scorer_group(
 
 def stop_scorer_group(prefix: str, num_workers: int, namespace: str | None = None) -> None:
     """Kill a scorer group's workers and remove its placement group (missing parts are skipped)."""
-    ActorGroup(prefix, num_workers, namespace, kind="scorer group").stop()
+    ActorGroup(prefix, num_workers, resolve_namespace(namespace), kind="scorer group").stop()
 
 
 class RemoteScoring:
@@ -183,7 +183,7 @@ class RemoteScoring:
             raise ValueError(f"RemoteScoring: unknown role {unknown[0]!r} (roles: {SCORER_ROLES})")
         self.groups = dict(groups)
         self.roles = frozenset(groups)
-        self.namespace = namespace or DEFAULT_NAMESPACE
+        self.namespace = resolve_namespace(namespace)
         self.attach_timeout_s = attach_timeout_s
         self.timeout_s = timeout_s
         self.attempts = attempts

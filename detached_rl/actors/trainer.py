@@ -22,13 +22,13 @@ from typing import Any
 import ray
 
 from detached_rl.actors.placement import actor_device
-from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, dispatch_weight_update, put_chunk
+from detached_rl.actors.transport import attach, dispatch_weight_update, put_chunk, resolve_namespace
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.replay_buffer import AppendResult
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_sync import WeightUpdate, state_fingerprint
-from detached_rl.strategies import NaiveStrategy, Strategy
+from detached_rl.strategies import NaiveStrategy, Strategy, check_strategy_name
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 
@@ -53,9 +53,12 @@ class _TrainerShell:
         strategy: str = "naive",
         sampling: SamplingConfig | None = None,
     ) -> None:
+        # Refused here, at construction: a strategy this shell cannot build would only show as a process group
+        # that is never joined, `batch_timeout_s` later.
+        strategy = check_strategy_name(strategy, f"trainer {name!r}: strategy")
         self.name = name
         self.sampling = sampling  # how makers sample: the learner recomputes log-probs under it
-        self.namespace = namespace or DEFAULT_NAMESPACE
+        self.namespace = resolve_namespace(namespace)
         self.config = config or TrainerConfig()
         self.algorithm = algorithm
         self.rank, self.world_size, self.strategy_name = rank, world_size, strategy

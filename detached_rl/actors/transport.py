@@ -1,7 +1,9 @@
 """Ray transport: actor names and namespaces, waiting with timeouts, and the weight-chunk wire format.
 
 Actors find each other only by name and namespace (`attach`), never by handles passed
-around by a driver, so makers and trainers may start in any order and in separate jobs.
+around by a driver, so makers and trainers may start in any order and in separate jobs. A
+namespace left out is the caller's own Ray namespace when the driver set one, else `detached_rl`
+(`resolve_namespace`).
 Every wait here has a timeout. Weight chunks travel as raw byte arrays (`put_chunk`): each
 chunk is `ray.put` once and the same reference goes to every maker.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +25,31 @@ from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
 logger = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "detached_rl"
+
+
+def _anonymous(namespace: str) -> bool:
+    """True for the namespace Ray makes up for a driver that named none (`ray.init()`): a random uuid4."""
+    try:
+        parsed = uuid.UUID(namespace)
+    except ValueError:
+        return False
+    return parsed.version == 4 and str(parsed) == namespace
+
+
+def default_namespace() -> str:
+    """Where actors meet when no namespace is given: the Ray job's namespace when one was set, else
+    `DEFAULT_NAMESPACE`. In a driver that is its `ray.init(namespace=...)`; inside an actor, the namespace of the
+    driver that created it (Ray reports the job's, not the actor's own `.options(namespace=...)`)."""
+    if ray.is_initialized():
+        current = ray.get_runtime_context().namespace
+        if current and not _anonymous(current):
+            return current
+    return DEFAULT_NAMESPACE
+
+
+def resolve_namespace(namespace: str | None) -> str:
+    """`namespace`, or `default_namespace()` when it is None or empty."""
+    return namespace or default_namespace()
 
 
 def get_all(refs: Sequence[Any], timeout: float) -> list[Any]:
@@ -48,8 +76,8 @@ def get_all(refs: Sequence[Any], timeout: float) -> list[Any]:
 
 
 def attach(name: str, namespace: str | None = None, timeout: float = 60.0, poll_interval: float = 0.2):
-    """The handle of the named actor, waiting up to `timeout` s for it to exist."""
-    namespace = namespace or DEFAULT_NAMESPACE
+    """The handle of the named actor, waiting up to `timeout` s for it to exist (namespace: `resolve_namespace`)."""
+    namespace = resolve_namespace(namespace)
     deadline = time.monotonic() + timeout
     while True:
         try:

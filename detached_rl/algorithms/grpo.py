@@ -14,7 +14,8 @@ proximal policy), weights each token by a truncated importance weight min(pi_old
 `tis_cap`) and reports the train/inference mismatch (`detached_rl.algorithms.mismatch`).
 
 The reference model (only when `kl_coef` > 0) lives on the trainer: a frozen copy of the
-initial policy, optionally moved towards the policy by `update_ref_policy` (Polyak averaging).
+initial policy, optionally moved towards the policy by `update_ref_policy` (Polyak averaging). Its
+log-probs use the makers' temperature over the full vocabulary (`reference_sampling`: no top-k/top-p).
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ from detached_rl.algorithms.step_guard import skip_metrics, step_unless_nonfinit
 from detached_rl.core.devices import host_floats
 from detached_rl.core.experience import Experience, ExperienceBatch, collate
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.models.actor import Actor
+from detached_rl.models.actor import Actor, reference_sampling
 from detached_rl.models.lora import lora_backend, merged_model
+from detached_rl.strategies import check_strategy
 from detached_rl.strategies.base import Strategy
 from detached_rl.strategies.hardware import peak_flops
 from detached_rl.strategies.optim import OptimizerConfig
@@ -218,6 +220,7 @@ class GRPOLearner(EpochsFromConfig):
 
     def __init__(self, actor: Actor, strategy: Strategy, config: GRPOConfig | None = None,
                  sampling: SamplingConfig | None = None) -> None:
+        strategy = check_strategy(strategy, "GRPOLearner: strategy")
         self.config = config or GRPOConfig()
         self.sampling = sampling or self.config.sampling or SamplingConfig()
         self.config.check_overlong_buffer(self.sampling.max_new_tokens)
@@ -359,7 +362,10 @@ class GRPOLearner(EpochsFromConfig):
         with torch.no_grad():
             kl = None
             if self.reference is not None:
-                batch.ref_log_probs = self._forward_in_micro_batches(self.reference, batch)
+                # Over the full vocabulary (`reference_sampling`), never -inf for a sampled token; the policy's side
+                # stays the processed distribution it samples from: the KL is KL(sampling policy || reference).
+                batch.ref_log_probs = recompute_log_probs(self.reference, batch, reference_sampling(self.sampling),
+                                                          self.config.micro_batch_size, self._autocast)
                 kl = masked_kl(batch.log_probs, batch.ref_log_probs, batch.response_mask, config.kl_kind)
                 extra_forwards += 1
             scores = self.scores(batch)
@@ -482,6 +488,15 @@ class GRPOLearner(EpochsFromConfig):
             "samples": float(batch.size),
             "tokens": batch.response_mask.sum(),
         }
+        if batch.advantages is not None:
+            out["advantages/mean"] = masked_mean(batch.advantages, batch.response_mask)
+        for key in ("correct", "format"):  # the reward function's parts, where it reports them
+            parts = [float(info[key]) for info in batch.infos if isinstance(info.get(key), int | float)]
+            if parts:
+                out[f"reward/{key}_mean"] = sum(parts) / len(parts)
+        finished = [bool(info["finished"]) for info in batch.infos if info.get("finished") is not None]
+        if finished:
+            out["response/truncated_fraction"] = 1.0 - sum(finished) / len(finished)
         if kl is not None:
             out[names.OBJECTIVE_KL] = masked_mean(kl, batch.response_mask)
         if staleness is not None:  # the histogram is added per rank by the trainer (its keys vary)

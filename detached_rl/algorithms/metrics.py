@@ -55,6 +55,24 @@ OBJECTIVE_KL = "objective/kl_avg"
 TIME_TRAINING = "time/training"
 #: Optimizer steps of this training step skipped for a non-finite loss or gradient norm (`algorithms.step_guard`).
 SKIPPED_STEPS = "train/skipped_steps"
+#: The policy's learning rate after the step.
+LR_ACTOR = "lr/actor"
+#: Model FLOPs utilisation of the learner's step against its device's dense matmul peak (a fraction).
+MFU = "perf/mfu"
+
+# Driver-level names of open-instruct's `one_training_step` (`detached_rl.compat.open_instruct` reports them).
+#: Token-weighted variance over sequences of each sequence's mean probability ratio new / old.
+RATIO_VAR = "val/ratio_var"
+#: Tokens of the step on all ranks: prompt tokens once per prompt plus every response token.
+NUM_STEP_TOKENS = "val/num_step_tokens"
+#: Tokens of every step before this one (`NUM_STEP_TOKENS` summed).
+NUM_TOTAL_TOKENS = "val/num_total_tokens"
+#: `NUM_STEP_TOKENS` over the step's wall time (generation wait included).
+TOKENS_PER_SECOND_STEP = "learner_tokens_per_second_step"
+#: `NUM_TOTAL_TOKENS` over the wall time since training started.
+TOKENS_PER_SECOND_OVERALL = "learner_tokens_per_second_overall"
+#: Learner MFU in percent: 6 x parameters FLOPs per sequence token over the training time and the ranks' summed peaks.
+LEARNER_MFU = "learner_mfu"
 
 
 def skipped_steps_key(reason: str) -> str:
@@ -85,6 +103,21 @@ METRICS: dict[str, str] = {
     OBJECTIVE_KL: "KL(behaviour || reference) per token of the batch",
     TIME_TRAINING: "seconds of the learner's train_step",
     SKIPPED_STEPS: "optimizer steps skipped (weights and optimizer untouched) for a non-finite loss or gradient norm",
+    LR_ACTOR: "the policy's learning rate after the step",
+    MFU: "model FLOPs utilisation of the step (fraction of the device's dense matmul peak)",
+    RATIO_VAR: "token-weighted variance over sequences of each sequence's mean new / old ratio",
+    NUM_STEP_TOKENS: "tokens of the step on all ranks (each prompt once, every response token)",
+    NUM_TOTAL_TOKENS: "tokens of all steps before this one",
+    TOKENS_PER_SECOND_STEP: "step tokens over the step's wall time",
+    TOKENS_PER_SECOND_OVERALL: "tokens of all earlier steps over the time since training started",
+    LEARNER_MFU: "learner MFU in percent (6 x parameters FLOPs per sequence token, summed peaks of the ranks)",
+}
+
+#: open-instruct's name -> this project's, where the two spell one metric differently (the rest, e.g.
+#: "policy/entropy_avg", "val/ratio", "loss/policy_avg", are spelled alike). Used by `detached_rl.compat`.
+OPEN_INSTRUCT_ALIASES: dict[str, str] = {
+    "lr": LR_ACTOR,
+    "optim/grad_norm": "grad_norm/actor",
 }
 
 #: Old name -> name above. A step's metrics carry the value under both.

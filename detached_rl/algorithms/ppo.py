@@ -50,6 +50,7 @@ from detached_rl.core.experience import Experience, ExperienceBatch, collate
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.models.actor import Actor
 from detached_rl.models.scalar_heads import Critic
+from detached_rl.strategies import check_strategy
 from detached_rl.strategies.base import Strategy
 from detached_rl.strategies.optim import OptimizerConfig
 
@@ -225,6 +226,7 @@ class PPOLearner(EpochsFromConfig):
 
     def __init__(self, actor: Actor, critic: Critic, strategy: Strategy, config: PPOConfig | None = None,
                  sampling: SamplingConfig | None = None) -> None:
+        strategy = check_strategy(strategy, "PPOLearner: strategy")
         self.config = config or PPOConfig()
         self.sampling = sampling or self.config.sampling or SamplingConfig()
         self.strategy = strategy

@@ -128,12 +128,12 @@ class Experience:
         estimate_bound = _Bound(max_abs_reward * ESTIMATE_SCALE, f"{ESTIMATE_SCALE:g} x max_abs_reward")
         for name in TOKEN_FIELDS:
             value = getattr(self, name)
-            if value is not None:
-                # A reference scored on the processed distribution gives -inf to a sampled token its own top-k/top-p
-                # filters out; the trainers leave such tokens out of the KL (`algorithms.mismatch.masked_kl`).
-                log_prob = name == "ref_log_probs"
-                _check_token_floats(value, name, length, _LOG_PROBS if log_prob else estimate_bound,
-                                    negative_infinity=log_prob)
+            if value is None:
+                continue
+            if name == "ref_log_probs":
+                _check_reference_log_probs(value, length)
+            else:
+                _check_token_floats(value, name, length, estimate_bound)
         if isinstance(self.policy_version, bool) or not isinstance(self.policy_version, int):
             raise ExperienceValidationError("policy_version", f"must be an int, got {self.policy_version!r}")
         if self.policy_version < 0:
@@ -265,13 +265,10 @@ def _check_ids(value: Any, name: str, vocab_size: int | None) -> None:
         raise ExperienceValidationError(name, f"has token ids >= vocab size {vocab_size}")
 
 
-def _check_floats(value: torch.Tensor, name: str, bound: _Bound, negative_infinity: bool = False) -> None:
+def _check_floats(value: torch.Tensor, name: str, bound: _Bound) -> None:
     if value.dtype not in _FLOAT_DTYPES:
         raise ExperienceValidationError(name, f"dtype must be floating point, got {value.dtype}")
-    if negative_infinity:
-        if bool((torch.isnan(value) | (value == float("inf"))).any()):
-            raise ExperienceValidationError(name, "has NaN or +inf values (-inf is allowed: a filtered token)")
-    elif not bool(torch.isfinite(value).all()):
+    if not bool(torch.isfinite(value).all()):
         raise ExperienceValidationError(name, "has non-finite values (NaN or inf)")
     finite = value.detach()[torch.isfinite(value)]
     if not finite.numel():
@@ -285,15 +282,27 @@ def _check_floats(value: torch.Tensor, name: str, bound: _Bound, negative_infini
             name, f"has a value of magnitude {magnitude:.3g}, over the limit {bound.limit:g} ({bound.source})")
 
 
-def _check_token_floats(value: Any, name: str, length: int, bound: _Bound, what: str = "",
-                        negative_infinity: bool = False) -> None:
+def _check_token_floats(value: Any, name: str, length: int, bound: _Bound, what: str = "") -> None:
     _check_tensor(value, name)
     if value.dim() != 1 or value.numel() != length:
         expected = f"{what} a 1-D tensor of length {length}".strip()
         raise ExperienceValidationError(
             name, f"must be {expected} (one per response token), got shape {tuple(value.shape)}"
         )
-    _check_floats(value, name, bound, negative_infinity)
+    _check_floats(value, name, bound)
+
+
+def _check_reference_log_probs(value: Any, length: int) -> None:
+    # Reference log-probs come from the temperature-scaled full distribution (`models.reference_sampling`), which
+    # gives every token the policy can sample a finite log-prob; -inf means a reference scored with top-k/top-p.
+    # (Replay buffers checkpointed before this rule load unchecked; the trainers leave -inf out of the KL.)
+    _check_tensor(value, "ref_log_probs")
+    if value.dtype in _FLOAT_DTYPES and bool((value == float("-inf")).any()):
+        raise ExperienceValidationError(
+            "ref_log_probs", "has -inf values: reference log-probs must be scored on the temperature-scaled full "
+                             "distribution (no top-k/top-p; detached_rl.models.reference_sampling), where every "
+                             "token the policy can sample has a finite log-prob")
+    _check_token_floats(value, "ref_log_probs", length, _LOG_PROBS)
 
 
 @dataclass

@@ -93,6 +93,11 @@ def _read_csv(path: Path, prompt_key: str) -> list[tuple[str, Any]]:
     return rows
 
 
+#: The fields of ColossalChat's prompt lines, read when a line has no `prompt` (with the default keys).
+COLOSSALCHAT_PROMPT_KEY = "messages"
+COLOSSALCHAT_ANSWER_KEY = "gt_answer"
+
+
 def _check_messages(prompt: list[Any], where: str) -> list[Any]:
     if not prompt:
         raise ValueError(f"{where}: empty message list")
@@ -117,7 +122,13 @@ def _make_item(
 ) -> PromptItem:
     if not isinstance(row, Mapping):
         raise ValueError(f"{where}: expected an object, got {type(row).__name__}")
+    if not from_csv and prompt_key == "prompt" and answer_key == "answer" and prompt_key not in row \
+            and COLOSSALCHAT_PROMPT_KEY in row:
+        # ColossalChat's distributed-GRPO lines: {"messages": one message or a list, "gt_answer": ...}.
+        prompt_key, answer_key = COLOSSALCHAT_PROMPT_KEY, COLOSSALCHAT_ANSWER_KEY
     prompt = row.get(prompt_key)
+    if isinstance(prompt, Mapping):
+        prompt = [prompt]
     if prompt is None or (from_csv and prompt == ""):
         raise ValueError(f"{where}: missing prompt field {prompt_key!r}")
     if isinstance(prompt, str):
@@ -128,7 +139,7 @@ def _make_item(
         if system_prompt is not None and prompt[0]["role"] != "system":
             prompt = [{"role": "system", "content": system_prompt}, *prompt]
     else:
-        raise ValueError(f"{where}: {prompt_key!r} must be a str or a list of chat messages, "
+        raise ValueError(f"{where}: {prompt_key!r} must be a str or a list of chat messages (or one message), "
                          f"got {type(prompt).__name__}")
 
     if metadata_keys is None:
@@ -153,12 +164,14 @@ def load_prompt_file(
 ) -> list[PromptItem]:
     """Load prompts from a `.jsonl`, `.json` (list of objects) or `.csv` (with a header row) file.
 
-    `prompt_key` holds a str or (JSON/JSONL only) a list of `{"role", "content"}` messages; with
+    `prompt_key` holds a str or (JSON/JSONL only) a `{"role", "content"}` message or a list of them; with
     `system_prompt`, a str prompt becomes a system + user message pair and a message list without a
     leading system message gets one. Metadata (the reward function's keyword arguments) holds the
     `answer_key` value under `"answer"` when the row has it, plus the `metadata_keys` fields, or by
     default every other field. CSV values stay strings, except that a CSV answer which parses as an int
-    or a finite float becomes that number, so numeric rewards can compare it.
+    or a finite float becomes that number, so numeric rewards can compare it. With the default keys,
+    a JSON/JSONL row without `prompt` but with `messages` is read in ColossalChat's format: the prompt
+    from `messages`, the answer from `gt_answer` (the other fields are metadata as usual).
     """
     path = Path(path)
     if not path.is_file():

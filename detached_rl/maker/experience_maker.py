@@ -36,7 +36,7 @@ from detached_rl.generation.registry import GENERATION_BACKENDS, build_generatio
 from detached_rl.generation.vllm_config import VLLMConfig, vllm_config_with
 from detached_rl.maker.pusher import PUSH_POLICIES
 from detached_rl.maker.scoring import PendingScores, ScoreAnswer, ScoreRequest, ScoringService
-from detached_rl.models.actor import Actor
+from detached_rl.models.actor import Actor, reference_sampling
 from detached_rl.models.lora import lora_backend
 from detached_rl.models.lora_merge import (
     base_keys,
@@ -46,7 +46,7 @@ from detached_rl.models.lora_merge import (
 )
 from detached_rl.models.reward import RewardScorer
 from detached_rl.models.scalar_heads import Critic
-from detached_rl.strategies import NaiveStrategy, Strategy
+from detached_rl.strategies import NaiveStrategy, Strategy, check_strategy
 
 NOT_SYNCED = -1  # receiver version before the first weight update from a trainer
 
@@ -174,7 +174,7 @@ class ExperienceMaker:
         self.name = name
         self.config = config or MakerConfig()
         self.sampling = self.config.sampling or SamplingConfig()  # how responses are sampled
-        self.strategy = strategy or NaiveStrategy()
+        self.strategy = NaiveStrategy() if strategy is None else check_strategy(strategy, f"maker {name!r}: strategy")
         # Roles `scoring` serves replace the local models of those roles.
         self.scoring = scoring
         remote = scoring.roles if scoring is not None else frozenset()
@@ -281,7 +281,9 @@ class ExperienceMaker:
             pending = self._submit_remote(batch, metadata, version)
             args = (batch.sequences, batch.attention_mask, batch.response_mask)
             values = self.critic(*args).cpu() if self.critic is not None else None
-            ref = self.reference.log_probs(*args, self.sampling).cpu() if self.reference is not None else None
+            # Reference log-probs: the temperature-scaled full distribution, finite for every sampleable token.
+            ref = self.reference.log_probs(*args, reference_sampling(self.sampling)).cpu() \
+                if self.reference is not None else None
         remote = pending(config.scorer_timeout_s * config.scorer_attempts) if pending is not None else {}
         if "critic" in remote:
             values = remote["critic"].token_scores
@@ -301,7 +303,7 @@ class ExperienceMaker:
             info: dict[str, Any] = {"finished": out.finished[row], **components[row], "engine": engine}
             if ref is not None:  # mean k1 KL to the reference, for inspection (the trainer shapes rewards)
                 gap = base.log_probs - ref[row, :length]
-                finite = torch.isfinite(gap)  # -inf reference log-probs: tokens its top-k/top-p filters out
+                finite = torch.isfinite(gap)  # a bad reference answer: `validate` below refuses it by field
                 info["kl"] = float(gap[finite].mean()) if bool(finite.any()) else 0.0
             if fingerprint is not None:
                 info["weights_fingerprint"] = fingerprint

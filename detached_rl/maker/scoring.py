@@ -34,6 +34,7 @@ from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_resources
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_receiver import WeightReceiver
 from detached_rl.core.weight_sync import ApplyResult, Fetch, WeightUpdate, restrict_update
+from detached_rl.models.actor import reference_sampling
 
 SCORER_ROLES = ("reward", "reference", "critic")
 
@@ -208,7 +209,8 @@ class Scorer:
     """One role over one model; answers batches of requests with one forward pass per batch.
 
     `model`: a `RewardScorer` for "reward", an `Actor` for "reference", a `Critic` for "critic".
-    `sampling`: the makers' sampling settings (the reference's log-probs use the same temperature).
+    `sampling`: the makers' sampling settings (the reference's log-probs use its temperature over the full
+    vocabulary, no top-k/top-p: `reference_sampling`).
     """
 
     def __init__(self, role: str, model: Any, sampling: SamplingConfig | None = None,
@@ -303,7 +305,9 @@ class Scorer:
                 return rewards, components, None
             return self.model.score(sequences, attention_mask, response_mask, metadata), None, None
         if self.role == "reference":
-            return None, None, self.model.log_probs(sequences, attention_mask, response_mask, self.sampling)
+            # The temperature-scaled full distribution (`reference_sampling`): finite for every sampleable token.
+            return None, None, self.model.log_probs(sequences, attention_mask, response_mask,
+                                                    reference_sampling(self.sampling))
         return None, None, self.model(sequences, attention_mask, response_mask)
 
     def status(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from detached_rl.core.sampling import SamplingConfig, process_logits  # noqa: E402
-from detached_rl.models.actor import Actor  # noqa: E402
+from detached_rl.models.actor import Actor, reference_sampling  # noqa: E402
 from detached_rl.models.loaders import (  # noqa: E402
     load_causal_lm,
     load_model_dir,
@@ -49,6 +49,7 @@ __all__ = [
     "merged_model",
     "minilm_dir",
     "process_logits",
+    "reference_sampling",
     "smollm2_dir",
     "tiny_causal_lm",
     "tiny_tokenizer",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,6 +16,21 @@ from detached_rl.models._forward import accepts_argument, disable_dropout, forwa
 from detached_rl.models.shared_prefix import shared_prefix_logits, supports_shared_prefix
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
+
+
+def reference_sampling(sampling: SamplingConfig | None) -> SamplingConfig | None:
+    """The distribution reference log-probs are scored on: `sampling`'s temperature, the full vocabulary.
+
+    One convention (docs/algorithms-and-rewards.md, "KL to the reference"): behaviour log-probs, and the trainer's
+    recomputation for the PPO ratio, come from the processed distribution (temperature, top-k, top-p); reference
+    log-probs, wherever they are computed (maker, reference scorer, GRPO trainer), come from the temperature-scaled
+    full distribution. The reference's own top-k/top-p would give -inf to a sampled token outside it (its top-k is
+    not the policy's); over the full vocabulary every token the policy can sample has a finite log-prob, and the KL
+    estimates KL(sampling policy || reference).
+    """
+    if sampling is None or (sampling.top_k == 0 and sampling.top_p == 1.0):
+        return sampling
+    return dataclasses.replace(sampling, top_k=0, top_p=1.0)
 
 
 class Actor(nn.Module):

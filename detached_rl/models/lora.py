@@ -16,6 +16,8 @@ from peft.utils import ModulesToSaveWrapper
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from detached_rl.models.scalar_heads import Critic, RewardModel
+
 __all__ = [
     "LoraSettings",
     "apply_lora",
@@ -134,9 +136,16 @@ def _matching_modules(model: nn.Module, targets: tuple[str, ...]) -> dict[str, n
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
-    """Add LoRA to `model` (modified in place) and leave only the adapters trainable; return the LoRA model."""
+    """Add LoRA to `model` (modified in place) and leave only the adapters trainable; return the LoRA model.
+
+    `model` is a causal LM (a policy), a transformer body without an LM head (a critic's backbone), or a `Critic` /
+    `RewardModel`, whose backbone gets the adapters (its scalar head stays trainable) and which is returned itself.
+    """
     if lora_backend(model) is not None:
         raise ValueError("model already has LoRA modules")
+    if isinstance(model, Critic | RewardModel):
+        model.backbone = apply_lora(model.backbone, settings)
+        return model
     targets = settings.target_modules or default_target_modules(model)
     if targets == (ALL_LINEAR,):
         targets = all_linear_targets(model)
@@ -150,7 +159,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
 
     if resolved.backend == "peft":
         config = peft.LoraConfig(
-            task_type=peft.TaskType.CAUSAL_LM,
+            task_type=_peft_task_type(model),
             r=resolved.r,
             lora_alpha=resolved.alpha,
             lora_dropout=resolved.dropout,
@@ -169,6 +178,13 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         setattr(model, _SETTINGS_ATTR, resolved)
     mark_only_lora_trainable(model, bias=resolved.bias)
     return model
+
+
+def _peft_task_type(model: nn.Module) -> peft.TaskType:
+    """CAUSAL_LM for a model that generates; FEATURE_EXTRACTION for a body without an LM head (a critic's backbone),
+    which peft's causal-LM wrapper cannot take (it needs `prepare_inputs_for_generation`)."""
+    generates = callable(getattr(model, "prepare_inputs_for_generation", None))
+    return peft.TaskType.CAUSAL_LM if generates else peft.TaskType.FEATURE_EXTRACTION
 
 
 def _loralib_module(name: str, module: nn.Module, settings: LoraSettings) -> nn.Module:
@@ -228,11 +244,24 @@ def lora_backend(model: nn.Module) -> str | None:
     return None
 
 
+def _lora_holder(model: nn.Module, attribute: str) -> nn.Module:
+    """The module that carries `attribute` (peft's `peft_config`, loralib's settings): `model`, else the first
+    submodule that does (a critic's backbone); `model` when none does."""
+    if getattr(model, attribute, None):
+        return model
+    return next((m for m in model.modules() if getattr(m, attribute, None)), model)
+
+
+def _lora_settings(model: nn.Module) -> LoraSettings | None:
+    return getattr(_lora_holder(model, _SETTINGS_ATTR), _SETTINGS_ATTR, None)
+
+
 def _peft_config(model: nn.Module) -> peft.LoraConfig | None:
-    configs = getattr(model, "peft_config", None)
+    holder = _lora_holder(model, "peft_config")
+    configs = getattr(holder, "peft_config", None)
     if not configs:
         return None
-    adapter = getattr(model, "active_adapter", None)
+    adapter = getattr(holder, "active_adapter", None)
     return configs[adapter] if adapter in configs else next(iter(configs.values()))
 
 
@@ -241,7 +270,7 @@ def _model_bias(model: nn.Module) -> str:
     if backend == "peft":
         config = _peft_config(model)
         return config.bias if config is not None else "none"
-    settings = getattr(model, _SETTINGS_ATTR, None)
+    settings = _lora_settings(model)
     return settings.bias if settings is not None else "none"
 
 
@@ -316,7 +345,7 @@ def lora_config_dict(model: nn.Module) -> dict[str, Any]:
             "bias": config.bias,
             "modules_to_save": sorted(config.modules_to_save) if config.modules_to_save else None,
         }
-    settings = getattr(model, _SETTINGS_ATTR, None)
+    settings = _lora_settings(model)
     if backend is None or settings is None:
         raise ValueError("model has no LoRA added by apply_lora")
     return {
@@ -371,13 +400,21 @@ def merged_model(model: nn.Module) -> nn.Module:
         raise ValueError("model has no LoRA modules to merge")
     merged = copy.deepcopy(model)
     if backend == "peft":
-        return merged.merge_and_unload()
+        if isinstance(merged, peft.PeftModel):
+            return merged.merge_and_unload()
+        # A critic or reward model: its backbone is the peft model.
+        for name, module in list(merged.named_modules()):
+            if isinstance(module, peft.PeftModel):
+                parent_name, _, child_name = name.rpartition(".")
+                setattr(merged.get_submodule(parent_name), child_name, module.merge_and_unload())
+        return merged
     for name, module in list(merged.named_modules()):
         if isinstance(module, loralib.LoRALayer):
             parent_name, _, child_name = name.rpartition(".")
             setattr(merged.get_submodule(parent_name), child_name, _plain_module(module))
-    if hasattr(merged, _SETTINGS_ATTR):
-        delattr(merged, _SETTINGS_ATTR)
+    for module in merged.modules():
+        if hasattr(module, _SETTINGS_ATTR):
+            delattr(module, _SETTINGS_ATTR)
     return merged
 
 

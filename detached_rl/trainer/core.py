@@ -40,6 +40,7 @@ from detached_rl.models.lora_merge import (
     dtype_name,
     fingerprint_cast_dtype,
 )
+from detached_rl.strategies import check_strategy
 from detached_rl.trainer.config import TrainerConfig, oldest_useful_version
 from detached_rl.trainer.resume import merge_buffer_states
 
@@ -80,6 +81,28 @@ def _finite_mean(values: list[int | float]) -> float | None:
     return math.fsum(v / scale for v in floats) / len(floats) * scale
 
 
+def models_synced_in_full(models: Mapping[str, torch.nn.Module]) -> dict[str, int]:
+    """Synced models without LoRA that have trainable parameters, with the bytes of those parameters: what every
+    LoRA-only update carries whole (a frozen model without LoRA carries nothing after the first full update)."""
+    out = {}
+    for name, model in models.items():
+        if lora_backend(model) is not None:
+            continue
+        size = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if size:
+            out[name] = size
+    return out
+
+
+def bytes_per_model(update: WeightUpdate) -> dict[str, int]:
+    """Bytes an update carries for each synced model (tied aliases counted once), by model name."""
+    sizes: dict[str, int] = {}
+    for spec in update.manifest.tensors:
+        model = spec.name.partition("/")[0]
+        sizes[model] = sizes.get(model, 0) + (spec.nbytes if spec.alias_of is None else 0)
+    return sizes
+
+
 def _discard(chunk: Any) -> None:
     """A `put` that keeps nothing (ranks that do not push)."""
     return None
@@ -91,7 +114,7 @@ class TrainerCore:
     def __init__(self, name: str, learner: Learner, config: TrainerConfig | None = None) -> None:
         self.name = name
         self.learner = learner
-        self.strategy = learner.strategy
+        self.strategy = check_strategy(getattr(learner, "strategy", None), f"TrainerCore {name!r}: learner.strategy")
         self.config = config or TrainerConfig()
         model_config = self.strategy.unwrap(learner.actor).model.config
         vocab_size = int(model_config.vocab_size)
@@ -127,6 +150,12 @@ class TrainerCore:
                 raise ValueError("TrainerConfig.weight_sync='lora' needs a LoRA policy (see detached_rl.models.apply_lora)")
             self.base_fingerprint = base_fingerprint(actor_model)
             self.cast_base_fingerprints = cast_base_fingerprints(actor_model)
+        # Synced models without LoRA that training changes (a trained critic): LoRA-only updates carry them whole.
+        self.synced_in_full = models_synced_in_full(self.synced_models()) if self.config.weight_sync == "lora" else {}
+        for model_name, size in self.synced_in_full.items():
+            logger.warning("trainer %s: weight_sync='lora' but the %s has no LoRA; every update carries its trainable "
+                           "tensors in full (%d bytes; see weight_sync/bytes/%s). Give it LoRA (apply_lora) or "
+                           "freeze it to ship less.", name, model_name, size, model_name)
         # Held while the weights change (a training step) and while they are snapshotted for an update.
         self.weights_lock = threading.Lock()
         # Held by a push and while a resume swaps the buffer: no push is acknowledged into a buffer being replaced.
@@ -282,7 +311,11 @@ class TrainerCore:
             results = self._record_results(outcome)
         push_seconds = time.perf_counter() - start + waited
         failed = sum(isinstance(r, BaseException) for r in results.values())
+        # Per model, every synced model named (0 when a LoRA-only update carries none of it, e.g. a frozen critic).
+        per_model = {f"weight_sync/bytes/{model}": 0.0 for model in self.synced_models()}
+        per_model.update({f"weight_sync/bytes/{model}": float(size) for model, size in bytes_per_model(update).items()})
         return {
+            **per_model,
             "time/weight_sync": stats.seconds + push_seconds,
             "weight_sync/version": float(update.manifest.version),
             "weight_sync/bytes": float(stats.bytes),

@@ -1,0 +1,306 @@
+"""open-instruct's learner and driver step over this project's GRPO trainer: the aggregation, the Polyak update and
+the config translation without Ray; then open-instruct's driver loop on a local Ray cluster (two learner ranks, one
+maker): `step`, `update_ref_policy`, `broadcast_to_vllm`, `save_checkpoint_state`, `save_model`, a restart that
+resumes from the saved state and steps again."""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import pytest
+import torch
+
+from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
+from detached_rl.compat.open_instruct import (
+    CHECKPOINT_COMPLETE_MARKER,
+    PEAK_FLOPS,
+    PROMPT_LENGTHS,
+    RESPONSE_LENGTHS,
+    SEQUENCE_TOKENS,
+    ExperimentConfig,
+    ModelConfig,
+    ModelGroup,
+    ObservedGRPOLearner,
+    PolicyTrainerRayProcess,
+    SequenceRatioStats,
+    StreamingDataLoaderConfig,
+    VLLMConfig,
+    average_rank_metrics,
+    batch_lengths,
+    bundle_index,
+    compute_token_weights,
+    grpo_config_from,
+    load_policy,
+    maker_config_from,
+    one_training_step,
+    open_instruct_step_metrics,
+    polyak_update_ref_policy,
+    trainer_config_from,
+    training_step_metrics,
+)
+from detached_rl.core.sampling import SamplingConfig
+from detached_rl.maker.experience_maker import MakerModels
+from detached_rl.models import tiny_causal_lm
+
+from .helpers import LowTokenReward, arithmetic_prompts, make_experience, naive_strategy, tiny_policy
+
+NAMESPACE = "detached_rl_tests"
+TIMEOUT = 180
+SAMPLING = SamplingConfig(max_new_tokens=6)
+
+
+# ---------------------------------------------------------------------------------------------- without Ray
+def rank(tokens: float, **values: float) -> dict[str, float]:
+    return {"_token_count": tokens, **values}
+
+
+def test_token_weighted_metrics_average_by_each_ranks_tokens_and_the_rest_plainly():
+    ranks = [rank(10, **{"loss/policy_avg": 1.0, "val/ratio_var": 0.2, "time/other": 2.0}),
+             rank(30, **{"loss/policy_avg": 3.0, "val/ratio_var": 0.6, "time/other": 4.0})]
+    assert compute_token_weights(ranks) == [0.25, 0.75]
+    averaged = average_rank_metrics(ranks)
+    assert averaged == pytest.approx({"loss/policy_avg": 2.5, "val/ratio_var": 0.5, "time/other": 3.0})
+    assert "_token_count" not in averaged
+    # A key one rank lacks (its staleness histogram) is averaged over the ranks that have it.
+    ranks[1]["staleness/hist_1"], ranks[0]["loss/kl_avg"] = 8.0, 0.4
+    averaged = average_rank_metrics(ranks)
+    assert averaged["staleness/hist_1"] == 8.0 and averaged["loss/kl_avg"] == pytest.approx(0.4)
+    assert compute_token_weights([rank(0), rank(0)]) == [0.5, 0.5]
+
+
+def test_driver_metrics_count_tokens_and_compute_mfu_against_the_summed_peaks():
+    ranks = [rank(9, **{"loss/policy_avg": 1.0, SEQUENCE_TOKENS: 20.0, PEAK_FLOPS: 1e9, "_num_params": 1000.0}),
+             rank(3, **{"loss/policy_avg": 2.0, SEQUENCE_TOKENS: 12.0, PEAK_FLOPS: 3e9, "_num_params": 1000.0})]
+    arrays = [{PROMPT_LENGTHS: [3, 4], RESPONSE_LENGTHS: [5, 4]}, {PROMPT_LENGTHS: [2], RESPONSE_LENGTHS: [1, 2]}]
+    metrics, tokens = training_step_metrics(
+        ranks, arrays, episode=8, training_step=2, num_total_tokens=100, step_time=4.0, total_training_time=50.0,
+        training_time=2.0, samples_per_prompt=2, train_dataset_size=4, data_thread_metrics={"time/health_check": 0.1})
+    assert tokens == 3 + 4 + 5 + 4 + 2 + 1 + 2 == metrics["val/num_step_tokens"]
+    assert metrics["learner_tokens_per_second_step"] == pytest.approx(tokens / 4.0)
+    assert metrics["learner_tokens_per_second_overall"] == pytest.approx(100 / 50.0)
+    assert metrics["learner_mfu"] == pytest.approx(100 * 6 * 1000 * 32 / 2.0 / 4e9)
+    assert metrics["loss/policy_avg"] == pytest.approx(0.75 * 1.0 + 0.25 * 2.0)
+    assert metrics["epoch"] == 8 / 2 / 4 and metrics["time/health_check"] == 0.1 and metrics["time/training"] == 2.0
+    assert metrics[PROMPT_LENGTHS] == [3, 4]  # the first rank's arrays, as open-instruct's
+    assert not any(key.startswith("_") for key in metrics)
+
+
+def test_sequence_ratio_variance_is_token_weighted_over_sequences():
+    stats = SequenceRatioStats()
+    # Sequence 0: one token of ratio 1; sequence 1: three tokens of ratio 2 (one padding position).
+    log_probs = torch.tensor([[0.0, 5.0, 5.0, 5.0], [math.log(2.0)] * 3 + [7.0]])
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0]])
+    stats.add(log_probs, torch.zeros_like(log_probs), mask)
+    mean = (1 * 1.0 + 3 * 2.0) / 4
+    assert stats.variance() == pytest.approx((1 * (1.0 - mean) ** 2 + 3 * (2.0 - mean) ** 2) / 4)
+    stats.reset()
+    assert stats.variance() == 0.0
+
+
+def test_polyak_update_moves_the_reference_towards_the_policy_by_alpha():
+    learner = GRPOLearner(tiny_policy(), naive_strategy(), GRPOConfig(kl_coef=0.1, sampling=SAMPLING))
+    with torch.no_grad():
+        for param in learner.policy.model.parameters():
+            param.add_(torch.randn_like(param))
+    before = {name: p.detach().clone() for name, p in learner.reference.model.named_parameters()}
+    policy = {name: p.detach().clone() for name, p in learner.policy.model.named_parameters()}
+    assert not polyak_update_ref_policy(learner, 0.0)  # open-instruct skips alpha 0
+    assert all(torch.equal(p, before[n]) for n, p in learner.reference.model.named_parameters())
+    assert polyak_update_ref_policy(learner, 0.25)
+    for name, param in learner.reference.model.named_parameters():
+        torch.testing.assert_close(param, 0.25 * policy[name] + 0.75 * before[name], msg=name)
+    no_reference = GRPOLearner(tiny_policy(), naive_strategy(), GRPOConfig(sampling=SAMPLING))
+    assert not polyak_update_ref_policy(no_reference, 0.5)
+
+
+def grpo_batch(seed: int = 0) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    batch = []
+    for group in range(2):
+        for member in range(4):
+            length = 2 + member
+            batch.append(make_experience(
+                prompt=[5, 6, 7][: 2 + group], response=torch.randint(3, 60, (length,), generator=generator).tolist(),
+                reward=float(member), log_probs=-torch.rand(length, generator=generator) - 0.5, group_id=f"g{group}"))
+    return batch
+
+
+def test_the_observed_learner_learns_exactly_like_grpo_and_reports_ratio_variance_and_lengths():
+    config = GRPOConfig(sampling=SAMPLING, loss_agg="token-mean", micro_batch_size=3)
+    torch.manual_seed(0)
+    plain = GRPOLearner(tiny_policy(), naive_strategy(), config)
+    torch.manual_seed(0)
+    observed = ObservedGRPOLearner(tiny_policy(), naive_strategy(), config)
+    expected, got = plain.train_step(grpo_batch(), 0), observed.train_step(grpo_batch(), 0)
+    # Equal up to the CPU kernels' run-to-run rounding (two plain learners differ by as much).
+    for key in ("loss/policy_avg", "val/ratio", "grad_norm/actor"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-5), key
+    for (name, a), (_, b) in zip(plain.policy.model.named_parameters(), observed.policy.model.named_parameters(),
+                                 strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert got["val/ratio_var"] > 0 and math.isfinite(got["val/ratio_var"])  # random behaviour log-probs
+    assert observed.last_prompt_lengths == [2, 3] and observed.last_response_lengths == [2, 3, 4, 5] * 2
+    assert observed.last_sequence_tokens == 4 * 2 + 4 * 3 + 2 * (2 + 3 + 4 + 5)
+    assert batch_lengths(grpo_batch()) == ([2, 3], [2, 3, 4, 5] * 2)
+
+
+def test_open_instruct_names_and_meanings_are_added_to_a_steps_metrics():
+    ours = {"lr/actor": 1e-4, "grad_norm/actor": 0.5, "loss/kl_avg": 0.2, "policy/entropy_avg": 3.0, "val/ratio": 1.0}
+    theirs = open_instruct_step_metrics(ours, beta=0.05, kl_kind="k3")
+    assert theirs["lr"] == 1e-4 and theirs["optim/grad_norm"] == 0.5
+    assert theirs["objective/kl2_avg"] == 0.2 and theirs["loss/kl_avg"] == pytest.approx(0.05 * 0.2)
+    assert theirs["policy/entropy_avg"] == 3.0 and theirs["val/ratio"] == 1.0
+
+
+def test_open_instruct_settings_translate_and_unsupported_ones_are_refused_by_name():
+    args = ExperimentConfig(learning_rate=3e-6, num_training_steps=10, num_mini_batches=2, alpha=0.4, beta=0.02)
+    stream = StreamingDataLoaderConfig(num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=4,
+                                       response_length=32, temperature=0.7, async_steps=1)
+    config = grpo_config_from(args, stream, world_size=2)
+    assert (config.kl_coef, config.kl_kind, config.ref_update_alpha, config.ref_update_every) == (0.02, "k3", 0.4, 0)
+    assert (config.clip_low, config.clip_high, config.loss_agg) == (0.2, 0.272, "token-mean")
+    assert config.advantage_estimator == "dr_grpo" and config.mini_batch_size == 4 and config.dynamic_sampling
+    assert config.actor_optimizer.total_steps == 20 and config.actor_optimizer.warmup_steps == 2
+    assert (config.sampling.max_new_tokens, config.sampling.temperature) == (32, 0.7)
+    trainer = trainer_config_from(args, stream, world_size=2)
+    assert (trainer.train_batch_size, trainer.max_staleness) == (8, 1)
+    maker = maker_config_from(stream, VLLMConfig(vllm_num_engines=2))
+    assert (maker.experience_batch_size, maker.group_size, maker.sampling) == (2, 4, config.sampling)
+    assert grpo_config_from(ExperimentConfig(load_ref_policy=False, num_training_steps=1), stream, 1).kl_coef == 0.0
+    refused = {"kl_estimator": ExperimentConfig(kl_estimator=3, num_training_steps=1),
+               "loss_fn": ExperimentConfig(loss_fn="cispo", num_training_steps=1),
+               "loss_denominator": ExperimentConfig(loss_denominator="1024", num_training_steps=1),
+               "num_training_steps": ExperimentConfig()}
+    for field, bad in refused.items():
+        with pytest.raises(ValueError, match=field):
+            grpo_config_from(bad, stream, world_size=1)
+    with pytest.raises(ValueError, match="world_size 3"):
+        grpo_config_from(args, stream, world_size=3)
+    assert [bundle_index(r, [2, 1]) for r in range(3)] == [0, 0, 1]
+
+
+# ---------------------------------------------------------------------------------------------- on Ray
+def maker_models(path: str) -> MakerModels:
+    """A maker's models: the policy from `path` and the token reward."""
+    return MakerModels(actor=load_policy(path, "float32", 0), reward=LowTokenReward())
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("oi") / "base"
+    model, tokenizer = tiny_causal_lm("llama", seed=3)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def wait_until_stopped(ray, maker) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while ray.get(maker.status.remote(), timeout=TIMEOUT)["state"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def wait_until_gone(ray, names: list[str]) -> None:
+    deadline = time.monotonic() + 30
+    for name in names:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            time.sleep(0.2)
+
+
+OPEN_INSTRUCT_METRICS = ("loss/policy_avg", "loss/kl_avg", "loss/total_avg", "policy/clipfrac_avg",
+                         "policy/entropy_avg", "val/ratio", "val/ratio_var", "objective/kl2_avg", "lr",
+                         "optim/grad_norm", "time/training", "time/total", "learner_tokens_per_second_step",
+                         "learner_tokens_per_second_overall", "val/num_step_tokens", "val/num_total_tokens",
+                         "learner_mfu", "episode", "training_step")
+
+
+@pytest.mark.ray
+def test_open_instruct_driver_loop_steps_saves_and_resumes(ray_cluster, base_model, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from detached_rl.actors.maker import ExperienceMakerHolder
+    from detached_rl.core.prompts import CyclingPrompts
+
+    ray = ray_cluster
+    args = ExperimentConfig(learning_rate=1e-3, lr_scheduler_type="constant", beta=0.05, alpha=0.5,
+                            ref_policy_update_freq=1, num_training_steps=3, per_device_train_batch_size=4,
+                            checkpoint_state_dir=str(tmp_path / "state"), output_dir=str(tmp_path / "out"),
+                            save_freq=2, backend_timeout=2, seed=1)
+    stream = StreamingDataLoaderConfig(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=4,
+                                       response_length=SAMPLING.max_new_tokens, async_steps=2,
+                                       filter_zero_std_samples=False)
+    vllm = VLLMConfig(vllm_num_engines=1)
+    model_config = ModelConfig(model_name_or_path=base_model)
+
+    def start_learners() -> tuple[ModelGroup, list]:
+        group = ModelGroup(None, PolicyTrainerRayProcess, [2], False, args, stream, vllm, None, name="oi_learner",
+                           namespace=NAMESPACE)
+        return group, [m.from_pretrained.remote(args, model_config, None, "", None) for m in group.models]
+
+    group, loading = start_learners()
+    maker = ExperienceMakerHolder.options(name="oi_engine_0", namespace=NAMESPACE).remote(
+        "oi_engine_0", group.names, functools.partial(maker_models, base_model), CyclingPrompts(arithmetic_prompts()),
+        maker_config_from(stream, vllm, experience_batch_size=1), namespace=NAMESPACE)
+    logged: list[dict] = []
+    try:
+        assert ray.get(loading, timeout=TIMEOUT) == [{"optimization_steps_done": 0, "checkpoint_state": None}] * 2
+        ray.get([m.setup_model_update_group.remote([maker]) for m in group.models], timeout=TIMEOUT)
+        maker.start.remote()
+        training_start, episode, total_tokens = time.perf_counter(), 0, 0
+        for training_step in (1, 2):
+            start = time.perf_counter()
+            episode += stream.num_unique_prompts_rollout * stream.num_samples_per_prompt_rollout
+            total_tokens += one_training_step(args, stream, vllm, group, None, {}, episode, training_step,
+                                              total_tokens, start, None, training_start, "", None, None,
+                                              log_metrics=logged.append)
+            syncs = ray.get([m.broadcast_to_vllm.remote(training_step) for m in group.models], timeout=TIMEOUT)
+            assert sum(s["weight_sync/makers_updated"] for s in syncs) == 1  # the maker is one rank's share
+        client_state = {"training_step": 2, "episode": episode, "num_total_tokens": total_tokens}
+        ray.get([m.save_checkpoint_state.remote(args.checkpoint_state_dir, client_state) for m in group.models],
+                timeout=TIMEOUT)
+        saved_weights = ray.get(group.models[0].weights_fingerprint.remote(), timeout=TIMEOUT)
+        ray.get([m.save_model.remote(args.output_dir) for m in group.models], timeout=TIMEOUT)
+        assert ray.get(maker.status.remote(), timeout=TIMEOUT)["policy_version"] == 2
+
+        for metrics in logged:
+            missing = [name for name in OPEN_INSTRUCT_METRICS if name not in metrics]
+            assert not missing, missing
+            assert all(math.isfinite(metrics[name]) for name in OPEN_INSTRUCT_METRICS)
+            assert metrics["learner_mfu"] > 0 and metrics["val/num_step_tokens"] > 0
+        assert [m["training_step"] for m in logged] == [1, 2] and logged[1]["val/num_total_tokens"] == total_tokens - (
+            logged[1]["val/num_step_tokens"])
+
+        # save_model at step 2 (save_freq) and at the end: Hugging Face directories that load and have moved.
+        base = AutoModelForCausalLM.from_pretrained(base_model)
+        for directory in (f"{args.output_dir}_checkpoints/step_2", args.output_dir):
+            saved = AutoModelForCausalLM.from_pretrained(directory)
+            AutoTokenizer.from_pretrained(directory)
+            assert (tmp_path / directory / CHECKPOINT_COMPLETE_MARKER).exists()
+            assert any(not torch.equal(a, b) for a, b in zip(saved.parameters(), base.parameters(), strict=True))
+
+        # A restart: new ranks under the same names resume from the saved state; the maker rejoins them.
+        ray.get(maker.stop.remote(), timeout=TIMEOUT)
+        wait_until_stopped(ray, maker)
+        group.stop()
+        wait_until_gone(ray, group.names)
+        group, loading = start_learners()
+        inits = ray.get(loading, timeout=TIMEOUT)
+        assert [i["optimization_steps_done"] for i in inits] == [2, 2]
+        assert [i["checkpoint_state"] for i in inits] == [{**client_state, "rank": r} for r in range(2)]
+        assert ray.get(group.models[0].weights_fingerprint.remote(), timeout=TIMEOUT) == saved_weights
+        ray.get([m.setup_model_update_group.remote(["oi_engine_0"]) for m in group.models], timeout=TIMEOUT)
+        maker.start.remote()
+        one_training_step(args, stream, vllm, group, None, {}, episode, 3, total_tokens, time.perf_counter(),
+                          None, training_start, "", None, None, log_metrics=logged.append)
+        assert logged[-1]["training_step"] == 3 and "val/ratio_var" in logged[-1]
+        assert [s["policy_version"] for s in ray.get([m.status.remote() for m in group.models], timeout=TIMEOUT)] \
+            == [3, 3]
+    finally:
+        ray.kill(maker)
+        group.stop()
