@@ -87,7 +87,8 @@ def connect(address: str | None, namespace: str, timeout: float | None = None) -
     def watchdog() -> None:
         if not done.wait(timeout):
             print(f"detached-rl: error: could not join the Ray cluster at {address} within {timeout:.0f} s "
-                  f"(a busy machine may need more: set {CONNECT_TIMEOUT_VARIABLE})", file=sys.stderr, flush=True)
+                  f"(a busy machine may need more: set {CONNECT_TIMEOUT_VARIABLE}; with token auth on, check "
+                  "RAY_AUTH_TOKEN)", file=sys.stderr, flush=True)
             os._exit(2)
 
     threading.Thread(target=watchdog, daemon=True).start()
