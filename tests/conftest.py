@@ -103,6 +103,23 @@ def marked_processes(marker: str) -> list[psutil.Process]:
     return found
 
 
+def stop_marked(marker: str, grace: float = 15.0, rounds: int = 3) -> None:
+    """Terminate, then kill, every process carrying `marker`; scan again, since a dying raylet may have
+    started a fresh agent meanwhile."""
+    for _ in range(rounds):
+        processes = marked_processes(marker)
+        if not processes:
+            return
+        for proc in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        _, alive = psutil.wait_procs(processes, timeout=grace)
+        for proc in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=5)
+
+
 @pytest.fixture(scope="module")
 def cluster_marker() -> str:
     """The `CLUSTER_MARKER` value of this module's cluster."""

@@ -91,9 +91,15 @@ class ExperienceMakerHolder:
         base = self.core.base_fingerprint
         offered = get_all([h.register_maker.remote(self.name, base) for h in handles.values()],
                           timeout=self.core.config.weight_timeout_s)
+        self._expect_runs([h for h, update in zip(handles.values(), offered, strict=True) if update is None])
         take_offered(self.core, offered, ray_fetch(self.core.config.weight_timeout_s))
         with self._handles_lock:
             self._handles = dict(handles)
+
+    def _expect_runs(self, handles: list[Any]) -> None:
+        """Registered with these trainers, which had no weights yet: follow their runs from their first update."""
+        runs = get_all([h.trainer_run.remote() for h in handles], timeout=self.core.config.weight_timeout_s)
+        self.core.receiver.registered_runs.update(runs)
 
     def _connect(self) -> None:
         self._attach_trainers()
@@ -113,6 +119,8 @@ class ExperienceMakerHolder:
             raise ConnectionError(f"trainer {trainer!r} is not running (waiting for it to come back)") from None
         update = ray.get(handle.register_maker.remote(self.name, self.core.base_fingerprint),
                          timeout=self.core.config.weight_timeout_s)
+        if update is None:
+            self._expect_runs([handle])
         take_offered(self.core, [update], ray_fetch(self.core.config.weight_timeout_s))
         with self._handles_lock:
             self._handles[trainer] = handle
@@ -184,8 +192,9 @@ class ExperienceMakerHolder:
 
     @ray.method(concurrency_group="model_io")
     def apply_weight_update(self, update: WeightUpdate) -> ApplyResult:
-        """Pull, verify and apply a versioned weight update between two generation batches."""
-        return self.core.apply_weight_update(update, ray_fetch(self.core.config.weight_timeout_s))
+        """Pull and verify a versioned weight update and acknowledge it; it is swapped in between two generation
+        batches (at once when none is being generated), so the trainer never waits for a batch to end."""
+        return self.core.receive_weight_update(update, ray_fetch(self.core.config.weight_timeout_s))
 
     @ray.method(concurrency_group="experience_io")
     def save_state(self, path: str) -> str:

@@ -12,6 +12,7 @@ trainers picks the class there.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -22,7 +23,7 @@ from typing import Any
 import ray
 
 from detached_rl.actors.placement import actor_device
-from detached_rl.actors.transport import attach, dispatch_weight_update, put_chunk, resolve_namespace
+from detached_rl.actors.transport import attach, put_chunk, resolve_namespace, send_weight_update
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.replay_buffer import AppendResult
@@ -31,6 +32,7 @@ from detached_rl.core.weight_sync import WeightUpdate, state_fingerprint
 from detached_rl.strategies import NaiveStrategy, Strategy, check_strategy_name
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
+from detached_rl.trainer.weight_push import WeightPushQueue
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +162,11 @@ class _TrainerShell:
         return core.buffer.sample(count, current_version=core.policy_version, timeout=timeout)
 
     @ray.method(concurrency_group="model_io")
+    def trainer_run(self) -> str:
+        """The id of this trainer process's run (a maker follows one run's weights; see `register_maker`)."""
+        return self._core().run_id
+
+    @ray.method(concurrency_group="model_io")
     def register_maker(self, maker_name: str, base_fingerprint: str | None = None) -> WeightUpdate | None:
         """Record a maker; returns the weight update it should start from (full unless its base matches)."""
         return self._core().register_maker(maker_name, base_fingerprint, put_chunk)
@@ -188,9 +195,8 @@ class _TrainerShell:
         """Train up to step `total_steps`; push weights every `update_steps` steps and at the end; checkpoint."""
         core = self._core()
 
-        def send(update: WeightUpdate, makers: list[str]) -> Any:
-            collect = dispatch_weight_update(update, makers, self.namespace, self.config.weight_push_timeout_s)
-            return collect if self.config.overlap_weight_push else collect()
+        send = WeightPushQueue(functools.partial(send_weight_update, namespace=self.namespace),
+                               self.config.weight_push_timeout_s)
 
         def stop_makers(makers: list[str]) -> None:
             pending = {}

@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import ray
@@ -104,6 +105,15 @@ def fetch_chunk(ref: Any, timeout: float) -> dict[str, torch.Tensor]:
 def ray_fetch(timeout: float) -> Callable[[Any], dict[str, torch.Tensor]]:
     """A chunk fetcher for `WeightReceiver.apply`: `fetch_chunk` with `timeout`."""
     return lambda ref: fetch_chunk(ref, timeout)
+
+
+def send_weight_update(maker: str, update: WeightUpdate, namespace: str) -> Future:
+    """Send `update` to the maker named `maker`; a future of its acknowledgement (`LookupError` if no such actor)."""
+    try:
+        handle = ray.get_actor(maker, namespace=namespace)
+    except ValueError:
+        raise LookupError(f"no maker named {maker!r} in namespace {namespace!r}") from None
+    return handle.apply_weight_update.remote(update).future()
 
 
 def dispatch_weight_update(update: WeightUpdate, makers: Sequence[str], namespace: str, timeout: float

@@ -13,10 +13,12 @@ weights checksum fine).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -46,19 +48,6 @@ _WIDEN_ELEMENTS = 2**22
 
 
 @dataclass
-class _Plan:
-    """A validated update: target layout per name, tensors to expect per chunk, aliases per chunk."""
-
-    layouts: dict[str, TensorLayout]
-    by_chunk: list[list[TensorSpec]]
-    aliases: list[list[TensorSpec]]
-    models: set[str]
-    covers_all: bool  # every key of every receiver model is in the update
-    trainer_run: str | None = None  # the run the receiver follows once this update is applied
-    reset: bool = False
-
-
-@dataclass
 class _Progress:
     bytes: int = 0
     chunks: int = 0
@@ -73,6 +62,38 @@ class _Progress:
         return ApplyResult(applied=True, version=version, bytes=self.bytes, chunks=self.chunks,
                            fetch_seconds=fetch_seconds, checksum_seconds=self.checksum_seconds,
                            lock_wait_seconds=lock_wait, swap_seconds=end - swap_start, seconds=end - start)
+
+
+@dataclass
+class _Plan:
+    """A validated update: target layout per name, tensors to expect per chunk, aliases per chunk."""
+
+    layouts: dict[str, TensorLayout]
+    by_chunk: list[list[TensorSpec]]
+    aliases: list[list[TensorSpec]]
+    models: set[str]
+    covers_all: bool  # every key of every receiver model is in the update
+    trainer_run: str | None = None  # the run the receiver follows once this update is applied
+    reset: bool = False
+
+    @property
+    def names(self) -> set[str]:
+        """Qualified names of every tensor the update writes."""
+        return set(self.layouts)
+
+
+@dataclass
+class _Staged:
+    """A verified update waiting for a safe point: its tensors staged on the target devices."""
+
+    manifest: WeightManifest
+    plan: _Plan
+    tensors: dict[str, dict[str, Tensor]]
+    entries: dict[str, TensorEntry]
+    fingerprint: str
+    progress: _Progress
+    start: float
+    fetched: float
 
 
 class WeightReceiver:
@@ -126,6 +147,17 @@ class WeightReceiver:
         self.trainer_run: str | None = None  # the trainer run this receiver follows (see `_check_provenance`)
         self._dirty: set[str] = set()  # models left half-written by a failed update
         self._apply_lock = threading.Lock()  # one apply at a time
+        # The verified update waiting for the next safe point (mode "staged"); swapped in under `lock`.
+        self._pending: _Staged | None = None
+        self._pending_lock = threading.Lock()
+        self.received = 0  # updates verified and acknowledged
+        self.swapped = 0  # of those, swapped in
+        self.superseded = 0  # dropped unswapped for a newer one
+        self.swap_failures = 0
+        self.last_full_version: int | None = None  # version of the last full update swapped in
+        # Runs of trainers this maker registered with while they had no weights to offer (a trainer that is
+        # about to resume from a checkpoint): their first full update is taken as the registration's reset.
+        self.registered_runs: set[str] = set()
         # Guards the weights against the lazy fingerprint computation. Lock order: `lock`, then this.
         self._state_lock = threading.Lock()
         self._entries: dict[str, TensorEntry] | None = None
@@ -182,7 +214,8 @@ class WeightReceiver:
 
     def apply(self, update: WeightUpdate, fetch: Fetch, timeout: float | None = None, reset: bool = False
               ) -> ApplyResult:
-        """Apply `update`, pulling its chunks with `fetch`; raise `WeightUpdateError` if refused.
+        """Apply `update`, pulling its chunks with `fetch`, and swap it in before returning; raise
+        `WeightUpdateError` if refused.
 
         `timeout` bounds the whole update (fetches and waiting for the lock). `fetch` itself is
         not interrupted: give it its own timeout (e.g. `ray.get(ref, timeout=...)`). `reset`: an
@@ -190,31 +223,146 @@ class WeightReceiver:
         update may come from another trainer run (a full update then) and go back or jump ahead
         any number of versions; the receiver follows its run from then on.
         """
+        return self._guarded(update, fetch, timeout, reset, wait_for_swap=True)
+
+    def receive(self, update: WeightUpdate, fetch: Fetch, timeout: float | None = None, reset: bool = False
+                ) -> ApplyResult:
+        """Pull and verify `update`, then acknowledge it without waiting for generation to pause.
+
+        Mode "staged": the verified update waits (`ApplyResult.staged`) for the next safe point,
+        `swap_pending` under the generation lock, unless the lock is free now (no batch is being
+        generated), in which case it is swapped at once. A newer update received before then
+        supersedes the waiting one (counted in `superseded`): only the newest is swapped in. Mode
+        "in_place" cannot stage; there `receive` is `apply`.
+        """
+        return self._guarded(update, fetch, timeout, reset, wait_for_swap=self.mode != "staged")
+
+    def _guarded(self, update: WeightUpdate, fetch: Fetch, timeout: float | None, reset: bool, wait_for_swap: bool
+                 ) -> ApplyResult:
         with self._apply_lock:
             try:
-                result = self._apply(update, fetch, timeout, reset)
+                result = self._apply(update, fetch, timeout, reset, wait_for_swap)
             except WeightUpdateError as error:
                 self.last_error = error
                 raise
             self.last_error = None
             return result
 
-    def _apply(self, update: WeightUpdate, fetch: Fetch, timeout: float | None, reset: bool) -> ApplyResult:
+    def _apply(self, update: WeightUpdate, fetch: Fetch, timeout: float | None, reset: bool, wait_for_swap: bool
+               ) -> ApplyResult:
         start = time.perf_counter()
         manifest = update.manifest
+        run = manifest.metadata.get("trainer_run")
+        if run is not None and run in self.registered_runs and run != self._followed_run:
+            reset = True  # the first update of a trainer run this maker registered with before it had weights
         if self._check_provenance(manifest, reset):
             return ApplyResult(applied=False, version=manifest.version, reason="same version")
         plan = self._validate(update)
         plan.trainer_run = manifest.metadata.get("trainer_run") if reset else (
-            manifest.metadata.get("trainer_run") or self.trainer_run)
+            manifest.metadata.get("trainer_run") or self._followed_run)
         plan.reset = reset
         deadline = None if timeout is None else start + timeout
-        apply = self._apply_staged if self.mode == "staged" else self._apply_in_place
-        return apply(update, plan, fetch, start, deadline)
+        if self.mode == "in_place":
+            return self._apply_in_place(update, plan, fetch, start, deadline)
+        with self._pending_lock:
+            pending = self._pending
+        if pending is not None and not plan.names >= pending.plan.names:
+            # The waiting update writes tensors this one does not (a full update, then a LoRA-only one):
+            # dropping it would lose them, so it is swapped in first.
+            self._swap_now(deadline, manifest.version)
+        staged = self._stage(update, plan, fetch, start, deadline)
+        with self._pending_lock:
+            if self._pending is not None:
+                self.superseded += 1
+            self._pending = staged
+        self.received += 1
+        if wait_for_swap:
+            return self._swap_now(deadline, manifest.version) or ApplyResult(
+                applied=False, version=manifest.version, reason="superseded")
+        if not self.lock.acquire(blocking=False):  # a batch is being generated: it swaps at its end
+            return ApplyResult(applied=False, staged=True, version=manifest.version, bytes=staged.progress.bytes,
+                               chunks=staged.progress.chunks, fetch_seconds=staged.fetched - start,
+                               checksum_seconds=staged.progress.checksum_seconds,
+                               seconds=time.perf_counter() - start)
+        try:
+            result = self.swap_pending(raise_errors=True)
+        finally:
+            self.lock.release()
+        return result or ApplyResult(applied=False, version=manifest.version, reason="superseded")
+
+    @property
+    def _followed_run(self) -> str | None:
+        """The trainer run of the newest update received (waiting or swapped in)."""
+        pending = self._pending
+        return pending.plan.trainer_run if pending is not None else self.trainer_run
+
+    @property
+    def pending_version(self) -> int | None:
+        """Version of the verified update waiting for the next safe point, or None."""
+        pending = self._pending
+        return None if pending is None else pending.manifest.version
+
+    @property
+    def pending_kind(self) -> str | None:
+        """Kind ("full", "lora") of the update waiting for the next safe point, or None."""
+        pending = self._pending
+        return None if pending is None else pending.manifest.kind
+
+    def flush(self, timeout: float | None = None) -> ApplyResult | None:
+        """Swap the waiting update in now, waiting up to `timeout` s for the generation lock; None if none waits."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        with self._apply_lock:
+            version = self.pending_version
+            return None if version is None else self._swap_now(deadline, version)
+
+    def _swap_now(self, deadline: float | None, version: int) -> ApplyResult | None:
+        """Take the generation lock (within the deadline) and swap the waiting update in."""
+        lock_wait = self._acquire(deadline, version)
+        try:
+            result = self.swap_pending(raise_errors=True)
+        finally:
+            self.lock.release()
+        return None if result is None else dataclasses.replace(result, lock_wait_seconds=lock_wait)
+
+    def swap_pending(self, raise_errors: bool = False) -> ApplyResult | None:
+        """Swap the waiting update in; the caller holds the generation lock (a safe point). None if none waits.
+
+        A failed swap is recorded in `last_error` and `swap_failures` (and raised with `raise_errors`).
+        """
+        with self._pending_lock:
+            staged, self._pending = self._pending, None
+        if staged is None:
+            return None
+        try:
+            result = self._swap(staged)
+        except WeightUpdateError as error:
+            self.swap_failures += 1
+            self.last_error = error
+            if raise_errors:
+                raise
+            return None
+        self.swapped += 1
+        return result
+
+    @contextmanager
+    def serving(self) -> Iterator[int]:
+        """Hold the generation lock for one batch; swap a waiting update in before and after it; yields the
+        version the batch is generated with (raises `WeightUpdateError` while not `consistent`)."""
+        with self.lock:
+            self.swap_pending()
+            try:
+                yield self.servable_version
+            finally:
+                self.swap_pending()
 
     def _check_provenance(self, manifest: WeightManifest, reset: bool) -> bool:
-        """Refuse an update from another trainer run, a rollback or a jump (unless `reset`); True: nothing to do."""
-        version, run, followed = manifest.version, manifest.metadata.get("trainer_run"), self.trainer_run
+        """Refuse an update from another trainer run, a rollback or a jump (unless `reset`); True: nothing to do.
+
+        Compared with the newest update received: the one waiting for a safe point, else the one served.
+        """
+        version, run, followed = manifest.version, manifest.metadata.get("trainer_run"), self._followed_run
+        pending = self.pending_version
+        newest = self._version if pending is None else pending
         v = f"v{version}"
         other_run = followed is not None and run != followed
         if other_run and not reset:
@@ -226,16 +374,17 @@ class WeightReceiver:
             # A LoRA update assumes the adapter and base it was computed against: a new run starts with a full one.
             raise WeightUpdateError(f"{v}: a {manifest.kind} update from a new trainer run {run!r} "
                                     f"(this maker follows {followed!r}) needs a full update first")
-        if version == self._version and not self._dirty and not other_run:
+        if version == newest and not self._dirty and not other_run:
             return True
         if reset or (self._dirty and manifest.kind == "full"):
             return False  # half-written models serve nothing: any full update of the run may repair them
-        if version < self._version:
-            raise WeightUpdateError(f"stale version {version} < current {self._version} "
+        if version < newest:
+            what = "current" if pending is None else "received"
+            raise WeightUpdateError(f"stale version {version} < {what} {newest} "
                                     "(a rollback needs an explicit reset)")
-        if self._version >= 0 and version - self._version > self.max_version_jump:
+        if newest >= 0 and version - newest > self.max_version_jump:
             raise WeightUpdateError(
-                f"{v}: version {version} jumps {version - self._version} beyond current {self._version} "
+                f"{v}: version {version} jumps {version - newest} beyond current {newest} "
                 f"(max_version_jump {self.max_version_jump}); a jump that large needs an explicit reset"
             )
         return False
@@ -387,45 +536,47 @@ class WeightReceiver:
             raise WeightUpdateError(f"v{version}: timed out waiting for the generation lock")
         return time.perf_counter() - wait_start
 
-    def _apply_staged(
-        self, update: WeightUpdate, plan: _Plan, fetch: Fetch, start: float, deadline: float | None
-    ) -> ApplyResult:
+    def _stage(self, update: WeightUpdate, plan: _Plan, fetch: Fetch, start: float, deadline: float | None
+               ) -> _Staged:
+        """Fetch, verify and stage every chunk (on the target devices) and work out the new fingerprint."""
         manifest = update.manifest
         progress = _Progress()
-        staged: dict[str, dict[str, Tensor]] = {}  # model -> key -> staged tensor
+        tensors: dict[str, dict[str, Tensor]] = {}  # model -> key -> staged tensor
         for index in range(manifest.num_chunks):
             chunk = self._receive(update, index, fetch, plan, deadline, progress)
-            for model_name, tensors in _by_model(plan, index, chunk).items():
-                staged.setdefault(model_name, {}).update(self.sinks[model_name].stage(tensors))
-        fetched = time.perf_counter()
-        # Work out the new fingerprint before taking the lock, so the swap is only the write.
+            for model_name, by_key in _by_model(plan, index, chunk).items():
+                tensors.setdefault(model_name, {}).update(self.sinks[model_name].stage(by_key))
+        # Entries of the tensors this update leaves alone are those served now: an update only ever
+        # supersedes a waiting one that writes a subset of its tensors, so those are not in flux.
         with self._state_lock:
             entries = {} if plan.covers_all else dict(self._current_entries())
         for spec in manifest.tensors:
             model_name, _, key = spec.name.partition("/")
-            entries[spec.name] = self._entry(spec, plan.layouts[spec.name], staged[model_name][key])
-        fingerprint = fingerprint_of_entries(entries)
-        lock_wait = self._acquire(deadline, manifest.version)
+            entries[spec.name] = self._entry(spec, plan.layouts[spec.name], tensors[model_name][key])
+        return _Staged(manifest, plan, tensors, entries, fingerprint_of_entries(entries), progress, start,
+                       time.perf_counter())
+
+    def _swap(self, staged: _Staged) -> ApplyResult:
+        """Write a staged update into the models; the caller holds the generation lock."""
+        manifest, plan = staged.manifest, staged.plan
         swap_start = time.perf_counter()
-        try:
-            with self._state_lock, torch.no_grad():
-                try:
-                    for model_name, tensors in staged.items():
-                        self.sinks[model_name].write(tensors)
-                    self._commit(manifest)
-                except Exception as error:
-                    if not _left_unchanged(error, plan):
-                        self._mark_dirty(plan)
-                        self._entries = self._fingerprint = None
-                    raise WeightUpdateError(f"v{manifest.version}: swap failed: {error}") from error
-                self._version = manifest.version
-                self.trainer_run = plan.trainer_run
-                self._entries, self._fingerprint = entries, fingerprint
-                if manifest.kind == "full":
-                    self._dirty -= plan.models
-        finally:
-            self.lock.release()
-        return progress.result(manifest.version, start, fetched - start, lock_wait, swap_start)
+        with self._state_lock, torch.no_grad():
+            try:
+                for model_name, tensors in staged.tensors.items():
+                    self.sinks[model_name].write(tensors)
+                self._commit(manifest)
+            except Exception as error:
+                if not _left_unchanged(error, plan):
+                    self._mark_dirty(plan)
+                    self._entries = self._fingerprint = None
+                raise WeightUpdateError(f"v{manifest.version}: swap failed: {error}") from error
+            self._version = manifest.version
+            self.trainer_run = plan.trainer_run
+            self._entries, self._fingerprint = staged.entries, staged.fingerprint
+            if manifest.kind == "full":
+                self._dirty -= plan.models
+                self.last_full_version = manifest.version
+        return staged.progress.result(manifest.version, staged.start, staged.fetched - staged.start, 0.0, swap_start)
 
     def _apply_in_place(
         self, update: WeightUpdate, plan: _Plan, fetch: Fetch, start: float, deadline: float | None
@@ -467,6 +618,7 @@ class WeightReceiver:
                 self.trainer_run = plan.trainer_run
                 if manifest.kind == "full":
                     self._dirty -= plan.models
+                    self.last_full_version = manifest.version
                 self._fingerprint = None if entries is None else fingerprint_of_entries(entries)
         finally:
             self.lock.release()

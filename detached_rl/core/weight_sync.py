@@ -125,11 +125,16 @@ class SendStats:
 
 @dataclass(frozen=True)
 class ApplyResult:
-    """Outcome of `WeightReceiver.apply`; `swap_seconds` is how long the generation lock was held."""
+    """Outcome of `WeightReceiver.apply` / `receive`; `swap_seconds` is how long the generation lock was held.
+
+    `staged`: received and verified, waiting for the next safe point between two generation batches
+    (`WeightReceiver.receive` acknowledges then; `applied` is False until the swap).
+    """
 
     applied: bool
     version: int
     reason: str = ""
+    staged: bool = False
     bytes: int = 0
     chunks: int = 0
     fetch_seconds: float = 0.0  # fetch + verify + stage (in_place: + copy), checksums included

@@ -214,7 +214,7 @@ class ExperienceMaker:
         if self._base_keys is not None and cast is not None:
             layout = self.backend.weight_sink.layout()
             self._fingerprint_dtype = lowest_precision_dtype(layout[key].dtype for key in self._base_keys)
-        self.base_fingerprint: str | None = self._base_fingerprint()
+        self._base_fingerprint_cache: tuple[int | None, str | None] | None = None
         self.batches = 0
         self.samples_made = 0
         self.tokens_made = 0
@@ -238,14 +238,26 @@ class ExperienceMaker:
         return base_state_fingerprint(self.backend.weight_sink.state(), self._base_keys, self._fingerprint_dtype)
 
     def apply_weight_update(self, update: WeightUpdate, fetch: Fetch, reset: bool = False) -> ApplyResult:
-        """Apply a versioned weight update (see `WeightReceiver.apply`, `reset` too); refused updates change nothing."""
+        """Apply a versioned weight update and swap it in before returning (see `WeightReceiver.apply`,
+        `reset` too); refused updates change nothing."""
+        return self._take(update, fetch, reset, wait_for_swap=True)
+
+    def receive_weight_update(self, update: WeightUpdate, fetch: Fetch) -> ApplyResult:
+        """Verify a trainer's update and acknowledge it; it is swapped in at the next safe point between
+        two batches, or at once when no batch is being generated (`WeightReceiver.receive`)."""
+        return self._take(update, fetch, reset=False, wait_for_swap=False)
+
+    def _take(self, update: WeightUpdate, fetch: Fetch, reset: bool, wait_for_swap: bool) -> ApplyResult:
         if "critic" in self.remote_roles:
             # The trainer's updates carry its critic too; the critic scorers take that part themselves.
             held = {spec.name.partition("/")[0] for spec in update.manifest.tensors} - {"critic"}
             update, fetch = restrict_update(update, held, fetch)
         manifest = update.manifest
+        receiver = self.receiver
         try:
-            if manifest.kind == "lora" and manifest.version > self.receiver.version:
+            if manifest.kind == "lora" and receiver.pending_kind == "full":
+                receiver.flush(self.config.weight_timeout_s)  # the LoRA update is checked against that base
+            if manifest.kind == "lora" and manifest.version > receiver.version:
                 expected = sent_base_fingerprint(manifest.metadata, self._fingerprint_dtype)
                 if expected != self.base_fingerprint:
                     raise WeightUpdateError(
@@ -253,13 +265,21 @@ class ExperienceMaker:
                         f"{str(expected)[:24]}, this maker holds {str(self.base_fingerprint)[:24]}; "
                         "it needs a full update first"
                     )
-            result = self.receiver.apply(update, fetch, timeout=self.config.weight_timeout_s, reset=reset)
+            take = receiver.apply if wait_for_swap else receiver.receive
+            return take(update, fetch, timeout=self.config.weight_timeout_s, reset=reset)
         except Exception as error:
             self.last_error = f"weight update v{manifest.version}: {error}"
             raise
-        if result.applied and manifest.kind == "full" and self.base_fingerprint is not None:
-            self.base_fingerprint = self._base_fingerprint()
-        return result
+
+    @property
+    def base_fingerprint(self) -> str | None:
+        """`base_fingerprint` of the served policy's base weights, as of the last full update swapped in."""
+        if self._base_keys is None:
+            return None
+        key = self.receiver.last_full_version
+        if self._base_fingerprint_cache is None or self._base_fingerprint_cache[0] != key:
+            self._base_fingerprint_cache = (key, self._base_fingerprint())
+        return self._base_fingerprint_cache[1]
 
     def make_experience(self) -> list[Experience]:
         """Generate, score and package one batch (experience_batch_size prompts x group_size responses)."""
@@ -269,8 +289,8 @@ class ExperienceMaker:
         items = self.prompts.next_batch(config.experience_batch_size)
         metadata = [item.metadata for item in items for _ in range(config.group_size)]
         start = time.perf_counter()
-        with self.generation_lock, torch.no_grad():
-            version = self.receiver.servable_version
+        # A verified update waiting for a safe point is swapped in before and after the batch, never during it.
+        with self.receiver.serving() as version, torch.no_grad():
             fingerprint = self.receiver.fingerprint if config.record_weights_fingerprint else None
             prompts = [item.prompt for item in items for _ in range(config.group_size)]
             if config.seed is not None:
@@ -375,8 +395,7 @@ class ExperienceMaker:
         tokenizer = self.tokenizer
         for begin in range(0, len(prompt_items), batch_size):
             chunk = prompt_items[begin : begin + batch_size]
-            with self.generation_lock, torch.no_grad():
-                version = self.receiver.servable_version
+            with self.receiver.serving() as version, torch.no_grad():
                 out = self.backend.generate_text([item.prompt for item in chunk], sampling)
             _, batch = self._collate_output(out)
             rewards, components = self._score(batch, [item.metadata for item in chunk])

@@ -43,6 +43,7 @@ from detached_rl.models.lora_merge import (
 from detached_rl.strategies import check_strategy
 from detached_rl.trainer.config import TrainerConfig, oldest_useful_version
 from detached_rl.trainer.resume import merge_buffer_states
+from detached_rl.trainer.weight_push import WeightPushQueue
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ class TrainerCore:
         self.last_skip: str | None = None
         self.history: deque[dict[str, float]] = deque(maxlen=self.config.metrics_history)
         self.makers: set[str] = set()
+        self.registered_versions: dict[str, int] = {}
         self.latest_update: WeightUpdate | None = None
         self.fingerprints: dict[int, str] = {}
         self.base_fingerprint: str | None = None
@@ -162,6 +164,7 @@ class TrainerCore:
         self._push_lock = threading.Lock()
         self._stop = threading.Event()
         self._pending_push: Callable[[], Mapping[str, Any]] | None = None
+        self._push_queue: WeightPushQueue | None = None  # the latest `fit`'s, when the shell gives one
         self._started = time.monotonic()
         self.samples_trained = 0
         self._step_in_progress = False  # a batch has left the buffer and its step has not advanced the version yet
@@ -245,6 +248,10 @@ class TrainerCore:
         """
         self.makers.add(name)
         latest = self.latest_update
+        # What the maker will hold once it took the answer (for the lag `status` reports; pushes raise it).
+        self.registered_versions[name] = -1 if latest is None else latest.manifest.version
+        if self._push_queue is not None:
+            self._push_queue.forget(name)  # a maker registering again (restarted) holds what this answer gives it
         if latest is None or latest.manifest.kind == "full":
             return latest
         if base_fingerprint is not None and base_fingerprint == self.base_fingerprint_like(base_fingerprint):
@@ -291,12 +298,17 @@ class TrainerCore:
             return every if self.strategy.is_rank_zero else []
         return every[self.strategy.rank :: self.strategy.world_size]
 
-    def sync_weights(self, put: Put, send_update: SendUpdate) -> dict[str, float]:
+    def sync_weights(self, put: Put, send_update: SendUpdate | WeightPushQueue) -> dict[str, float]:
         """Build an update of the current weights and deliver it to this rank's makers.
 
-        With an overlapped push (`send_update` returns a function), the results of the previous
-        update are collected first and this one is left in flight; `finish_weight_push` collects it.
+        With a `WeightPushQueue` the update is offered to every maker and the step goes on: each
+        maker acknowledges once it has verified it (and swaps it in between two of its batches), a
+        maker still busy with the previous one gets this one next. Without `overlap_weight_push`, the
+        step then waits (up to `weight_push_timeout_s`) for those acknowledgements. A plain
+        `send_update` function delivers synchronously (or returns a function that collects later).
         """
+        if isinstance(send_update, WeightPushQueue):
+            return self._offer_weights(put, send_update)
         start = time.perf_counter()
         previous = self.finish_weight_push()
         waited = time.perf_counter() - start
@@ -309,7 +321,32 @@ class TrainerCore:
             results = previous
         else:
             results = self._record_results(outcome)
-        push_seconds = time.perf_counter() - start + waited
+        return self._sync_metrics(update, stats, time.perf_counter() - start + waited, results)
+
+    def _offer_weights(self, put: Put, queue: WeightPushQueue) -> dict[str, float]:
+        self._push_queue = queue
+        update, stats = self.build_update(put)
+        makers = self.makers_of_this_rank()
+        start = time.perf_counter()
+        queue.offer(update, makers)
+        if not self.config.overlap_weight_push:
+            queue.wait(self.config.weight_push_timeout_s, makers)
+        push_seconds = time.perf_counter() - start
+        metrics = self._sync_metrics(update, stats, push_seconds, self._record_results(queue.take_results()))
+        lag = queue.lag(update.manifest.version, makers, self.registered_versions)
+        behind = self.makers_behind(lag)
+        metrics.update({"weight_sync/superseded": float(queue.superseded),
+                        "weight_sync/max_maker_lag": float(max(lag.values(), default=0)),
+                        "weight_sync/makers_behind": float(len(behind))})
+        return metrics
+
+    def makers_behind(self, lag: Mapping[str, int]) -> dict[str, int]:
+        """Makers whose newest acknowledged weights trail by more than `max_staleness` versions (none without one)."""
+        bound = self.config.max_staleness
+        return {} if bound is None else {maker: behind for maker, behind in lag.items() if behind > bound}
+
+    def _sync_metrics(self, update: WeightUpdate, stats: SendStats, push_seconds: float,
+                      results: Mapping[str, Any]) -> dict[str, float]:
         failed = sum(isinstance(r, BaseException) for r in results.values())
         # Per model, every synced model named (0 when a LoRA-only update carries none of it, e.g. a frozen critic).
         per_model = {f"weight_sync/bytes/{model}": 0.0 for model in self.synced_models()}
@@ -322,12 +359,16 @@ class TrainerCore:
             "weight_sync/chunks": float(stats.chunks),
             "weight_sync/build_s": stats.seconds,
             "weight_sync/push_s": push_seconds,
-            "weight_sync/makers_updated": float(len(results) - failed),  # overlapped: of the previous update
+            "weight_sync/makers_updated": float(len(results) - failed),  # overlapped: acknowledged since the last push
             "weight_sync/makers_failed": float(failed),
         }
 
     def finish_weight_push(self) -> Mapping[str, Any]:
-        """Wait for an overlapped weight update still in flight; its per-maker results ({} if none)."""
+        """Wait for weight updates still in flight; each maker's latest result ({} if none)."""
+        queue = self._push_queue
+        if queue is not None:
+            queue.wait(self.config.weight_push_timeout_s)
+            return self._record_results(queue.take_results())
         pending, self._pending_push = self._pending_push, None
         return self._record_results(pending()) if pending is not None else {}
 
@@ -336,6 +377,8 @@ class TrainerCore:
         for name, error in failures.items():
             if isinstance(error, LookupError):  # no actor by that name any more: stop paying for it
                 self.makers.discard(name)
+                if self._push_queue is not None:
+                    self._push_queue.forget(name)
         if failures:
             self.last_error = "; ".join(f"weight update to {name}: {error}" for name, error in failures.items())
         return results
@@ -547,4 +590,13 @@ class TrainerCore:
             "skip_reasons": dict(self.skip_reasons),
             "last_skip": self.last_skip,
             "last_error": self.last_error,
+            **self._push_status(),
         }
+
+    def _push_status(self) -> dict[str, Any]:
+        """Weight-push counters and the makers that trail by more than `max_staleness` versions (not waited for)."""
+        queue = self._push_queue
+        if queue is None:
+            return {"weight_push": None, "makers_behind": {}}
+        lag = queue.lag(self.policy_version, queue.acked.keys() | set(self.makers), self.registered_versions)
+        return {"weight_push": dict(queue.stats()), "makers_behind": self.makers_behind(lag)}
