@@ -90,6 +90,20 @@ def test_an_update_of_another_trainer_run_is_refused_until_an_explicit_reset(bou
     assert (receiver.version, receiver.trainer_run) == (3, "run-b")
 
 
+def test_registering_with_a_trainer_that_has_no_weights_yet_follows_its_run_from_its_first_update(bound):
+    store, maker, receiver = bound
+    # The maker met a trainer resumed under the same name before it had loaded its checkpoint: registration
+    # offered nothing, only the new run's id. Its first update (a full one, at the checkpoint's step) is the reset.
+    receiver.registered_runs.add("run-b")
+    with pytest.raises(WeightUpdateError, match="trainer_run 'run-c'"):
+        receiver.receive(full(store, llama(seed=3), 2, run="run-c"), store.fetch)
+    resumed = llama(seed=3)
+    assert receiver.receive(full(store, resumed, 2, run="run-b"), store.fetch).applied
+    assert (receiver.version, receiver.trainer_run) == (2, "run-b") and unchanged(maker, snapshot(resumed))
+    with pytest.raises(WeightUpdateError, match="stale version 1"):
+        receiver.receive(full(store, llama(seed=4), 1, run="run-b"), store.fetch)  # now an ordinary rollback
+
+
 def test_a_far_future_version_is_refused_and_the_real_next_update_still_applies(bound):
     store, maker, receiver = bound
     before = snapshot(maker)
