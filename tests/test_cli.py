@@ -86,3 +86,15 @@ def test_run_refuses_an_unknown_model_before_starting_anything(capsys, tmp_path)
     assert main(["run", "--model", str(tmp_path), "--output", str(tmp_path)]) == 2
     assert "without config.json" in capsys.readouterr().err
     assert not list(tmp_path.glob("*/"))  # no run directory was made
+
+
+def test_status_shows_makers_behind_and_the_version_a_maker_swaps_in_next():
+    from detached_rl.cli.jobs import format_status
+
+    table = format_status([
+        {"name": "t", "role": "trainer", "state": "training", "policy_version": 9, "steps": 9, "buffer_size": 3,
+         "buffer_max_samples": 64, "makers_behind": {"m1": 5}},
+        {"name": "m1", "role": "maker", "state": "running", "policy_version": 4, "batches": 7,
+         "weight_updates": {"pending_version": 9}},
+    ]).splitlines()
+    assert "9 (behind: m1 by 5)" in table[1] and "4 (v9 next)" in table[2]

@@ -94,6 +94,9 @@ def test_the_trainer_pushes_while_the_maker_is_mid_batch_and_samples_keep_their_
     version, before, after = backend.seen[-1]
     assert version == 0 and before == after
     assert maker.policy_version == 2 and maker.receiver.pending_version is None
+    # Registration's v0, then v1 (superseded, never served) and v2: three received, two swapped in.
+    assert maker.status()["weight_updates"] == {"received": 3, "swapped": 2, "superseded": 1, "swap_failures": 0,
+                                                "pending_version": None}
     assert maker.receiver.fingerprint == trainer.fingerprints[2]
     following = maker.make_experience()
     assert {e.policy_version for e in following} == {2}

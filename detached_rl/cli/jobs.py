@@ -360,10 +360,17 @@ def format_status(rows: list[dict[str, Any]]) -> str:
         steps = str(row.get("steps" if trainer else "batches", ""))
         if trainer and row.get("skipped_steps"):
             steps += f" ({row['skipped_steps']} skipped)"
+        behind = row.get("makers_behind") or {}
+        if trainer and behind:  # makers trailing by more than max_staleness versions (the trainer goes on)
+            steps += " (behind: " + ", ".join(f"{m} by {lag}" for m, lag in sorted(behind.items())) + ")"
+        version = str(row.get("policy_version", ""))
+        pending = (row.get("weight_updates") or {}).get("pending_version")
+        if pending is not None:  # verified, swapped in when the batch under way ends
+            version += f" (v{pending} next)"
         rate = row.get("samples_per_s") or 0.0
         table.append((
             str(row.get("name", "?")), str(row.get("role", "?")), str(row.get("state", "?")),
-            str(row.get("policy_version", "")), str(steps), buffer, f"{rate:.1f}",
+            version, str(steps), buffer, f"{rate:.1f}",
             _first_line(row.get("last_error") or "")[:60],
         ))
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]

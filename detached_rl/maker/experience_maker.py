@@ -442,4 +442,8 @@ class ExperienceMaker:
             "tokens_per_s": self.tokens_made / self.generate_seconds if self.generate_seconds else 0.0,
             "samples_per_s": self.samples_made / self.generate_seconds if self.generate_seconds else 0.0,
             "last_error": self.last_error or (str(self.receiver.last_error) if self.receiver.last_error else None),
+            # Updates acknowledged, swapped in, and dropped for a newer one before their swap; the one waiting.
+            "weight_updates": {"received": self.receiver.received, "swapped": self.receiver.swapped,
+                               "superseded": self.receiver.superseded, "swap_failures": self.receiver.swap_failures,
+                               "pending_version": self.receiver.pending_version},
         }
