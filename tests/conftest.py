@@ -104,12 +104,16 @@ def marked_processes(marker: str) -> list[psutil.Process]:
 
 
 def stop_marked(marker: str, grace: float = 15.0, rounds: int = 3) -> None:
-    """Terminate, then kill, every process carrying `marker`; scan again, since a dying raylet may have
-    started a fresh agent meanwhile."""
+    """Terminate, then kill, every process carrying `marker` and their descendants; scan again, since a dying
+    raylet may have started a fresh worker meanwhile."""
     for _ in range(rounds):
         processes = marked_processes(marker)
         if not processes:
             return
+        # Ray's agents do not inherit the marker (the raylet starts them with an environment of its own).
+        for proc in list(processes):
+            with contextlib.suppress(psutil.Error):
+                processes.extend(child for child in proc.children(recursive=True) if child not in processes)
         for proc in processes:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.terminate()
