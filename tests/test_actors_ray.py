@@ -98,6 +98,12 @@ def test_two_makers_feed_a_two_rank_ddp_trainer(ray_cluster):
         # Each rank pushed weights to its share of the makers.
         syncs = [ray.get(t.metrics.remote())[-1] for t in trainers]
         assert [m["weight_sync/makers_updated"] for m in syncs] == [1.0, 1.0]
+        # Each acknowledged the last version on receipt; nothing was left in flight, waiting, or behind.
+        pushes = [ray.get(t.status.remote()) for t in trainers]
+        assert [p["weight_push"]["acked"] for p in pushes] == [{"maker_0": 3}, {"maker_1": 3}]
+        assert all(not p["weight_push"]["in_flight"] and not p["weight_push"]["waiting"] and not p["makers_behind"]
+                   for p in pushes)
+        assert all(s["weight_updates"]["pending_version"] is None for s in maker_status)
         # Experience from both makers reached both trainers, and the counts add up.
         stats = ray.get([t.buffer_stats.remote() for t in trainers])
         for s in stats:

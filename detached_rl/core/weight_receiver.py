@@ -354,6 +354,13 @@ class WeightReceiver:
                 yield self.servable_version
             finally:
                 self.swap_pending()
+        # An update staged after the swap above whose `receive` found the lock still held: nobody else
+        # would swap it in before the next batch (and there may be none, e.g. the maker is being stopped).
+        if self._pending is not None and self.lock.acquire(blocking=False):
+            try:
+                self.swap_pending()
+            finally:
+                self.lock.release()
 
     def _check_provenance(self, manifest: WeightManifest, reset: bool) -> bool:
         """Refuse an update from another trainer run, a rollback or a jump (unless `reset`); True: nothing to do.
