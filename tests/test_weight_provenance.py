@@ -94,7 +94,7 @@ def test_registering_with_a_trainer_that_has_no_weights_yet_follows_its_run_from
     store, maker, receiver = bound
     # The maker met a trainer resumed under the same name before it had loaded its checkpoint: registration
     # offered nothing, only the new run's id. Its first update (a full one, at the checkpoint's step) is the reset.
-    receiver.registered_runs.add("run-b")
+    receiver.registered_runs.update({"run-b", "run-x"})
     with pytest.raises(WeightUpdateError, match="trainer_run 'run-c'"):
         receiver.receive(full(store, llama(seed=3), 2, run="run-c"), store.fetch)
     resumed = llama(seed=3)
@@ -102,6 +102,9 @@ def test_registering_with_a_trainer_that_has_no_weights_yet_follows_its_run_from
     assert (receiver.version, receiver.trainer_run) == (2, "run-b") and unchanged(maker, snapshot(resumed))
     with pytest.raises(WeightUpdateError, match="stale version 1"):
         receiver.receive(full(store, llama(seed=4), 1, run="run-b"), store.fetch)  # now an ordinary rollback
+    # Following run-b ended the other registration's claim: run-x is now just another run.
+    with pytest.raises(WeightUpdateError, match="trainer_run 'run-x' is not the trainer run"):
+        receiver.receive(full(store, llama(seed=4), 5, run="run-x"), store.fetch)
 
 
 def test_a_far_future_version_is_refused_and_the_real_next_update_still_applies(bound):

@@ -91,8 +91,8 @@ class ExperienceMakerHolder:
         base = self.core.base_fingerprint
         offered = get_all([h.register_maker.remote(self.name, base) for h in handles.values()],
                           timeout=self.core.config.weight_timeout_s)
-        self._expect_runs([h for h, update in zip(handles.values(), offered, strict=True) if update is None])
         take_offered(self.core, offered, ray_fetch(self.core.config.weight_timeout_s))
+        self._expect_runs([h for h, update in zip(handles.values(), offered, strict=True) if update is None])
         with self._handles_lock:
             self._handles = dict(handles)
 
@@ -119,9 +119,9 @@ class ExperienceMakerHolder:
             raise ConnectionError(f"trainer {trainer!r} is not running (waiting for it to come back)") from None
         update = ray.get(handle.register_maker.remote(self.name, self.core.base_fingerprint),
                          timeout=self.core.config.weight_timeout_s)
+        take_offered(self.core, [update], ray_fetch(self.core.config.weight_timeout_s))
         if update is None:
             self._expect_runs([handle])
-        take_offered(self.core, [update], ray_fetch(self.core.config.weight_timeout_s))
         with self._handles_lock:
             self._handles[trainer] = handle
         return handle

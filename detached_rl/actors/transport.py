@@ -117,27 +117,20 @@ def send_weight_update(maker: str, update: WeightUpdate, namespace: str) -> Futu
 
 
 def dispatch_weight_update(update: WeightUpdate, makers: Sequence[str], namespace: str, timeout: float
-                           ) -> Callable[[], dict[str, ApplyResult | BaseException]]:
-    """Send the same update (the same chunk refs) to every maker at once; returns a function that waits
-    (at most `timeout` seconds from now) and gives each maker's result or error."""
-    pending: dict[str, Any] = {}
+                           ) -> dict[str, ApplyResult | BaseException]:
+    """Send the same update (the same chunk refs) to every maker at once and wait (at most `timeout` s in all)
+    for each maker's acknowledgement or error."""
+    pending: dict[str, Future] = {}
     results: dict[str, ApplyResult | BaseException] = {}
     for name in makers:
         try:
-            handle = ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            results[name] = LookupError(f"no maker named {name!r} in namespace {namespace!r}")
-            continue
-        pending[name] = handle.apply_weight_update.remote(update)
+            pending[name] = send_weight_update(name, update, namespace)
+        except LookupError as error:
+            results[name] = error
     deadline = time.monotonic() + timeout
-
-    def collect() -> dict[str, ApplyResult | BaseException]:
-        for name, ref in pending.items():
-            try:
-                results[name] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01))
-            except Exception as error:  # noqa: BLE001
-                results[name] = error
-        pending.clear()
-        return results
-
-    return collect
+    for name, future in pending.items():
+        try:
+            results[name] = future.result(timeout=max(deadline - time.monotonic(), 0.01))
+        except Exception as error:  # noqa: BLE001 - that maker's result
+            results[name] = error
+    return results

@@ -279,16 +279,22 @@ class WeightReceiver:
         if wait_for_swap:
             return self._swap_now(deadline, manifest.version) or ApplyResult(
                 applied=False, version=manifest.version, reason="superseded")
-        if not self.lock.acquire(blocking=False):  # a batch is being generated: it swaps at its end
+        swapped = self._swap_if_idle(raise_errors=True)
+        if swapped is False:  # a batch is being generated: it swaps at its end
             return ApplyResult(applied=False, staged=True, version=manifest.version, bytes=staged.progress.bytes,
                                chunks=staged.progress.chunks, fetch_seconds=staged.fetched - start,
                                checksum_seconds=staged.progress.checksum_seconds,
                                seconds=time.perf_counter() - start)
+        return swapped or ApplyResult(applied=False, version=manifest.version, reason="superseded")
+
+    def _swap_if_idle(self, raise_errors: bool = False) -> ApplyResult | None | bool:
+        """Swap the waiting update in if the generation lock is free now; False if a batch holds it."""
+        if not self.lock.acquire(blocking=False):
+            return False
         try:
-            result = self.swap_pending(raise_errors=True)
+            return self.swap_pending(raise_errors)
         finally:
             self.lock.release()
-        return result or ApplyResult(applied=False, version=manifest.version, reason="superseded")
 
     @property
     def _followed_run(self) -> str | None:
@@ -356,11 +362,8 @@ class WeightReceiver:
                 self.swap_pending()
         # An update staged after the swap above whose `receive` found the lock still held: nobody else
         # would swap it in before the next batch (and there may be none, e.g. the maker is being stopped).
-        if self._pending is not None and self.lock.acquire(blocking=False):
-            try:
-                self.swap_pending()
-            finally:
-                self.lock.release()
+        if self._pending is not None:
+            self._swap_if_idle()
 
     def _check_provenance(self, manifest: WeightManifest, reset: bool) -> bool:
         """Refuse an update from another trainer run, a rollback or a jump (unless `reset`); True: nothing to do.
@@ -577,8 +580,7 @@ class WeightReceiver:
                     self._mark_dirty(plan)
                     self._entries = self._fingerprint = None
                 raise WeightUpdateError(f"v{manifest.version}: swap failed: {error}") from error
-            self._version = manifest.version
-            self.trainer_run = plan.trainer_run
+            self._follow(manifest.version, plan)
             self._entries, self._fingerprint = staged.entries, staged.fingerprint
             if manifest.kind == "full":
                 self._dirty -= plan.models
@@ -621,8 +623,7 @@ class WeightReceiver:
                     raise WeightUpdateError(
                         f"v{manifest.version}: in-place update failed: {error}"
                     ) from error
-                self._version = manifest.version
-                self.trainer_run = plan.trainer_run
+                self._follow(manifest.version, plan)
                 if manifest.kind == "full":
                     self._dirty -= plan.models
                     self.last_full_version = manifest.version
@@ -631,6 +632,13 @@ class WeightReceiver:
             self.lock.release()
         # In place, fetching and swapping are one pass under the lock.
         return progress.result(manifest.version, start, None, lock_wait, swap_start)
+
+    def _follow(self, version: int, plan: _Plan) -> None:
+        """Serve `version` of the plan's run; a reset ends every earlier registration's claim to one."""
+        self._version = version
+        self.trainer_run = plan.trainer_run
+        if plan.reset:
+            self.registered_runs.clear()
 
     def _mark_dirty(self, plan: _Plan) -> None:
         """Record models left half-written; after a reset, they belong to the run it was resetting to."""

@@ -51,8 +51,8 @@ logger = logging.getLogger(__name__)
 class TrainingStopped(Exception):
     """`stop()` was called while `fit` waited for data."""
 
-# Returns each maker's result, or (overlapped pushes) a function that waits for and returns them.
-SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any] | Callable[[], Mapping[str, Any]]]
+# Delivers an update to the named makers and returns each one's result (an `ApplyResult` or the error).
+SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any]]
 
 
 def info_means(experiences: list[Any]) -> dict[str, float]:
@@ -163,7 +163,6 @@ class TrainerCore:
         # Held by a push and while a resume swaps the buffer: no push is acknowledged into a buffer being replaced.
         self._push_lock = threading.Lock()
         self._stop = threading.Event()
-        self._pending_push: Callable[[], Mapping[str, Any]] | None = None
         self._push_queue: WeightPushQueue | None = None  # the latest `fit`'s, when the shell gives one
         self._started = time.monotonic()
         self.samples_trained = 0
@@ -305,23 +304,15 @@ class TrainerCore:
         maker acknowledges once it has verified it (and swaps it in between two of its batches), a
         maker still busy with the previous one gets this one next. Without `overlap_weight_push`, the
         step then waits (up to `weight_push_timeout_s`) for those acknowledgements. A plain
-        `send_update` function delivers synchronously (or returns a function that collects later).
+        `send_update` function delivers synchronously.
         """
         if isinstance(send_update, WeightPushQueue):
             return self._offer_weights(put, send_update)
-        start = time.perf_counter()
-        previous = self.finish_weight_push()
-        waited = time.perf_counter() - start
         update, stats = self.build_update(put)
         makers = self.makers_of_this_rank()
         start = time.perf_counter()
-        outcome = send_update(update, makers) if makers else {}
-        if callable(outcome):
-            self._pending_push = outcome
-            results = previous
-        else:
-            results = self._record_results(outcome)
-        return self._sync_metrics(update, stats, time.perf_counter() - start + waited, results)
+        results = self._record_results(send_update(update, makers) if makers else {})
+        return self._sync_metrics(update, stats, time.perf_counter() - start, results)
 
     def _offer_weights(self, put: Put, queue: WeightPushQueue) -> dict[str, float]:
         self._push_queue = queue
@@ -366,11 +357,10 @@ class TrainerCore:
     def finish_weight_push(self) -> Mapping[str, Any]:
         """Wait for weight updates still in flight; each maker's latest result ({} if none)."""
         queue = self._push_queue
-        if queue is not None:
-            queue.wait(self.config.weight_push_timeout_s)
-            return self._record_results(queue.take_results())
-        pending, self._pending_push = self._pending_push, None
-        return self._record_results(pending()) if pending is not None else {}
+        if queue is None:  # pushes by a plain `send_update` were delivered when made
+            return {}
+        queue.wait(self.config.weight_push_timeout_s)
+        return self._record_results(queue.take_results())
 
     def _record_results(self, results: Mapping[str, Any]) -> Mapping[str, Any]:
         failures = {name: result for name, result in results.items() if isinstance(result, BaseException)}

@@ -105,7 +105,7 @@ class CoatiPPOTrainer(PPOTrainerShell):
             return
         core = self._core()
         update, _ = core.build_update(put_chunk)
-        results = dispatch_weight_update(update, self.maker_names, self.namespace, self.config.weight_push_timeout_s)()
+        results = dispatch_weight_update(update, self.maker_names, self.namespace, self.config.weight_push_timeout_s)
         failed = {name: str(result) for name, result in results.items() if isinstance(result, BaseException)}
         if failed:
             raise RuntimeError(f"weight update v{update.manifest.version} failed on makers {failed}")

@@ -198,7 +198,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         core = self._core()
 
         def send(update: Any, makers: list[str]) -> Mapping[str, Any]:
-            return dispatch_weight_update(update, makers, self.namespace, self.config.weight_push_timeout_s)()
+            return dispatch_weight_update(update, makers, self.namespace, self.config.weight_push_timeout_s)
 
         return core.sync_weights(put_chunk, send)
 
