@@ -6,6 +6,7 @@ client at `ray://host:port`); the CLI adds argument parsing and one-line errors.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
@@ -109,6 +110,10 @@ def connect(address: str | None, namespace: str, timeout: float | None = None) -
         done.set()
 
 
+LOCAL_HOST = "127.0.0.1"
+LOCAL_CLUSTER_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
 def init_local_ray(namespace: str, **options: Any) -> None:
     """Start an embedded single-node Ray bound to 127.0.0.1 (nothing listens on other interfaces).
 
@@ -117,10 +122,22 @@ def init_local_ray(namespace: str, **options: Any) -> None:
     `ray start --head --node-ip-address=<private address>` on a trusted network and token auth
     (docs/operations.md#security).
     """
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # else Ray swaps 127.0.0.1 for the LAN address
+    # Ray replaces a loopback node address by the machine's external one unless this is "0"; every GCS, raylet,
+    # agent and worker socket then binds to that address or to all interfaces. The processes Ray starts read
+    # the variable; this one read it when it first imported ray, which may have been before now.
+    os.environ[LOCAL_CLUSTER_VARIABLE] = "0"
     import ray
+    from ray._private import ray_constants
 
-    ray.init(address="local", namespace=namespace, _node_ip_address="127.0.0.1", **options)
+    if hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):  # the value taken at import, read at each call
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    options.setdefault("dashboard_host", LOCAL_HOST)
+    ray.init(address="local", namespace=namespace, _node_ip_address=LOCAL_HOST, **options)
+    node_ip = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node_ip).is_loopback:
+        ray.shutdown()
+        raise JobError(f"the embedded Ray cluster took node address {node_ip}, not 127.0.0.1; refusing to run a "
+                       f"cluster reachable from the network (is {LOCAL_CLUSTER_VARIABLE} honoured by this Ray?)")
 
 
 DEFAULT_START_TIMEOUT = 600.0
