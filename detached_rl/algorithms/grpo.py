@@ -116,6 +116,10 @@ class GRPOConfig:
     advantage_eps: float = 1e-6
     dynamic_sampling: bool | None = None  # drop groups whose rewards are all equal (dapo: on)
     max_sampling_rounds: int = 8  # dynamic sampling: buffer draws per batch before training on what there is
+    # Responses per prompt (the makers' `group_size`): the trainer's buffer then refuses any push that is not
+    # whole groups of it, so no batch holds part of a group. RunConfig sets it from `maker.group_size`;
+    # None: no such rule (a push of part of a group is taken, and the step that draws it fails).
+    group_size: int | None = None
     overlong_shaping: bool | None = None  # dapo: on
     overlong_buffer: int | None = None  # the last N tokens before max_new_tokens are penalised; default 20 %
     overlong_penalty: float = 1.0
@@ -156,6 +160,9 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.loss_agg must be one of {LOSS_AGG_MODES}, got {self.loss_agg!r}")
         if self.kl_kind not in KL_KINDS:
             raise ValueError(f"GRPOConfig.kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
+        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                                            or self.group_size < 1):
+            raise ValueError(f"GRPOConfig.group_size must be an int >= 1 or None, got {self.group_size!r}")
         for name in ("micro_batch_size", "train_epochs", "max_sampling_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GRPOConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -254,6 +261,11 @@ class GRPOLearner(EpochsFromConfig):
     def max_sampling_rounds(self) -> int:
         """Draws `make_batch` makes at most per batch: `max_sampling_rounds` with dynamic sampling, else 1."""
         return self.config.max_sampling_rounds if self.config.dynamic_sampling else 1
+
+    @property
+    def group_size(self) -> int | None:
+        """Samples per group; `TrainerCore` makes its buffer refuse pushes that are not whole groups of it."""
+        return self.config.group_size
 
     def synced_models(self) -> dict[str, nn.Module]:
         """What makers mirror: the policy only (no critic)."""

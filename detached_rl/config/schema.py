@@ -167,11 +167,18 @@ class RunConfig:
             self.grpo.check_overlong_buffer(self.sampling.max_new_tokens)
         except ValueError as error:
             raise ValueError(f"RunConfig.grpo: {str(error).removeprefix('GRPOConfig.')}") from None
+        if self.grpo.group_size is not None and self.grpo.group_size != self.maker.group_size:
+            raise ValueError(f"RunConfig.grpo.group_size {self.grpo.group_size} differs from maker.group_size "
+                             f"{self.maker.group_size} (leave it unset: the trainer takes the makers')")
 
     @property
     def algorithm_config(self) -> PPOConfig | GRPOConfig:
-        """The trainer's algorithm settings (the learner takes the run's `sampling` separately)."""
-        return self.grpo if self.algorithm == "grpo" else self.ppo
+        """The trainer's algorithm settings (the learner takes the run's `sampling` separately); GRPO's
+        `group_size` is the makers', so the trainer refuses pushes that are not whole groups."""
+        if self.algorithm != "grpo":
+            return self.ppo
+        return self.grpo if self.grpo.group_size is not None else dataclasses.replace(
+            self.grpo, group_size=self.maker.group_size)
 
     @property
     def maker_config(self) -> MakerConfig:

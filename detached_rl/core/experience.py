@@ -113,6 +113,12 @@ class Experience:
         """
         if not (isinstance(max_abs_reward, int | float) and 0 < max_abs_reward <= MAX_ABS_REWARD_LIMIT):
             raise ValueError(f"max_abs_reward must be in (0, {MAX_ABS_REWARD_LIMIT:g}], got {max_abs_reward!r}")
+        # A sample built without __init__ (deleted attribute, pickled by another version of this class) may lack
+        # a field; fields with a default would silently read the class attribute.
+        present = vars(self)
+        for f in fields(self):
+            if f.name not in present:
+                raise ExperienceValidationError(f.name, "is missing (every field must be set; None where optional)")
         _check_ids(self.prompt_ids, "prompt_ids", vocab_size)
         _check_ids(self.response_ids, "response_ids", vocab_size)
         length = self.response_length

@@ -5,6 +5,16 @@ Accounting holds at all times: every received sample is in exactly one place, so
 once it has been handed out `max_reuse` times; `dropped` is keyed by reason ("stale",
 "evicted", "cleared"). Duplicates (ids already seen, e.g. a retried push) are counted
 apart, are not part of `received`, and are never stored twice.
+
+The door (`append`): a push is stored whole or refused whole. It is refused (`RejectedPushError`, counted as
+`rejected_invalid`, nothing stored or remembered), in this order, when it holds more samples or bytes than an
+empty buffer could take (whether or not its samples are stale or repeats); when an element is not exactly an
+`Experience` (a subclass could override `validate` or the properties the buffer reads) or fails
+`Experience.validate` (a missing field included) or the buffer's own rules (version, sequence length, same
+optional fields); and, in a grouped buffer (`group_size`), when it is not whole groups: every group id exactly
+`group_size` times with one policy version (`group_size` 1 also allows no group id), no group partly a repeat,
+no group id already in the buffer. Makers push each batch, whole groups, in one push, so a group is never split
+across pushes; a training step then always finds whole groups (eviction removes whole groups too).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -92,6 +102,7 @@ class ReplayBuffer:
         dedupe_window: int = 1_000_000,
         max_sequence_length: int | None = None,
         max_abs_reward: float = DEFAULT_MAX_ABS_REWARD,
+        group_size: int | None = None,
     ) -> None:
         self.max_samples = _check_int("max_samples", max_samples, minimum=1)
         self.max_bytes = _check_int("max_bytes", max_bytes, minimum=1)
@@ -107,6 +118,11 @@ class ReplayBuffer:
                                     else _check_int("max_sequence_length", max_sequence_length, minimum=2))
         # Pushed rewards beyond it are refused (see `Experience.validate` for the other float fields' bounds).
         self.max_abs_reward = check_max_abs_reward("max_abs_reward", max_abs_reward)
+        # Samples per group (GRPO's responses per prompt): pushes must be whole groups. None: no group rule.
+        self.group_size = None if group_size is None else _check_int("group_size", group_size, minimum=1)
+        if self.group_size is not None and self.group_size > self.max_samples:
+            raise ValueError(f"group_size {self.group_size} exceeds max_samples {self.max_samples}: "
+                             "no group could ever be stored")
 
         self._cond = threading.Condition()
         # The same entries in two orders: `_queue` is the sampling order (reused samples
@@ -136,21 +152,21 @@ class ReplayBuffer:
         experiences = list(experiences)
         with self._cond:
             try:
+                # Size first, over the whole push: stale or repeated samples never make an oversized push pass.
+                self._check_size(len(experiences), None)
                 self._check_push(experiences, current_version)
+                sizes = {exp.id: exp.nbytes() for exp in experiences}
+                self._check_size(len(experiences), sum(sizes.values()))
+                repeats = {exp.id for exp in experiences if self._is_duplicate(exp.id)}
+                self._check_groups(experiences, repeats)
             except RejectedPushError:
                 self._counts["rejected_invalid"] += 1
                 raise
-            fresh = [exp for exp in experiences if not self._is_duplicate(exp.id)]
+            fresh = [exp for exp in experiences if exp.id not in repeats]
             stale = [exp for exp in fresh if self._too_stale(exp.policy_version, current_version)]
             stale_ids = {exp.id for exp in stale}
-            entries = [_Entry(exp, exp.nbytes(), exp.score) for exp in fresh if exp.id not in stale_ids]
+            entries = [_Entry(exp, sizes[exp.id], exp.score) for exp in fresh if exp.id not in stale_ids]
             push_bytes = sum(entry.nbytes for entry in entries)
-            if len(entries) > self.max_samples or push_bytes > self.max_bytes:
-                self._counts["rejected_invalid"] += 1
-                raise RejectedPushError(
-                    f"push of {len(entries)} new samples ({push_bytes} bytes) can never fit, even in an empty "
-                    f"buffer (max_samples={self.max_samples}, max_bytes={self.max_bytes}): split it"
-                )
 
             # Samples that are stale now would be dropped at the next sample anyway; dropping
             # them first keeps them from causing a refusal.
@@ -164,8 +180,7 @@ class ReplayBuffer:
                         size=len(self._queue), nbytes=self._nbytes, current_version=current_version,
                     )
                 while not self._fits(len(entries), push_bytes):
-                    self._remove(next(iter(self._arrivals)), reason="evicted")
-                    evicted += 1
+                    evicted += self._evict_oldest()
 
             for exp in experiences:
                 self._remember(exp.id)
@@ -340,14 +355,25 @@ class ReplayBuffer:
 
     # Helpers below expect the lock to be held.
 
+    def _check_size(self, count: int, nbytes: int | None) -> None:
+        if count > self.max_samples or (nbytes is not None and nbytes > self.max_bytes):
+            size = f"{count} samples" if nbytes is None else f"{count} samples ({nbytes} bytes)"
+            raise RejectedPushError(
+                f"push of {size} can never fit, even in an empty buffer (max_samples={self.max_samples}, "
+                f"max_bytes={self.max_bytes}): split it (whole groups per push)"
+            )
+
     def _check_push(self, experiences: list[Experience], current_version: int) -> None:
         ids_in_push: set[str] = set()
         # Samples that may meet in one training batch must carry the same optional fields (collate needs it).
         reference = next(iter(self._arrivals.values())).experience if self._arrivals else None
         for index, exp in enumerate(experiences):
-            if not isinstance(exp, Experience):
+            # Exactly the class (Ray delivers the class that was sent): a subclass could override `validate`, or the
+            # properties and `nbytes` the buffer and `collate` read after it.
+            if type(exp) is not Experience:
                 where = _where(index, len(experiences), exp)
-                raise RejectedPushError(f"{where}: expected an Experience, got {type(exp).__name__}", index)
+                raise RejectedPushError(
+                    f"{where}: expected an Experience (exactly that class), got {type(exp).__name__}", index)
             try:
                 exp.validate(self.vocab_size, max_abs_reward=self.max_abs_reward)
                 if exp.policy_version > current_version:
@@ -368,6 +394,50 @@ class ReplayBuffer:
                 where = _where(index, len(experiences), exp)
                 raise RejectedPushError(f"{where}: {err}", index, err.field) from err
             ids_in_push.add(exp.id)
+
+    def _check_groups(self, experiences: list[Experience], repeats: set[str]) -> None:
+        """Refuse a push that is not whole groups of `group_size` (see the module docstring); `repeats`: known ids."""
+        if self.group_size is None:
+            return
+        members: dict[str, list[int]] = {}
+        for index, exp in enumerate(experiences):
+            if exp.group_id is not None:
+                members.setdefault(exp.group_id, []).append(index)
+            elif self.group_size > 1:
+                _refuse_group(experiences, index, f"is missing: this trainer trains whole groups of {self.group_size} "
+                                                  "samples that share a group_id")
+        in_buffer = {entry.experience.group_id for entry in self._arrivals.values()} if members else set()
+        for group_id, indices in members.items():
+            group = [experiences[index] for index in indices]
+            name = short_repr(group_id)
+            if len(group) != self.group_size:
+                _refuse_group(experiences, indices[0], f"group {name} appears {len(group)} times in this push; this "
+                                                       f"trainer trains whole groups of {self.group_size} (a maker "
+                                                       "pushes each group whole, in one push)")
+            if len({exp.policy_version for exp in group}) > 1:
+                _refuse_group(experiences, indices[0], f"the samples of group {name} carry different policy versions "
+                                                       "(one policy version generates a group)")
+            known = sum(exp.id in repeats for exp in group)
+            if known == len(group):
+                continue  # a retried group: counted as duplicates
+            if known:
+                _refuse_group(experiences, indices[0], f"group {name} is partly a repeat of an earlier push ({known} "
+                                                       f"of its {len(group)} samples were received before)")
+            if group_id in in_buffer:
+                _refuse_group(experiences, indices[0], f"group {name} is already in the buffer from an earlier push")
+
+    def _evict_oldest(self) -> int:
+        """Drop the oldest sample and, in a grouped buffer, the rest of its group (which arrived right after it)."""
+        sample_id, entry = next(iter(self._arrivals.items()))
+        self._remove(sample_id, reason="evicted")
+        evicted, group_id = 1, entry.experience.group_id
+        while self.group_size is not None and group_id is not None and self._arrivals:
+            next_id, following = next(iter(self._arrivals.items()))
+            if following.experience.group_id != group_id:
+                break
+            self._remove(next_id, reason="evicted")
+            evicted += 1
+        return evicted
 
     def _is_duplicate(self, sample_id: str) -> bool:
         # Ids in the buffer count too, in case the dedupe window is smaller than the buffer.
@@ -434,6 +504,11 @@ def _check_same_fields(exp: Experience, reference: Experience, whose: str) -> No
             raise ExperienceValidationError(
                 name, f"{'present' if has else 'absent'} here but {'absent' if has else 'present'} on {whose} "
                       "(every maker of a trainer must send the same fields)")
+
+
+def _refuse_group(experiences: list[Experience], index: int, message: str) -> NoReturn:
+    error = ExperienceValidationError("group_id", message)
+    raise RejectedPushError(f"{_where(index, len(experiences), experiences[index])}: {error}", index, error.field)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:

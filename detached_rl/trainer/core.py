@@ -120,11 +120,17 @@ class TrainerCore:
         model_config = self.strategy.unwrap(learner.actor).model.config
         vocab_size = int(model_config.vocab_size)
         max_positions = getattr(model_config, "max_position_embeddings", None)
+        # A learner that trains on whole groups says how big (optional, beyond the `Learner` protocol).
+        group_size = getattr(learner, "group_size", None)
+        if group_size is not None and self.config.train_batch_size % group_size:
+            raise ValueError(f"TrainerCore {name!r}: train_batch_size {self.config.train_batch_size} is not a "
+                             f"multiple of the learner's group_size {group_size}: batches would split groups")
         self.buffer = ReplayBuffer(
             max_sequence_length=int(max_positions) if isinstance(max_positions, int) and max_positions > 1 else None,
             max_samples=self.config.buffer_max_samples, max_bytes=self.config.buffer_max_bytes,
             max_staleness=self.config.max_staleness, max_reuse=self.config.max_reuse,
             overflow=self.config.buffer_overflow, vocab_size=vocab_size, max_abs_reward=self.config.max_abs_reward,
+            group_size=group_size,
         )
         self.policy_version = 0
         # Identifies this trainer process (all ranks share rank 0's): makers accept a full update from a new
@@ -171,7 +177,10 @@ class TrainerCore:
 
     # ---------------------------------------------------------------- experience in
     def push_experience(self, experiences: list[Any]) -> AppendResult:
-        """Append one push to the buffer, tagged against the current version (all-or-nothing)."""
+        """Append one push to the buffer, tagged against the current version (all-or-nothing).
+
+        Refused (`RejectedPushError`, counted) when oversized, malformed or, for a grouped learner, not whole groups.
+        """
         with self._push_lock:
             result = self.buffer.append(experiences, current_version=self.policy_version)
         return dataclasses.replace(result, oldest_useful_version=self.oldest_useful_version(result.size))
