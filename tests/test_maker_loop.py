@@ -50,6 +50,7 @@ class CountingMaker:
         self.fail_at = fail_at  # the batch (1-based) whose generation raises
         self.versions: list[int] = []  # the policy version of each batch made
         self.last_error: str | None = None
+        self.resync_reason: str | None = None
 
     @property
     def synced(self) -> bool:

@@ -57,6 +57,13 @@ def poisoned(update: WeightUpdate, store: ObjectStore, name: str, value: float) 
     ref = update.chunk_refs[spec.chunk]
     tensor = store.objects[ref][name].clone()
     tensor.view(-1)[tensor.numel() // 2] = value
+    return replaced(update, store, name, tensor)
+
+
+def replaced(update: WeightUpdate, store: ObjectStore, name: str, tensor: torch.Tensor) -> WeightUpdate:
+    """`update` with tensor `name` replaced by `tensor`, its checksum recomputed (a well-formed forgery)."""
+    spec = next(spec for spec in update.manifest.tensors if spec.name == name)
+    ref = update.chunk_refs[spec.chunk]
     store.objects[ref] = {**store.objects[ref], name: tensor}
     tensors = tuple(dataclasses.replace(s, checksum=tensor_checksum(tensor)) if s.name == name else s
                     for s in update.manifest.tensors)
@@ -254,3 +261,64 @@ def test_a_makers_registration_is_the_reset_and_pushes_are_not():
     assert maker.policy_version == 500
     with pytest.raises(ValueError, match="max_version_jump"):
         MakerConfig(max_version_jump=0)
+
+
+@pytest.mark.parametrize("version", [4.5, True, -1, "5", None])
+def test_a_version_that_is_not_a_non_negative_integer_is_refused(bound, version):
+    store, maker, receiver = bound
+    before = snapshot(maker)
+    update = full(store, llama(seed=3), 4)
+    forged = WeightUpdate(dataclasses.replace(update.manifest, version=version), update.chunk_refs)
+    with pytest.raises(WeightUpdateError, match="version must be a non-negative integer"):
+        receiver.receive(forged, store.fetch)
+    assert unchanged(maker, before) and receiver.version == 3
+    assert receiver.receive(update, store.fetch).applied  # the real next version still applies
+
+
+@pytest.mark.parametrize("mode", ["staged", "in_place"])
+def test_a_finite_but_absurd_tensor_with_valid_checksums_is_refused_and_the_next_update_applies(mode):
+    store, maker = ObjectStore(), llama(seed=1)
+    receiver = WeightReceiver({"actor": maker}, version=-1, mode=mode)
+    assert receiver.apply(full(store, llama(seed=2), 3), store.fetch).applied
+    before = snapshot(maker)
+    trained = llama(seed=2)
+    with torch.no_grad():  # what an optimizer step does: a small change
+        trained.get_parameter(Q_PROJ).add_(1e-3)
+
+    def forged(version: int) -> WeightUpdate:  # q_proj all 1e30, checksums recomputed
+        return replaced(full(store, trained, version), store, f"actor/{Q_PROJ}",
+                        torch.full_like(trained.get_parameter(Q_PROJ).detach(), 1e30))
+
+    with pytest.raises(WeightUpdateError, match=rf"'actor/{Q_PROJ}' would change by .*max_weight_change 10"):
+        receiver.receive(forged(4), store.fetch)
+    assert unchanged(maker, before) and receiver.version == 3
+    assert receiver.consistent == (mode == "staged")  # in place, the chunks before it were written
+    assert receiver.apply(full(store, trained, 4), store.fetch).applied  # the real step goes through
+    assert unchanged(maker, snapshot(trained))
+    # An explicit reset (registering with a trainer) takes any weights, and None lifts the bound.
+    assert receiver.apply(forged(5), store.fetch, reset=True).applied
+    unbounded = WeightReceiver({"actor": llama(seed=1)}, version=-1, max_weight_change=None)
+    assert unbounded.apply(full(store, llama(seed=2), 3), store.fetch).applied
+    assert unbounded.apply(forged(4), store.fetch).applied
+
+
+def test_a_lora_b_matrix_that_starts_at_zero_may_move():
+    store, maker = ObjectStore(), lora_llama(seed=1)
+    with torch.no_grad():
+        for name, parameter in maker.named_parameters():
+            if "lora_B" in name:
+                parameter.zero_()
+    receiver = WeightReceiver({"actor": lora_llama(seed=2)}, version=-1)
+    assert receiver.apply(full(store, maker, 0), store.fetch).applied
+    trained = lora_llama(seed=1)
+    with torch.no_grad():
+        for name, parameter in trained.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.full_like(parameter, 3e-3))  # 10 Adam steps at lr 3e-4
+    assert receiver.apply(full(store, trained, 1), store.fetch).applied
+    with torch.no_grad():
+        for name, parameter in trained.named_parameters():
+            if "lora_B" in name:
+                parameter.fill_(1.0)  # no optimizer step goes from 3e-3 to 1 (relative change 100)
+    with pytest.raises(WeightUpdateError, match="lora_B.* would change by"):
+        receiver.apply(full(store, trained, 2), store.fetch)

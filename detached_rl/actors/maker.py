@@ -77,7 +77,7 @@ class ExperienceMakerHolder:
         if state_path is not None and has_checkpoint(state_path):
             self.core.load_state_dict(load_state(state_path))
         save = None if state_path is None else functools.partial(save_atomic, directory=state_path)
-        self.loop = MakerLoop(self.core, self._stop, save)
+        self.loop = MakerLoop(self.core, self._stop, save, resync=functools.partial(self._attach_trainers, True))
         self._handles_lock = threading.Lock()
         self.restarts = ray.get_runtime_context().was_current_actor_reconstructed if ray.is_initialized() else False
         if self.restarts and resume_on_restart:
@@ -85,13 +85,14 @@ class ExperienceMakerHolder:
             # re-attaches by name and pulls the trainers' current weights before it generates.
             self.start()
 
-    def _attach_trainers(self) -> None:
-        """Find every trainer by name, register with it and start from the newest weights any of them offers."""
+    def _attach_trainers(self, force: bool = False) -> None:
+        """Find every trainer by name, register with it and start from the newest weights any of them offers
+        (with `force`, also from older ones: this maker found its weights off its trainers')."""
         handles = {t: attach(t, self.namespace, self.attach_timeout_s) for t in self.trainer_names}
         base = self.core.base_fingerprint
         offered = get_all([h.register_maker.remote(self.name, base) for h in handles.values()],
                           timeout=self.core.config.weight_timeout_s)
-        take_offered(self.core, offered, ray_fetch(self.core.config.weight_timeout_s))
+        take_offered(self.core, offered, ray_fetch(self.core.config.weight_timeout_s), force)
         self._expect_runs([h for h, update in zip(handles.values(), offered, strict=True) if update is None])
         with self._handles_lock:
             self._handles = dict(handles)
@@ -216,7 +217,7 @@ class ExperienceMakerHolder:
         status["trainers"] = self.trainer_names
         context = ray.get_runtime_context()
         status.update(pid=os.getpid(), node_id=context.get_node_id(), restarted=self.restarts,
-                      first_batch_version=self.loop.first_batch_version,
+                      first_batch_version=self.loop.first_batch_version, resyncs=self.loop.resyncs,
                       trainer_run=self.core.receiver.trainer_run, resources=context.get_assigned_resources(),
                       device=str(self.device))
         status["push"] = self.loop.pusher.stats() if self.loop.pusher else None

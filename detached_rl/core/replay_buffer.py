@@ -47,6 +47,11 @@ _COUNTERS = ("received", "sampled", "times_handed_out", "duplicates", "refused_f
 _STATE_FORMAT = 1
 
 
+# How a refusal of samples newer than the trainer's weights reads: the maker that pushed them is ahead of its
+# trainer (it took weights its trainer never sent) and registers again when it sees this.
+NEWER_THAN_TRAINER = "is newer than the trainer's current version"
+
+
 class RejectedPushError(ValueError):
     """A push refused as a whole; `index` and `field` name the offending experience and field when known."""
 
@@ -379,7 +384,7 @@ class ReplayBuffer:
                 if exp.policy_version > current_version:
                     raise ExperienceValidationError(
                         "policy_version",
-                        f"{exp.policy_version} is newer than the trainer's current version {current_version}",
+                        f"{exp.policy_version} {NEWER_THAN_TRAINER} {current_version}",
                     )
                 total = exp.prompt_ids.numel() + exp.response_length
                 if self.max_sequence_length is not None and total > self.max_sequence_length:

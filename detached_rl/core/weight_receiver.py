@@ -29,6 +29,7 @@ from detached_rl.core.weight_sync import (
     KINDS,
     ApplyResult,
     Fetch,
+    OffTrainerError,
     TensorEntry,
     TensorSpec,
     WeightManifest,
@@ -43,6 +44,11 @@ from detached_rl.core.weight_sync import (
 
 # Trainers push every `update_steps` steps; a push that skips more versions than this is no push of theirs.
 DEFAULT_MAX_VERSION_JUMP = 1000
+# The largest change an update of the followed run may make to a tensor, relative to the tensor: RMS of the
+# change over the tensor's RMS (floored at `CHANGE_FLOOR_RMS`, so tensors that start at zero, as LoRA's B, can
+# move). An optimizer step changes weights by about its learning rate; 10x the whole tensor is no training.
+DEFAULT_MAX_WEIGHT_CHANGE = 10.0
+CHANGE_FLOOR_RMS = 1e-2
 # Float8 tensors have no min/max kernel: they are widened this many elements at a time to be checked.
 _WIDEN_ELEMENTS = 2**22
 
@@ -75,6 +81,8 @@ class _Plan:
     covers_all: bool  # every key of every receiver model is in the update
     trainer_run: str | None = None  # the run the receiver follows once this update is applied
     reset: bool = False
+    # Tensors served now, by model (filled on first use), when the update's change to them is bounded.
+    served: dict[str, Mapping[str, Tensor]] | None = None
 
     @property
     def names(self) -> set[str]:
@@ -108,6 +116,8 @@ class WeightReceiver:
     pauses for the whole transfer, and a chunk failing after others were written leaves the
     models half-updated: `consistent` turns False until a later full update of those models succeeds).
     `max_version_jump`: how far beyond the current version an update that is not a reset may go.
+    `max_weight_change`: the largest relative change (RMS of the change over the tensor's RMS) an update
+    that is not a reset may make to any floating tensor; None: unbounded.
     """
 
     def __init__(
@@ -119,9 +129,12 @@ class WeightReceiver:
         version: int = 0,
         after_swap: Callable[[set[str]], None] | None = None,
         max_version_jump: int = DEFAULT_MAX_VERSION_JUMP,
+        max_weight_change: float | None = DEFAULT_MAX_WEIGHT_CHANGE,
     ) -> None:
         if max_version_jump < 1:
             raise ValueError(f"max_version_jump must be >= 1, got {max_version_jump}")
+        if max_weight_change is not None and not (max_weight_change > 0 and math.isfinite(max_weight_change)):
+            raise ValueError(f"max_weight_change must be a positive finite number or None, got {max_weight_change}")
         if mode not in ("staged", "in_place"):
             raise ValueError(f"mode must be 'staged' or 'in_place', got {mode!r}")
         if cast_dtype is not None and not cast_dtype.is_floating_point:
@@ -139,6 +152,7 @@ class WeightReceiver:
         self.cast_dtype = cast_dtype
         self.mode = mode
         self.max_version_jump = max_version_jump
+        self.max_weight_change = max_weight_change
         self.lock = lock if lock is not None else threading.Lock()
         # Called under the lock with the qualified names just written (e.g. re-merge LoRA weights).
         self.after_swap = after_swap
@@ -146,6 +160,7 @@ class WeightReceiver:
         self._version = version
         self.trainer_run: str | None = None  # the trainer run this receiver follows (see `_check_provenance`)
         self._dirty: set[str] = set()  # models left half-written by a failed update
+        self._holds_trainer_weights = False  # an update was swapped in: later ones are bounded against it
         self._apply_lock = threading.Lock()  # one apply at a time
         # The verified update waiting for the next safe point (mode "staged"); swapped in under `lock`.
         self._pending: _Staged | None = None
@@ -252,6 +267,9 @@ class WeightReceiver:
                ) -> ApplyResult:
         start = time.perf_counter()
         manifest = update.manifest
+        version = manifest.version
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise WeightUpdateError(f"version must be a non-negative integer, got {version!r}")
         run = manifest.metadata.get("trainer_run")
         if run is not None and run in self.registered_runs and run != self._followed_run:
             reset = True  # the first update of a trainer run this maker registered with before it had weights
@@ -261,6 +279,8 @@ class WeightReceiver:
         plan.trainer_run = manifest.metadata.get("trainer_run") if reset else (
             manifest.metadata.get("trainer_run") or self._followed_run)
         plan.reset = reset
+        if self.max_weight_change is not None and not reset and self._holds_trainer_weights and not self._dirty:
+            plan.served = {}  # an update of the run this maker follows: bounded against what it serves
         deadline = None if timeout is None else start + timeout
         if self.mode == "in_place":
             return self._apply_in_place(update, plan, fetch, start, deadline)
@@ -376,13 +396,13 @@ class WeightReceiver:
         v = f"v{version}"
         other_run = followed is not None and run != followed
         if other_run and not reset:
-            raise WeightUpdateError(
+            raise OffTrainerError(
                 f"{v}: trainer_run {run!r} is not the trainer run this maker follows ({followed!r}); "
                 "only an explicit reset (registering with the trainer again) changes it"
             )
         if other_run and manifest.kind != "full":
             # A LoRA update assumes the adapter and base it was computed against: a new run starts with a full one.
-            raise WeightUpdateError(f"{v}: a {manifest.kind} update from a new trainer run {run!r} "
+            raise OffTrainerError(f"{v}: a {manifest.kind} update from a new trainer run {run!r} "
                                     f"(this maker follows {followed!r}) needs a full update first")
         if version == newest and not self._dirty and not other_run:
             return True
@@ -390,10 +410,10 @@ class WeightReceiver:
             return False  # half-written models serve nothing: any full update of the run may repair them
         if version < newest:
             what = "current" if pending is None else "received"
-            raise WeightUpdateError(f"stale version {version} < {what} {newest} "
+            raise OffTrainerError(f"stale version {version} < {what} {newest} "
                                     "(a rollback needs an explicit reset)")
         if newest >= 0 and version - newest > self.max_version_jump:
-            raise WeightUpdateError(
+            raise OffTrainerError(
                 f"{v}: version {version} jumps {version - newest} beyond current {newest} "
                 f"(max_version_jump {self.max_version_jump}); a jump that large needs an explicit reset"
             )
@@ -534,9 +554,27 @@ class WeightReceiver:
             if not _finite_in(tensor, target):
                 raise WeightUpdateError(f"{where}: tensor {spec.name!r} holds NaN or Inf"
                                         + ("" if str(target) == spec.dtype else f" or values beyond {target}"))
+            if plan.served is not None:
+                self._check_change(where, spec, tensor, plan.served)
             progress.bytes += spec.nbytes
         progress.chunks += 1
         return chunk
+
+    def _check_change(self, where: str, spec: TensorSpec, tensor: Tensor,
+                      served: dict[str, Mapping[str, Tensor]]) -> None:
+        """Refuse a tensor that changes what is served by more than `max_weight_change` (relative RMS)."""
+        model_name, _, key = spec.name.partition("/")
+        if model_name not in served:
+            served[model_name] = self.sinks[model_name].state()
+        current = served[model_name].get(key)
+        if current is None or not tensor.is_floating_point() or not current.is_floating_point():
+            return
+        change = relative_change(tensor, current)
+        if change > self.max_weight_change:
+            raise WeightUpdateError(
+                f"{where}: tensor {spec.name!r} would change by {change:.3g}x its size (relative RMS), over "
+                f"max_weight_change {self.max_weight_change:g}: no optimizer step does that"
+            )
 
     def _acquire(self, deadline: float | None, version: int) -> float:
         """Take the generation lock within the deadline; return the seconds waited."""
@@ -637,6 +675,7 @@ class WeightReceiver:
         """Serve `version` of the plan's run; a reset ends every earlier registration's claim to one."""
         self._version = version
         self.trainer_run = plan.trainer_run
+        self._holds_trainer_weights = True
         if plan.reset:
             self.registered_runs.clear()
 
@@ -699,6 +738,18 @@ def _finite_in(tensor: Tensor, stored: torch.dtype) -> bool:
     lowest, highest = float(lo), float(hi)
     limit = torch.finfo(stored).max if stored.is_floating_point else math.inf
     return math.isfinite(lowest) and math.isfinite(highest) and max(-lowest, highest) <= limit
+
+
+def relative_change(new: Tensor, old: Tensor) -> float:
+    """RMS of `new - old` over the RMS of `old` (floored at `CHANGE_FLOOR_RMS`), computed in float32."""
+    if new.numel() == 0:
+        return 0.0
+    old32 = old.detach().to(torch.float32)
+    new32 = new.detach().to(device=old32.device, dtype=torch.float32)
+    scale = math.sqrt(new.numel())
+    change = float(torch.linalg.vector_norm(new32 - old32)) / scale
+    size = float(torch.linalg.vector_norm(old32)) / scale
+    return change / max(size, CHANGE_FLOOR_RMS)
 
 
 def _check_deadline(deadline: float | None, message: str) -> None:

@@ -64,6 +64,11 @@ class WeightUpdateError(ValueError):
         self.reason = reason
 
 
+class OffTrainerError(WeightUpdateError):
+    """A refused update that shows the maker's weights are not where its trainer's updates start from (the
+    maker is ahead of the update, follows another run or holds another base): registering again fixes it."""
+
+
 def tensor_checksum(t: Tensor) -> int:
     """xxh3-64 of a tensor's raw bytes (any dtype; copied to contiguous CPU memory only if needed)."""
     flat = t.detach().cpu().contiguous().reshape(-1)

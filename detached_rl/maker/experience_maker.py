@@ -10,6 +10,7 @@ update becomes visible only between two batches and a batch never mixes two vers
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 import uuid
@@ -23,12 +24,16 @@ from detached_rl.core.experience import Experience, collate
 from detached_rl.core.prompts import PromptSource, as_prompt_item
 from detached_rl.core.resources import check_amount, check_resources
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.weight_receiver import DEFAULT_MAX_VERSION_JUMP, WeightReceiver
+from detached_rl.core.weight_receiver import (
+    DEFAULT_MAX_VERSION_JUMP,
+    DEFAULT_MAX_WEIGHT_CHANGE,
+    WeightReceiver,
+)
 from detached_rl.core.weight_sync import (
     ApplyResult,
     Fetch,
+    OffTrainerError,
     WeightUpdate,
-    WeightUpdateError,
     restrict_update,
 )
 from detached_rl.generation.base import LORA_MODES, GenerationBackend
@@ -67,6 +72,12 @@ class MakerConfig:
     # A pushed update may move the weights at most this many versions ahead; a bigger jump, a rollback or
     # another trainer run is taken only when the maker registers with its trainers (an explicit reset).
     max_version_jump: int = DEFAULT_MAX_VERSION_JUMP
+    # A pushed update may change a tensor by at most this much relative to it (RMS of the change over the
+    # tensor's RMS, floored at 0.01): an optimizer step moves weights by about its learning rate. None: no bound.
+    max_weight_change: float | None = DEFAULT_MAX_WEIGHT_CHANGE
+    # A maker that asked for newer weights (to keep its samples trainable) and got none this long registers
+    # with its trainers again and takes what they offer (e.g. a trainer resumed from a checkpoint).
+    resync_after_s: float = 30.0
     record_weights_fingerprint: bool = False  # tag each sample with the weights' fingerprint (costs a checksum)
     lora_mode: str = "keep"  # LoRA policies: "keep" the adapters, or "merge" W = W0 + scaling*B*A on update
     backend: str = "hf"  # generation backend, a name in `detached_rl.generation.GENERATION_BACKENDS`
@@ -119,7 +130,10 @@ class MakerConfig:
         check_amount(self.num_cpus, "MakerConfig.num_cpus")
         if self.scorer_attempts < 1:
             raise ValueError(f"MakerConfig.scorer_attempts must be >= 1, got {self.scorer_attempts}")
-        for name in ("push_timeout_s", "weight_timeout_s", "scorer_timeout_s"):
+        if self.max_weight_change is not None and not 0 < self.max_weight_change < math.inf:
+            raise ValueError(f"MakerConfig.max_weight_change must be > 0 and finite, or None; got "
+                             f"{self.max_weight_change}")
+        for name in ("push_timeout_s", "weight_timeout_s", "scorer_timeout_s", "resync_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MakerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.weight_cast_dtype is not None and not isinstance(getattr(torch, self.weight_cast_dtype, None),
@@ -206,7 +220,7 @@ class ExperienceMaker:
         cast = getattr(torch, self.config.weight_cast_dtype) if self.config.weight_cast_dtype else None
         self.receiver = WeightReceiver(
             synced, cast_dtype=cast, mode=self.config.weight_sync_mode, lock=self.generation_lock, version=NOT_SYNCED,
-            max_version_jump=self.config.max_version_jump,
+            max_version_jump=self.config.max_version_jump, max_weight_change=self.config.max_weight_change,
         )
         # A maker that casts incoming weights cannot hold its trainer's bytes: it fingerprints its base cast to its
         # coarsest stored dtype, and the trainer compares its own base cast the same way (`base_state_fingerprint`).
@@ -220,6 +234,8 @@ class ExperienceMaker:
         self.tokens_made = 0
         self.generate_seconds = 0.0
         self.last_error: str | None = None
+        # Why this maker should register with its trainers again (an update showed it off their weights), or None.
+        self.resync_reason: str | None = None
 
     @property
     def policy_version(self) -> int:
@@ -260,7 +276,7 @@ class ExperienceMaker:
             if manifest.kind == "lora" and manifest.version > receiver.version:
                 expected = sent_base_fingerprint(manifest.metadata, self._fingerprint_dtype)
                 if expected != self.base_fingerprint:
-                    raise WeightUpdateError(
+                    raise OffTrainerError(
                         f"v{manifest.version}: base fingerprint mismatch: the LoRA update is for base weights "
                         f"{str(expected)[:24]}, this maker holds {str(self.base_fingerprint)[:24]}; "
                         "it needs a full update first"
@@ -269,6 +285,8 @@ class ExperienceMaker:
             return take(update, fetch, timeout=self.config.weight_timeout_s, reset=reset)
         except Exception as error:
             self.last_error = f"weight update v{manifest.version}: {error}"
+            if isinstance(error, OffTrainerError) and not reset:
+                self.resync_reason = self.last_error
             raise
 
     @property

@@ -7,14 +7,18 @@ plain code that runs (and is tested) without Ray.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from detached_rl.core.replay_buffer import NEWER_THAN_TRAINER
 from detached_rl.core.weight_sync import ApplyResult, Fetch, WeightUpdate
 from detached_rl.maker.experience_maker import ExperienceMaker
 from detached_rl.maker.pusher import ExperiencePusher
+
+logger = logging.getLogger(__name__)
 
 # How often a maker without complete weights looks again, and how often a wait for a version polls.
 NOT_SYNCED_POLL_S = 0.05
@@ -24,27 +28,30 @@ ACK_POLL_S = 1.0
 
 
 def update_to_apply(offered: Sequence[WeightUpdate | None], policy_version: int,
-                    trainer_run: str | None) -> WeightUpdate | None:
+                    trainer_run: str | None, force: bool = False) -> WeightUpdate | None:
     """The update a maker should take of those its trainers offer, or None.
 
     The newest one, if it is newer than the maker's weights or comes from a trainer run the maker
-    does not follow (a trainer resumed from a checkpoint restarts at an older version).
+    does not follow (a trainer resumed from a checkpoint restarts at an older version); with `force`
+    (a maker that found itself off its trainers' weights), also if it is older.
     """
     updates = [update for update in offered if update is not None]
     if not updates:
         return None
     newest = max(updates, key=lambda update: update.manifest.version)
     new_run = newest.manifest.metadata.get("trainer_run") not in (None, trainer_run)
-    return newest if newest.manifest.version > policy_version or new_run else None
+    version = newest.manifest.version
+    return newest if version > policy_version or new_run or (force and version != policy_version) else None
 
 
-def take_offered(maker: ExperienceMaker, offered: Sequence[WeightUpdate | None], fetch: Fetch) -> ApplyResult | None:
+def take_offered(maker: ExperienceMaker, offered: Sequence[WeightUpdate | None], fetch: Fetch,
+                 force: bool = False) -> ApplyResult | None:
     """Apply the update `update_to_apply` chooses (pulling its chunks with `fetch`); None if none is chosen.
 
     `offered` are the answers of the maker's own registration with its trainers, so the update is
     applied as an explicit reset: the maker follows that trainer run from then on, at that version.
     """
-    update = update_to_apply(offered, maker.policy_version, maker.receiver.trainer_run)
+    update = update_to_apply(offered, maker.policy_version, maker.receiver.trainer_run, force)
     return None if update is None else maker.apply_weight_update(update, fetch, reset=True)
 
 
@@ -58,6 +65,7 @@ class MakerLoop:
         save_state: Callable[[dict[str, Any]], Any] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        resync: Callable[[], None] | None = None,
     ) -> None:
         self.maker = maker
         self.stop = stop
@@ -66,6 +74,9 @@ class MakerLoop:
         self.clock = clock
         self.pusher: ExperiencePusher | None = None  # the pusher of the latest `run`
         self.first_batch_version: int | None = None  # policy version of the first batch this process made
+        # Registers with the trainers again and takes their newest weights, even older ones (see `resync_now`).
+        self.resync = resync
+        self.resyncs = 0
 
     def run(
         self,
@@ -92,8 +103,10 @@ class MakerLoop:
             if num_batches is None and trainers_finished is not None and trainers_finished():
                 self.stop.set()
             self.pusher = pusher
-            stale_seen = 0
+            stale_seen = rejected_seen = 0
             while not self.stop.is_set() and (num_batches is None or made < num_batches):
+                if maker.resync_reason is not None:
+                    self.resync_now()
                 if not maker.synced:  # not yet given weights (or half-updated): wait for an update
                     self.sleep(NOT_SYNCED_POLL_S)
                     continue
@@ -108,25 +121,63 @@ class MakerLoop:
                 while config.wait_for_ack and not pusher.flush(timeout=ACK_POLL_S) and not self.stop.is_set():
                     pass
                 made += 1
+                rejected_seen = self._check_not_ahead(pusher, rejected_seen)
                 needed = pusher.oldest_useful_version
                 if config.wait_for_fresh_weights and needed is not None and maker.policy_version < needed:
-                    self.wait_for_version(needed, config.weight_timeout_s)
+                    self.wait_or_resync(needed)
                 stats = pusher.stats()
                 if stats["dropped_stale_by_trainer"] > stale_seen:
                     # Samples arrived too old: catch up with the trainers' version before generating more.
                     stale_seen = stats["dropped_stale_by_trainer"]
                     versions = [t["last_version"] for t in stats["per_trainer"].values() if t["last_version"]]
                     if versions:
-                        self.wait_for_version(max(versions), config.weight_timeout_s)
+                        self.wait_or_resync(max(versions))
             pusher.flush(timeout=config.push_timeout_s)
         except Exception as error:
             maker.last_error = f"{type(error).__name__}: {error}"
             raise
         return made
 
+    def wait_or_resync(self, version: int) -> bool:
+        """Wait for weights of `version` or newer; if none came within `resync_after_s`, register with the
+        trainers again (they may have moved on without this maker, as a trainer resumed from a checkpoint does)
+        and wait out the rest of `weight_timeout_s`. True if they came."""
+        config = self.maker.config
+        first = min(config.resync_after_s, config.weight_timeout_s)
+        if self.wait_for_version(version, first) or self.resync is None or self.stop.is_set():
+            return self.maker.policy_version >= version
+        if self.maker.resync_reason is None:
+            self.maker.resync_reason = f"asked for weights v{version} or newer, none came within {first:g} s"
+        self.resync_now()
+        return self.wait_for_version(version, config.weight_timeout_s - first)
+
+    def resync_now(self) -> None:
+        """Register with the trainers again and take their newest weights (`maker.resync_reason` says why)."""
+        reason, self.maker.resync_reason = self.maker.resync_reason, None
+        if self.resync is None:
+            return
+        logger.warning("maker %s registers with its trainers again: %s", self.maker.name, reason)
+        self.resyncs += 1
+        try:
+            self.resync()
+        except Exception as error:  # noqa: BLE001 - the next push or update tells again; the loop goes on
+            self.maker.last_error = f"registering again ({reason}) failed: {type(error).__name__}: {error}"
+            logger.warning("maker %s: %s", self.maker.name, self.maker.last_error)
+
+    def _check_not_ahead(self, pusher: ExperiencePusher, rejected_seen: int) -> int:
+        """Ask for a resync when a trainer refused samples as newer than its weights (this maker serves weights
+        its trainers never sent); returns the pusher's count of rejected samples."""
+        stats = pusher.stats()
+        rejected = stats["dropped"].get("rejected", 0)
+        if rejected > rejected_seen and NEWER_THAN_TRAINER in (stats["last_error"] or ""):
+            self.maker.resync_reason = f"serves v{self.maker.policy_version}, ahead of its trainers: {stats['last_error']}"
+        return rejected
+
     def wait_for_version(self, version: int, timeout: float) -> bool:
-        """Wait up to `timeout` s (or until `stop`) for weights of `version` or newer; True if they came."""
+        """Wait up to `timeout` s (or until `stop`, or a reason to register again) for weights of `version` or
+        newer; True if they came."""
         deadline = self.clock() + timeout
-        while self.maker.policy_version < version and self.clock() < deadline and not self.stop.is_set():
+        while (self.maker.policy_version < version and self.clock() < deadline and not self.stop.is_set()
+               and self.maker.resync_reason is None):
             self.sleep(VERSION_POLL_S)
         return self.maker.policy_version >= version

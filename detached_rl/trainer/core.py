@@ -170,6 +170,9 @@ class TrainerCore:
         self._push_lock = threading.Lock()
         self._stop = threading.Event()
         self._push_queue: WeightPushQueue | None = None  # the latest `fit`'s, when the shell gives one
+        # Held while a maker registers and while a resume replaces the update makers start from, so a maker
+        # registering during a resume gets the update before or after it, and the resume then reaches it.
+        self._registration_lock = threading.Lock()
         self._started = time.monotonic()
         self.samples_trained = 0
         self._step_in_progress = False  # a batch has left the buffer and its step has not advanced the version yet
@@ -254,6 +257,10 @@ class TrainerCore:
         casts weights, equal after casting both bases to its dtype) gets the latest LoRA-only update;
         any other maker gets a full update of the current weights.
         """
+        with self._registration_lock:
+            return self._register(name, base_fingerprint, put)
+
+    def _register(self, name: str, base_fingerprint: str | None, put: Put | None) -> WeightUpdate | None:
         self.makers.add(name)
         latest = self.latest_update
         # What the maker will hold once it took the answer (for the lag `status` reports; pushes raise it).
@@ -504,8 +511,20 @@ class TrainerCore:
                 self.policy_version, self.samples_trained = state["policy_version"], state["samples_trained"]
             set_rng_state(state["rng"])
         if put is not None:
-            self.latest_update = None  # the first update after a resume is full
-            self.build_update(put)
+            with self._registration_lock:  # the first update after a resume is full
+                self.build_update(put, "full")
+
+    def offer_resumed_weights(self, send_update: SendUpdate | WeightPushQueue) -> None:
+        """Send the weights a resume loaded to every maker registered so far (they started from the version
+        this trainer had before loading, which its training has left behind)."""
+        update, makers = self.latest_update, self.makers_of_this_rank()
+        if update is None or not makers:
+            return
+        if isinstance(send_update, WeightPushQueue):
+            self._push_queue = send_update
+            send_update.offer(update, makers)
+        else:
+            self._record_results(send_update(update, makers))
 
     def fit(
         self,
@@ -538,6 +557,7 @@ class TrainerCore:
                 self.learner.train_epochs = train_epochs
             if resume_from is not None:
                 self.load_checkpoint(resume_from, put)
+                self.offer_resumed_weights(send_update)
             self._update_steps = update_steps
             while self.policy_version < total_steps and not self._stop.is_set():
                 metrics = self.train_step()
