@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from detached_rl.core.checkpoint import load_state
 
 from .conftest import CLUSTER_MARKER, ROOT, new_cluster_marker, stop_marked
 from .helpers import gpu_overrides, set_flags
@@ -195,3 +198,53 @@ def test_errors_are_one_line_without_traceback(cluster, args, message):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def _status_rows(cluster) -> dict:
+    rows = json.loads(cli(cluster, "status", "--json", "--address", cluster["address"], "--namespace",
+                          "cli_test").stdout)
+    return {row["name"]: row for row in rows}
+
+
+def _wait_rows(cluster, predicate, what: str, timeout: float = 600) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = _status_rows(cluster)
+        if predicate(rows):
+            return rows
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {rows}"
+        time.sleep(3)
+
+
+def test_a_trainer_job_killed_and_resumed_from_its_checkpoint_trains_on_with_the_maker_that_fed_it(
+        cluster, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(CONFIG)
+    checkpoints = str(tmp_path / "checkpoints")
+    address = ["--address", cluster["address"]]
+    gpus = set_flags(gpu_overrides())
+    trainer_job = ["trainer", "--config", str(config), "--name", "resumed", "--checkpoint-every", "2",
+                   "--checkpoint-dir", checkpoints, *address, *gpus]
+    cli(cluster, "maker", "--config", str(config), "--name", "feeder", "--trainers", "resumed", *address, *gpus)
+    cli(cluster, *trainer_job, "--steps", "100000")
+    rows = _wait_rows(cluster, lambda r: r.get("resumed", {}).get("policy_version", 0) >= 4, "4 training steps")
+    os.kill(rows["resumed"]["pid"], signal.SIGKILL)  # the trainer's worker process, of this test's cluster
+    _wait_rows(cluster, lambda r: r.get("resumed", {}).get("state") == "dead", "the trainer to be reported dead")
+
+    # The same job again, resumed; the maker job that fed the first one is still running and attached.
+    resumed_at = load_state(Path(checkpoints) / "rank_0")["policy_version"]
+    assert resumed_at >= 2
+    out = cli(cluster, *trainer_job, "--steps", str(resumed_at + 20), "--resume-from", checkpoints)
+    assert "trainer 'resumed' started" in out.stdout
+    rows = _wait_rows(cluster, lambda r: r["resumed"]["state"] in ("done", "failed"), "the resumed trainer")
+    trainer, maker = rows["resumed"], rows["feeder"]
+    assert trainer["state"] == "done" and trainer["policy_version"] == resumed_at + 20, trainer["last_error"]
+    metrics = ("import json, ray; ray.init(address='{address}', namespace='cli_test', log_to_driver=False); "
+               "print(json.dumps(ray.get(ray.get_actor('resumed').metrics.remote(), timeout=60)))")
+    history = json.loads(subprocess.run([sys.executable, "-c", metrics.format(address=cluster["address"])],
+                                        env=cluster["env"], check=True, timeout=180, capture_output=True,
+                                        text=True).stdout.splitlines()[-1])
+    # It picked up from the first trainer's checkpoint (not from scratch) and trained 20 more steps.
+    assert [m["policy_version"] for m in history] == list(range(resumed_at + 1, resumed_at + 21))
+    assert not maker["restarted"] and maker["trainer_run"] == trainer["trainer_run"]
+    cli(cluster, "stop", *address, "--namespace", "cli_test", "--timeout", "60")
