@@ -180,6 +180,7 @@ def grpo_config_from(args: Any, streaming_config: Any, world_size: int) -> GRPOC
     beta = float(_args(args, "beta"))
     return GRPOConfig(
         algorithm="grpo", advantage_estimator=ADVANTAGE_NORMALIZATIONS[normalization], loss_agg="token-mean",
+        group_size=int(_stream(streaming_config, "num_samples_per_prompt_rollout")),
         clip_low=float(_args(args, "clip_lower")), clip_high=float(_args(args, "clip_higher")),
         kl_coef=beta if _args(args, "load_ref_policy") else 0.0, kl_kind=KL_ESTIMATORS[estimator],
         micro_batch_size=int(_args(args, "per_device_train_batch_size")),
