@@ -61,9 +61,13 @@ def test_every_command_has_help_and_a_scorers_command_without_groups_is_refused(
         (["stop", "--timeout", "0"], "argument --timeout: must be > 0"),
         (["ppo-on-ray", "--prompt_csv", "p.csv", "--num_episodes", "0"], "argument --num_episodes"),
         (["run", "--steps", "x"], "argument --steps: expected an integer, got 'x'"),
+        (["run", "--steps", "99999999999999999999999"], "argument --steps: must be <= 1000000000"),
+        (["trainer", "--name", "t", "--steps", "10000000000"], "argument --steps: must be <= 1000000000"),
+        (["check", "--seed", "5000000000"], "argument --seed: must be <= 1000000000"),
+        (["ppo-on-ray", "--prompt_csv", "p.csv", "--num_episodes", "1" + "0" * 30], "argument --num_episodes/--num-episodes: must be <="),
     ],
 )
-def test_bad_numbers_are_refused_while_parsing_in_one_line(capsys, args, message):
+def test_bad_numbers_are_refused_while_parsing_in_one_line(capsys, nothing_starts, args, message):
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2
@@ -98,3 +102,137 @@ def test_status_shows_makers_behind_and_the_version_a_maker_swaps_in_next():
          "weight_updates": {"pending_version": 9}},
     ]).splitlines()
     assert "9 (behind: m1 by 5)" in table[1] and "4 (v9 next)" in table[2]
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch) -> list[str]:
+    """Make starting a run, joining a cluster or starting an embedded Ray record it and fail; returns the record."""
+    from detached_rl.cli import jobs, run
+
+    started: list[str] = []
+
+    def refuse(what: str):
+        def record(*args, **kwargs):
+            started.append(what)
+            raise RuntimeError(f"{what} was called")
+
+        return record
+
+    monkeypatch.setattr(run, "run_job", refuse("run_job"))
+    monkeypatch.setattr(jobs, "connect", refuse("connect"))
+    monkeypatch.setattr(jobs, "init_local_ray", refuse("init_local_ray"))
+    return started
+
+
+def one_error_line(capsys) -> str:
+    """The only line on stderr (asserted), which is the command's error."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "--set", "run.steps=99999999999999999999999"], "run.steps: must be <= 1000000000"),
+        (["run", "--set", "model.lora.r=-1"], "model.lora.r: must be >= 1, got -1"),
+        (["run", "--set", "maker.seed=-5"], "maker.seed: must be >= 0, got -5"),
+        (["run", "--set", "trainer.buffer_max_bytes=1152921504606846976"], "trainer.buffer_max_bytes: must be <="),
+        (["trainer", "--name", "t", "--set", "trainer.metrics_history=-1"], "trainer.metrics_history: must be >= 0"),
+        (["trainer", "--name", "t", "--set", "trainer.max_reuse=0"], "trainer.max_reuse: must be >= 1"),
+        (["maker", "--name", "m", "--trainers", "t", "--set", "grpo.actor_optimizer.total_steps=-3"],
+         "grpo.actor_optimizer.total_steps: must be >= 1"),
+    ],
+)
+def test_out_of_range_config_integers_are_refused_before_anything_starts(capsys, tmp_path, nothing_starts, args,
+                                                                         message):
+    assert main([*args, *(["--output", str(tmp_path / "runs")] if args[0] == "run" else [])]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("detached-rl: error: ") and message in line, line
+    assert nothing_starts == [] and not (tmp_path / "runs").exists()
+
+
+def test_restarting_for_ever_is_a_valid_config_integer():
+    from detached_rl.cli.arguments import check_config_integers
+    from detached_rl.config import load_config
+
+    check_config_integers(load_config(None, ["maker.max_restarts=-1", "trainer.buffer_max_bytes=8589934592"]))
+
+
+@pytest.mark.parametrize("command", [["run"], ["trainer", "--name", "t"], ["maker", "--name", "m", "--trainers", "t"]])
+def test_an_unknown_tiny_model_is_refused_before_anything_starts(capsys, tmp_path, nothing_starts, command):
+    extra = ["--model", "tiny-bogus", "--output", str(tmp_path / "runs")] if command == ["run"] else [
+        "--set", "model.policy=tiny-bogus"]
+    assert main([*command, *extra]) == 2
+    line = one_error_line(capsys)
+    assert line == ("detached-rl: error: model.policy: 'tiny-bogus': 'bogus' is not a causal-LM model_type of "
+                    "transformers (e.g. tiny-llama, tiny-qwen2, tiny-gpt2)"), line
+    assert nothing_starts == [] and not (tmp_path / "runs").exists()
+
+
+def test_check_and_ppo_on_ray_refuse_an_unknown_tiny_model_at_once(capsys, tmp_path, nothing_starts):
+    assert main(["check", "--model", "tiny-t5"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip() == (
+        "detached-rl: error: --model: 'tiny-t5': 't5' is not a causal-LM model_type of transformers "
+        "(e.g. tiny-llama, tiny-qwen2, tiny-gpt2)")
+    prompts = tmp_path / "p.csv"
+    prompts.write_text("prompt,answer\n1+1?,2\n")
+    assert main(["ppo-on-ray", "--prompt_csv", str(prompts), "--model", "bogus"]) == 2
+    assert "--model: 'tiny-bogus': 'bogus' is not a causal-LM model_type" in one_error_line(capsys)
+    assert nothing_starts == []
+
+
+def test_resume_from_must_hold_a_checkpoint_of_every_rank(capsys, tmp_path, nothing_starts):
+    missing = tmp_path / "missing"
+    assert main(["trainer", "--name", "t", "--resume-from", str(missing)]) == 2
+    assert one_error_line(capsys) == f"detached-rl: error: --resume-from {str(missing)!r}: no such directory"
+    assert main(["trainer", "--name", "t", "--resume-from", str(tmp_path)]) == 2
+    assert f"--resume-from {str(tmp_path)!r}: not a checkpoint of this trainer (no rank_0 checkpoint" in \
+        one_error_line(capsys)
+    assert nothing_starts == []
+    rank_0 = tmp_path / "rank_0"
+    rank_0.mkdir()
+    (rank_0 / "state.json").write_text("{}")
+    (rank_0 / "tensors.safetensors").write_bytes(b"")
+    assert main(["trainer", "--name", "t", "--resume-from", str(tmp_path), "--world-size", "2",
+                 "--strategy", "ddp"]) == 2
+    assert "(no rank_1 checkpoint in it" in one_error_line(capsys) and nothing_starts == []
+    assert main(["trainer", "--name", "t", "--resume-from", str(tmp_path)]) == 2  # one rank: on to the cluster
+    assert nothing_starts == ["connect"]
+
+
+def test_a_config_that_is_a_directory_or_binary_is_refused_naming_it(capsys, tmp_path, nothing_starts):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(128, 256)))
+    for command in (["run", "--output", str(tmp_path / "runs")], ["trainer", "--name", "t"], ["scorers"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, "--config", str(tmp_path)])
+        assert exit_info.value.code == 2
+        assert f"argument --config: config file {str(tmp_path)!r} is a directory, not a YAML file" in \
+            one_error_line(capsys)
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, "--config", str(binary)])
+        assert exit_info.value.code == 2
+        assert f"argument --config: config file {str(binary)!r} is not UTF-8 text (byte 0x80 at offset 0)" in \
+            one_error_line(capsys)
+    assert nothing_starts == [] and not (tmp_path / "runs").exists()
+
+
+def test_maker_without_trainer_names_is_refused_before_joining(capsys, nothing_starts):
+    assert main(["maker", "--name", "m", "--trainers", " , "]) == 2
+    assert one_error_line(capsys) == ("detached-rl: error: --trainers ' , ': no trainer names (comma-separated, "
+                                      "e.g. trainer_0,trainer_1)")
+    assert nothing_starts == []
+
+
+def test_an_actor_that_failed_to_start_is_reported_with_its_constructor_error():
+    from detached_rl.cli.run import actor_death_reason
+
+    class CreationFailed(Exception):
+        actor_init_failed = True
+
+    error = CreationFailed("The actor died because of an error raised in its creation task, \x1b[36mray::M.__init__()"
+                           "\x1b[39m (pid=1)\n  File \"x.py\", line 6, in __init__\nValueError: unknown model_type 'x'")
+    assert actor_death_reason(error) == "its constructor raised ValueError: unknown model_type 'x'"
+    assert actor_death_reason(RuntimeError("The actor died unexpectedly.\nmore")) == "The actor died unexpectedly."

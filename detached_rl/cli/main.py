@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 from detached_rl import __version__
 from detached_rl.cli.arguments import (
     OneLineParser,
+    check_config_integers,
+    config_file,
     finite_float,
     non_negative_float,
     non_negative_int,
@@ -36,7 +38,11 @@ MAKER_ATTACH_TIMEOUT_S = 120.0  # ExperienceMakerHolder's attach_timeout_s, whic
 
 def _check(args: argparse.Namespace) -> int:
     from detached_rl.cli.check import format_report, run_check
+    from detached_rl.models.loaders import model_spec_problem
 
+    problem = model_spec_problem(args.model)
+    if problem:
+        raise ValueError(f"--model: {problem}")
     print(f"detached-rl {__version__}: end-to-end check with model {args.model!r}", flush=True)
     report = run_check(
         model=args.model, num_prompts=args.prompts, group_size=args.group_size,
@@ -61,17 +67,22 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
         overrides.append(f"run.gpus={args.gpus}")
     if args.backend is not None:
         overrides.append(f"maker.backend={args.backend}")
-    return run_config(args.config, overrides, steps=args.steps, makers=args.makers, model=args.model,
-                      task=args.task, name=args.name)
+    config = run_config(args.config, overrides, steps=args.steps, makers=args.makers, model=args.model,
+                        task=args.task, name=args.name)
+    check_config_integers(config)
+    return config
 
 
-def _refuse_unloadable_models(config: RunConfig) -> None:
-    """Fail before anything starts when a model spec of the config names nothing loadable here."""
+def _refuse_unloadable_models(config: RunConfig, local: bool = True) -> None:
+    """Fail before anything starts when a model spec of the config names nothing loadable (`local`: on this machine;
+    else only the specs that name no directory, `smollm2` and `tiny[-<model_type>]`, are checked)."""
     from detached_rl.models.loaders import model_spec_problem
 
     for key in ("policy", "critic", "reward_model"):
         spec = getattr(config.model, key)
-        problem = model_spec_problem(spec) if spec is not None else None
+        if spec is None or not local and not (spec == "smollm2" or spec.startswith("tiny")):
+            continue
+        problem = model_spec_problem(spec)
         if problem:
             raise ValueError(f"model.{key}: {problem}")
 
@@ -80,8 +91,8 @@ def _run(args: argparse.Namespace) -> int:
     from detached_rl.cli.run import RunInterrupted, run_job
 
     config = _run_config(args)
-    if not args.address:  # a joined cluster's nodes may hold directories this machine does not
-        _refuse_unloadable_models(config)
+    # A joined cluster's nodes may hold model directories this machine does not.
+    _refuse_unloadable_models(config, local=not args.address)
     try:
         run_job(config, address=args.address)
     except RunInterrupted as error:
@@ -109,7 +120,10 @@ def _config(args: argparse.Namespace):
             overrides.append(f"{key}={getattr(args, flag)}")
     if getattr(args, "namespace", None):
         overrides.append(f"namespace={args.namespace}")
-    return load_config(args.config, overrides)
+    config = load_config(args.config, overrides)
+    check_config_integers(config)
+    _refuse_unloadable_models(config, local=False)  # the actors may run on other nodes
+    return config
 
 
 def _namespace(args: argparse.Namespace) -> str:
@@ -122,10 +136,12 @@ def _trainer(args: argparse.Namespace) -> int:
     from detached_rl.cli import jobs
 
     config = _config(args)
-    jobs.connect(args.address, config.namespace)
+    if args.resume_from:
+        _refuse_missing_checkpoint(args.resume_from, config.trainer_group.world_size)
     checkpointing = {"checkpoint_every": args.checkpoint_every,
                      "checkpoint_dir": str(Path(args.checkpoint_dir).resolve()) if args.checkpoint_dir else None,
                      "resume_from": str(Path(args.resume_from).resolve()) if args.resume_from else None}
+    jobs.connect(args.address, config.namespace)
     names = jobs.start_trainer(config, args.name, args.steps, args.update_steps, **checkpointing)
     group = config.trainer_group
     if len(names) > 1 or group.strategy != "naive":
@@ -136,11 +152,26 @@ def _trainer(args: argparse.Namespace) -> int:
     return _follow(names[0], config.namespace) if args.wait else 0
 
 
+def _refuse_missing_checkpoint(directory: str, world_size: int) -> None:
+    """Fail before anything starts unless `directory` holds a checkpoint of each of `world_size` ranks."""
+    from detached_rl.core.checkpoint import has_checkpoint
+
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"--resume-from {directory!r}: no such directory")
+    missing = [f"rank_{rank}" for rank in range(world_size) if not has_checkpoint(path / f"rank_{rank}")]
+    if missing:
+        raise ValueError(f"--resume-from {directory!r}: not a checkpoint of this trainer (no {', '.join(missing)} "
+                         "checkpoint in it; give the --checkpoint-dir of an earlier trainer)")
+
+
 def _maker(args: argparse.Namespace) -> int:
     from detached_rl.cli import jobs
 
     config = _config(args)
-    trainers = [t for t in (args.trainers or "").split(",") if t]
+    trainers = [t.strip() for t in (args.trainers or "").split(",") if t.strip()]
+    if not trainers:
+        raise ValueError(f"--trainers {args.trainers!r}: no trainer names (comma-separated, e.g. trainer_0,trainer_1)")
     jobs.connect(args.address, config.namespace)
     missing = _missing_trainers(trainers, config.namespace)
     jobs.start_maker(config, args.name, trainers, args.batches, args.state_dir)
@@ -249,7 +280,7 @@ def _cluster_options(
 
 def _config_options(parser: argparse.ArgumentParser, config_help: str = "YAML config (default: built-in defaults)"
                     ) -> None:
-    parser.add_argument("--config", default=None, help=config_help)
+    parser.add_argument("--config", type=config_file, default=None, help=config_help)
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="override a config value, e.g. --set trainer.train_batch_size=16 (repeatable)")
 

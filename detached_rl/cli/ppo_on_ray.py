@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
-from detached_rl.cli.arguments import non_negative_int, positive_float, positive_int
+from detached_rl.cli.arguments import check_config_integers, non_negative_int, positive_float, positive_int
 
 if TYPE_CHECKING:  # the CLI builds its parser from here: keep torch out of `detached-rl --help`
     from detached_rl.config import RunConfig
@@ -187,7 +187,12 @@ def launcher_config(args: argparse.Namespace) -> RunConfig:
         overrides.append(f"ppo.mini_batch_size={args.train_batch_size}")
     if args.namespace:
         overrides.append(f"namespace={args.namespace}")
-    return load_config(args.config, [*overrides, *(args.set or [])])
+    config = load_config(args.config, [*overrides, *(args.set or [])])
+    check_config_integers(config)
+    problem = model_spec_problem(config.model.policy) if config.model.policy.startswith("tiny") else None
+    if problem:  # an unknown --model architecture
+        raise ValueError(f"--model: {problem}")
+    return config
 
 
 def cpu_slots(config: RunConfig, makers: int) -> int:

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -123,6 +124,17 @@ class RunResult:
     files: dict[str, str] = field(default_factory=dict)
 
 
+def actor_death_reason(error: BaseException) -> str:
+    """One line on why an actor died: the exception its constructor raised, else the first line of Ray's message."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        return type(error).__name__
+    if getattr(error, "actor_init_failed", False) and len(lines) > 1:  # Ray's message ends with the traceback
+        return f"its constructor raised {lines[-1]}"
+    return lines[0]
+
+
 def split_evenly(items: Sequence[Any], parts: int) -> list[list[Any]]:
     """`items` in `parts` contiguous chunks whose sizes differ by at most one (empty chunks dropped)."""
     size, extra = divmod(len(items), parts)
@@ -175,7 +187,7 @@ class JobRunner:
                 except ray.exceptions.GetTimeoutError:
                     continue
         except ray.exceptions.RayActorError as error:
-            raise ActorDied(f"{what}: an actor died ({str(error).splitlines()[0]})") from None
+            raise ActorDied(f"{what}: an actor died ({actor_death_reason(error)})") from None
         except ray.exceptions.RayTaskError as error:
             cause = error.cause if getattr(error, "cause", None) is not None else error
             raise RunError(f"{what} failed: {type(cause).__name__}: {str(cause).splitlines()[0]}") from None
