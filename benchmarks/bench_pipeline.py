@@ -34,7 +34,7 @@ import torch
 
 from detached_rl.algorithms.grpo import GRPOLearner
 from detached_rl.cli.run import run_config, run_job
-from detached_rl.config import RunConfig
+from detached_rl.config import RunConfig, maker_factory, trainer_factory
 from detached_rl.maker.experience_maker import ExperienceMaker
 from detached_rl.strategies import NaiveStrategy
 from detached_rl.trainer.core import TrainerCore
@@ -67,8 +67,8 @@ class InProcessStore:
 def one_process(config: RunConfig, steps: int, bound_steps: int) -> dict[str, float]:
     """(a): generate-then-train with 2 threads; then 1-thread generate and train times for the bound."""
     torch.set_num_threads(2)
-    maker = ExperienceMaker("maker", config.maker_factory()(), config.prompts(), config.maker_config)
-    trainer = TrainerCore("trainer", GRPOLearner(config.trainer_factory()(), NaiveStrategy(), config.grpo,
+    maker = ExperienceMaker("maker", maker_factory(config)(), config.prompts(), config.maker_config)
+    trainer = TrainerCore("trainer", GRPOLearner(trainer_factory(config)(), NaiveStrategy(), config.grpo,
                                                     sampling=config.sampling),
                           config.trainer)
     store = InProcessStore()

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from detached_rl.cli.jobs import init_local_ray
-from detached_rl.config import load_config
+from detached_rl.config import load_config, maker_factory, trainer_factory
 
 CONFIG = [
     "algorithm=grpo", "model.policy=tiny", "task.name=addition", "task.train_size=256",
@@ -72,12 +72,12 @@ def main() -> None:
 
     state_dir = Path(tempfile.mkdtemp(prefix="chaos-"))
     trainer = DetachedGRPOTrainer.options(name="chaos_trainer").remote(
-        "chaos_trainer", config.trainer_factory(), config.trainer, config.algorithm_config, "chaos",
+        "chaos_trainer", trainer_factory(config), config.trainer, config.algorithm_config, "chaos",
         sampling=config.sampling)
     names = [f"chaos_maker_{i}" for i in range(args.makers)]
     makers = {
         name: ExperienceMakerHolder.options(name=name, max_restarts=-1).remote(
-            name, ["chaos_trainer"], config.maker_factory(), config.prompts(i, args.makers), config.maker_config, "chaos",
+            name, ["chaos_trainer"], maker_factory(config), config.prompts(i, args.makers), config.maker_config, "chaos",
             state_path=str(state_dir / name))
         for i, name in enumerate(names)
     }

@@ -16,7 +16,7 @@ import ray
 
 from detached_rl import DetachedPPOTrainer, ExperienceMakerHolder
 from detached_rl.cli import jobs
-from detached_rl.config import load_config
+from detached_rl.config import load_config, maker_factory, trainer_factory
 
 DEFAULT_CONFIG = Path(__file__).parent / "jobs" / "tiny.yaml"
 
@@ -35,12 +35,12 @@ def main() -> None:
     else:
         jobs.init_local_ray(config.namespace, include_dashboard=False, log_to_driver=False)  # on 127.0.0.1
     trainer = DetachedPPOTrainer.options(name="trainer_0").remote(
-        "trainer_0", config.trainer_factory(), config.trainer, config.algorithm_config, config.namespace,
+        "trainer_0", trainer_factory(config), config.trainer, config.algorithm_config, config.namespace,
         sampling=config.sampling,
     )
     makers = [
         ExperienceMakerHolder.options(name=f"maker_{i}").remote(
-            f"maker_{i}", ["trainer_0"], config.maker_factory(), config.prompts(), config.maker_config, config.namespace
+            f"maker_{i}", ["trainer_0"], maker_factory(config), config.prompts(), config.maker_config, config.namespace
         )
         for i in range(2)
     ]

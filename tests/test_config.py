@@ -5,7 +5,14 @@ import pickle
 import pytest
 import yaml
 
-from detached_rl.config import ConfigError, RunConfig, dump_config, load_config
+from detached_rl.config import (
+    ConfigError,
+    RunConfig,
+    dump_config,
+    load_config,
+    maker_factory,
+    trainer_factory,
+)
 
 
 def test_defaults_work_and_sampling_is_shared():
@@ -84,10 +91,10 @@ def test_file_errors(tmp_path):
 
 def test_factories_are_picklable_and_build_the_configured_models():
     config = load_config(None, ["model.lora={r: 4}", "sampling.max_new_tokens=4"])
-    trainer_factory = pickle.loads(pickle.dumps(config.trainer_factory()))
-    actor, critic = trainer_factory()
+    build_trainer_models = pickle.loads(pickle.dumps(trainer_factory(config)))
+    actor, critic = build_trainer_models()
     assert any("lora_A" in name for name, _ in actor.model.named_parameters())
-    models = pickle.loads(pickle.dumps(config.maker_factory()))()
+    models = pickle.loads(pickle.dumps(maker_factory(config)))()
     assert models.reference is not None and models.critic is not None
     assert len(config.prompts().next_batch(3)) == 3
 
@@ -99,8 +106,8 @@ def test_grpo_run_config_builds_a_critic_free_setup():
     assert config.algorithm_config.algorithm == "dapo"
     from detached_rl.models import Actor
 
-    assert isinstance(config.trainer_factory()(), Actor)
-    models = config.maker_factory()()
+    assert isinstance(trainer_factory(config)(), Actor)
+    models = maker_factory(config)()
     assert models.critic is None and models.reference is None
     with pytest.raises(ConfigError, match="algorithm"):
         load_config(None, ["algorithm=sac"])
@@ -121,7 +128,36 @@ def test_the_run_sampling_reaches_the_trainers_learner():
     from .helpers import naive_strategy
 
     config = load_config(None, ["algorithm=grpo", "sampling.temperature=0.5", "sampling.max_new_tokens=9"])
-    learner = GRPOLearner(config.trainer_factory()(), naive_strategy(), config.algorithm_config,
+    learner = GRPOLearner(trainer_factory(config)(), naive_strategy(), config.algorithm_config,
                           sampling=config.sampling)  # as the trainer shells build it
     assert learner.sampling is config.sampling and learner.sampling.temperature == 0.5
-    assert GRPOLearner(config.trainer_factory()(), naive_strategy(), config.grpo).sampling == SamplingConfig()
+    assert GRPOLearner(trainer_factory(config)(), naive_strategy(), config.grpo).sampling == SamplingConfig()
+
+
+def _config_imports(path) -> set[str]:
+    """The `detached_rl.config` modules a file imports anywhere, `if TYPE_CHECKING:` blocks and functions included."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        found.update(name for name in names if name.startswith("detached_rl.config."))
+    return found
+
+
+def test_the_config_package_has_no_import_cycle_not_even_for_type_hints():
+    from pathlib import Path
+
+    import detached_rl.config as package
+
+    folder = Path(package.__file__).parent
+    graph = {f"detached_rl.config.{path.stem}": _config_imports(path) for path in folder.glob("*.py")
+             if path.stem != "__init__"}
+    assert graph["detached_rl.config.schema"] == set()  # RunConfig is data: the factories build from it
+    assert "detached_rl.config.schema" in graph["detached_rl.config.factories"]
+
+    def reaches(start: str, target: str, seen: frozenset = frozenset()) -> bool:
+        return any(n == target or n not in seen and reaches(n, target, seen | {n}) for n in graph.get(start, ()))
+
+    assert [module for module in graph if reaches(module, module)] == []

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from detached_rl.config import RunConfig, load_config
+from detached_rl.config import RunConfig, load_config, maker_factory, trainer_factory
 from detached_rl.core.weight_sync import build_weight_update
 from detached_rl.maker.experience_maker import ExperienceMaker
 from detached_rl.strategies import NaiveStrategy
@@ -70,9 +70,9 @@ def local_experience(config: RunConfig) -> list:
     local = dataclasses.replace(config.maker_config, reward_scorer=None, reference_scorer=None, critic_scorer=None,
                                 resources={})
     config = dataclasses.replace(config, maker=local)
-    maker = ExperienceMaker("maker_0", config.maker_factory()(), config.prompts(), local,
+    maker = ExperienceMaker("maker_0", maker_factory(config)(), config.prompts(), local,
                             NaiveStrategy(device="cpu"))  # where the maker actor, given no GPU, runs
-    actor, critic = config.trainer_factory()()
+    actor, critic = trainer_factory(config)()
     store = ObjectStore()
     update, _ = build_weight_update({"actor": actor.model.state_dict(), "critic": critic.state_dict()}, 0, store.put)
     maker.apply_weight_update(update, store.fetch)

@@ -30,6 +30,7 @@ from detached_rl.actors.group import start_trainer_group, trainer_names
 from detached_rl.actors.maker import ExperienceMakerHolder
 from detached_rl.actors.scorer import scorer_names, start_scorer_group
 from detached_rl.actors.trainer import trainer_class
+from detached_rl.config.factories import maker_factory, scorer_factory, trainer_factory
 from detached_rl.config.schema import RunConfig
 from detached_rl.core.resources import UnplaceableError, resource_request, unplaceable
 
@@ -143,7 +144,7 @@ def trainer_names_of(config: RunConfig, name: str) -> list[str]:
 
 def launch_trainer(config: RunConfig, name: str, detached: bool = True, threads: int = 0) -> Any:
     """Create one named trainer (strategy naive) for `config.algorithm`; `threads` caps its torch threads."""
-    factory = config.trainer_factory()
+    factory = trainer_factory(config)
     if threads > 0:
         factory = functools.partial(with_threads, threads, factory)
     options = _options(name, config, detached, trainer_request(config, detached))
@@ -162,7 +163,7 @@ def launch_trainers(config: RunConfig, name: str, timeout: float | None = None) 
         return [launch_trainer(config, name)]
     group = config.trainer_group
     wait = group.timeout_s if timeout is None else min(timeout, group.timeout_s)
-    return start_trainer_group(name, group.world_size, config.trainer_factory(), config.trainer,
+    return start_trainer_group(name, group.world_size, trainer_factory(config), config.trainer,
                                config.algorithm_config, config.namespace, strategy=group.strategy, group=group,
                                timeout=wait, sampling=config.sampling)
 
@@ -177,7 +178,7 @@ def maker_arguments(
     nice: int = 0,
 ) -> dict[str, Any]:
     """The constructor arguments of maker `name` (see `launch_maker`), each small enough to travel inline."""
-    factory = config.maker_factory()
+    factory = maker_factory(config)
     if threads > 0 or nice > 0:
         factory = functools.partial(with_threads, threads, factory, nice)
     arguments = {"name": name, "trainer_names": list(trainers), "model_factory": factory,
@@ -217,5 +218,5 @@ def launch_scorer_group(config: RunConfig, role: str, trainers: Sequence[str] = 
     group = getattr(config.scorers, role)
     if timeout is not None and timeout < group.timeout_s:
         group = dataclasses.replace(group, timeout_s=timeout)
-    return start_scorer_group(prefix, role, config.scorer_factory(role), group,
+    return start_scorer_group(prefix, role, scorer_factory(config, role), group,
                               config.sampling, config.namespace, trainers if role == "critic" else ())

@@ -1,15 +1,34 @@
-"""Model factories: build the actors' models from a `ModelConfig` (picklable through `functools.partial`)."""
+"""Model factories: build the actors' models from a `RunConfig` (picklable through `functools.partial`).
+
+The schema is data and imports nothing from here; these functions build from it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import functools
 
+from detached_rl.config.schema import ModelConfig, RunConfig, TaskConfig
 from detached_rl.maker.experience_maker import MakerModels
 from detached_rl.rewards.functions import REWARD_FUNCTIONS
 
-if TYPE_CHECKING:  # the schema imports this module to name its factories
-    from detached_rl.config.schema import ModelConfig, TaskConfig
+
+def trainer_factory(config: RunConfig) -> functools.partial:
+    """A picklable zero-argument factory of the trainer's models ((Actor, Critic) for PPO, Actor for GRPO)."""
+    if config.algorithm == "grpo":
+        return functools.partial(build_policy, config.model)
+    return functools.partial(build_actor_critic, config.model)
+
+
+def maker_factory(config: RunConfig) -> functools.partial:
+    """A picklable zero-argument factory of a maker's models (GRPO makers hold only the policy)."""
+    return functools.partial(build_maker_models, config.model, config.task, config.algorithm == "ppo",
+                             frozenset(config.maker.scorers))
+
+
+def scorer_factory(config: RunConfig, role: str) -> functools.partial:
+    """A picklable zero-argument factory of the model a `role` scorer group serves."""
+    return functools.partial(build_scorer_model, config.model, config.task, role)
 
 
 def build_policy(model: ModelConfig):

@@ -4,26 +4,18 @@
 as dataclasses with working defaults. `load_config(path, overrides)` reads YAML, applies
 `key.sub=value` overrides from the command line (`detached_rl.config.loading`), and refuses
 unknown keys and bad values with a `ConfigError` that names the dotted key. `RunConfig` also
-hands out what the actors need: model factories (`detached_rl.config.factories`, picklable so
-Ray can ship them) and the prompt source.
+hands out the prompt source; the model factories (`detached_rl.config.factories`) build from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from detached_rl.algorithms.grpo import GRPOConfig
 from detached_rl.algorithms.ppo import PPOConfig
-from detached_rl.config.factories import (
-    build_actor_critic,
-    build_maker_models,
-    build_policy,
-    build_scorer_model,
-)
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.maker.experience_maker import MakerConfig
 from detached_rl.maker.scoring import ScorerGroupConfig
@@ -188,21 +180,6 @@ class RunConfig:
         if vllm.lora_versions_kept is None and self.trainer.max_staleness is not None:
             vllm = dataclasses.replace(vllm, lora_versions_kept=self.trainer.max_staleness + 1)
         return dataclasses.replace(self.maker, sampling=self.sampling, vllm=vllm)
-
-    def trainer_factory(self) -> functools.partial:
-        """A picklable zero-argument factory of the trainer's models ((Actor, Critic) for PPO, Actor for GRPO)."""
-        if self.algorithm == "grpo":
-            return functools.partial(build_policy, self.model)
-        return functools.partial(build_actor_critic, self.model)
-
-    def maker_factory(self) -> functools.partial:
-        """A picklable zero-argument factory of a maker's models (GRPO makers hold only the policy)."""
-        return functools.partial(build_maker_models, self.model, self.task, self.algorithm == "ppo",
-                                 frozenset(self.maker.scorers))
-
-    def scorer_factory(self, role: str) -> functools.partial:
-        """A picklable zero-argument factory of the model a `role` scorer group serves."""
-        return functools.partial(build_scorer_model, self.model, self.task, role)
 
     def prompts(self, shard: int = 0, num_shards: int = 1):
         """The training prompts as a cycling prompt source; makers take disjoint shards (`shard` of `num_shards`)."""
