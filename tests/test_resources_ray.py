@@ -96,12 +96,12 @@ class TestClusterWithOneGpu:
         ray.shutdown()
 
     def test_launched_actors_carry_their_gpus_and_cpus_and_a_full_gpu_times_out_naming_them(self, cluster):
-        from detached_rl.actors.launch import launch_maker, launch_trainer
+        from detached_rl.actors.launch import launch_maker, launch_trainers
         from detached_rl.cli import jobs
 
         ray = cluster
         run = config("trainer_group.num_gpus_per_rank=0.5", "maker.num_gpus=0.25", "maker.num_cpus=0.5")
-        trainer = launch_trainer(run, "rt", detached=False)
+        [trainer] = launch_trainers(run, "rt", detached=False)
         maker = launch_maker(run, "rm", ["rt"], detached=False)
         try:
             device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -130,6 +130,20 @@ def test_shards_of_the_training_prompts_are_disjoint():
         config.prompts(shard=2, num_shards=2)
 
 
+def test_a_trainer_group_counts_every_rank_in_cpu_slots_and_gpu_shares():
+    from detached_rl.cli.run import RunError, run_cpu_slots, run_gpus
+
+    group = run_config(overrides=["trainer_group.world_size=2", "trainer_group.strategy=ddp", "run.makers=2"])
+    assert run_cpu_slots(group) == 4  # two ranks and two makers, one CPU each
+    assert run_gpus(group, 0) is group
+    shared = run_gpus(group, 3)  # a GPU per rank; the two makers share the third
+    assert (shared.trainer_group.num_gpus_per_rank, shared.maker.num_gpus) == (1.0, 0.5)
+    with pytest.raises(RunError, match="a trainer group of 2 ranks takes one GPU each.*has 2 GPUs"):
+        run_gpus(group, 2)
+    assert run_gpus(run_config(overrides=["trainer_group.world_size=2", "trainer_group.strategy=ddp",
+                                          "run.gpus=manual"]), 2).trainer_group.num_gpus_per_rank == 0
+
+
 def test_split_evenly():
     assert split_evenly(list(range(5)), 2) == [[0, 1, 2], [3, 4]]
     assert split_evenly([1], 3) == [[1]]

@@ -80,9 +80,11 @@ class ActorGroup:
         timeout: float = 300.0,
         options: dict[str, Any] | None = None,
         ready: Callable[[list[Any]], Any] | None = None,
+        detached: bool = True,
     ) -> list[Any]:
         """Place one `bundle` per worker, create the workers (`arguments(index, name)` are each one's constructor
         arguments, `options` extra actor options) and wait until `ready(handles)` returns; returns the handles.
+        `detached=False`: the workers and the placement group end with the driver that creates them.
 
         If the bundles cannot be placed within `timeout` s, or a worker or `ready` fails, every
         worker and the placement group are removed and the error is raised.
@@ -90,8 +92,9 @@ class ActorGroup:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        lifetime = "detached" if detached else None
         group = placement_group([dict(bundle) for _ in range(self.size)], strategy=placement_strategy,
-                                name=self.placement_group_name, lifetime="detached")
+                                name=self.placement_group_name, lifetime=lifetime)
         handles: list[Any] = []
         try:
             if not group.wait(timeout_seconds=timeout):
@@ -101,7 +104,7 @@ class ActorGroup:
                 )
             for index, name in enumerate(self.names):
                 worker_options = {
-                    "lifetime": "detached", "namespace": self.namespace, "name": name,
+                    "lifetime": lifetime, "namespace": self.namespace, "name": name,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
                     **(options or {}),
                 }
@@ -159,11 +162,12 @@ def start_trainer_group(
     timeout: float = 300.0,
     group: TrainerGroupConfig | None = None,
     sampling: SamplingConfig | None = None,
+    detached: bool = True,
 ) -> list[Any]:
     """Create `world_size` named trainer ranks (prefix_0 ...) in a placement group and form their process group.
 
-    The ranks are detached actors, one per bundle of a detached placement group named
-    `<prefix>-placement` (`group.placement_strategy`, PACK by default). Rank 0 hosts the process
+    The ranks are detached actors (`detached=False`: owned by this driver), one per bundle of a placement
+    group named `<prefix>-placement` (`group.placement_strategy`, PACK by default). Rank 0 hosts the process
     group at its own node address and a port free there. If any rank fails to start or join
     (e.g. a strategy that needs CUDA on a CPU node), every rank and the placement group are
     removed and the error is raised.
@@ -193,7 +197,7 @@ def start_trainer_group(
         trainer_class(algorithm),
         lambda rank, name: (name, model_factory, config, algorithm, namespace, rank, world_size, group.strategy,
                             sampling),
-        bundle, group.placement_strategy, timeout, options, ready=form_process_group,
+        bundle, group.placement_strategy, timeout, options, ready=form_process_group, detached=detached,
     )
 
 

@@ -142,30 +142,28 @@ def trainer_names_of(config: RunConfig, name: str) -> list[str]:
     return trainer_names(name, config.trainer_group.world_size) if uses_trainer_group(config) else [name]
 
 
-def launch_trainer(config: RunConfig, name: str, detached: bool = True, threads: int = 0) -> Any:
-    """Create one named trainer (strategy naive) for `config.algorithm`; `threads` caps its torch threads."""
+def launch_trainers(config: RunConfig, name: str, timeout: float | None = None, detached: bool = True,
+                    threads: int = 0) -> list[Any]:
+    """Create the trainer or trainer group `name` (`config.trainer_group`); returns the handles of its ranks.
+
+    Every command launches its trainer here. `threads` caps each rank's torch threads. A group waits
+    until its ranks formed their process group; if one fails or the ranks cannot be placed within
+    `timeout` (default `trainer_group.timeout_s`, never more), nothing of the group is left and the
+    error (RayTaskError, TimeoutError) is raised.
+    """
     factory = trainer_factory(config)
     if threads > 0:
         factory = functools.partial(with_threads, threads, factory)
-    options = _options(name, config, detached, trainer_request(config, detached))
-    return trainer_class(config.algorithm).options(**options).remote(
-        name, factory, config.trainer, config.algorithm_config, config.namespace, sampling=config.sampling)
-
-
-def launch_trainers(config: RunConfig, name: str, timeout: float | None = None) -> list[Any]:
-    """Create the detached trainer `name`, or the trainer group `name` (`config.trainer_group`); returns the handles.
-
-    A group waits until its ranks formed their process group; if one fails or the ranks cannot be
-    placed within `timeout` (default `trainer_group.timeout_s`, never more), nothing of the group is
-    left and the error (RayTaskError, TimeoutError) is raised.
-    """
     if not uses_trainer_group(config):
-        return [launch_trainer(config, name)]
-    group = config.trainer_group
+        options = _options(name, config, detached, trainer_request(config, detached))
+        trainer = trainer_class(config.algorithm).options(**options)
+        return [trainer.remote(name, factory, config.trainer, config.algorithm_config, config.namespace,
+                               sampling=config.sampling)]
+    group = config.trainer_group if detached else dataclasses.replace(config.trainer_group, resources={})
     wait = group.timeout_s if timeout is None else min(timeout, group.timeout_s)
-    return start_trainer_group(name, group.world_size, trainer_factory(config), config.trainer,
-                               config.algorithm_config, config.namespace, strategy=group.strategy, group=group,
-                               timeout=wait, sampling=config.sampling)
+    return start_trainer_group(name, group.world_size, factory, config.trainer, config.algorithm_config,
+                               config.namespace, strategy=group.strategy, group=group, timeout=wait,
+                               sampling=config.sampling, detached=detached)
 
 
 def maker_arguments(

@@ -1,7 +1,7 @@
 """`detached-rl run`: one command that trains with named detached actors and shows what was learned.
 
-It starts (or joins) a Ray cluster, creates one named trainer and `run.makers` named
-experience makers, grades the held-out split before training, trains for `run.steps`
+It starts (or joins) a Ray cluster, creates one named trainer (or a trainer group, `trainer_group`)
+and `run.makers` named experience makers, grades the held-out split before training, trains for `run.steps`
 steps while a progress bar shows step, reward, KL, samples/s and the policy version each
 maker serves, grades the held-out split again with the final weights, and writes
 `runs/<name>/`: config.yaml, metrics.jsonl, TensorBoard events, metrics.png, eval.json,
@@ -42,6 +42,10 @@ from detached_rl.config import TASK_REWARDS, RunConfig, dump_config, load_config
 
 DEFAULT_RUN_CONFIG = Path(__file__).parent.parent / "config" / "run.yaml"
 logger = logging.getLogger(__name__)
+
+
+TRAINER_SUMMARY_KEYS = ("name", "rank", "world_size", "state", "policy_version", "steps", "samples_trained",
+                        "device", "last_error")
 
 
 class RunError(RuntimeError):
@@ -92,12 +96,22 @@ def run_gpus(config: RunConfig, cluster_gpus: float) -> RunConfig:
 
     "auto" shares the cluster's GPUs (`gpu_shares`) unless `trainer_group.num_gpus_per_rank` or
     `maker.num_gpus` is set (> 0): values in the config win. "manual", or a cluster without GPUs:
-    the config as it is.
+    the config as it is. A trainer group of n ranks takes one GPU per rank and the makers share the
+    rest; a cluster with GPUs but no more than n of them is refused (RunError): no share works there.
     """
+    from detached_rl.actors.launch import uses_trainer_group
     from detached_rl.core.resources import gpu_shares
 
     if config.run.gpus != "auto" or config.trainer_group.num_gpus_per_rank > 0 or config.maker.num_gpus > 0:
         return config
+    ranks = config.trainer_group.world_size if uses_trainer_group(config) else 1
+    whole = math.floor(cluster_gpus + 1e-9)
+    if ranks > 1 and whole >= 1:
+        if whole <= ranks:
+            raise RunError(f"run.gpus auto: a trainer group of {ranks} ranks takes one GPU each and the "
+                           f"makers need more; the cluster has {cluster_gpus:g} GPUs (set "
+                           "trainer_group.num_gpus_per_rank and maker.num_gpus, or run.gpus: manual)")
+        cluster_gpus = whole - ranks + 1  # one of them stands for the group's: the makers share the others
     trainer, per_maker = gpu_shares(cluster_gpus, config.run.makers)
     if trainer == 0 and per_maker == 0:
         return config
@@ -107,8 +121,9 @@ def run_gpus(config: RunConfig, cluster_gpus: float) -> RunConfig:
 
 
 def run_cpu_slots(config: RunConfig) -> int:
-    """Logical CPUs an embedded cluster needs for the run's trainer and makers (they mostly wait on each other)."""
-    return math.ceil(config.trainer_group.num_cpus_per_rank + config.run.makers * config.maker.num_cpus)
+    """Logical CPUs an embedded cluster needs for the run's trainer ranks and makers (mostly waiting)."""
+    group = config.trainer_group
+    return math.ceil(group.world_size * group.num_cpus_per_rank + config.run.makers * config.maker.num_cpus)
 
 
 @dataclass
@@ -151,11 +166,14 @@ class JobRunner:
 
     def __init__(self, config: RunConfig, output: Path, echo: Callable[[str], None] = print,
                  interrupted: threading.Event | None = None) -> None:
+        from detached_rl.actors.launch import trainer_names_of
+
         self.config = config
         self.name = config.run.name or default_run_name(config)
         self.directory = output / self.name
         self.echo = echo
-        self.trainer_name = f"{self.name}-trainer"
+        self.trainer_name = f"{self.name}-trainer"  # the trainer, or the prefix of a trainer group's ranks
+        self.trainer_names = trainer_names_of(config, self.trainer_name)
         self.maker_names = [f"{self.name}-maker-{i}" for i in range(config.run.makers)]
         self.handles: dict[str, Any] = {}
         self.dead_makers: dict[str, str] = {}  # maker name -> why it died for good (Ray will not restart it)
@@ -194,21 +212,21 @@ class JobRunner:
 
     # ------------------------------------------------------------------ phases
     def start_actors(self) -> None:
-        """Create the named trainer and makers (refusing names already in use in the namespace)."""
+        """Create the named trainer (or trainer group) and makers, refusing names in use in the namespace."""
         import ray
 
         from detached_rl.actors.launch import (
             check_placeable,
             launch_maker,
             launch_requests,
-            launch_trainer,
+            launch_trainers,
             maker_request,
             trainer_request,
         )
         from detached_rl.core.resources import UnplaceableError, describe
 
         config = self.config
-        for name in [self.trainer_name, *self.maker_names]:
+        for name in [*self.trainer_names, *self.maker_names]:
             try:
                 ray.get_actor(name, namespace=config.namespace)
             except ValueError:
@@ -224,11 +242,17 @@ class JobRunner:
 
             smollm2_dir()  # convert the packaged GGUF once here, not three times at once in the actors
         # Owned by this driver (not detached): they end with the run, also when it is killed.
-        self.handles[self.trainer_name] = launch_trainer(config, self.trainer_name, detached=False,
-                                                         threads=config.run.trainer_threads)
+        try:
+            ranks = launch_trainers(config, self.trainer_name, timeout=self._remaining(900), detached=False,
+                                    threads=config.run.trainer_threads)
+        except (TimeoutError, ray.exceptions.RayTaskError) as error:  # a group not placed, or a rank failed
+            raise RunError(f"trainer group {self.trainer_name!r} did not start: {first_line(error)}") \
+                from None
+        self.handles.update(zip(self.trainer_names, ranks, strict=True))
         state_dir = self.directory / "maker_state" if single_machine_cluster() else None
         for index, name in enumerate(self.maker_names):
-            self.handles[name] = launch_maker(config, name, [self.trainer_name], (index, len(self.maker_names)),
+            shard = (index, len(self.maker_names))
+            self.handles[name] = launch_maker(config, name, self.trainer_names, shard,
                                               state_path=str(state_dir / name) if state_dir else None,
                                               detached=False, threads=config.run.maker_threads,
                                               nice=config.run.maker_nice)
@@ -294,8 +318,9 @@ class JobRunner:
         from tqdm import tqdm
 
         config = self.config
-        trainer = self.handles[self.trainer_name]
-        self._get(trainer.start_fit.remote(config.run.steps), "starting the trainer", cap=60)
+        ranks = [self.handles[name] for name in self.trainer_names]
+        trainer = ranks[0]  # rank 0's steps and metrics stand for the group's (the ranks step together)
+        self._get([rank.start_fit.remote(config.run.steps) for rank in ranks], "starting the trainer", cap=60)
         maker_runs = [self.handles[n].run.remote() for n in self.maker_names]
         started = time.monotonic()
         recorded = 0
@@ -303,7 +328,8 @@ class JobRunner:
                    dynamic_ncols=True, file=sys.stderr)
         try:
             while True:
-                status = self._get(trainer.status.remote(), "trainer status", cap=60)
+                statuses = self._get([rank.status.remote() for rank in ranks], "trainer status", cap=60)
+                status = self._group_status(statuses)
                 new = status["steps"] - recorded
                 rows = self._get(trainer.metrics.remote(last=new), "trainer metrics", cap=60) if new > 0 else []
                 maker_status = self._maker_status()
@@ -334,7 +360,19 @@ class JobRunner:
         # The trainer pushed the final weights and stopped the makers; their `run` calls return.
         maker_final = [self._maker_result(name, ref) for name, ref in zip(self.maker_names, maker_runs, strict=True)]
         self._sync_laggards(maker_final, int(status["policy_version"]))
-        return {"trainer": status, "makers": maker_final, "seconds": time.monotonic() - started}
+        return {"trainer": status, "trainers": statuses, "makers": maker_final,
+                "seconds": time.monotonic() - started}
+
+    @staticmethod
+    def _group_status(statuses: list[dict[str, Any]]) -> dict[str, Any]:
+        """The trainer's status from its ranks': rank 0's, failed if one failed, done once all are done."""
+        status = {**statuses[0], "samples_trained": sum(s["samples_trained"] for s in statuses)}
+        failed = [s for s in statuses if s["state"] == "failed"]
+        if failed:
+            status.update(state="failed", last_error=f"{failed[0]['name']}: {failed[0]['last_error']}")
+        elif any(s["state"] not in ("done", "stopped", "failed") for s in statuses):
+            status["state"] = "training"
+        return status
 
     def _maker_result(self, name: str, run_ref: Any) -> dict[str, Any]:
         """What a maker's `run` returned; for a maker Ray restarted (its first `run` died with it), its status
@@ -426,7 +464,7 @@ class JobRunner:
         """Write the adapter and the merged model under the run directory."""
         from detached_rl.models.export import ADAPTER_DIR, MERGED_DIR, write_files
 
-        files = self._get(self.handles[self.trainer_name].export_policy.remote(), "exporting the policy", cap=600)
+        files = self._get(self.handles[self.trainer_names[0]].export_policy.remote(), "exporting the policy", cap=600)
         write_files(files, self.directory)
         out = {}
         for kind in (ADAPTER_DIR, MERGED_DIR):
@@ -435,12 +473,17 @@ class JobRunner:
         return out
 
     def shutdown(self) -> None:
-        """Kill every actor this run created (by then they hold nothing worth draining)."""
+        """Kill every actor this run created (nothing worth draining by then) and a group's placement."""
         import ray
+
+        from detached_rl.actors.group import remove_placement_group_of
+        from detached_rl.actors.launch import uses_trainer_group
 
         for handle in self.handles.values():
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(handle, no_restart=True)
+        if self.handles and uses_trainer_group(self.config):
+            remove_placement_group_of(self.trainer_name)
         self.handles.clear()
 
     # ------------------------------------------------------------------ the whole job
@@ -456,12 +499,14 @@ class JobRunner:
         (self.directory / "config.yaml").write_text(dump_config(config))
         self.echo(f"run {self.name!r}: {config.algorithm}/{config.algorithm_config.algorithm if config.algorithm == 'grpo' else 'ppo'}"
                   f" on {config.model.policy} ({'LoRA r=' + str(config.model.lora.r) if config.model.lora else 'full'}), "
-                  f"task {config.task.name}, {config.run.steps} steps, 1 trainer + {config.run.makers} makers "
+                  f"task {config.task.name}, {config.run.steps} steps, "
+                  f"{self._trainer_note()} + {config.run.makers} makers "
                   f"({config.maker.backend} generation) "
                   f"in namespace {config.namespace!r}{self._gpu_note()}; writing {self.directory}")
         try:
             self.start_actors()
-            self.echo(f"actors up in {time.monotonic() - start:.1f} s: {self.trainer_name}, {', '.join(self.maker_names)}")
+            actors = ", ".join([*self.trainer_names, *self.maker_names])
+            self.echo(f"actors up in {time.monotonic() - start:.1f} s: {actors}")
             before = self.evaluate("before training")
             with MetricsRecorder(self.directory) as recorder:
                 trained = self.train(recorder)
@@ -472,6 +517,11 @@ class JobRunner:
         finally:
             self.shutdown()
         return self._report(before, after, trained, files, time.monotonic() - start)
+
+    def _trainer_note(self) -> str:
+        group = self.config.trainer_group
+        return "1 trainer" if len(self.trainer_names) == 1 and group.strategy == "naive" else \
+            f"a trainer group of {group.world_size} ranks ({group.strategy})"
 
     def _gpu_note(self) -> str:
         trainer, maker = self.config.trainer_group.num_gpus_per_rank, self.config.maker.num_gpus
@@ -495,6 +545,7 @@ class JobRunner:
             result.files["plot"] = str(plot)
         summary = {"name": self.name, "seconds": seconds, "train_seconds": trained["seconds"],
                    "steps": result.steps, "held_out_before": summary_before, "held_out_after": summary_after,
+                   "trainers": [{k: t.get(k) for k in TRAINER_SUMMARY_KEYS} for t in trained["trainers"]],
                    "makers": [{k: m.get(k) for k in ("name", "state", "restarted", "backend", "policy_version",
                                                    "samples_made", "tokens_per_s", "last_error")}
                               for m in trained["makers"]],
@@ -519,6 +570,13 @@ class JobRunner:
         self.echo(f"\n{result.steps} steps, {seconds:.0f} s in all ({trained['seconds']:.0f} s training); "
                   f"results in {self.directory}")
         return result
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (of its cause, for a Ray task error)."""
+    cause = getattr(error, "cause", None) or error
+    text = str(cause).strip()
+    return text.splitlines()[0] if text else type(cause).__name__
 
 
 def single_machine_cluster() -> bool:
