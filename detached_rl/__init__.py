@@ -10,13 +10,8 @@ __version__ = "0.1.0"
 # optional CPU 4-bit kernel package is missing; nothing here quantises to 4 bits.
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
-from detached_rl.core.experience import (  # noqa: E402 - after the logger setting above
-    Experience,
-    ExperienceBatch,
-    ExperienceValidationError,
-    collate,
-    uncollate,
-)
+from detached_rl.core.experience import Experience, ExperienceValidationError  # noqa: E402 - after the logger
+from detached_rl.core.experience_batch import ExperienceBatch, collate, uncollate  # noqa: E402
 from detached_rl.core.replay_buffer import ReplayBuffer  # noqa: E402
 
 # Ray is imported only when an actor name is first used, so `import detached_rl` stays light.

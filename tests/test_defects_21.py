@@ -16,7 +16,7 @@ from detached_rl.algorithms import metrics as names
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
 from detached_rl.algorithms.mismatch import masked_kl
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
-from detached_rl.core.experience import collate
+from detached_rl.core.experience_batch import collate
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.replay_buffer import ReplayBuffer
 from detached_rl.generation import HFGenerationBackend

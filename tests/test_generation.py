@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from detached_rl.core.experience import Experience, collate
+from detached_rl.core.experience import Experience
+from detached_rl.core.experience_batch import collate
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.sampling import token_log_probs
 from detached_rl.core.weight_receiver import WeightReceiver

@@ -4,14 +4,9 @@ import pytest
 import torch
 
 from detached_rl import Experience, collate
-from detached_rl.algorithms.grpo import (
-    PRESETS,
-    GRPOConfig,
-    GRPOLearner,
-    VariantPreset,
-    overlong_penalty,
-    split_groups,
-)
+from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner, overlong_penalty
+from detached_rl.algorithms.grpo_batches import split_groups
+from detached_rl.algorithms.grpo_config import PRESETS, VariantPreset
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.generation import HFGenerationBackend
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels

@@ -35,7 +35,7 @@ from detached_rl.algorithms._common import LOG_RATIO_CLAMP, bool_mask, check_sha
 from detached_rl.algorithms.kl import kl_estimate
 from detached_rl.algorithms.losses import truncated_importance_weight
 from detached_rl.algorithms.masks import masked_mean, masked_sum
-from detached_rl.core.experience import ExperienceBatch
+from detached_rl.core.experience_batch import ExperienceBatch
 
 #: The `Experience.info` key of the engine tag.
 ENGINE_KEY = "engine"

@@ -46,7 +46,8 @@ from detached_rl.algorithms.mismatch import (
 )
 from detached_rl.algorithms.step_guard import skip_metrics, step_unless_nonfinite
 from detached_rl.core.devices import host_floats
-from detached_rl.core.experience import Experience, ExperienceBatch, collate
+from detached_rl.core.experience import Experience
+from detached_rl.core.experience_batch import ExperienceBatch, collate
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.models.actor import Actor
 from detached_rl.models.scalar_heads import Critic

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from detached_rl import algorithms
-from detached_rl.core.experience import Experience, collate
+from detached_rl.core.experience import Experience
+from detached_rl.core.experience_batch import collate
 from detached_rl.generation import HFGenerationBackend
 from detached_rl.models import Actor, FunctionReward, LoraSettings, SamplingConfig, apply_lora, load_causal_lm
 from detached_rl.models.lora import count_parameters

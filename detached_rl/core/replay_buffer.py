@@ -6,59 +6,44 @@ once it has been handed out `max_reuse` times; `dropped` is keyed by reason ("st
 "evicted", "cleared"). Duplicates (ids already seen, e.g. a retried push) are counted
 apart, are not part of `received`, and are never stored twice.
 
-The door (`append`): a push is stored whole or refused whole. It is refused (`RejectedPushError`, counted as
-`rejected_invalid`, nothing stored or remembered), in this order, when it holds more samples or bytes than an
-empty buffer could take (whether or not its samples are stale or repeats); when an element is not exactly an
-`Experience` (a subclass could override `validate` or the properties the buffer reads) or fails
-`Experience.validate` (a missing field included) or the buffer's own rules (version, sequence length, same
-optional fields); and, in a grouped buffer (`group_size`), when it is not whole groups: every group id exactly
-`group_size` times with one policy version (`group_size` 1 also allows no group id), no group partly a repeat,
-no group id already in the buffer. Makers push each batch, whole groups, in one push, so a group is never split
-across pushes; a training step then always finds whole groups (eviction removes whole groups too).
+The door (`append`): a push is stored whole or refused whole (`RejectedPushError`); what it checks, in
+which order, is in `detached_rl.core.buffer_door`.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import statistics
-import sys
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
-from detached_rl.core.experience import (
-    DEFAULT_MAX_ABS_REWARD,
-    MAX_ABS_REWARD_LIMIT,
-    TOKEN_FIELDS,
-    Experience,
-    ExperienceValidationError,
-    short_repr,
+from detached_rl.core.buffer_door import (
+    NEWER_THAN_TRAINER,
+    RejectedPushError,
+    check_groups,
+    check_int,
+    check_max_abs_reward,
+    check_push,
+    check_push_size,
 )
+from detached_rl.core.buffer_stats import describe, summary
+from detached_rl.core.experience import Experience
+from detached_rl.core.experience_checks import DEFAULT_MAX_ABS_REWARD
+
+# The door's names, importable from here too: the buffer raises the error, the maker and trainer read the rest.
+__all__ = ["DROP_REASONS", "NEWER_THAN_TRAINER", "OVERFLOW_POLICIES", "AppendResult", "RejectedPushError",
+           "ReplayBuffer", "check_max_abs_reward"]
 
 OVERFLOW_POLICIES = ("refuse", "evict_oldest")
 DROP_REASONS = ("stale", "evicted", "cleared")
 _COUNTERS = ("received", "sampled", "times_handed_out", "duplicates", "refused_full", "rejected_invalid")
 _STATE_FORMAT = 1
-
-
-# How a refusal of samples newer than the trainer's weights reads: the maker that pushed them is ahead of its
-# trainer (it took weights its trainer never sent) and registers again when it sees this.
-NEWER_THAN_TRAINER = "is newer than the trainer's current version"
-
-
-class RejectedPushError(ValueError):
-    """A push refused as a whole; `index` and `field` name the offending experience and field when known."""
-
-    def __init__(self, message: str, index: int | None = None, field: str | None = None) -> None:
-        super().__init__(message)
-        self.index = index
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -109,22 +94,22 @@ class ReplayBuffer:
         max_abs_reward: float = DEFAULT_MAX_ABS_REWARD,
         group_size: int | None = None,
     ) -> None:
-        self.max_samples = _check_int("max_samples", max_samples, minimum=1)
-        self.max_bytes = _check_int("max_bytes", max_bytes, minimum=1)
-        self.max_staleness = None if max_staleness is None else _check_int("max_staleness", max_staleness, 0)
-        self.max_reuse = _check_int("max_reuse", max_reuse, minimum=1)
+        self.max_samples = check_int("max_samples", max_samples, minimum=1)
+        self.max_bytes = check_int("max_bytes", max_bytes, minimum=1)
+        self.max_staleness = None if max_staleness is None else check_int("max_staleness", max_staleness, 0)
+        self.max_reuse = check_int("max_reuse", max_reuse, minimum=1)
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
         self.overflow = overflow
-        self.vocab_size = None if vocab_size is None else _check_int("vocab_size", vocab_size, minimum=1)
-        self.dedupe_window = _check_int("dedupe_window", dedupe_window, minimum=0)
+        self.vocab_size = None if vocab_size is None else check_int("vocab_size", vocab_size, minimum=1)
+        self.dedupe_window = check_int("dedupe_window", dedupe_window, minimum=0)
         # Longest prompt + response the trainer's model can take (its max_position_embeddings).
         self.max_sequence_length = (None if max_sequence_length is None
-                                    else _check_int("max_sequence_length", max_sequence_length, minimum=2))
+                                    else check_int("max_sequence_length", max_sequence_length, minimum=2))
         # Pushed rewards beyond it are refused (see `Experience.validate` for the other float fields' bounds).
         self.max_abs_reward = check_max_abs_reward("max_abs_reward", max_abs_reward)
         # Samples per group (GRPO's responses per prompt): pushes must be whole groups. None: no group rule.
-        self.group_size = None if group_size is None else _check_int("group_size", group_size, minimum=1)
+        self.group_size = None if group_size is None else check_int("group_size", group_size, minimum=1)
         if self.group_size is not None and self.group_size > self.max_samples:
             raise ValueError(f"group_size {self.group_size} exceeds max_samples {self.max_samples}: "
                              "no group could ever be stored")
@@ -153,17 +138,14 @@ class ReplayBuffer:
 
     def append(self, experiences: Sequence[Experience], current_version: int) -> AppendResult:
         """Add one push all-or-nothing; with "refuse", a push that does not fit returns `full=True`."""
-        _check_int("current_version", current_version, minimum=0)
+        check_int("current_version", current_version, minimum=0)
         experiences = list(experiences)
         with self._cond:
             try:
-                # Size first, over the whole push: stale or repeated samples never make an oversized push pass.
-                self._check_size(len(experiences), None)
-                self._check_push(experiences, current_version)
-                sizes = {exp.id: exp.nbytes() for exp in experiences}
-                self._check_size(len(experiences), sum(sizes.values()))
+                sizes = self._check_push(experiences, current_version)
                 repeats = {exp.id for exp in experiences if self._is_duplicate(exp.id)}
-                self._check_groups(experiences, repeats)
+                check_groups(experiences, repeats, self.group_size,
+                             lambda: {entry.experience.group_id for entry in self._arrivals.values()})
             except RejectedPushError:
                 self._counts["rejected_invalid"] += 1
                 raise
@@ -213,7 +195,7 @@ class ReplayBuffer:
 
     def sample(self, count: int, current_version: int | None = None, timeout: float = 0.0) -> list[Experience]:
         """Hand out the `count` oldest samples, waiting up to `timeout` s for enough; `[]` if there are not."""
-        _check_int("count", count, minimum=1)
+        check_int("count", count, minimum=1)
         if count > self.max_samples:
             raise ValueError(f"count {count} exceeds max_samples {self.max_samples}: it could never be served")
         if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout >= 0):
@@ -249,7 +231,7 @@ class ReplayBuffer:
 
     def take(self, max_count: int, current_version: int | None = None) -> list[Experience]:
         """Hand out up to `max_count` of the oldest samples at once, without waiting."""
-        _check_int("max_count", max_count, minimum=0)
+        check_int("max_count", max_count, minimum=0)
         with self._cond:
             self._drop_stale(current_version)
             return self._hand_out(min(max_count, len(self._queue)))
@@ -289,7 +271,7 @@ class ReplayBuffer:
                 maker: {"received": n, "in_buffer": in_buffer_by_maker.get(maker, 0)}
                 for maker, n in sorted(received_by_maker.items())
             },
-            "reward": _summary([entry.score for entry in entries]),
+            "reward": summary([entry.score for entry in entries]),
         }
 
     def peek(
@@ -301,7 +283,7 @@ class ReplayBuffer:
         decode: Callable[[list[int]], str] | None = None,
     ) -> list[dict[str, Any]]:
         """Describe the newest `count` samples matching the filters, newest first, without touching them."""
-        _check_int("count", count, minimum=0)
+        check_int("count", count, minimum=0)
         matches: list[_Entry] = []
         with self._cond:
             for entry in reversed(self._arrivals.values()):
@@ -315,7 +297,7 @@ class ReplayBuffer:
                     continue
                 matches.append(entry)
         # Describing (and decoding) happens outside the lock so inspection never stalls training.
-        return [_describe(entry, decode) for entry in matches]
+        return [describe(entry.experience, entry.score, entry.uses, decode) for entry in matches]
 
     def state_dict(self) -> dict[str, Any]:
         """Return everything needed to restore the buffer exactly (samples as tensors, counters, seen ids)."""
@@ -360,76 +342,16 @@ class ReplayBuffer:
 
     # Helpers below expect the lock to be held.
 
-    def _check_size(self, count: int, nbytes: int | None) -> None:
-        if count > self.max_samples or (nbytes is not None and nbytes > self.max_bytes):
-            size = f"{count} samples" if nbytes is None else f"{count} samples ({nbytes} bytes)"
-            raise RejectedPushError(
-                f"push of {size} can never fit, even in an empty buffer (max_samples={self.max_samples}, "
-                f"max_bytes={self.max_bytes}): split it (whole groups per push)"
-            )
-
-    def _check_push(self, experiences: list[Experience], current_version: int) -> None:
-        ids_in_push: set[str] = set()
-        # Samples that may meet in one training batch must carry the same optional fields (collate needs it).
-        reference = next(iter(self._arrivals.values())).experience if self._arrivals else None
-        for index, exp in enumerate(experiences):
-            # Exactly the class (Ray delivers the class that was sent): a subclass could override `validate`, or the
-            # properties and `nbytes` the buffer and `collate` read after it.
-            if type(exp) is not Experience:
-                where = _where(index, len(experiences), exp)
-                raise RejectedPushError(
-                    f"{where}: expected an Experience (exactly that class), got {type(exp).__name__}", index)
-            try:
-                exp.validate(self.vocab_size, max_abs_reward=self.max_abs_reward)
-                if exp.policy_version > current_version:
-                    raise ExperienceValidationError(
-                        "policy_version",
-                        f"{exp.policy_version} {NEWER_THAN_TRAINER} {current_version}",
-                    )
-                total = exp.prompt_ids.numel() + exp.response_length
-                if self.max_sequence_length is not None and total > self.max_sequence_length:
-                    raise ExperienceValidationError(
-                        "response_ids", f"prompt + response is {total} tokens, over the trainer model's limit of "
-                                        f"{self.max_sequence_length}")
-                if exp.id in ids_in_push:
-                    raise ExperienceValidationError("id", "appears twice in this push")
-                reference = reference or exp
-                _check_same_fields(exp, reference, "the buffer's samples" if self._arrivals else "this push's first")
-            except ExperienceValidationError as err:
-                where = _where(index, len(experiences), exp)
-                raise RejectedPushError(f"{where}: {err}", index, err.field) from err
-            ids_in_push.add(exp.id)
-
-    def _check_groups(self, experiences: list[Experience], repeats: set[str]) -> None:
-        """Refuse a push that is not whole groups of `group_size` (see the module docstring); `repeats`: known ids."""
-        if self.group_size is None:
-            return
-        members: dict[str, list[int]] = {}
-        for index, exp in enumerate(experiences):
-            if exp.group_id is not None:
-                members.setdefault(exp.group_id, []).append(index)
-            elif self.group_size > 1:
-                _refuse_group(experiences, index, f"is missing: this trainer trains whole groups of {self.group_size} "
-                                                  "samples that share a group_id")
-        in_buffer = {entry.experience.group_id for entry in self._arrivals.values()} if members else set()
-        for group_id, indices in members.items():
-            group = [experiences[index] for index in indices]
-            name = short_repr(group_id)
-            if len(group) != self.group_size:
-                _refuse_group(experiences, indices[0], f"group {name} appears {len(group)} times in this push; this "
-                                                       f"trainer trains whole groups of {self.group_size} (a maker "
-                                                       "pushes each group whole, in one push)")
-            if len({exp.policy_version for exp in group}) > 1:
-                _refuse_group(experiences, indices[0], f"the samples of group {name} carry different policy versions "
-                                                       "(one policy version generates a group)")
-            known = sum(exp.id in repeats for exp in group)
-            if known == len(group):
-                continue  # a retried group: counted as duplicates
-            if known:
-                _refuse_group(experiences, indices[0], f"group {name} is partly a repeat of an earlier push ({known} "
-                                                       f"of its {len(group)} samples were received before)")
-            if group_id in in_buffer:
-                _refuse_group(experiences, indices[0], f"group {name} is already in the buffer from an earlier push")
+    def _check_push(self, experiences: list[Experience], current_version: int) -> dict[str, int]:
+        """Refuse a push the door does not let in (`buffer_door`); return each sample's bytes."""
+        # Size first, over the whole push: stale or repeated samples never make an oversized push pass.
+        check_push_size(len(experiences), None, self.max_samples, self.max_bytes)
+        buffered = next(iter(self._arrivals.values())).experience if self._arrivals else None
+        check_push(experiences, current_version, vocab_size=self.vocab_size, max_abs_reward=self.max_abs_reward,
+                   max_sequence_length=self.max_sequence_length, buffered=buffered)
+        sizes = {exp.id: exp.nbytes() for exp in experiences}
+        check_push_size(len(experiences), sum(sizes.values()), self.max_samples, self.max_bytes)
+        return sizes
 
     def _evict_oldest(self) -> int:
         """Drop the oldest sample and, in a grouped buffer, the rest of its group (which arrived right after it)."""
@@ -501,41 +423,6 @@ class ReplayBuffer:
         return self._counts["received"] == self._counts["sampled"] + in_buffer + sum(self._dropped.values())
 
 
-def _check_same_fields(exp: Experience, reference: Experience, whose: str) -> None:
-    """Refuse `exp` when it carries an optional per-token field `reference` lacks, or lacks one it has."""
-    for name in TOKEN_FIELDS:
-        has, expected = getattr(exp, name) is not None, getattr(reference, name) is not None
-        if has != expected:
-            raise ExperienceValidationError(
-                name, f"{'present' if has else 'absent'} here but {'absent' if has else 'present'} on {whose} "
-                      "(every maker of a trainer must send the same fields)")
-
-
-def _refuse_group(experiences: list[Experience], index: int, message: str) -> NoReturn:
-    error = ExperienceValidationError("group_id", message)
-    raise RejectedPushError(f"{_where(index, len(experiences), experiences[index])}: {error}", index, error.field)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def check_max_abs_reward(name: str, value: Any) -> float:
-    """`value` as a bound on |reward|: a finite number in (0, MAX_ABS_REWARD_LIMIT]; else ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_ABS_REWARD_LIMIT:
-        raise ValueError(f"{name} must be a number in (0, {MAX_ABS_REWARD_LIMIT:g}], got {value!r}")
-    return float(value)
-
-
-def _where(index: int, total: int, exp: Any) -> str:
-    return (
-        f"experience at index {index} of {total} "
-        f"(id {short_repr(getattr(exp, 'id', None))}, maker {short_repr(getattr(exp, 'maker', None))})"
-    )
-
-
 def _copy_fields(exp: Experience | dict[str, Any]) -> dict[str, Any]:
     """Deep-copy an experience's fields into a dict (tensors keep their dtype)."""
     values = exp if isinstance(exp, dict) else {f.name: getattr(exp, f.name) for f in fields(exp)}
@@ -544,44 +431,3 @@ def _copy_fields(exp: Experience | dict[str, Any]) -> dict[str, Any]:
         for name, value in values.items()
     }
 
-
-def _summary(values: list[float]) -> dict[str, float | None]:
-    """Mean, std, min and max; never raises and stays finite for any finite values (1e308s included)."""
-    if not values:
-        return {"mean": None, "std": None, "min": None, "max": None}
-    if not all(math.isfinite(v) for v in values):  # only an unvalidated (restored) state can hold these
-        return {"mean": math.nan, "std": math.nan, "min": min(values, key=_nan_last), "max": max(values, key=_nan_first)}
-    try:
-        mean, std = statistics.fmean(values), statistics.pstdev(values)
-    except OverflowError:  # sums of values near the float64 limit: scaled into [-1, 1] first
-        scale = max(abs(v) for v in values)
-        scaled = [v / scale for v in values]
-        mean, std = statistics.fmean(scaled) * scale, min(statistics.pstdev(scaled) * scale, sys.float_info.max)
-    return {"mean": mean, "std": std, "min": min(values), "max": max(values)}
-
-
-def _nan_last(value: float) -> float:
-    return math.inf if math.isnan(value) else value
-
-
-def _nan_first(value: float) -> float:
-    return -math.inf if math.isnan(value) else value
-
-
-def _describe(entry: _Entry, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
-    exp = entry.experience
-    row: dict[str, Any] = {
-        "id": exp.id,
-        "maker": exp.maker,
-        "policy_version": exp.policy_version,
-        "group_id": exp.group_id,
-        "score": entry.score,
-        "prompt_length": int(exp.prompt_ids.numel()),
-        "response_length": exp.response_length,
-        "info": copy.deepcopy(exp.info),
-        "uses": entry.uses,
-    }
-    if decode is not None:
-        row["prompt_text"] = decode(exp.prompt_ids.tolist())
-        row["response_text"] = decode(exp.response_ids.tolist())
-    return row

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from detached_rl.core.experience import Experience, collate
+from detached_rl.core.experience import Experience
+from detached_rl.core.experience_batch import collate
 from detached_rl.core.prompts import PromptSource, as_prompt_item
 from detached_rl.core.resources import check_amount, check_resources
 from detached_rl.core.sampling import SamplingConfig

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,8 +14,11 @@ from peft.utils import ModulesToSaveWrapper
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from detached_rl.models.lora_backend import SETTINGS_ATTR, lora_backend, model_bias
+from detached_rl.models.lora_config import check_lora_config, check_lora_update, lora_config_dict
 from detached_rl.models.scalar_heads import Critic, RewardModel
 
+# The LoRA API in one place: detection (`lora_backend`) and the config dict and its checks (`lora_config`) too.
 __all__ = [
     "LoraSettings",
     "apply_lora",
@@ -43,9 +44,6 @@ _DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "gpt2": ("c_attn",),
     **dict.fromkeys(("bloom", "gpt_neox", "falcon"), ("query_key_value",)),
 }
-
-# apply_lora keeps the resolved LoraSettings of a loralib model here (peft keeps its own peft_config).
-_SETTINGS_ATTR = "_detached_rl_lora_settings"
 
 
 @dataclass
@@ -175,7 +173,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         for name, new in replacements.items():
             parent_name, _, child_name = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child_name, new)
-        setattr(model, _SETTINGS_ATTR, resolved)
+        setattr(model, SETTINGS_ATTR, resolved)
     mark_only_lora_trainable(model, bias=resolved.bias)
     return model
 
@@ -234,46 +232,6 @@ def _loralib_module(name: str, module: nn.Module, settings: LoraSettings) -> nn.
     return new
 
 
-def lora_backend(model: nn.Module) -> str | None:
-    """Return "peft" or "loralib" for the LoRA implementation in `model`, or None if it has no LoRA."""
-    modules = list(model.modules())
-    if isinstance(model, peft.PeftModel) or any(isinstance(m, PeftLoraLayer) for m in modules):
-        return "peft"
-    if any(isinstance(m, loralib.LoRALayer) for m in modules):
-        return "loralib"
-    return None
-
-
-def _lora_holder(model: nn.Module, attribute: str) -> nn.Module:
-    """The module that carries `attribute` (peft's `peft_config`, loralib's settings): `model`, else the first
-    submodule that does (a critic's backbone); `model` when none does."""
-    if getattr(model, attribute, None):
-        return model
-    return next((m for m in model.modules() if getattr(m, attribute, None)), model)
-
-
-def _lora_settings(model: nn.Module) -> LoraSettings | None:
-    return getattr(_lora_holder(model, _SETTINGS_ATTR), _SETTINGS_ATTR, None)
-
-
-def _peft_config(model: nn.Module) -> peft.LoraConfig | None:
-    holder = _lora_holder(model, "peft_config")
-    configs = getattr(holder, "peft_config", None)
-    if not configs:
-        return None
-    adapter = getattr(holder, "active_adapter", None)
-    return configs[adapter] if adapter in configs else next(iter(configs.values()))
-
-
-def _model_bias(model: nn.Module) -> str:
-    backend = lora_backend(model)
-    if backend == "peft":
-        config = _peft_config(model)
-        return config.bias if config is not None else "none"
-    settings = _lora_settings(model)
-    return settings.bias if settings is not None else "none"
-
-
 def _adapter_parameters(model: nn.Module, bias: str) -> dict[str, nn.Parameter]:
     """The parameters that make up the adapter: what is trainable and what lora_state_dict holds."""
     if bias not in BIAS_MODES:
@@ -306,12 +264,12 @@ def mark_only_lora_trainable(model: nn.Module, bias: str = "none") -> None:
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Return detached clones of the adapter tensors, keyed by the model's parameter names."""
-    return {name: p.detach().clone() for name, p in _adapter_parameters(model, _model_bias(model)).items()}
+    return {name: p.detach().clone() for name, p in _adapter_parameters(model, model_bias(model)).items()}
 
 
 def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Set the adapter tensors from `state`; all keys and shapes are checked before anything is copied."""
-    params = _adapter_parameters(model, _model_bias(model))
+    params = _adapter_parameters(model, model_bias(model))
     for key in state:
         if key not in params:
             raise ValueError(f"unknown LoRA state key {key!r}")
@@ -325,72 +283,6 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     with torch.no_grad():
         for key, p in params.items():
             p.copy_(state[key])
-
-
-def lora_config_dict(model: nn.Module) -> dict[str, Any]:
-    """Return the model's LoRA configuration as a JSON-serialisable dict."""
-    backend = lora_backend(model)
-    if backend == "peft":
-        config = _peft_config(model)
-        if config is None:
-            raise ValueError("peft LoRA model has no peft_config")
-        targets = config.target_modules
-        return {
-            "backend": backend,
-            "r": config.r,
-            "alpha": config.lora_alpha,
-            "scaling": config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r),
-            "target_modules": [targets] if isinstance(targets, str) else sorted(targets),
-            "fan_in_fan_out": config.fan_in_fan_out,
-            "bias": config.bias,
-            "modules_to_save": sorted(config.modules_to_save) if config.modules_to_save else None,
-        }
-    settings = _lora_settings(model)
-    if backend is None or settings is None:
-        raise ValueError("model has no LoRA added by apply_lora")
-    return {
-        "backend": backend,
-        "r": settings.r,
-        "alpha": settings.alpha,
-        "scaling": settings.scaling,
-        "target_modules": sorted(settings.target_modules),
-        "fan_in_fan_out": settings.fan_in_fan_out,
-        "bias": settings.bias,
-        "modules_to_save": None,
-    }
-
-
-# The `lora_config_dict` fields an update's adapter config must match: they fix what B·A means (the backend only names
-# the implementation; a different one shows up as unknown keys anyway).
-CHECKED_LORA_FIELDS = ("r", "alpha", "scaling", "target_modules", "fan_in_fan_out", "bias", "modules_to_save")
-
-
-def check_lora_config(expected: Mapping[str, Any], sent: Any, where: str) -> None:
-    """Raise ValueError naming the field where `sent` (a `lora_config_dict`) differs from `expected`."""
-    if not isinstance(sent, Mapping):
-        raise ValueError(f"{where}: the LoRA config is a {type(sent).__name__}, not a mapping")
-    for field in CHECKED_LORA_FIELDS:
-        if field not in sent:
-            raise ValueError(f"{where}: the LoRA config lacks {field!r}")
-        mine, theirs = expected.get(field), sent[field]
-        if field == "target_modules" and theirs is not None and not isinstance(theirs, str):
-            mine, theirs = sorted(mine or ()), sorted(theirs)
-        if field in ("alpha", "scaling") and isinstance(theirs, int | float) and not isinstance(theirs, bool):
-            same = math.isclose(float(mine), float(theirs), rel_tol=1e-6)
-        else:
-            same = mine == theirs
-        if not same:
-            raise ValueError(f"{where}: LoRA {field} is {sent[field]!r} in the update, {expected.get(field)!r} here")
-
-
-def check_lora_update(expected: Mapping[str, Any], kind: str, metadata: Mapping[str, Any], where: str) -> None:
-    """Check an update's `metadata["lora"]` against `expected`; a "lora" update must carry it, a full one may."""
-    sent = metadata.get("lora")
-    if sent is None:
-        if kind == "lora":
-            raise ValueError(f"{where}: a LoRA update must carry its adapter config in metadata['lora']")
-        return
-    check_lora_config(expected, sent, where)
 
 
 def merged_model(model: nn.Module) -> nn.Module:
@@ -413,8 +305,8 @@ def merged_model(model: nn.Module) -> nn.Module:
             parent_name, _, child_name = name.rpartition(".")
             setattr(merged.get_submodule(parent_name), child_name, _plain_module(module))
     for module in merged.modules():
-        if hasattr(module, _SETTINGS_ATTR):
-            delattr(module, _SETTINGS_ATTR)
+        if hasattr(module, SETTINGS_ATTR):
+            delattr(module, SETTINGS_ATTR)
     return merged
 
 

@@ -41,7 +41,6 @@ import json
 import math
 import os
 import select
-import selectors
 import signal
 import subprocess
 import threading
@@ -51,6 +50,8 @@ from dataclasses import dataclass
 
 from detached_rl.rewards import isolation
 from detached_rl.rewards.isolation import SandboxUnavailable
+from detached_rl.rewards.sandbox_io import communicate, exit_reason, from_bwrap_status
+from detached_rl.rewards.sandbox_prelude import PROBE, prelude
 
 __all__ = ["MAX_CODE_BYTES", "SandboxResult", "SandboxUnavailable", "SandboxedProcess", "code_is_valid",
            "ensure_available", "limits_for", "run_python"]
@@ -58,100 +59,8 @@ __all__ = ["MAX_CODE_BYTES", "SandboxResult", "SandboxUnavailable", "SandboxedPr
 MAX_CODE_BYTES = 120_000  # one argv string may hold at most 128 KiB on Linux
 _NOFILE = 32
 _TASK_HEADROOM = 16  # RLIMIT_NPROC counts threads too; leave room for a few
-_MAX_WRITE_OPENS = 64  # files the code may open for writing (second layer; the tmpfs size bounds the bytes)
 _SETUP_TIMEOUT_S = 10.0  # bwrap reports its child's pid within milliseconds; this only guards against a hang
 _REAP_TIMEOUT_S = 5.0
-
-# Runs in the sandboxed interpreter before the untrusted code (passed as argv[1]): the audit hook, a
-# second layer behind the OS confinement. str.format fills the {fields}.
-_PRELUDE = r'''
-import os, sys
-
-def _confine():
-    root = os.path.realpath(os.getcwd())
-    readable = tuple(os.path.realpath(path) for path in sys.path if path) + (root,)
-    devices = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
-    own_proc = "/proc/%d" % os.getpid()
-    own_pid = os.getpid()
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    block_processes = {block_processes!r}
-    process_events = frozenset(("os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn",
-                                "os.system", "subprocess.Popen", "os.startfile", "pty.spawn"))
-    blocked_imports = frozenset(("_ctypes", "ctypes") + (("_posixsubprocess",) if block_processes else ()))
-    # event -> (indices of path arguments, indices of dir_fd arguments)
-    path_events = {{
-        "os.remove": ((0,), (1,)), "os.rmdir": ((0,), (1,)), "os.mkdir": ((0,), (2,)),
-        "os.rename": ((0, 1), (2, 3)), "os.chmod": ((0,), (2,)), "os.chown": ((0,), (3,)),
-        "os.utime": ((0,), (3,)), "os.truncate": ((0,), ()), "os.chflags": ((0,), ()),
-        "os.setxattr": ((0,), ()), "os.removexattr": ((0,), ()),
-    }}
-    writes = [0]
-    realpath, isdir, fsdecode, sep = os.path.realpath, os.path.isdir, os.fsdecode, os.sep
-
-    def inside(path, dirs):
-        return any(path == d or path.startswith(d + sep) for d in dirs)
-
-    def deny(what):
-        raise PermissionError("sandbox: " + what + " is not allowed")
-
-    def check_open(path, flags):
-        if isinstance(path, int):
-            return
-        path = realpath(fsdecode(path))
-        if inside(path, (root,)):
-            if flags & write_flags:
-                writes[0] += 1
-                if writes[0] > {max_write_opens}:
-                    deny("opening more than {max_write_opens} files for writing")
-            return
-        if flags & write_flags:
-            deny("writing " + path)
-        if isdir(path):
-            deny("opening directory " + path)  # a directory fd would let dir_fd calls escape
-        if not (inside(path, readable) or path in devices or inside(path, (own_proc,))):
-            deny("reading " + path)
-
-    def hook(event, args):
-        if event == "open":
-            check_open(args[0], args[2] or 0)
-        elif event in path_events:
-            paths, dir_fds = path_events[event]
-            for index in dir_fds:
-                if index < len(args) and args[index] not in (None, -1):
-                    deny(event + " with dir_fd")
-            for index in paths:
-                path = args[index]
-                if isinstance(path, int) and event != "os.truncate":
-                    deny(event + " on a file descriptor")
-                if not isinstance(path, int) and not inside(realpath(fsdecode(path)), (root,)):
-                    deny(event + " outside the working directory")
-        elif event.startswith("socket.") or event.startswith("ctypes."):
-            deny(event)
-        elif event in ("os.link", "os.symlink", "os.killpg", "resource.setrlimit", "resource.prlimit"):
-            deny(event)
-        elif event == "os.kill" and args[0] != own_pid:
-            deny("signalling other processes")
-        elif event == "import" and args[0] in blocked_imports:
-            deny("importing " + args[0])
-        elif block_processes and event in process_events:
-            deny("starting processes")
-
-    if {audit_hook!r}:
-        sys.addaudithook(hook)
-
-_confine()
-del _confine
-_source = sys.argv.pop(1)
-sys.argv[0] = "solution.py"
-exec(compile(_source, "solution.py", "exec"), {{"__name__": "__main__", "__builtins__": __builtins__}})
-'''
-
-# Run inside the sandbox by the first call: what the code would see of its own confinement.
-_PROBE = """\
-fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
-print(fields["Uid"].split()[0], fields["Gid"].split()[0], fields["Groups"].strip() or "-",
-      fields["CapEff"].strip(), fields["CapBnd"].strip(), fields["NoNewPrivs"].strip(), fields["Seccomp"].strip())
-"""
 
 
 @dataclass(frozen=True)
@@ -211,9 +120,7 @@ class SandboxedProcess:
     def __init__(self, code: str, limits: isolation.Limits, *, args: Sequence[str] = (),
                  pass_fds: Sequence[int] = (), capture: bool = True, audit_hook: bool = True) -> None:
         python, _ = isolation.interpreter()
-        prelude = _PRELUDE.format(block_processes=not limits.allow_processes, max_write_opens=_MAX_WRITE_OPENS,
-                                  audit_hook=audit_hook)
-        command = [python, "-I", "-S", "-B", "-c", prelude, code, *args]
+        command = [python, "-I", "-S", "-B", "-c", prelude(not limits.allow_processes, audit_hook), code, *args]
         seccomp_fd = os.memfd_create("detached_rl_seccomp")
         info_read, info_write = os.pipe()
         self._pidfd: int | None = None
@@ -273,7 +180,7 @@ class SandboxedProcess:
 
     def communicate(self, stdin: bytes, deadline: float, max_output_bytes: int) -> tuple[bytes, bytes, str | None]:
         """Feed stdin and collect output until both streams close; also waits for the exit. Reason or None."""
-        stdout, stderr, reason = _communicate(self.proc, stdin, deadline, max_output_bytes)
+        stdout, stderr, reason = communicate(self.proc, stdin, deadline, max_output_bytes)
         if reason is None and not self.wait(deadline):
             reason = "timeout"  # closed its output but kept running
         return stdout, stderr, reason
@@ -327,7 +234,7 @@ def ensure_available() -> None:
         isolation.seccomp_program(False)
         isolation.seccomp_program(True)
         limits = limits_for(10.0, 256, max_tmp_mb=1)
-        with SandboxedProcess(_PROBE, limits) as probe:
+        with SandboxedProcess(PROBE, limits) as probe:
             stdout, stderr, reason = probe.communicate(b"", time.monotonic() + 30.0, 4096)
         fields = stdout.decode("utf-8", "replace").split()
         expected = [str(isolation.SANDBOX_UID), str(isolation.SANDBOX_UID), "-", "0000000000000000",
@@ -341,71 +248,6 @@ def ensure_available() -> None:
                 f"NoNewPrivs Seccomp = {' '.join(expected)}); got {fields}: {detail}"
             )
         _verified = True
-
-
-def _exit_reason(returncode: int) -> str | None:
-    """Why the kernel ended the child, from a negative return code."""
-    if returncode >= 0:
-        return None
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = str(-returncode)
-    return {"SIGXCPU": "cpu_limit", "SIGKILL": "killed"}.get(name, f"signal:{name}")
-
-
-def _from_bwrap_status(status: int) -> int:
-    """bwrap exits with 128 + n when its command died of signal n; report that as -n, like subprocess."""
-    return -(status - 128) if 128 < status <= 128 + 64 else status
-
-
-def _communicate(
-    proc: subprocess.Popen, stdin: bytes, deadline: float, max_output_bytes: int
-) -> tuple[bytes, bytes, str | None]:
-    """Feed stdin, collect stdout/stderr until both close; "timeout" or "output_limit" when cut short."""
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    outputs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-    pending = memoryview(stdin)
-    with selectors.DefaultSelector() as selector:
-        for fd in outputs:
-            os.set_blocking(fd, False)
-            selector.register(fd, selectors.EVENT_READ)
-        if pending:
-            os.set_blocking(proc.stdin.fileno(), False)
-            selector.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
-        else:
-            proc.stdin.close()
-        while len(selector.get_map()) > 0:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return bytes(outputs[proc.stdout.fileno()]), bytes(outputs[proc.stderr.fileno()]), "timeout"
-            for key, _ in selector.select(remaining):
-                fd = key.fd
-                if fd in outputs:
-                    try:
-                        chunk = os.read(fd, 65536)
-                    except BlockingIOError:
-                        continue
-                    if not chunk:
-                        selector.unregister(fd)
-                        continue
-                    outputs[fd] += chunk
-                    if len(outputs[fd]) > max_output_bytes:
-                        del outputs[fd][max_output_bytes:]
-                        return bytes(outputs[proc.stdout.fileno()]), bytes(outputs[proc.stderr.fileno()]), \
-                            "output_limit"
-                else:
-                    try:
-                        written = os.write(fd, pending[:65536])
-                    except BlockingIOError:
-                        continue
-                    except BrokenPipeError:  # the child exited or closed stdin: the rest is not wanted
-                        written = len(pending)
-                    pending = pending[written:]
-                    if not pending:
-                        selector.unregister(fd)
-                        proc.stdin.close()
-    return bytes(outputs[proc.stdout.fileno()]), bytes(outputs[proc.stderr.fileno()]), None
 
 
 def code_is_valid(code: str) -> bool:
@@ -448,11 +290,11 @@ def run_python(
             stdin.encode("utf-8", "surrogateescape"), deadline, max_output_kb * 1024
         )
     finally:
-        returncode = _from_bwrap_status(sandboxed.close())
+        returncode = from_bwrap_status(sandboxed.close())
     return SandboxResult(
         returncode=returncode,
         stdout=stdout.decode("utf-8", "replace"),
         stderr=stderr.decode("utf-8", "replace"),
         timed_out=reason == "timeout",
-        killed_reason=reason or _exit_reason(returncode),
+        killed_reason=reason or exit_reason(returncode),
     )

@@ -1,0 +1,59 @@
+"""Which LoRA a model carries (peft or loralib) and where its settings are kept."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import loralib
+import peft
+from peft.tuners.lora import LoraLayer as PeftLoraLayer
+from torch import nn
+
+if TYPE_CHECKING:
+    from detached_rl.models.lora import LoraSettings
+
+# apply_lora keeps the resolved LoraSettings of a loralib model here (peft keeps its own peft_config).
+SETTINGS_ATTR = "_detached_rl_lora_settings"
+
+
+def lora_backend(model: nn.Module) -> str | None:
+    """Return "peft" or "loralib" for the LoRA implementation in `model`, or None if it has no LoRA."""
+    modules = list(model.modules())
+    if isinstance(model, peft.PeftModel) or any(isinstance(m, PeftLoraLayer) for m in modules):
+        return "peft"
+    if any(isinstance(m, loralib.LoRALayer) for m in modules):
+        return "loralib"
+    return None
+
+
+def _lora_holder(model: nn.Module, attribute: str) -> nn.Module:
+    """The module that carries `attribute` (peft's `peft_config`, loralib's settings): `model`, else the first
+    submodule that does (a critic's backbone); `model` when none does."""
+    if getattr(model, attribute, None):
+        return model
+    return next((m for m in model.modules() if getattr(m, attribute, None)), model)
+
+
+def loralib_settings(model: nn.Module) -> LoraSettings | None:
+    """The resolved settings `apply_lora` kept on a loralib model (or its backbone); None for peft or no LoRA."""
+    return getattr(_lora_holder(model, SETTINGS_ATTR), SETTINGS_ATTR, None)
+
+
+def peft_config(model: nn.Module) -> peft.LoraConfig | None:
+    """The active adapter's `peft.LoraConfig` of a peft model (or its backbone); None without one."""
+    holder = _lora_holder(model, "peft_config")
+    configs = getattr(holder, "peft_config", None)
+    if not configs:
+        return None
+    adapter = getattr(holder, "active_adapter", None)
+    return configs[adapter] if adapter in configs else next(iter(configs.values()))
+
+
+def model_bias(model: nn.Module) -> str:
+    """The LoRA bias mode the model was made with ("none", "all", "lora_only")."""
+    backend = lora_backend(model)
+    if backend == "peft":
+        config = peft_config(model)
+        return config.bias if config is not None else "none"
+    settings = loralib_settings(model)
+    return settings.bias if settings is not None else "none"
