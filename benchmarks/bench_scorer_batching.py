@@ -25,8 +25,10 @@ from pathlib import Path
 
 import torch
 
-from detached_rl.maker.scoring import RequestBatcher, Scorer, ScoreRequest
 from detached_rl.models import Actor, SamplingConfig, load_causal_lm
+from detached_rl.scorer.batching import RequestBatcher
+from detached_rl.scorer.core import Scorer
+from detached_rl.scorer.requests import ScoreRequest
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 PROMPT_TOKENS = 40

@@ -21,7 +21,6 @@ from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.replay_buffer import ReplayBuffer
 from detached_rl.generation import HFGenerationBackend
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
-from detached_rl.maker.scoring import Scorer, ScoreRequest
 from detached_rl.models import (
     Actor,
     Critic,
@@ -35,6 +34,8 @@ from detached_rl.models import (
 )
 from detached_rl.models.lora import lora_backend
 from detached_rl.models.scalar_heads import backbone_of
+from detached_rl.scorer.core import Scorer
+from detached_rl.scorer.requests import ScoreRequest
 from detached_rl.strategies import NaiveStrategy, make_strategy
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig

@@ -37,11 +37,12 @@ from detached_rl.algorithms.masks import broadcast_to_tokens, masked_mean, maske
 from detached_rl.algorithms.ppo import TokenWeightedMeans, micro_batches
 from detached_rl.core.devices import host_floats, pin_for, to_device
 from detached_rl.core.sampling import SamplingConfig, entropy_from_logits, process_logits, token_log_probs
-from detached_rl.maker.scoring import Scorer, ScoreRequest
 from detached_rl.models import FunctionReward
 from detached_rl.models._forward import position_ids_from_mask
 from detached_rl.models.loaders import tiny_causal_lm, tiny_tokenizer
 from detached_rl.models.scalar_heads import last_token_index
+from detached_rl.scorer.core import Scorer
+from detached_rl.scorer.requests import ScoreRequest
 from detached_rl.strategies import DDPStrategy
 
 META = torch.device("meta")

@@ -17,18 +17,21 @@ ALLOWED = {
     "models": {"core"},
     "generation": {"core", "models"},
     "algorithms": {"core", "models", "strategies"},
-    "maker": {"core", "models", "generation", "rewards", "strategies"},
+    "scorer": {"core", "models"},
+    "maker": {"core", "models", "generation", "rewards", "strategies", "scorer"},
     "trainer": {"core", "algorithms", "models", "strategies"},
-    "config": {"core", "algorithms", "models", "generation", "rewards", "strategies", "maker", "trainer"},
-    "actors": {"core", "algorithms", "models", "generation", "rewards", "strategies", "maker", "trainer", "config"},
-    "cli": {"core", "algorithms", "models", "generation", "rewards", "strategies", "maker", "trainer", "config",
-            "actors"},
+    "config": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
+               "trainer"},
+    "actors": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
+               "trainer", "config"},
+    "cli": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker", "trainer",
+            "config", "actors"},
     # Migration paths for other systems' users: thin shells over everything below, the CLI's job helpers included.
-    "compat": {"core", "algorithms", "models", "generation", "rewards", "strategies", "maker", "trainer", "config",
-               "actors", "cli"},
+    "compat": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
+               "trainer", "config", "actors", "cli"},
 }
 # Ray-free layers: everything with logic is a plain class or function, testable without a cluster.
-RAY_FREE = {"core", "rewards", "models", "generation", "algorithms", "maker", "trainer", "config"}
+RAY_FREE = {"core", "rewards", "models", "generation", "algorithms", "scorer", "maker", "trainer", "config"}
 
 
 def module_name(path: Path) -> str:

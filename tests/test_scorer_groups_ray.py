@@ -25,7 +25,8 @@ from detached_rl.actors.scorer import (
     start_scorer_group,
     stop_scorer_group,
 )
-from detached_rl.maker.scoring import ScoreRequestError, ScorerGroupConfig
+from detached_rl.scorer.config import ScorerGroupConfig
+from detached_rl.scorer.requests import ScoreRequestError
 
 from .helpers import LowTokenReward
 from .test_scorers import request

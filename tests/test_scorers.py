@@ -9,16 +9,11 @@ import torch
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update, restrict_update
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
-from detached_rl.maker.scoring import (
-    LocalScoring,
-    RequestBatcher,
-    ScoreAnswer,
-    Scorer,
-    ScoreRequest,
-    ScoreRequestError,
-    merge_requests,
-)
 from detached_rl.models import Actor, SamplingConfig
+from detached_rl.scorer.batching import RequestBatcher
+from detached_rl.scorer.core import Scorer
+from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest, ScoreRequestError, merge_requests
+from detached_rl.scorer.service import LocalScoring
 
 from .helpers import (
     LowTokenReward,

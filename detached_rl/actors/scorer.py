@@ -31,15 +31,11 @@ from detached_rl.actors.placement import actor_device
 from detached_rl.actors.transport import attach, get_all, ray_fetch, resolve_namespace
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
-from detached_rl.maker.scoring import (
-    SCORER_ROLES,
-    PendingScores,
-    RequestBatcher,
-    ScoreAnswer,
-    Scorer,
-    ScoreRequest,
-    ScorerGroupConfig,
-)
+from detached_rl.scorer.batching import RequestBatcher
+from detached_rl.scorer.config import SCORER_ROLES, ScorerGroupConfig
+from detached_rl.scorer.core import Scorer
+from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest
+from detached_rl.scorer.service import PendingScores
 
 logger = logging.getLogger(__name__)
 

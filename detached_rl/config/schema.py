@@ -18,8 +18,8 @@ from detached_rl.algorithms.grpo import GRPOConfig
 from detached_rl.algorithms.ppo import PPOConfig
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.maker.experience_maker import MakerConfig
-from detached_rl.maker.scoring import ScorerGroupConfig
 from detached_rl.rewards.functions import REWARD_FUNCTIONS
+from detached_rl.scorer.config import ScorerGroupConfig
 from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
 
 TASKS = ("addition", "word_problems")

@@ -1,1 +1,1 @@
-"""The maker side, Ray-free: `ExperienceMaker` (generate, score, tag), the pusher, and scoring services."""
+"""The maker side, Ray-free: `ExperienceMaker` (generate, score, tag), `MakerLoop` and the pusher."""

@@ -41,7 +41,6 @@ from detached_rl.generation.base import LORA_MODES, GenerationBackend
 from detached_rl.generation.registry import GENERATION_BACKENDS, build_generation_backend
 from detached_rl.generation.vllm_config import VLLMConfig, vllm_config_with
 from detached_rl.maker.pusher import PUSH_POLICIES
-from detached_rl.maker.scoring import PendingScores, ScoreAnswer, ScoreRequest, ScoringService
 from detached_rl.models.actor import Actor, reference_sampling
 from detached_rl.models.lora import lora_backend
 from detached_rl.models.lora_merge import (
@@ -52,6 +51,8 @@ from detached_rl.models.lora_merge import (
 )
 from detached_rl.models.reward import RewardScorer
 from detached_rl.models.scalar_heads import Critic
+from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest
+from detached_rl.scorer.service import PendingScores, ScoringService
 from detached_rl.strategies import NaiveStrategy, Strategy, check_strategy
 
 NOT_SYNCED = -1  # receiver version before the first weight update from a trainer
