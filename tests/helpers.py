@@ -1,4 +1,5 @@
-"""Shared test factories: the test device, tiny PPO models, a token-level reward, an in-memory object store."""
+"""Shared test helpers: the test device, tiny models, a token-level reward, an in-memory object store,
+waiting, and reading the metrics plot."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import copy
 import importlib.util
 import itertools
 import threading
-from typing import Any
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from detached_rl.rewards.tasks import addition_problems
 from detached_rl.strategies import NaiveStrategy
 
 REWARDED_BELOW = 100
+T = TypeVar("T")
 
 # The device of the running test session (`pytest --device`, set by conftest). A Ray worker imports this module
 # without conftest: there it stays the CPU, and its strategy moves the models.
@@ -207,3 +212,71 @@ def tiny_policy(seed: int = 0, device: torch.device | str | None = None) -> Acto
 def grpo_maker_models(seed: int = 7, device: torch.device | str | None = None) -> MakerModels:
     """A GRPO maker: the policy and the token reward (no critic, no reference)."""
     return MakerModels(actor=tiny_policy(seed, device), reward=LowTokenReward())
+
+
+def wait_for(condition: Callable[[], T], what: str, timeout: float = 60.0, interval: float = 0.05) -> T:
+    """Poll `condition` until it returns something truthy, and return that; on timeout fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(interval)
+
+
+def ids(experiences: Iterable[Any]) -> list[str]:
+    """The ids of `experiences`, in order."""
+    return [experience.id for experience in experiences]
+
+
+def tiny_llama(seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A tiny llama (the model only) on the test device (trainer and maker alike)."""
+    return tiny_causal_lm("llama", seed=seed, dtype=dtype)[0].to(lane_device())
+
+
+def state_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of `model`'s state dict, to compare against later."""
+    return {key: tensor.detach().clone() for key, tensor in model.state_dict().items()}
+
+
+def tiny_critic(model_type: str = "opt", seed: int = 1) -> Critic:
+    """A critic on a tiny model's body, deterministic per seed (the head too), on the CPU."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Critic(backbone_of(tiny_causal_lm(model_type, seed=seed)[0]))
+
+
+def has_lora_modules(model: nn.Module) -> bool:
+    """Whether `model` holds any peft or loralib module, or any LoRA tensor."""
+    import loralib
+    import peft.tuners.lora
+
+    lora_modules = (peft.tuners.lora.layer.__name__, loralib.layers.__name__)
+    return any(type(m).__module__ in lora_modules for m in model.modules()) or any(
+        "lora_" in name for name in model.state_dict()
+    )
+
+
+# matplotlib's first colour (C0): `plot_metrics` draws every series in it; text and grid are grey or black.
+PLOT_LINE_RGB = (31, 119, 180)
+
+
+def plot_line_pixels(path: str | Path) -> tuple[Any, tuple[int, int]]:
+    """(row, column) of each pixel of a PNG in the plot's line colour, and the image's (height, width)."""
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        pixels = np.asarray(image.convert("RGB"), dtype=np.int16)
+    near = (np.abs(pixels - np.array(PLOT_LINE_RGB, dtype=np.int16)) <= 24).all(axis=2)
+    return np.argwhere(near), (pixels.shape[0], pixels.shape[1])
+
+
+def plotted_panels(path: str | Path, min_pixels: int = 20) -> list[bool]:
+    """Whether each panel of a 2x2 metrics plot draws a series (top left, top right, bottom left, right)."""
+    points, (height, width) = plot_line_pixels(path)
+    rows, columns = points[:, 0] >= height // 2, points[:, 1] >= width // 2
+    return [int(((rows == bottom) & (columns == right)).sum()) >= min_pixels
+            for bottom in (False, True) for right in (False, True)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import psutil
 import pytest
@@ -20,7 +19,7 @@ from detached_rl.models import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig
 
 from .conftest import marked_processes
-from .helpers import arithmetic_prompts, gpu_options, grpo_maker_models, tiny_policy
+from .helpers import arithmetic_prompts, gpu_options, grpo_maker_models, tiny_policy, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -49,16 +48,6 @@ def new_maker(name: str, trainers: list[str], max_restarts: int = 2, state_path:
         state_path=state_path)
 
 
-def wait_for(predicate, what: str, timeout: float = TIMEOUT, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval)
-
-
 def status_or_none(ray, handle):
     try:
         return ray.get(handle.status.remote(), timeout=10)
@@ -74,19 +63,21 @@ def test_a_maker_killed_mid_generation_restarts_takes_the_latest_weights_and_the
     try:
         ray.get(maker.start.remote(), timeout=TIMEOUT)
         assert ray.get(trainer.start_fit.remote(STEPS), timeout=TIMEOUT)
-        wait_for(lambda: ray.get(trainer.policy_version.remote()) >= 2, "two training steps")
+        wait_for(lambda: ray.get(trainer.policy_version.remote()) >= 2, "two training steps", timeout=TIMEOUT,
+                 interval=0.2)
         before = ray.get(maker.status.remote(), timeout=TIMEOUT)
         assert not before["restarted"] and before["state"] == "running"
         os.kill(before["pid"], signal.SIGKILL)
 
         # Ray restarts the process; the new maker resumes by itself, re-attached and re-synced.
         after = wait_for(lambda: (s := status_or_none(ray, maker)) and s["pid"] != before["pid"]
-                         and s["first_batch_version"] is not None and s, "the restarted maker's first batch")
+                         and s["first_batch_version"] is not None and s, "the restarted maker's first batch",
+                         timeout=TIMEOUT, interval=0.2)
         version_at_restart = after["first_batch_version"]
         assert after["restarted"] and version_at_restart >= 2  # not -1 / 0: it pulled the trainer's weights first
         assert after["batches"] > before["batches"]  # its prompt cursor and counters went on from the saved state
         summary = wait_for(lambda: (s := ray.get(trainer.status.remote())) and s["state"] == "done" and s,
-                           "the trainer to finish")
+                           "the trainer to finish", timeout=TIMEOUT, interval=0.2)
         assert summary["policy_version"] == STEPS
         # A weight push that met the maker while it was restarting is reported, naming it, and did not stop training.
         assert summary["last_error"] is None or "fault_maker" in summary["last_error"]
@@ -95,7 +86,7 @@ def test_a_maker_killed_mid_generation_restarts_takes_the_latest_weights_and_the
         assert stats["accounting_ok"] and stats["duplicates"] == 0
         assert stats["sampled"] == STEPS * 8
         final = wait_for(lambda: (s := status_or_none(ray, maker)) and s["state"] != "running" and s,
-                         "the maker to be stopped by the trainer")
+                         "the maker to be stopped by the trainer", timeout=TIMEOUT, interval=0.2)
         assert final["policy_version"] == STEPS and final["pid"] == after["pid"]
     finally:
         ray.kill(maker, no_restart=True)
@@ -111,25 +102,28 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_its_makers_re_attach_b
     try:
         ray.get(maker.start.remote(), timeout=TIMEOUT)
         ray.get(trainer.start_fit.remote(STEPS, checkpoint_every=1, checkpoint_dir=checkpoints), timeout=TIMEOUT)
-        wait_for(lambda: ray.get(trainer.policy_version.remote()) >= 3, "three training steps")
+        wait_for(lambda: ray.get(trainer.policy_version.remote()) >= 3, "three training steps", timeout=TIMEOUT,
+                 interval=0.2)
         first = ray.get(trainer.status.remote(), timeout=TIMEOUT)
         os.kill(first["pid"], signal.SIGKILL)
-        wait_for(lambda: status_or_none(ray, trainer) is None, "the trainer to be gone")
-        wait_for(lambda: _name_free(ray, "resumed_trainer"), "the trainer's name to be released")
+        wait_for(lambda: status_or_none(ray, trainer) is None, "the trainer to be gone", timeout=TIMEOUT,
+                 interval=0.2)
+        wait_for(lambda: _name_free(ray, "resumed_trainer"), "the trainer's name to be released", timeout=TIMEOUT,
+                 interval=0.2)
         # `detached-rl status` shows the dead trainer, and the maker's pushes fail with an error naming it.
         rows = {row["name"]: row for row in jobs.all_status(NAMESPACE)}
         assert rows["resumed_trainer"]["state"] == "dead" and rows["resumed_trainer"]["role"] == "trainer"
         assert "worker process has died" in rows["resumed_trainer"]["last_error"]
         assert rows["resumed_maker"]["state"] == "running"
         wait_for(lambda: "resumed_trainer" in (ray.get(maker.status.remote())["push"]["last_error"] or ""),
-                 "the maker to report the dead trainer by name", timeout=60)
+                 "the maker to report the dead trainer by name", timeout=60, interval=0.2)
 
         # A new trainer under the same name resumes from the last whole checkpoint.
         replacement = new_trainer("resumed_trainer")
         assert ray.get(replacement.start_fit.remote(STEPS, checkpoint_every=1, checkpoint_dir=checkpoints,
                                                     resume_from=checkpoints), timeout=TIMEOUT)
         done = wait_for(lambda: (s := ray.get(replacement.status.remote())) and s["state"] in ("done", "failed") and s,
-                        "the resumed trainer to finish")
+                        "the resumed trainer to finish", timeout=TIMEOUT, interval=0.2)
         assert done["state"] == "done" and done["policy_version"] == STEPS, done["last_error"]
         assert done["trainer_run"] != first["trainer_run"]
         history = ray.get(replacement.metrics.remote())
@@ -138,7 +132,7 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_its_makers_re_attach_b
 
         # The maker never restarted: it found the new trainer by name and follows its run and versions.
         maker_status = wait_for(lambda: (s := ray.get(maker.status.remote())) and s["state"] != "running" and s,
-                                "the maker to be stopped by the new trainer")
+                                "the maker to be stopped by the new trainer", timeout=TIMEOUT, interval=0.2)
         assert not maker_status["restarted"]
         assert maker_status["trainer_run"] == done["trainer_run"] and maker_status["policy_version"] == STEPS
         push = maker_status["push"]

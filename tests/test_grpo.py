@@ -4,13 +4,15 @@ import pytest
 import torch
 
 from detached_rl import Experience, collate
+from detached_rl.algorithms import metrics as names
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner, overlong_penalty
 from detached_rl.algorithms.grpo_batches import split_groups
 from detached_rl.algorithms.grpo_config import PRESETS, VariantPreset
+from detached_rl.algorithms.mismatch import masked_kl
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.generation import HFGenerationBackend
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
-from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
+from detached_rl.models import Actor, SamplingConfig, reference_sampling, tiny_causal_lm
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
@@ -217,3 +219,25 @@ def test_a_batch_that_cuts_a_group_is_refused_with_the_reason():
     draws = [[exp(1, "a"), exp(0, "a"), exp(0, "b")]]
     with pytest.raises(ValueError, match="multiple of the makers' group_size"):
         learner().make_batch(lambda count: draws[0][:count], 3)
+
+
+TOP_K = SamplingConfig(max_new_tokens=6, top_k=2, temperature=0.7)
+
+
+def test_the_grpo_trainers_reference_scores_the_full_distribution():
+    """A fresh policy and its reference copy agree on every token; under top-k the behaviour log-probs are
+    renormalised over the top k, so KL(sampling policy || full reference) is -log(top-k mass) > 0, not 0."""
+    learner = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), naive_strategy(),
+                          GRPOConfig(sampling=TOP_K, kl_coef=0.1, kl_kind="k1"))
+    torch.manual_seed(0)
+    prompts = ["q1", "q1", "q2", "q2"]
+    out = HFGenerationBackend.from_actor(learner.policy).generate_text(prompts, TOP_K)
+    experiences = [Experience(p, r, lp, torch.tensor(float(i % 2)), group_id=prompts[i]).validate()
+                   for i, (p, r, lp) in enumerate(zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True))]
+    batch = collate(experiences, learner.policy.tokenizer.pad_token_id, device=lane_device())
+    with torch.no_grad():
+        full = learner.reference(batch.sequences, batch.attention_mask, batch.response_mask, reference_sampling(TOP_K))
+    kl = masked_kl(batch.log_probs, full, batch.response_mask, "k1")
+    expected = float((kl * batch.response_mask).sum() / batch.response_mask.sum())
+    metrics = learner.train_step(experiences, policy_version=0)
+    assert expected > 0.01 and metrics[names.OBJECTIVE_KL] == pytest.approx(expected, rel=1e-4)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from transformers.pytorch_utils import Conv1D
 
+from detached_rl.models import Critic, tiny_causal_lm
 from detached_rl.models.lora import (
     LoraSettings,
     apply_lora,
@@ -23,8 +24,9 @@ from detached_rl.models.lora import (
     mark_only_lora_trainable,
     merged_model,
 )
+from detached_rl.models.scalar_heads import backbone_of
 
-from .helpers import lane_device, model_device
+from .helpers import has_lora_modules, lane_device, model_device, tiny_critic
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
@@ -86,12 +88,6 @@ def train_steps(model: torch.nn.Module, steps: int = 3) -> None:
         opt.step()
         opt.zero_grad()
     model.eval()
-
-
-def has_lora_modules(model: torch.nn.Module) -> bool:
-    return any("lora" in type(m).__module__.lower() for m in model.modules()) or any(
-        "lora_" in n for n, _ in model.named_parameters()
-    )
 
 
 both = pytest.mark.parametrize("backend", BACKENDS)
@@ -343,3 +339,28 @@ def test_lora_backend_and_merge_without_lora() -> None:
     with pytest.raises(ValueError):
         merged_model(base)
     assert lora_backend(copy.deepcopy(build_lora("llama", "peft"))) == "peft"
+
+
+@pytest.mark.parametrize("backend", ["peft", "loralib"])
+@pytest.mark.parametrize("where", ["backbone", "critic"])
+def test_lora_on_a_critic_trains_the_adapters_and_the_head(backend, where):
+    plain = tiny_critic()
+    settings = LoraSettings(backend=backend, r=4, alpha=8)
+    if where == "backbone":  # what the issue did: LoRA on the body, then the head (peft's causal-LM wrapper failed)
+        critic = Critic(apply_lora(backbone_of(tiny_causal_lm("opt", seed=1)[0]), settings), head=plain.head)
+    else:
+        critic = apply_lora(tiny_critic(), settings)
+    assert lora_backend(critic) == backend and lora_config_dict(critic)["r"] == 4
+    trainable = {name for name, p in critic.named_parameters() if p.requires_grad}
+    assert {"head.weight", "head.bias"} <= trainable
+    assert all("lora_" in name for name in trainable - {"head.weight", "head.bias"})
+    sequences = torch.tensor([[3, 4, 5, 6, 7]])
+    args = (sequences, torch.ones_like(sequences), torch.ones(1, 3))
+    with torch.no_grad():
+        for p in critic.parameters():
+            if p.requires_grad:
+                p.add_(0.01)  # B starts at 0: move it, so the adapters change the values
+        values = critic(*args)
+        assert not torch.allclose(values, plain(*args))
+        assert torch.allclose(merged_model(critic)(*args), values, atol=1e-5)
+    assert lora_backend(merged_model(critic)) is None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import loralib
-import peft.tuners.lora
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from detached_rl.core.weight_sync import build_weight_update
 from detached_rl.models import LoraSettings, apply_lora, lora_state_dict, tiny_causal_lm
 from detached_rl.models.lora_merge import LoraMergeTarget, base_fingerprint, base_keys
 
-from .helpers import lane_device, model_device
+from .helpers import has_lora_modules, lane_device, model_device
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
@@ -75,13 +73,6 @@ def copy_into(target: LoraMergeTarget, update: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for key, tensor in update.items():
             state[key].copy_(tensor)
-
-
-def has_lora_modules(model: torch.nn.Module) -> bool:
-    lora_modules = (peft.tuners.lora.layer.__name__, loralib.layers.__name__)
-    return any(type(m).__module__ in lora_modules for m in model.modules()) or any(
-        "lora_" in name for name in model.state_dict()
-    )
 
 
 @cases

@@ -1,5 +1,6 @@
 """LoRA-only weight updates: exact (set, not add) in keep and merge modes, for peft and loralib."""
 
+import logging
 import pickle
 
 import pytest
@@ -8,13 +9,14 @@ import torch
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update
-from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
-from detached_rl.models import SamplingConfig
+from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
+from detached_rl.models import Actor, Critic, LoraSettings, SamplingConfig, apply_lora
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 
 from .helpers import (
+    LowTokenReward,
     ObjectStore,
     arithmetic_prompts,
     lane_device,
@@ -23,6 +25,7 @@ from .helpers import (
     model_device,
     naive_strategy,
     needs_smollm2,
+    tiny_critic,
 )
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
@@ -148,3 +151,68 @@ def test_smollm2_lora_update_is_under_one_percent_of_a_full_update():
           f"{payload / (adapter_bytes + head_bytes):.4f} x raw")
     assert lora_stats.bytes < 0.01 * full_stats.bytes
     assert payload <= 1.05 * (adapter_bytes + head_bytes)
+
+
+def lora_critic_models(backend: str, seed: int) -> tuple[Actor, Critic]:
+    actor, _ = lora_actor_critic("peft", seed=seed)
+    critic = apply_lora(tiny_critic("llama", seed=seed + 1), LoraSettings(backend=backend, r=4, alpha=8))
+    return actor, critic.to(lane_device())
+
+
+def ppo_pair(actor: Actor, critic: Critic, maker_critic: Critic) -> tuple[TrainerCore, ExperienceMaker, ObjectStore]:
+    learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(
+        sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-2), critic_optimizer=OptimizerConfig(lr=1e-2)))
+    trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8, weight_sync="lora"))
+    store = ObjectStore()
+    trainer.build_update(store.put)
+    maker_actor, _ = lora_actor_critic("peft", seed=0)
+    models = MakerModels(actor=maker_actor, critic=maker_critic.to(lane_device()), reward=LowTokenReward())
+    maker = ExperienceMaker("maker_0", models, CyclingPrompts(arithmetic_prompts()),
+                            MakerConfig(experience_batch_size=8, sampling=SAMPLING), strategy=naive_strategy())
+    maker.apply_weight_update(trainer.register_maker("maker_0", maker.base_fingerprint, store.put), store.fetch)
+    return trainer, maker, store
+
+
+def trainable_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def sync_once(trainer: TrainerCore, maker: ExperienceMaker, store: ObjectStore) -> dict[str, float]:
+    trainer.push_experience(maker.make_experience())
+    trainer.train_step()
+    return trainer.sync_weights(store.put, lambda u, makers: {m: maker.apply_weight_update(u, store.fetch)
+                                                              for m in makers})
+
+
+@pytest.mark.parametrize("backend", ["peft", "loralib"])
+def test_a_lora_critic_trains_and_its_lora_updates_carry_adapters_and_head(backend):
+    actor, critic = lora_critic_models(backend, seed=0)
+    trainer, maker, store = ppo_pair(actor, critic, lora_critic_models(backend, seed=0)[1])
+    assert trainer.synced_in_full == {}
+    metrics = sync_once(trainer, maker, store)
+    assert trainer.latest_update.manifest.kind == "lora" and maker.policy_version == 1
+    whole = sum(t.numel() * t.element_size() for t in critic.state_dict().values())
+    assert metrics["weight_sync/bytes/critic"] == trainable_bytes(critic) < whole / 10
+    assert metrics["weight_sync/bytes/actor"] == trainable_bytes(actor)
+    probe = torch.tensor([[5, 6, 7, 8, 9, 10]], device=lane_device())
+    args = (probe, torch.ones_like(probe), torch.ones(1, 3, device=lane_device()))
+    with torch.no_grad():
+        assert torch.allclose(maker.critic(*args), trainer.learner.critic(*args), atol=1e-5)
+
+
+def test_lora_updates_carry_a_trained_critic_without_lora_whole_and_a_frozen_one_never(caplog):
+    actor, critic = lora_actor_critic("peft", seed=0)
+    with caplog.at_level(logging.WARNING, logger="detached_rl.trainer.core"):
+        trainer, maker, store = ppo_pair(actor, critic, lora_actor_critic("peft", seed=0)[1])
+    size = trainable_bytes(critic)
+    assert trainer.synced_in_full == {"critic": size}
+    assert "critic has no LoRA" in caplog.text and "weight_sync/bytes/critic" in caplog.text
+    metrics = sync_once(trainer, maker, store)  # the critic changes every step: it ships every time, and says so
+    assert metrics["weight_sync/bytes/critic"] == size and trainer.latest_update.manifest.kind == "lora"
+
+    critic.requires_grad_(False)  # frozen: after the full update a LoRA-only update carries none of it
+    metrics = trainer.sync_weights(store.put, lambda u, makers: {})
+    update = trainer.latest_update
+    assert update.manifest.kind == "lora" and metrics["weight_sync/bytes/actor"] > 0
+    assert metrics["weight_sync/bytes/critic"] == 0
+    assert not any(spec.name.startswith("critic/") for spec in update.manifest.tensors)

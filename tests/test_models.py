@@ -17,6 +17,7 @@ from detached_rl.models import (
     load_model_dir,
     minilm_dir,
     process_logits,
+    reference_sampling,
     tiny_causal_lm,
     tiny_tokenizer,
 )
@@ -315,3 +316,10 @@ def test_entropy_of_filtered_logits_has_finite_gradients():
     torch.testing.assert_close(entropy[0], expected[0])
     assert entropy[1].item() == 0.0
     assert torch.isfinite(logits.grad).all() and logits.grad[0, 2] == 0
+
+
+def test_reference_sampling_keeps_the_temperature_and_drops_the_filters():
+    top_k, plain = SamplingConfig(max_new_tokens=6, top_k=2, temperature=0.7), SamplingConfig(max_new_tokens=6)
+    assert reference_sampling(top_k) == SamplingConfig(max_new_tokens=6, temperature=0.7)
+    assert reference_sampling(SamplingConfig(top_p=0.9, do_sample=False)).top_p == 1.0
+    assert reference_sampling(plain) is plain and reference_sampling(None) is None

@@ -9,15 +9,11 @@ from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 from detached_rl.trainer.resume import merge_buffer_states
 
-from .helpers import make_experience, naive_strategy, tiny_policy
+from .helpers import ids, make_experience, naive_strategy, tiny_policy
 
 
 def pushes(count: int, size: int = 2) -> list[list]:
     return [[make_experience(maker=f"m{i % 2}") for _ in range(size)] for i in range(count)]
-
-
-def ids(experiences) -> list[str]:
-    return [experience.id for experience in experiences]
 
 
 def test_merged_state_keeps_restored_then_live_samples_and_counts_a_known_id_as_a_duplicate():

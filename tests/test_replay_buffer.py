@@ -9,9 +9,11 @@ import time
 import pytest
 import torch
 
+from detached_rl.algorithms.mismatch import masked_kl
 from detached_rl.core.experience import Experience
 from detached_rl.core.replay_buffer import AppendResult, RejectedPushError, ReplayBuffer
 
+from .helpers import ids
 from .helpers import make_experience as make
 
 # make(): 3 + 2 int64 ids, 2 float32 log-probs, 1 float32 reward; a 2-byte id ("a0") and info as JSON ("{}")
@@ -51,10 +53,6 @@ class CheckedBuffer(ReplayBuffer):
     clear = _checked(ReplayBuffer.clear)
     peek = _checked(ReplayBuffer.peek)
     load_state_dict = _checked(ReplayBuffer.load_state_dict)
-
-
-def ids(experiences) -> list[str]:
-    return [e.id for e in experiences]
 
 
 def test_fifo_order():
@@ -455,3 +453,17 @@ def test_a_push_whose_optional_fields_differ_from_the_buffer_is_refused_naming_t
         ReplayBuffer(max_samples=10).append([make(id="r2"), make(id="r3", ref_log_probs=reference)], current_version=0)
     buffer.sample(1, current_version=0)  # drained: samples of another shape may start
     buffer.append([make(id="r4")], current_version=0)
+
+
+def test_a_replay_buffer_checkpointed_with_minus_inf_reference_log_probs_still_loads():
+    """Before the convention a reference could send -inf; such samples are refused now, but a checkpointed buffer
+    holding them loads (restoring does not re-validate) and the trainers leave those tokens out of the KL."""
+    buffer = ReplayBuffer()
+    buffer.append([make(ref_log_probs=torch.tensor([-0.5, -1.0]))], 0)
+    state = buffer.state_dict()
+    state["samples"][0]["experience"]["ref_log_probs"] = torch.tensor([-0.5, float("-inf")])
+    restored = ReplayBuffer()
+    restored.load_state_dict(state)
+    (sample,) = restored.sample(1, current_version=0)
+    kl = masked_kl(sample.log_probs[None], sample.ref_log_probs[None], torch.ones(1, 2), "k3")
+    assert bool(torch.isfinite(kl).all()) and float(kl[0, 1]) == 0.0

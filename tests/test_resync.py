@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -23,7 +22,14 @@ from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 from detached_rl.trainer.weight_push import WeightPushQueue
 
-from .helpers import ObjectStore, arithmetic_prompts, naive_strategy, tiny_actor_critic, tiny_maker_models
+from .helpers import (
+    ObjectStore,
+    arithmetic_prompts,
+    naive_strategy,
+    tiny_actor_critic,
+    tiny_maker_models,
+    wait_for,
+)
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
 BATCH_TIMEOUT_S = 30.0  # the trainer gives up after this long without data: the failure the tests guard against
@@ -95,22 +101,15 @@ def wiring(request):
     wired.close()
 
 
-def wait_until(predicate, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def resume_with_maker_registered_first(wiring: Wiring, checkpoints: str) -> dict:
     """Train 3 steps with checkpoints; replace the trainer by a new one; let the maker register with it (at its
     version 0) before the checkpoint loads; then resume and train 5 more steps."""
     wiring.register()
     wiring.start()
     wiring.fit(3, checkpoint_every=1, checkpoint_dir=checkpoints)
-    wait_until(lambda: wiring.maker.policy_version == 3, "the maker to serve version 3")
+    wait_for(lambda: wiring.maker.policy_version == 3, "the maker to serve version 3")
     wiring.trainer = new_trainer(wiring.store)  # the trainer job restarted: a new process, a new run
-    wait_until(lambda: "maker_0" in wiring.trainer.makers, "the maker to register with the new trainer")
+    wait_for(lambda: "maker_0" in wiring.trainer.makers, "the maker to register with the new trainer")
     assert wiring.maker.policy_version == 0  # it took the new run's only weights: those of before the checkpoint
     return wiring.fit(8, checkpoint_every=1, checkpoint_dir=checkpoints, resume_from=checkpoints)
 
@@ -123,7 +122,7 @@ def test_a_resumed_trainer_brings_a_maker_that_registered_before_the_checkpoint_
     assert summary["policy_version"] == 8 and summary["steps"] == 5  # trained on: 5 steps after the resume
     assert wiring.trainer.state == "done"
     # The last update is acknowledged once staged, and swapped in when the maker's batch ends.
-    wait_until(lambda: wiring.maker.policy_version == 8, "the maker to serve the last version")
+    wait_for(lambda: wiring.maker.policy_version == 8, "the maker to serve the last version")
     assert wiring.maker.receiver.trainer_run == wiring.trainer.run_id
     # Every batch trained after the resume was generated with the checkpoint's weights or newer.
     assert all(m.get("staleness/max", 0.0) <= 1.0 for m in wiring.trainer.history)
@@ -136,7 +135,7 @@ def test_a_maker_that_cannot_take_the_resumed_version_by_push_registers_again_an
     summary = resume_with_maker_registered_first(wiring, str(tmp_path / "ckpt"))
     assert summary["policy_version"] == 8 and wiring.trainer.state == "done"
     assert wiring.loop.resyncs >= 1
-    wait_until(lambda: wiring.maker.policy_version == 8, "the maker to serve the last version")
+    wait_for(lambda: wiring.maker.policy_version == 8, "the maker to serve the last version")
 
 
 def test_a_maker_pushed_a_forged_far_future_version_registers_again_and_follows_its_trainer(wiring):
@@ -153,4 +152,4 @@ def test_a_maker_pushed_a_forged_far_future_version_registers_again_and_follows_
     summary = wiring.fit(6)
     assert summary["policy_version"] == 6 and wiring.trainer.state == "done"
     assert wiring.loop.resyncs >= 1
-    wait_until(lambda: wiring.maker.policy_version == 6, "the maker to serve the last version")
+    wait_for(lambda: wiring.maker.policy_version == 6, "the maker to serve the last version")

@@ -9,7 +9,7 @@ import torch
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update, restrict_update
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
-from detached_rl.models import Actor, SamplingConfig
+from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
 from detached_rl.scorer.batching import RequestBatcher
 from detached_rl.scorer.core import Scorer
 from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest, ScoreRequestError, merge_requests
@@ -239,3 +239,29 @@ def test_a_slow_role_does_not_hold_the_generation_lock():
     scoring.submit = submit
     maker.make_experience()
     assert held == [False]
+
+
+TOP_K = SamplingConfig(max_new_tokens=6, top_k=2, temperature=0.7)
+
+
+def outside_top_k_request(actor: Actor) -> ScoreRequest:
+    """A one-row request whose last response token is the model's least likely one there (far outside any top-k)."""
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        first = int(actor.model(prompt.to(lane_device())).logits[0, -1].argmax())
+        sequence = torch.tensor([[5, 6, 7, 8, first]])
+        worst = int(actor.model(sequence.to(lane_device())).logits[0, -1].argmin())
+    sequences = torch.tensor([[5, 6, 7, 8, first, worst]])
+    return ScoreRequest(sequences, torch.ones_like(sequences), torch.ones(1, 2, dtype=torch.long))
+
+
+def test_a_reference_scorer_gives_a_token_outside_its_top_k_a_finite_log_prob():
+    actor = Actor(*tiny_causal_lm("llama", seed=0)).to(lane_device())
+    request = outside_top_k_request(actor)
+    answer = Scorer("reference", actor, TOP_K, device=lane_device()).answer([request])[0]
+    assert bool(torch.isfinite(answer.token_scores).all()), answer.token_scores
+    # The temperature-scaled full distribution: temperature 0.7, no top-k.
+    expected = actor.log_probs(*(t.to(lane_device()) for t in (request.sequences, request.attention_mask,
+                                                               request.response_mask)),
+                               SamplingConfig(max_new_tokens=6, temperature=0.7)).cpu()
+    assert torch.allclose(answer.token_scores, expected, atol=1e-5)

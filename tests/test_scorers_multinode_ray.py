@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from detached_rl.maker.experience_maker import ExperienceMaker
 from detached_rl.strategies import NaiveStrategy
 
 from .conftest import ROOT
-from .helpers import ObjectStore
+from .helpers import ObjectStore, wait_for
 
 pytestmark = pytest.mark.ray
 NAMESPACE = "multinode_test"
@@ -79,16 +78,6 @@ def local_experience(config: RunConfig) -> list:
     return maker.make_experience()
 
 
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def test_roles_on_their_nodes_equal_experience_and_a_short_ppo_run(cluster):
     import ray
 
@@ -108,7 +97,8 @@ def test_roles_on_their_nodes_equal_experience_and_a_short_ppo_run(cluster):
             assert status["node_id"] == cluster[resource], f"{name} is not on the {resource}"
 
         # The first batch (policy v0, critic v0) equals a local-model maker's, from the same seed.
-        wait_for(lambda: ray.get(trainer.buffer_length.remote(), timeout=30) >= 4, 180, "the first batch")
+        wait_for(lambda: ray.get(trainer.buffer_length.remote(), timeout=30) >= 4, "the first batch", timeout=180,
+                 interval=0.5)
         rows = ray.get(trainer.buffer_export.remote(0, 4), timeout=60)
         expected = local_experience(config)
         assert len(rows) == len(expected) == 4
@@ -122,8 +112,8 @@ def test_roles_on_their_nodes_equal_experience_and_a_short_ppo_run(cluster):
 
         # A short PPO run completes; the critic scorers follow the trainer's versions.
         assert ray.get(maker.start.remote(None), timeout=60)
-        wait_for(lambda: ray.get(trainer.status.remote(), timeout=30)["state"] in ("done", "failed"), 300,
-                 "the run to finish")
+        wait_for(lambda: ray.get(trainer.status.remote(), timeout=30)["state"] in ("done", "failed"), "the run to finish",
+                 timeout=300, interval=0.5)
         status = ray.get(trainer.status.remote(), timeout=30)
         assert status["state"] == "done" and status["steps"] == 2, status
         for name in ("critic_0", "critic_1"):

@@ -4,12 +4,18 @@ strategies that cannot run here refuse at construction."""
 import pytest
 import torch
 
-from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
+from detached_rl.actors.trainer import PPOTrainerShell
+from detached_rl.algorithms.grpo import GRPOLearner
+from detached_rl.algorithms.ppo import PPOLearner
+from detached_rl.core.prompts import CyclingPrompts
+from detached_rl.maker.experience_maker import ExperienceMaker, MakerModels
+from detached_rl.models import Actor, LoraSettings, apply_lora, tiny_causal_lm
 from detached_rl.strategies import NaiveStrategy, StrategyUnavailableError, make_strategy
 from detached_rl.strategies import colossalai as colossalai_strategies
 from detached_rl.strategies.optim import OptimizerConfig
+from detached_rl.trainer.core import TrainerCore
 
-from .helpers import naive_strategy
+from .helpers import LowTokenReward, arithmetic_prompts, lane_device, lora_actor_critic, naive_strategy
 
 
 def test_make_strategy_refuses_unknown_names():
@@ -247,3 +253,35 @@ def test_gemini_without_accumulation_refuses_a_second_micro_batch_by_name():
     device = torch.device("cuda", torch.cuda.current_device())
     with pytest.raises(ValueError, match="micro_batch_size.*enable_gradient_accumulation"):
         _sharded_run("colossalai_gemini", "bf16", _batches(device), enable_gradient_accumulation=False)
+
+
+# `strategy=` takes a strategy name or a Strategy; a callable (a factory) is refused wherever it is given.
+
+
+def naive_factory() -> NaiveStrategy:
+    return NaiveStrategy(device=lane_device())
+
+
+def test_a_callable_strategy_is_refused_at_construction_naming_strategy():
+    with pytest.raises(TypeError, match=r"trainer 't': strategy must be a strategy name.*strategy_fn"):
+        PPOTrainerShell("t", lora_actor_critic, strategy=naive_factory)
+    with pytest.raises(TypeError, match="strategy must be a strategy name"):
+        make_strategy(naive_factory)
+    with pytest.raises(ValueError, match="strategy 'fsdp' is not available"):
+        PPOTrainerShell("t", lora_actor_critic, strategy="fsdp")
+    with pytest.raises(TypeError, match="GRPOLearner: strategy must be a detached_rl Strategy"):
+        GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), naive_factory)
+    learner = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), naive_strategy())
+    learner.strategy = "naive"
+    with pytest.raises(TypeError, match=r"TrainerCore 't': learner.strategy .*make_strategy"):
+        TrainerCore("t", learner)
+    actor, critic = lora_actor_critic("peft", seed=0)
+    with pytest.raises(TypeError, match="maker 'm': strategy"):
+        ExperienceMaker("m", MakerModels(actor=actor, critic=critic, reward=LowTokenReward()),
+                        CyclingPrompts(arithmetic_prompts()), strategy=naive_factory)
+
+
+def test_ppo_learner_refuses_a_callable_strategy():
+    actor, critic = lora_actor_critic("peft", seed=0)
+    with pytest.raises(TypeError, match="PPOLearner: strategy must be a detached_rl Strategy"):
+        PPOLearner(actor, critic, naive_factory)

@@ -25,6 +25,7 @@ from detached_rl.generation.vllm_config import build_vllm_backend  # noqa: E402
 from detached_rl.models.actor import Actor  # noqa: E402
 from detached_rl.models.loaders import tiny_causal_lm  # noqa: E402
 from tests.conftest import CLUSTER_MARKER, ROOT, marked_processes, new_cluster_marker  # noqa: E402
+from tests.helpers import plotted_panels  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -94,7 +95,9 @@ def test_metrics_and_evaluation(finished_run):
     assert len(evaluation["before"]) == len(evaluation["after"]) == 16
     assert {r["policy_version"] for r in evaluation["before"]} == {0}
     assert {r["policy_version"] for r in evaluation["after"]} == {STEPS}
-    assert (directory / "metrics.png").is_file() and (directory / "tensorboard").is_dir()
+    assert (directory / "tensorboard").is_dir()
+    # The reward, KL and response-length panels each draw their series (the rows above carry all three).
+    assert plotted_panels(directory / "metrics.png")[:3] == [True, True, True]
 
 
 def test_adapter_and_merged_model_load_and_agree(finished_run, model_dir):

@@ -15,14 +15,17 @@ from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.maker.loop import take_offered
 from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
 
-from .helpers import ObjectStore, arithmetic_prompts, grpo_maker_models, lane_device
+from .helpers import (
+    ObjectStore,
+    arithmetic_prompts,
+    grpo_maker_models,
+    lane_device,
+    state_snapshot,
+    tiny_llama,
+)
 
 CHUNK = 40_000  # bytes: the tiny llama is cut into a dozen chunks
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
-
-
-def llama(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    return tiny_causal_lm("llama", seed=seed, dtype=dtype)[0].to(lane_device())
 
 
 def lora_llama(seed: int) -> torch.nn.Module:
@@ -34,10 +37,6 @@ def lora_llama(seed: int) -> torch.nn.Module:
             if "lora_" in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
     return model.to(lane_device())
-
-
-def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {key: tensor.detach().clone() for key, tensor in model.state_dict().items()}
 
 
 def unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
@@ -73,27 +72,27 @@ def replaced(update: WeightUpdate, store: ObjectStore, name: str, tensor: torch.
 @pytest.fixture
 def bound():
     """A maker's receiver that took version 3 of trainer run "run-a"."""
-    store, maker = ObjectStore(), llama(seed=1)
+    store, maker = ObjectStore(), tiny_llama(seed=1)
     receiver = WeightReceiver({"actor": maker}, version=-1)
-    assert receiver.apply(full(store, llama(seed=2), 3), store.fetch).applied
+    assert receiver.apply(full(store, tiny_llama(seed=2), 3), store.fetch).applied
     assert (receiver.version, receiver.trainer_run) == (3, "run-a")
     return store, maker, receiver
 
 
 def test_an_update_of_another_trainer_run_is_refused_until_an_explicit_reset(bound):
     store, maker, receiver = bound
-    before = snapshot(maker)
+    before = state_snapshot(maker)
     for run in ("run-b", None):  # another run, or none named
         with pytest.raises(WeightUpdateError, match=f"trainer_run {run!r} is not the trainer run"):
-            receiver.apply(full(store, llama(seed=3), 4, run=run), store.fetch)
+            receiver.apply(full(store, tiny_llama(seed=3), 4, run=run), store.fetch)
         assert unchanged(maker, before) and (receiver.version, receiver.trainer_run) == (3, "run-a")
     # A trainer resumed from its step-2 checkpoint (a new run): the maker registers with it again.
-    resumed = llama(seed=3)
+    resumed = tiny_llama(seed=3)
     assert receiver.apply(full(store, resumed, 2, run="run-b"), store.fetch, reset=True).applied
-    assert (receiver.version, receiver.trainer_run) == (2, "run-b") and unchanged(maker, snapshot(resumed))
+    assert (receiver.version, receiver.trainer_run) == (2, "run-b") and unchanged(maker, state_snapshot(resumed))
     with pytest.raises(WeightUpdateError, match="trainer_run 'run-a'"):
-        receiver.apply(full(store, llama(seed=2), 5), store.fetch)  # the old run is now the foreign one
-    assert receiver.apply(full(store, llama(seed=4), 3, run="run-b"), store.fetch).applied
+        receiver.apply(full(store, tiny_llama(seed=2), 5), store.fetch)  # the old run is now the foreign one
+    assert receiver.apply(full(store, tiny_llama(seed=4), 3, run="run-b"), store.fetch).applied
     assert (receiver.version, receiver.trainer_run) == (3, "run-b")
 
 
@@ -103,41 +102,41 @@ def test_registering_with_a_trainer_that_has_no_weights_yet_follows_its_run_from
     # offered nothing, only the new run's id. Its first update (a full one, at the checkpoint's step) is the reset.
     receiver.registered_runs.update({"run-b", "run-x"})
     with pytest.raises(WeightUpdateError, match="trainer_run 'run-c'"):
-        receiver.receive(full(store, llama(seed=3), 2, run="run-c"), store.fetch)
-    resumed = llama(seed=3)
+        receiver.receive(full(store, tiny_llama(seed=3), 2, run="run-c"), store.fetch)
+    resumed = tiny_llama(seed=3)
     assert receiver.receive(full(store, resumed, 2, run="run-b"), store.fetch).applied
-    assert (receiver.version, receiver.trainer_run) == (2, "run-b") and unchanged(maker, snapshot(resumed))
+    assert (receiver.version, receiver.trainer_run) == (2, "run-b") and unchanged(maker, state_snapshot(resumed))
     with pytest.raises(WeightUpdateError, match="stale version 1"):
-        receiver.receive(full(store, llama(seed=4), 1, run="run-b"), store.fetch)  # now an ordinary rollback
+        receiver.receive(full(store, tiny_llama(seed=4), 1, run="run-b"), store.fetch)  # now an ordinary rollback
     # Following run-b ended the other registration's claim: run-x is now just another run.
     with pytest.raises(WeightUpdateError, match="trainer_run 'run-x' is not the trainer run"):
-        receiver.receive(full(store, llama(seed=4), 5, run="run-x"), store.fetch)
+        receiver.receive(full(store, tiny_llama(seed=4), 5, run="run-x"), store.fetch)
 
 
 def test_a_far_future_version_is_refused_and_the_real_next_update_still_applies(bound):
     store, maker, receiver = bound
-    before = snapshot(maker)
+    before = state_snapshot(maker)
     with pytest.raises(WeightUpdateError, match=r"version 1000000000 .*max_version_jump 1000"):
-        receiver.apply(full(store, llama(seed=3), 10**9), store.fetch)
+        receiver.apply(full(store, tiny_llama(seed=3), 10**9), store.fetch)
     assert unchanged(maker, before) and receiver.version == 3
-    nxt = llama(seed=4)
+    nxt = tiny_llama(seed=4)
     assert receiver.apply(full(store, nxt, 4), store.fetch).applied
-    assert receiver.version == 4 and unchanged(maker, snapshot(nxt))
-    assert receiver.apply(full(store, llama(seed=5), 4 + 1000), store.fetch).applied  # the bound itself is allowed
+    assert receiver.version == 4 and unchanged(maker, state_snapshot(nxt))
+    assert receiver.apply(full(store, tiny_llama(seed=5), 4 + 1000), store.fetch).applied  # the bound itself is allowed
     # An explicit reset may go anywhere.
-    assert receiver.apply(full(store, llama(seed=6), 10**9), store.fetch, reset=True).applied
+    assert receiver.apply(full(store, tiny_llama(seed=6), 10**9), store.fetch, reset=True).applied
     assert receiver.version == 10**9
 
 
 def test_rollbacks_are_refused_from_any_run_without_a_reset(bound):
     store, maker, receiver = bound
-    before = snapshot(maker)
+    before = state_snapshot(maker)
     with pytest.raises(WeightUpdateError, match="stale version 2 < current 3"):
-        receiver.apply(full(store, llama(seed=3), 2), store.fetch)
+        receiver.apply(full(store, tiny_llama(seed=3), 2), store.fetch)
     with pytest.raises(WeightUpdateError, match="trainer_run 'run-b'"):
-        receiver.apply(full(store, llama(seed=3), 2, run="run-b"), store.fetch)
+        receiver.apply(full(store, tiny_llama(seed=3), 2, run="run-b"), store.fetch)
     assert unchanged(maker, before) and (receiver.version, receiver.trainer_run) == (3, "run-a")
-    assert receiver.apply(full(store, llama(seed=3), 2), store.fetch, reset=True).applied
+    assert receiver.apply(full(store, tiny_llama(seed=3), 2), store.fetch, reset=True).applied
     assert receiver.version == 2
 
 
@@ -156,8 +155,8 @@ def test_a_lora_update_of_a_new_run_needs_its_full_update_first_even_as_a_reset(
 def test_a_full_update_with_nan_or_inf_is_refused_and_nothing_changes(bound, mode, value):
     store, maker, receiver = bound
     receiver.mode = mode
-    before, fingerprint = snapshot(maker), receiver.fingerprint
-    update = poisoned(full(store, llama(seed=3), 4), store, f"actor/{Q_PROJ}", value)
+    before, fingerprint = state_snapshot(maker), receiver.fingerprint
+    update = poisoned(full(store, tiny_llama(seed=3), 4), store, f"actor/{Q_PROJ}", value)
     assert update.manifest.tensors[0].name != f"actor/{Q_PROJ}"  # in place, an earlier chunk could be written first
     with pytest.raises(WeightUpdateError, match=f"'actor/{Q_PROJ}' holds NaN or Inf"):
         receiver.apply(update, store.fetch)
@@ -171,8 +170,8 @@ def test_a_full_update_with_nan_or_inf_is_refused_and_nothing_changes(bound, mod
 def test_a_full_update_poisoned_in_its_first_chunk_leaves_the_weights_as_they_were(bound, mode):
     store, maker, receiver = bound
     receiver.mode = mode
-    before = snapshot(maker)
-    clean = full(store, llama(seed=3), 4)
+    before = state_snapshot(maker)
+    clean = full(store, tiny_llama(seed=3), 4)
     update = poisoned(clean, store, clean.manifest.tensors[0].name, float("nan"))
     with pytest.raises(WeightUpdateError, match="holds NaN or Inf"):
         receiver.apply(update, store.fetch)
@@ -184,7 +183,7 @@ def test_a_lora_update_with_nan_is_refused_and_the_adapter_is_kept(mode):
     store, maker = ObjectStore(), lora_llama(seed=1)
     receiver = WeightReceiver({"actor": maker}, mode=mode, version=-1)
     assert receiver.apply(full(store, lora_llama(seed=2), 1), store.fetch).applied
-    before = snapshot(maker)
+    before = state_snapshot(maker)
     adapter = {key: p.detach() for key, p in lora_llama(seed=3).named_parameters() if p.requires_grad}
     update = build_weight_update({"actor": adapter}, 2, store.put, kind="lora", metadata={"trainer_run": "run-a"})[0]
     name = next(spec.name for spec in update.manifest.tensors if "lora_B" in spec.name)
@@ -194,10 +193,10 @@ def test_a_lora_update_with_nan_is_refused_and_the_adapter_is_kept(mode):
 
 
 def test_a_value_the_cast_dtype_cannot_hold_is_refused():
-    store, maker = ObjectStore(), llama(seed=1, dtype=torch.float16)
+    store, maker = ObjectStore(), tiny_llama(seed=1, dtype=torch.float16)
     receiver = WeightReceiver({"actor": maker}, cast_dtype=torch.float16)
-    before = snapshot(maker)
-    update = poisoned(full(store, llama(seed=2), 1), store, f"actor/{Q_PROJ}", 1e6)  # finite in float32
+    before = state_snapshot(maker)
+    update = poisoned(full(store, tiny_llama(seed=2), 1), store, f"actor/{Q_PROJ}", 1e6)  # finite in float32
     with pytest.raises(WeightUpdateError, match="holds NaN or Inf or values beyond torch.float16"):
         receiver.apply(update, store.fetch)
     assert unchanged(maker, before) and receiver.version == 0
@@ -225,7 +224,7 @@ def test_nan_is_found_in_float8_bfloat16_and_complex_tensors(name):
 def test_a_failed_in_place_reset_binds_to_the_new_run_whose_full_update_repairs_it(bound):
     store, maker, receiver = bound
     receiver.mode = "in_place"
-    resumed = llama(seed=3)
+    resumed = tiny_llama(seed=3)
     update = full(store, resumed, 1, run="run-b")
     lost = update.chunk_refs[2]
     del store.objects[lost]
@@ -234,7 +233,7 @@ def test_a_failed_in_place_reset_binds_to_the_new_run_whose_full_update_repairs_
     assert not receiver.consistent and receiver.trainer_run == "run-b"
     # The resumed trainer's next push (an older version than the half-written weights carry) repairs them.
     assert receiver.apply(full(store, resumed, 2, run="run-b"), store.fetch).applied
-    assert receiver.consistent and receiver.version == 2 and unchanged(maker, snapshot(resumed))
+    assert receiver.consistent and receiver.version == 2 and unchanged(maker, state_snapshot(resumed))
 
 
 def test_a_makers_registration_is_the_reset_and_pushes_are_not():
@@ -266,8 +265,8 @@ def test_a_makers_registration_is_the_reset_and_pushes_are_not():
 @pytest.mark.parametrize("version", [4.5, True, -1, "5", None])
 def test_a_version_that_is_not_a_non_negative_integer_is_refused(bound, version):
     store, maker, receiver = bound
-    before = snapshot(maker)
-    update = full(store, llama(seed=3), 4)
+    before = state_snapshot(maker)
+    update = full(store, tiny_llama(seed=3), 4)
     forged = WeightUpdate(dataclasses.replace(update.manifest, version=version), update.chunk_refs)
     with pytest.raises(WeightUpdateError, match="version must be a non-negative integer"):
         receiver.receive(forged, store.fetch)
@@ -277,11 +276,11 @@ def test_a_version_that_is_not_a_non_negative_integer_is_refused(bound, version)
 
 @pytest.mark.parametrize("mode", ["staged", "in_place"])
 def test_a_finite_but_absurd_tensor_with_valid_checksums_is_refused_and_the_next_update_applies(mode):
-    store, maker = ObjectStore(), llama(seed=1)
+    store, maker = ObjectStore(), tiny_llama(seed=1)
     receiver = WeightReceiver({"actor": maker}, version=-1, mode=mode)
-    assert receiver.apply(full(store, llama(seed=2), 3), store.fetch).applied
-    before = snapshot(maker)
-    trained = llama(seed=2)
+    assert receiver.apply(full(store, tiny_llama(seed=2), 3), store.fetch).applied
+    before = state_snapshot(maker)
+    trained = tiny_llama(seed=2)
     with torch.no_grad():  # what an optimizer step does: a small change
         trained.get_parameter(Q_PROJ).add_(1e-3)
 
@@ -294,11 +293,11 @@ def test_a_finite_but_absurd_tensor_with_valid_checksums_is_refused_and_the_next
     assert unchanged(maker, before) and receiver.version == 3
     assert receiver.consistent == (mode == "staged")  # in place, the chunks before it were written
     assert receiver.apply(full(store, trained, 4), store.fetch).applied  # the real step goes through
-    assert unchanged(maker, snapshot(trained))
+    assert unchanged(maker, state_snapshot(trained))
     # An explicit reset (registering with a trainer) takes any weights, and None lifts the bound.
     assert receiver.apply(forged(5), store.fetch, reset=True).applied
-    unbounded = WeightReceiver({"actor": llama(seed=1)}, version=-1, max_weight_change=None)
-    assert unbounded.apply(full(store, llama(seed=2), 3), store.fetch).applied
+    unbounded = WeightReceiver({"actor": tiny_llama(seed=1)}, version=-1, max_weight_change=None)
+    assert unbounded.apply(full(store, tiny_llama(seed=2), 3), store.fetch).applied
     assert unbounded.apply(forged(4), store.fetch).applied
 
 

@@ -22,7 +22,7 @@ from detached_rl.core.weight_sync import (
 )
 from detached_rl.models import Critic, tiny_causal_lm
 
-from .helpers import lane_device, model_device
+from .helpers import lane_device, model_device, state_snapshot, tiny_llama
 
 CHUNK = 40_000  # bytes: the tiny llama (~0.5 MB) is cut into a dozen chunks
 IDS = torch.tensor([[1, 5, 9, 17, 33, 65, 2, 7], [3, 4, 100, 120, 8, 6, 5, 11]])
@@ -48,15 +48,6 @@ class Store:
         return self.chunks[ref]
 
 
-def llama(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A tiny llama on the test device (trainer and maker alike)."""
-    return tiny_causal_lm("llama", seed=seed, dtype=dtype)[0].to(lane_device())
-
-
-def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {key: tensor.clone() for key, tensor in model.state_dict().items()}
-
-
 def assert_state_equal(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     current = model.state_dict()
     assert current.keys() == state.keys()
@@ -71,12 +62,12 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 
 @pytest.fixture
 def trainer() -> torch.nn.Module:
-    return llama(seed=1)
+    return tiny_llama(seed=1)
 
 
 @pytest.fixture
 def maker() -> torch.nn.Module:
-    return llama(seed=2)
+    return tiny_llama(seed=2)
 
 
 def test_tensor_checksum_dtypes_and_one_element_change() -> None:
@@ -120,7 +111,7 @@ def test_each_chunk_put_once_for_three_receivers(trainer) -> None:
     store = Store()
     update, _ = build_weight_update({"actor": trainer.state_dict()}, 1, store.put, chunk_bytes=CHUNK)
     assert store.puts == update.manifest.num_chunks
-    makers = [llama(seed) for seed in (2, 3, 4)]
+    makers = [tiny_llama(seed) for seed in (2, 3, 4)]
     for maker in makers:
         WeightReceiver({"actor": maker}).apply(update, store.fetch)
         assert_state_equal(maker, trainer.state_dict())
@@ -165,7 +156,7 @@ def test_same_version_is_noop_and_older_version_refused(trainer, maker) -> None:
     store = Store()
     receiver = WeightReceiver({"actor": maker}, version=5)
     same, _ = build_weight_update({"actor": trainer.state_dict()}, 5, store.put, chunk_bytes=CHUNK)
-    before = snapshot(maker)
+    before = state_snapshot(maker)
     result = receiver.apply(same, store.fetch)
     assert (result.applied, result.reason, receiver.version) == (False, "same version", 5)
     assert not store.fetches
@@ -286,7 +277,7 @@ def test_fetch_timeout_refused(trainer, maker) -> None:
 def _assert_refused(maker, update, fetch, message: str, timeout: float | None = None) -> None:
     """Apply must raise naming the problem, and leave weights, version and fingerprint as they were."""
     receiver = WeightReceiver({"actor": maker})
-    before, fingerprint = snapshot(maker), receiver.fingerprint
+    before, fingerprint = state_snapshot(maker), receiver.fingerprint
     with pytest.raises(WeightUpdateError, match=message) as error:
         receiver.apply(update, fetch, timeout=timeout)
     assert receiver.last_error is error.value
@@ -296,7 +287,7 @@ def _assert_refused(maker, update, fetch, message: str, timeout: float | None = 
 
 
 def test_cast_dtype_float32_to_bfloat16(trainer) -> None:
-    maker = llama(seed=2, dtype=torch.bfloat16)
+    maker = tiny_llama(seed=2, dtype=torch.bfloat16)
     store = Store()
     update, _ = build_weight_update({"actor": trainer.state_dict()}, 1, store.put, chunk_bytes=CHUNK)
     with pytest.raises(WeightUpdateError, match=r"dtype mismatch .*\(no cast_dtype set\)"):
@@ -310,10 +301,10 @@ def test_cast_dtype_float32_to_bfloat16(trainer) -> None:
 def test_multi_model_update_and_partial_lora_kind() -> None:
     def critic(seed: int) -> Critic:
         torch.manual_seed(seed)
-        return Critic(llama(seed).model)
+        return Critic(tiny_llama(seed).model)
 
-    trainer_models = {"actor": llama(1), "critic": critic(1)}
-    maker_models = {"actor": llama(2), "critic": critic(2)}
+    trainer_models = {"actor": tiny_llama(1), "critic": critic(1)}
+    maker_models = {"actor": tiny_llama(2), "critic": critic(2)}
     store = Store()
     states = {name: model.state_dict() for name, model in trainer_models.items()}
     update, _ = build_weight_update(states, 1, store.put, chunk_bytes=CHUNK)
@@ -408,7 +399,7 @@ def test_generation_holding_the_lock_delays_only_the_swap(trainer, maker) -> Non
     lock = threading.Lock()
     receiver = WeightReceiver({"actor": maker}, lock=lock)
     update, _ = build_weight_update({"actor": trainer.state_dict()}, 1, store.put, chunk_bytes=CHUNK)
-    before = snapshot(maker)
+    before = state_snapshot(maker)
     results = []
     with lock:  # a generation batch in progress
         worker = threading.Thread(target=lambda: results.append(receiver.apply(update, store.fetch)))
@@ -432,7 +423,7 @@ def test_lock_wait_counts_against_timeout(trainer, maker) -> None:
     lock = threading.Lock()
     update, _ = build_weight_update({"actor": trainer.state_dict()}, 1, store.put, chunk_bytes=CHUNK)
     receiver = WeightReceiver({"actor": maker}, lock=lock)
-    before = snapshot(maker)
+    before = state_snapshot(maker)
     with lock, pytest.raises(WeightUpdateError, match="v1: timed out waiting for the generation lock"):
         receiver.apply(update, store.fetch, timeout=0.2)
     assert_state_equal(maker, before)
@@ -493,9 +484,9 @@ def test_after_swap_hook_runs_under_the_lock_with_the_written_names():
 
 
 def test_a_resumed_trainer_run_may_roll_makers_back_with_a_full_update_as_a_reset_only():
-    store, maker = Store(), llama(seed=1)
+    store, maker = Store(), tiny_llama(seed=1)
     receiver = WeightReceiver({"actor": maker})
-    first_run = llama(seed=2)
+    first_run = tiny_llama(seed=2)
     update, _ = build_weight_update({"actor": first_run.state_dict()}, 5, store.put, metadata={"trainer_run": "a"})
     receiver.apply(update, store.fetch)
     assert (receiver.version, receiver.trainer_run) == (5, "a")
@@ -503,7 +494,7 @@ def test_a_resumed_trainer_run_may_roll_makers_back_with_a_full_update_as_a_rese
     stale, _ = build_weight_update({"actor": first_run.state_dict()}, 3, store.put, metadata={"trainer_run": "a"})
     with pytest.raises(WeightUpdateError, match="stale version 3 < current 5"):
         receiver.apply(stale, store.fetch)
-    resumed = llama(seed=3)  # resumed from its step-3 checkpoint in a new process
+    resumed = tiny_llama(seed=3)  # resumed from its step-3 checkpoint in a new process
     lora_like, _ = build_weight_update({"actor": {Q_PROJ: resumed.state_dict()[Q_PROJ]}}, 3, store.put, kind="lora",
                                        metadata={"trainer_run": "b"})
     with pytest.raises(WeightUpdateError, match="trainer_run 'b' is not the trainer run"):
