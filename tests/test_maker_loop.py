@@ -14,7 +14,7 @@ import torch
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
-from detached_rl.core.weight_sync import build_weight_update
+from detached_rl.core.weight_sync import ApplyResult, build_weight_update
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.maker.loop import MakerLoop, take_offered, update_to_apply
 from detached_rl.maker.pusher import ExperiencePusher
@@ -343,6 +343,39 @@ def test_a_connect_failure_is_recorded_too(executor):
     with pytest.raises(TimeoutError):
         MakerLoop(maker, stop).run(pusher_to(executor, StandInTrainer().push, maker.config, stop), connect=connect)
     assert maker.last_error == "TimeoutError: no actor named 'trainer_0'" and maker.batches == 0
+
+
+def test_a_run_that_registers_again_no_longer_shows_the_earlier_error(executor):
+    maker = CountingMaker(MakerConfig(experience_batch_size=2))
+    maker.last_error = "TimeoutError: no actor named 'trainer_0'"  # what the earlier run left
+    stop = threading.Event()
+    loop = MakerLoop(maker, stop)
+    assert loop.run(pusher_to(executor, StandInTrainer().push, maker.config, stop), num_batches=1,
+                    connect=lambda: None) == 1
+    assert maker.last_error is None
+
+
+def test_a_maker_registering_again_clears_the_trainers_error_about_it_and_no_other():
+    _, trainer, store = real_pair()
+    for name in ("maker_0", "maker_1", "maker_2"):
+        trainer.register_maker(name)
+
+    def send_update(update, makers):  # maker_1 and maker_2 died before this update reached them
+        return {name: ApplyResult(True, update.manifest.version) if name == "maker_0"
+                else ConnectionError(f"{name} died") for name in makers}
+
+    trainer.sync_weights(store.put, send_update)
+    assert trainer.last_error == ("weight update to maker_1: maker_1 died; "
+                                  "weight update to maker_2: maker_2 died")
+    trainer.register_maker("maker_1")  # its replacement registers under the same name
+    assert trainer.last_error == "weight update to maker_2: maker_2 died"
+    trainer.register_maker("maker_2")
+    assert trainer.last_error is None and trainer.status()["last_error"] is None
+    # Another error since (the trainer's own) stays, whoever registers.
+    trainer.sync_weights(store.put, send_update)
+    trainer.last_error = "RuntimeError: the step failed"
+    trainer.register_maker("maker_1")
+    assert trainer.last_error == "RuntimeError: the step failed"
 
 
 def test_it_waits_while_not_synced_and_a_stop_ends_that_wait(executor):

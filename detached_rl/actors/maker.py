@@ -96,6 +96,7 @@ class ExperienceMakerHolder:
         self._expect_runs([h for h, update in zip(handles.values(), offered, strict=True) if update is None])
         with self._handles_lock:
             self._handles = dict(handles)
+        self.core.last_error = None  # registered again and holding what they gave: earlier errors are over
 
     def _expect_runs(self, handles: list[Any]) -> None:
         """Registered with these trainers, which had no weights yet: follow their runs from their first update."""
@@ -218,6 +219,8 @@ class ExperienceMakerHolder:
         context = ray.get_runtime_context()
         status.update(pid=os.getpid(), node_id=context.get_node_id(), restarted=self.restarts,
                       first_batch_version=self.loop.first_batch_version, resyncs=self.loop.resyncs,
+                      fresh_weight_waits={**self.loop.fresh_waits,
+                                          "update_interval_s": self.loop.update_interval},
                       trainer_run=self.core.receiver.trainer_run, resources=context.get_assigned_resources(),
                       device=str(self.device))
         status["push"] = self.loop.pusher.stats() if self.loop.pusher else None

@@ -25,6 +25,12 @@ NOT_SYNCED_POLL_S = 0.05
 VERSION_POLL_S = 0.02
 # A `wait_for_ack` wait flushes in slices this long, so that a stop request is noticed.
 ACK_POLL_S = 1.0
+# A wait for fresh weights gives up once no newer weights have come for this many update intervals (as the
+# maker saw them), plus one per version still missing: the trainer is then short of samples, because batches
+# it counted on did not come (a maker gone, samples dropped), and this maker generates rather than wait.
+STALL_UPDATES = 3
+# Weight of the newest interval in the running estimate of the time between two weight updates.
+INTERVAL_WEIGHT = 0.25
 
 
 def update_to_apply(offered: Sequence[WeightUpdate | None], policy_version: int,
@@ -77,6 +83,12 @@ class MakerLoop:
         # Registers with the trainers again and takes their newest weights, even older ones (see `resync_now`).
         self.resync = resync
         self.resyncs = 0
+        # Waits for fresh weights: how many, seconds in all, and how many ended because no weights came.
+        self.fresh_waits = {"waits": 0, "seconds": 0.0, "stalled": 0}
+        self.update_interval: float | None = None  # running estimate of the seconds between weight updates
+        self._seen: tuple[int, float] | None = None  # the newest policy version seen, and when first seen
+        self._gave_up = False  # the latest wait ended because weight updates stopped coming (`stalled`)
+        self._stalled_since_seen = False  # a wait gave up since the newest version came: an abnormal interval
 
     def run(
         self,
@@ -100,6 +112,7 @@ class MakerLoop:
         try:
             if connect is not None:
                 connect()
+                maker.last_error = None  # registered again: an earlier run's error is over
             if num_batches is None and trainers_finished is not None and trainers_finished():
                 self.stop.set()
             self.pusher = pusher
@@ -110,6 +123,7 @@ class MakerLoop:
                 if not maker.synced:  # not yet given weights (or half-updated): wait for an update
                     self.sleep(NOT_SYNCED_POLL_S)
                     continue
+                self.observe_version()
                 experiences = maker.make_experience()
                 if self.first_batch_version is None and experiences:
                     self.first_batch_version = experiences[0].policy_version
@@ -124,7 +138,7 @@ class MakerLoop:
                 rejected_seen = self._check_not_ahead(pusher, rejected_seen)
                 needed = pusher.oldest_useful_version
                 if config.wait_for_fresh_weights and needed is not None and maker.policy_version < needed:
-                    self.wait_or_resync(needed)
+                    self.wait_for_fresh_weights(needed)
                 stats = pusher.stats()
                 if stats["dropped_stale_by_trainer"] > stale_seen:
                     # Samples arrived too old: catch up with the trainers' version before generating more.
@@ -138,18 +152,32 @@ class MakerLoop:
             raise
         return made
 
-    def wait_or_resync(self, version: int) -> bool:
+    def wait_or_resync(self, version: int, paced: bool = False) -> bool:
         """Wait for weights of `version` or newer; if none came within `resync_after_s`, register with the
         trainers again (they may have moved on without this maker, as a trainer resumed from a checkpoint does)
-        and wait out the rest of `weight_timeout_s`. True if they came."""
+        and wait out the rest of `weight_timeout_s`. True if they came.
+
+        `paced`: the wait an acknowledgement asks for, which may span several versions: its timeouts count
+        from the newest weights seen, and it ends when weight updates stop coming (`stalled`).
+        """
         config = self.maker.config
         first = min(config.resync_after_s, config.weight_timeout_s)
-        if self.wait_for_version(version, first) or self.resync is None or self.stop.is_set():
+        came = self.wait_for_version(version, first, paced)
+        if came or self.resync is None or self.stop.is_set() or self._gave_up:
             return self.maker.policy_version >= version
         if self.maker.resync_reason is None:
             self.maker.resync_reason = f"asked for weights v{version} or newer, none came within {first:g} s"
         self.resync_now()
-        return self.wait_for_version(version, config.weight_timeout_s - first)
+        return self.wait_for_version(version, config.weight_timeout_s - first, paced)
+
+    def wait_for_fresh_weights(self, version: int) -> bool:
+        """Wait for the weights an acknowledgement's `oldest_useful_version` asks for (paced); counted."""
+        start = self.clock()
+        try:
+            return self.wait_or_resync(version, paced=True)
+        finally:
+            self.fresh_waits["waits"] += 1
+            self.fresh_waits["seconds"] += self.clock() - start
 
     def resync_now(self) -> None:
         """Register with the trainers again and take their newest weights (`maker.resync_reason` says why)."""
@@ -173,11 +201,55 @@ class MakerLoop:
             self.maker.resync_reason = f"serves v{self.maker.policy_version}, ahead of its trainers: {stats['last_error']}"
         return rejected
 
-    def wait_for_version(self, version: int, timeout: float) -> bool:
+    def wait_for_version(self, version: int, timeout: float, paced: bool = False) -> bool:
         """Wait up to `timeout` s (or until `stop`, or a reason to register again) for weights of `version` or
-        newer; True if they came."""
-        deadline = self.clock() + timeout
-        while (self.maker.policy_version < version and self.clock() < deadline and not self.stop.is_set()
+        newer; True if they came.
+
+        `paced`: `timeout` counts from the newest weights seen, and the wait gives up once weight updates
+        have stopped coming (`stalled`).
+        """
+        self._gave_up = False
+        self.observe_version()
+        start = self.clock()
+        while (self.maker.policy_version < version and not self.stop.is_set()
                and self.maker.resync_reason is None):
+            since = max(start, self._seen[1]) if paced and self._seen is not None else start
+            if self.clock() >= since + timeout:
+                break
+            if paced and self.stalled(version):
+                self.give_up_waiting()
+                break
             self.sleep(VERSION_POLL_S)
+            self.observe_version()
         return self.maker.policy_version >= version
+
+    def give_up_waiting(self) -> None:
+        """Record that a wait for fresh weights ended because they stopped coming (`stalled`)."""
+        self._gave_up = self._stalled_since_seen = True
+        self.fresh_waits["stalled"] += 1
+
+    def stalled(self, version: int) -> bool:
+        """True once past `stall_deadline(version)`."""
+        deadline = self.stall_deadline(version)
+        return deadline is not None and self.clock() > deadline
+
+    def stall_deadline(self, version: int) -> float | None:
+        """When a wait for `version` has stalled: no newer weights for `STALL_UPDATES` update intervals, plus
+        one per version still missing (the makers due last give up last); None before an interval is known."""
+        if self.update_interval is None or self._seen is None:
+            return None
+        missing = max(version - self.maker.policy_version, 0)
+        return self._seen[1] + (STALL_UPDATES + missing) * self.update_interval
+
+    def observe_version(self) -> None:
+        """Note the maker's policy version now; a newer one updates the interval estimate (`update_interval`),
+        unless a wait gave up in between (that interval measured a trainer short of samples, not its pace)."""
+        version, now = self.maker.policy_version, self.clock()
+        newer = self._seen is not None and self._seen[0] >= 0 and version > self._seen[0]
+        if self._seen is not None and newer and not self._stalled_since_seen:
+            interval, previous = now - self._seen[1], self.update_interval
+            self.update_interval = (interval if previous is None
+                                    else previous + INTERVAL_WEIGHT * (interval - previous))
+        if self._seen is None or version != self._seen[0]:
+            self._seen = (version, now)
+            self._stalled_since_seen = False

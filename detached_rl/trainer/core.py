@@ -41,11 +41,14 @@ from detached_rl.models.lora_merge import (
     fingerprint_cast_dtype,
 )
 from detached_rl.strategies import check_strategy
-from detached_rl.trainer.config import TrainerConfig, oldest_useful_version
+from detached_rl.trainer.config import GenerationLedger, TrainerConfig
 from detached_rl.trainer.resume import merge_buffer_states
 from detached_rl.trainer.weight_push import WeightPushQueue
 
 logger = logging.getLogger(__name__)
+# A grouped learner's share of the groups a step drew and dropped (GRPO's dynamic sampling): a step takes more
+# than `train_batch_size` samples from the buffer, which pacing the makers counts (`_samples_per_step`).
+DYNAMIC_SAMPLING_DROPPED = "dynamic_sampling/dropped_fraction"
 
 
 class TrainingStopped(Exception):
@@ -177,6 +180,9 @@ class TrainerCore:
         self.samples_trained = 0
         self._step_in_progress = False  # a batch has left the buffer and its step has not advanced the version yet
         self._update_steps = 1  # `fit`'s: makers only ever receive versions that are multiples of it
+        # The batches acknowledgements told makers to generate next, counted by later ones (paces the makers).
+        self._generation = GenerationLedger(self.config.train_batch_size, self.config.max_staleness or 0)
+        self._weight_errors: dict[str, str] = {}  # maker -> its failed weight update, as `last_error` says
 
     # ---------------------------------------------------------------- experience in
     def push_experience(self, experiences: list[Any]) -> AppendResult:
@@ -186,17 +192,32 @@ class TrainerCore:
         """
         with self._push_lock:
             result = self.buffer.append(experiences, current_version=self.policy_version)
-        return dataclasses.replace(result, oldest_useful_version=self.oldest_useful_version(result.size))
+            hint = self.oldest_useful_version(experiences, result)
+        return dataclasses.replace(result, oldest_useful_version=hint)
 
-    def oldest_useful_version(self, queued: int) -> int | None:
-        """The oldest weights a batch pushed after `queued` buffered samples can come from and still be trained.
+    def oldest_useful_version(self, experiences: list[Any], result: AppendResult) -> int | None:
+        """The oldest weights the next batch of the maker of `experiences` can come from and still be trained.
 
-        None without a staleness bound or outside `fit` (nothing is being trained, so no wait would end).
+        Counts the buffered samples that will not go stale and the batches other makers were told to
+        generate (`GenerationLedger`). None without a staleness bound or outside `fit` (nothing is being
+        trained, so no wait would end).
         """
         if self.config.max_staleness is None or self.state != "training":
             return None
-        return oldest_useful_version(self.policy_version, self._step_in_progress, queued,
-                                     self.config.train_batch_size, self.config.max_staleness, self._update_steps)
+        maker = getattr(experiences[0], "maker", None) if experiences else None
+        buffered = [e.policy_version for e in self.buffer.experiences()]
+        pushed = max((e.policy_version for e in experiences), default=0)
+        return self._generation.acknowledge(maker, len(experiences), result.full, self.policy_version,
+                                            self._step_in_progress, buffered, self._update_steps,
+                                            self._samples_per_step(), pushed)
+
+    def _samples_per_step(self) -> int:
+        """What a step took from the buffer lately: `train_batch_size`, more where dynamic sampling dropped
+        groups (the mean of its recent steps' dropped fraction, at most 3/4)."""
+        recent = [self.history[-i] for i in range(1, min(len(self.history), 8) + 1)]
+        dropped = [row.get(DYNAMIC_SAMPLING_DROPPED, 0.0) for row in recent]
+        fraction = min(sum(dropped) / len(dropped), 0.75) if dropped else 0.0
+        return math.ceil(self.config.train_batch_size / (1.0 - fraction))
 
     # ---------------------------------------------------------------- weights out
     def synced_models(self) -> dict[str, torch.nn.Module]:
@@ -262,6 +283,7 @@ class TrainerCore:
 
     def _register(self, name: str, base_fingerprint: str | None, put: Put | None) -> WeightUpdate | None:
         self.makers.add(name)
+        self._forget_weight_error(name)
         latest = self.latest_update
         # What the maker will hold once it took the answer (for the lag `status` reports; pushes raise it).
         self.registered_versions[name] = -1 if latest is None else latest.manifest.version
@@ -386,8 +408,17 @@ class TrainerCore:
                 if self._push_queue is not None:
                     self._push_queue.forget(name)
         if failures:
-            self.last_error = "; ".join(f"weight update to {name}: {error}" for name, error in failures.items())
+            self._weight_errors = {name: f"weight update to {name}: {error}"
+                                   for name, error in failures.items()}
+            self.last_error = "; ".join(self._weight_errors.values())
         return results
+
+    def _forget_weight_error(self, maker: str) -> None:
+        """Stop showing `maker`'s failed weight update: a maker registering under that name (a replacement)
+        holds what its registration gives it."""
+        shown = "; ".join(self._weight_errors.values())
+        if self._weight_errors.pop(maker, None) is not None and self.last_error == shown:
+            self.last_error = "; ".join(self._weight_errors.values()) or None
 
     # ---------------------------------------------------------------- training
     def wait_for_batch(self) -> None:
