@@ -1,13 +1,20 @@
-"""open-instruct's learner and driver step over this project's GRPO trainer: the aggregation, the Polyak update and
-the config translation without Ray; then open-instruct's driver loop on a local Ray cluster (two learner ranks, one
-maker): `step`, `update_ref_policy`, `broadcast_to_vllm`, `save_checkpoint_state`, `save_model`, a restart that
-resumes from the saved state and steps again."""
+"""open-instruct's learner and driver step over this project's GRPO trainer: the aggregation, the Polyak
+update and the config translation without Ray; then open-instruct's driver loop on a local Ray cluster (two
+learner ranks, one maker): `step`, `update_ref_policy`, `broadcast_to_vllm`, `save_checkpoint_state`,
+`save_model`, a restart that resumes from the saved state and steps again."""
 
 from __future__ import annotations
 
 import functools
+import inspect
+import json
 import math
+import os
+import pickle
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +30,10 @@ from detached_rl.compat.open_instruct import (
     ModelConfig,
     ModelGroup,
     ObservedGRPOLearner,
+    PolicyTrainerProcess,
     PolicyTrainerRayProcess,
     SequenceRatioStats,
+    StepsDone,
     StreamingDataLoaderConfig,
     VLLMConfig,
     average_rank_metrics,
@@ -71,18 +80,24 @@ def test_token_weighted_metrics_average_by_each_ranks_tokens_and_the_rest_plainl
 
 
 def test_driver_metrics_count_tokens_and_compute_mfu_against_the_summed_peaks():
-    ranks = [rank(9, **{"loss/policy_avg": 1.0, SEQUENCE_TOKENS: 20.0, PEAK_FLOPS: 1e9, "_num_params": 1000.0}),
-             rank(3, **{"loss/policy_avg": 2.0, SEQUENCE_TOKENS: 12.0, PEAK_FLOPS: 3e9, "_num_params": 1000.0})]
-    arrays = [{PROMPT_LENGTHS: [3, 4], RESPONSE_LENGTHS: [5, 4]}, {PROMPT_LENGTHS: [2], RESPONSE_LENGTHS: [1, 2]}]
+    ranks = [rank(9,
+                  **{"loss/policy_avg": 1.0, SEQUENCE_TOKENS: 20.0, PEAK_FLOPS: 1e9, "_num_params": 1000.0}),
+             rank(3,
+                  **{"loss/policy_avg": 2.0, SEQUENCE_TOKENS: 12.0, PEAK_FLOPS: 3e9, "_num_params": 1000.0})]
+    arrays = [{PROMPT_LENGTHS: [3, 4], RESPONSE_LENGTHS: [5, 4]},
+              {PROMPT_LENGTHS: [2], RESPONSE_LENGTHS: [1, 2]}]
     metrics, tokens = training_step_metrics(
-        ranks, arrays, episode=8, training_step=2, num_total_tokens=100, step_time=4.0, total_training_time=50.0,
-        training_time=2.0, samples_per_prompt=2, train_dataset_size=4, data_thread_metrics={"time/health_check": 0.1})
+        ranks, arrays, episode=8, training_step=2, num_total_tokens=100, step_time=4.0,
+        total_training_time=50.0,
+        training_time=2.0, samples_per_prompt=2, train_dataset_size=4,
+        data_thread_metrics={"time/health_check": 0.1})
     assert tokens == 3 + 4 + 5 + 4 + 2 + 1 + 2 == metrics["val/num_step_tokens"]
     assert metrics["learner_tokens_per_second_step"] == pytest.approx(tokens / 4.0)
     assert metrics["learner_tokens_per_second_overall"] == pytest.approx(100 / 50.0)
     assert metrics["learner_mfu"] == pytest.approx(100 * 6 * 1000 * 32 / 2.0 / 4e9)
     assert metrics["loss/policy_avg"] == pytest.approx(0.75 * 1.0 + 0.25 * 2.0)
-    assert metrics["epoch"] == 8 / 2 / 4 and metrics["time/health_check"] == 0.1 and metrics["time/training"] == 2.0
+    assert metrics["epoch"] == 8 / 2 / 4
+    assert metrics["time/health_check"] == 0.1 and metrics["time/training"] == 2.0
     assert metrics[PROMPT_LENGTHS] == [3, 4]  # the first rank's arrays, as open-instruct's
     assert not any(key.startswith("_") for key in metrics)
 
@@ -122,8 +137,10 @@ def grpo_batch(seed: int = 0) -> list:
         for member in range(4):
             length = 2 + member
             batch.append(make_experience(
-                prompt=[5, 6, 7][: 2 + group], response=torch.randint(3, 60, (length,), generator=generator).tolist(),
-                reward=float(member), log_probs=-torch.rand(length, generator=generator) - 0.5, group_id=f"g{group}"))
+                prompt=[5, 6, 7][: 2 + group],
+                response=torch.randint(3, 60, (length,), generator=generator).tolist(),
+                reward=float(member), log_probs=-torch.rand(length, generator=generator) - 0.5,
+                group_id=f"g{group}"))
     return batch
 
 
@@ -137,7 +154,8 @@ def test_the_observed_learner_learns_exactly_like_grpo_and_reports_ratio_varianc
     # Equal up to the CPU kernels' run-to-run rounding (two plain learners differ by as much).
     for key in ("loss/policy_avg", "val/ratio", "grad_norm/actor"):
         assert got[key] == pytest.approx(expected[key], rel=1e-5), key
-    for (name, a), (_, b) in zip(plain.policy.model.named_parameters(), observed.policy.model.named_parameters(),
+    for (name, a), (_, b) in zip(plain.policy.model.named_parameters(),
+                                 observed.policy.model.named_parameters(),
                                  strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     assert got["val/ratio_var"] > 0 and math.isfinite(got["val/ratio_var"])  # random behaviour log-probs
@@ -147,7 +165,8 @@ def test_the_observed_learner_learns_exactly_like_grpo_and_reports_ratio_varianc
 
 
 def test_open_instruct_names_and_meanings_are_added_to_a_steps_metrics():
-    ours = {"lr/actor": 1e-4, "grad_norm/actor": 0.5, "loss/kl_avg": 0.2, "policy/entropy_avg": 3.0, "val/ratio": 1.0}
+    ours = {"lr/actor": 1e-4, "grad_norm/actor": 0.5, "loss/kl_avg": 0.2, "policy/entropy_avg": 3.0,
+            "val/ratio": 1.0}
     theirs = open_instruct_step_metrics(ours, beta=0.05, kl_kind="k3")
     assert theirs["lr"] == 1e-4 and theirs["optim/grad_norm"] == 0.5
     assert theirs["objective/kl2_avg"] == 0.2 and theirs["loss/kl_avg"] == pytest.approx(0.05 * 0.2)
@@ -155,11 +174,13 @@ def test_open_instruct_names_and_meanings_are_added_to_a_steps_metrics():
 
 
 def test_open_instruct_settings_translate_and_unsupported_ones_are_refused_by_name():
-    args = ExperimentConfig(learning_rate=3e-6, num_training_steps=10, num_mini_batches=2, alpha=0.4, beta=0.02)
+    args = ExperimentConfig(learning_rate=3e-6, num_training_steps=10, num_mini_batches=2, alpha=0.4,
+                            beta=0.02)
     stream = StreamingDataLoaderConfig(num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=4,
                                        response_length=32, temperature=0.7, async_steps=1)
     config = grpo_config_from(args, stream, world_size=2)
-    assert (config.kl_coef, config.kl_kind, config.ref_update_alpha, config.ref_update_every) == (0.02, "k3", 0.4, 0)
+    assert (config.kl_coef, config.kl_kind, config.ref_update_alpha,
+            config.ref_update_every) == (0.02, "k3", 0.4, 0)
     assert (config.clip_low, config.clip_high, config.loss_agg) == (0.2, 0.272, "token-mean")
     assert config.advantage_estimator == "dr_grpo" and config.mini_batch_size == 4 and config.dynamic_sampling
     assert config.actor_optimizer.total_steps == 20 and config.actor_optimizer.warmup_steps == 2
@@ -168,7 +189,8 @@ def test_open_instruct_settings_translate_and_unsupported_ones_are_refused_by_na
     assert (trainer.train_batch_size, trainer.max_staleness) == (8, 1)
     maker = maker_config_from(stream, VLLMConfig(vllm_num_engines=2))
     assert (maker.experience_batch_size, maker.group_size, maker.sampling) == (2, 4, config.sampling)
-    assert grpo_config_from(ExperimentConfig(load_ref_policy=False, num_training_steps=1), stream, 1).kl_coef == 0.0
+    assert grpo_config_from(ExperimentConfig(load_ref_policy=False, num_training_steps=1), stream,
+                            1).kl_coef == 0.0
     refused = {"kl_estimator": ExperimentConfig(kl_estimator=3, num_training_steps=1),
                "loss_fn": ExperimentConfig(loss_fn="cispo", num_training_steps=1),
                "loss_denominator": ExperimentConfig(loss_denominator="1024", num_training_steps=1),
@@ -179,6 +201,44 @@ def test_open_instruct_settings_translate_and_unsupported_ones_are_refused_by_na
     with pytest.raises(ValueError, match="world_size 3"):
         grpo_config_from(args, stream, world_size=3)
     assert [bundle_index(r, [2, 1]) for r in range(3)] == [0, 0, 1]
+
+
+#: The reference pages' (seeds 000, 002) positional arguments of the learner and of the driver step.
+SEED_LEARNER_ARGS = ("world_size", "rank", "local_rank", "master_addr", "master_port", "args",
+                     "streaming_config", "vllm_config", "data_prep_actor_name", "tokenizer")
+SEED_STEP_ARGS = ("args", "streaming_config", "policy_group", "tokenizer", "data_thread_metrics", "episode",
+                  "training_step", "num_total_tokens", "start_time", "train_dataset", "training_start_time",
+                  "wandb_url", "chat_template_name", "model_dims", "actor_manager")
+
+
+def positional(function) -> tuple[str, ...]:
+    """The names `function` takes by position (without self)."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return tuple(name for name, parameter in inspect.signature(function).parameters.items()
+                 if parameter.kind is kind and name != "self")
+
+
+def test_the_learner_and_the_driver_step_take_the_seeds_arguments_in_the_seeds_order():
+    assert positional(PolicyTrainerProcess.__init__) == SEED_LEARNER_ARGS
+    assert positional(one_training_step) == SEED_STEP_ARGS
+    args, stream, vllm = ExperimentConfig(num_training_steps=1), StreamingDataLoaderConfig(), VLLMConfig()
+    learner = PolicyTrainerProcess(1, 0, 0, None, None, args, stream, vllm,
+                                   data_prep_actor_name="data_prep_actor", tokenizer=None)
+    assert learner.data_prep_actor_name == "data_prep_actor" and learner.strategy_name == "naive"
+    with pytest.raises(TypeError, match="data_prep_actor_name must be a str"):
+        PolicyTrainerProcess(1, 0, 0, None, None, args, stream, vllm, object())  # a tokenizer in its place
+    with pytest.raises(TypeError, match="policy_group must be a ModelGroup"):
+        one_training_step(args, stream, vllm, None)  # the former order, vllm_config third
+
+
+def test_from_pretrained_returns_the_steps_done_as_an_int_that_carries_the_saved_state():
+    done = StepsDone(4, {"training_step": 4, "rank": 0})
+    assert isinstance(done, int) and done + 1 == 5 and range(done + 1, 7) == range(5, 7)
+    assert done.checkpoint_state == {"training_step": 4, "rank": 0}
+    assert done["optimization_steps_done"] == 4 and done["checkpoint_state"] == done.checkpoint_state
+    again = pickle.loads(pickle.dumps(done))  # as Ray returns it
+    assert again == 4 and again.checkpoint_state == done.checkpoint_state
+    assert StepsDone(0) + 1 == 1 and StepsDone(0).checkpoint_state is None
 
 
 # ---------------------------------------------------------------------------------------------- on Ray
@@ -198,7 +258,8 @@ def base_model(tmp_path_factory) -> str:
 
 def wait_until_stopped(ray, maker) -> None:
     deadline = time.monotonic() + TIMEOUT
-    while ray.get(maker.status.remote(), timeout=TIMEOUT)["state"] == "running" and time.monotonic() < deadline:
+    while ray.get(maker.status.remote(),
+                  timeout=TIMEOUT)["state"] == "running" and time.monotonic() < deadline:
         time.sleep(0.2)
 
 
@@ -239,30 +300,34 @@ def test_open_instruct_driver_loop_steps_saves_and_resumes(ray_cluster, base_mod
     model_config = ModelConfig(model_name_or_path=base_model)
 
     def start_learners() -> tuple[ModelGroup, list]:
-        group = ModelGroup(None, PolicyTrainerRayProcess, [2], False, args, stream, vllm, None, name="oi_learner",
-                           namespace=NAMESPACE)
+        group = ModelGroup(None, PolicyTrainerRayProcess, [2], False, args, stream, vllm, "data_prep_actor",
+                           None, name="oi_learner", namespace=NAMESPACE)
         return group, [m.from_pretrained.remote(args, model_config, None, "", None) for m in group.models]
 
     group, loading = start_learners()
     maker = ExperienceMakerHolder.options(name="oi_engine_0", namespace=NAMESPACE).remote(
-        "oi_engine_0", group.names, functools.partial(maker_models, base_model), CyclingPrompts(arithmetic_prompts()),
+        "oi_engine_0", group.names, functools.partial(maker_models, base_model),
+        CyclingPrompts(arithmetic_prompts()),
         maker_config_from(stream, vllm, experience_batch_size=1), namespace=NAMESPACE)
     logged: list[dict] = []
     try:
-        assert ray.get(loading, timeout=TIMEOUT) == [{"optimization_steps_done": 0, "checkpoint_state": None}] * 2
+        # As the seed's driver: from_pretrained returns the steps done, an int.
+        assert [done + 1 for done in ray.get(loading, timeout=TIMEOUT)] == [1, 1]
         ray.get([m.setup_model_update_group.remote([maker]) for m in group.models], timeout=TIMEOUT)
         maker.start.remote()
         training_start, episode, total_tokens = time.perf_counter(), 0, 0
         for training_step in (1, 2):
             start = time.perf_counter()
             episode += stream.num_unique_prompts_rollout * stream.num_samples_per_prompt_rollout
-            total_tokens += one_training_step(args, stream, vllm, group, None, {}, episode, training_step,
+            # The seed's positional order: args, streaming_config, policy_group, tokenizer, ...
+            total_tokens += one_training_step(args, stream, group, None, {}, episode, training_step,
                                               total_tokens, start, None, training_start, "", None, None,
                                               log_metrics=logged.append)
-            syncs = ray.get([m.broadcast_to_vllm.remote(training_step) for m in group.models], timeout=TIMEOUT)
+            syncs = ray.get([m.broadcast_to_vllm.remote(training_step) for m in group.models],
+                            timeout=TIMEOUT)
             assert sum(s["weight_sync/makers_updated"] for s in syncs) == 1  # the maker is one rank's share
-        client_state = {"training_step": 2, "episode": episode, "num_total_tokens": total_tokens}
-        ray.get([m.save_checkpoint_state.remote(args.checkpoint_state_dir, client_state) for m in group.models],
+        # The seed's save_checkpoint_state(checkpoint_state_dir, training_step).
+        ray.get([m.save_checkpoint_state.remote(args.checkpoint_state_dir, 2) for m in group.models],
                 timeout=TIMEOUT)
         saved_weights = ray.get(group.models[0].weights_fingerprint.remote(), timeout=TIMEOUT)
         ray.get([m.save_model.remote(args.output_dir) for m in group.models], timeout=TIMEOUT)
@@ -273,8 +338,8 @@ def test_open_instruct_driver_loop_steps_saves_and_resumes(ray_cluster, base_mod
             assert not missing, missing
             assert all(math.isfinite(metrics[name]) for name in OPEN_INSTRUCT_METRICS)
             assert metrics["learner_mfu"] > 0 and metrics["val/num_step_tokens"] > 0
-        assert [m["training_step"] for m in logged] == [1, 2] and logged[1]["val/num_total_tokens"] == total_tokens - (
-            logged[1]["val/num_step_tokens"])
+        assert [m["training_step"] for m in logged] == [1, 2]
+        assert logged[1]["val/num_total_tokens"] == total_tokens - logged[1]["val/num_step_tokens"]
 
         # save_model at step 2 (save_freq) and at the end: Hugging Face directories that load and have moved.
         base = AutoModelForCausalLM.from_pretrained(base_model)
@@ -282,7 +347,8 @@ def test_open_instruct_driver_loop_steps_saves_and_resumes(ray_cluster, base_mod
             saved = AutoModelForCausalLM.from_pretrained(directory)
             AutoTokenizer.from_pretrained(directory)
             assert (tmp_path / directory / CHECKPOINT_COMPLETE_MARKER).exists()
-            assert any(not torch.equal(a, b) for a, b in zip(saved.parameters(), base.parameters(), strict=True))
+            assert any(not torch.equal(a, b)
+                       for a, b in zip(saved.parameters(), base.parameters(), strict=True))
 
         # A restart: new ranks under the same names resume from the saved state; the maker rejoins them.
         ray.get(maker.stop.remote(), timeout=TIMEOUT)
@@ -291,16 +357,75 @@ def test_open_instruct_driver_loop_steps_saves_and_resumes(ray_cluster, base_mod
         wait_until_gone(ray, group.names)
         group, loading = start_learners()
         inits = ray.get(loading, timeout=TIMEOUT)
-        assert [i["optimization_steps_done"] for i in inits] == [2, 2]
-        assert [i["checkpoint_state"] for i in inits] == [{**client_state, "rank": r} for r in range(2)]
+        assert [done + 1 for done in inits] == [3, 3]
+        assert [done.checkpoint_state for done in inits] == [{"training_step": 2, "rank": r}
+                                                             for r in range(2)]
         assert ray.get(group.models[0].weights_fingerprint.remote(), timeout=TIMEOUT) == saved_weights
         ray.get([m.setup_model_update_group.remote(["oi_engine_0"]) for m in group.models], timeout=TIMEOUT)
         maker.start.remote()
-        one_training_step(args, stream, vllm, group, None, {}, episode, 3, total_tokens, time.perf_counter(),
-                          None, training_start, "", None, None, log_metrics=logged.append)
+        one_training_step(args, stream, group, None, {}, episode, 3, total_tokens, time.perf_counter(),
+                          None, training_start, "", None, None, vllm_config=vllm, log_metrics=logged.append)
         assert logged[-1]["training_step"] == 3 and "val/ratio_var" in logged[-1]
-        assert [s["policy_version"] for s in ray.get([m.status.remote() for m in group.models], timeout=TIMEOUT)] \
+        assert [s["policy_version"]
+                for s in ray.get([m.status.remote() for m in group.models], timeout=TIMEOUT)] \
             == [3, 3]
     finally:
         ray.kill(maker)
         group.stop()
+
+
+#: A driver as a user writes it from the seeds: a plain `ray.init()` (anonymous namespace), positional calls.
+PLAIN_DRIVER = """
+import functools, json, sys, time
+import ray
+from detached_rl.actors.maker import ExperienceMakerHolder
+from detached_rl.compat.open_instruct import (ExperimentConfig, ModelConfig, ModelGroup,
+    PolicyTrainerRayProcess, StreamingDataLoaderConfig, VLLMConfig, maker_config_from, one_training_step)
+from detached_rl.core.prompts import CyclingPrompts
+from tests.helpers import arithmetic_prompts
+from tests.test_compat_open_instruct import maker_models
+
+address, base, root = sys.argv[1:4]
+ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
+args = ExperimentConfig(lr_scheduler_type="constant", num_training_steps=1, per_device_train_batch_size=4,
+                        backend_timeout=3, seed=1)
+stream = StreamingDataLoaderConfig(num_unique_prompts_rollout=1, num_samples_per_prompt_rollout=4,
+                                   response_length=6, filter_zero_std_samples=False)
+vllm = VLLMConfig()
+group = ModelGroup(None, PolicyTrainerRayProcess, [1], False, args, stream, vllm, "data_prep_actor", None,
+                   name="plain_learner")
+engine = None
+try:
+    resume = ray.get(group.models[0].from_pretrained.remote(args, ModelConfig(base), None, "", None),
+                     timeout=180) + 1
+    engine = ExperienceMakerHolder.options(name="plain_engine_0", namespace=group.namespace).remote(
+        "plain_engine_0", group.names, functools.partial(maker_models, base),
+        CyclingPrompts(arithmetic_prompts()), maker_config_from(stream, vllm))
+    ray.get(group.models[0].setup_model_update_group.remote([engine]), timeout=180)
+    engine.start.remote()
+    now = time.perf_counter()
+    tokens = one_training_step(args, stream, group, None, {}, 4, resume, 0, now, None, now, "", None, None,
+                               log_metrics=lambda metrics: None)
+    print(json.dumps({"namespace": group.namespace, "resume": resume, "tokens": tokens}))
+except BaseException:
+    if engine is not None:
+        print("maker status:", ray.get(engine.status.remote(), timeout=30), file=sys.stderr)
+    raise
+finally:
+    if engine is not None:
+        ray.kill(engine)
+    group.stop()
+"""
+
+
+@pytest.mark.ray
+def test_a_plain_ray_init_driver_trains_with_learners_and_makers_in_the_detached_rl_namespace(ray_cluster,
+                                                                                               base_model):
+    root = str(Path(__file__).resolve().parents[1])
+    address = ray_cluster.get_runtime_context().gcs_address
+    env = {**os.environ, "PYTHONPATH": root}
+    result = subprocess.run([sys.executable, "-c", PLAIN_DRIVER, address, base_model, root], env=env,
+                            cwd=root, capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["namespace"] == "detached_rl" and report["resume"] == 1 and report["tokens"] > 0

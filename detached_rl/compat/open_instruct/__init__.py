@@ -66,13 +66,14 @@ from detached_rl.compat.open_instruct.process import (
     CHECKPOINT_COMPLETE_MARKER,
     PolicyTrainerProcess,
     PolicyTrainerRayProcess,
+    StepsDone,
 )
 
 __all__ = [
     "ADVANTAGE_NORMALIZATIONS", "CHECKPOINT_COMPLETE_MARKER", "DEEPSPEED_STAGES", "ExperimentConfig",
     "KL_ESTIMATORS", "LEARNER_PEAK_FLOPS", "ModelConfig", "ModelGroup", "NUM_PARAMS", "ObservedGRPOLearner",
     "PEAK_FLOPS", "PROMPT_LENGTHS", "PolicyTrainerProcess", "PolicyTrainerRayProcess", "RESPONSE_LENGTHS",
-    "SEQUENCE_TOKENS", "SequenceRatioStats", "StreamingDataLoaderConfig", "TOKEN_COUNT",
+    "SEQUENCE_TOKENS", "SequenceRatioStats", "StepsDone", "StreamingDataLoaderConfig", "TOKEN_COUNT",
     "TOKEN_WEIGHTED_METRICS", "VLLMConfig", "average_rank_metrics", "batch_lengths", "bundle_index",
     "compute_token_weights", "grpo_config_from", "learner_mfu", "load_policy", "maker_config_from",
     "matmul_dtype", "maybe_save_checkpoint", "one_training_step", "open_instruct_step_metrics",

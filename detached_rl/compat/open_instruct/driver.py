@@ -131,7 +131,6 @@ def maybe_save_checkpoint(args: Any, training_step: int, policy_group: ModelGrou
 def one_training_step(
     args: Any,
     streaming_config: Any,
-    vllm_config: Any = None,
     policy_group: ModelGroup | None = None,
     tokenizer: Any = None,
     data_thread_metrics: Mapping[str, Any] | None = None,
@@ -146,17 +145,24 @@ def one_training_step(
     model_dims: Any = None,
     actor_manager: Any = None,
     *,
+    vllm_config: Any = None,
     log_metrics: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
     """open-instruct's driver step: `step` on every rank, the Polyak reference update every
     `ref_policy_update_freq` steps, `maybe_save_checkpoint`, the metrics aggregated and handed to `log_metrics`
     (else logged); returns the step's tokens (prompts once, every response).
 
+    The arguments come in open-instruct's order; `vllm_config` (keyword only) is accepted and unused.
     `model_dims` may give `num_params` for MFU (default: the ranks' parameter count); `actor_manager`, if
     given, is told the training time as open-instruct's is.
     """
+    del vllm_config  # makers, not the driver, read it here
     if policy_group is None:
         raise ValueError("one_training_step: policy_group is required")
+    if not hasattr(policy_group, "models"):
+        raise TypeError(f"one_training_step: policy_group must be a ModelGroup, got "
+                        f"{type(policy_group).__name__} (open-instruct's order: args, streaming_config, "
+                        "policy_group, tokenizer, ...; vllm_config only by name)")
     now = time.perf_counter()
     start_time = now if start_time is None else start_time
     training_start_time = start_time if training_start_time is None else training_start_time

@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-from detached_rl.actors.transport import get_all
+from detached_rl.actors.transport import get_all, resolve_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -25,15 +25,17 @@ def bundle_index(rank: int, num_gpus_per_node: Sequence[int]) -> int:
 class ModelGroup:
     """open-instruct's `ModelGroup`: `sum(num_gpus_per_node)` learner ranks, named `<name>_<rank>` in `namespace`.
 
+    The arguments come in open-instruct's order; `data_prep_actor_name` goes to every rank, which keeps it.
     `pg` (a placement group with one bundle per node, or None) places rank r on bundle `bundle_index(r, ...)`.
     Each rank asks for `num_gpus_per_actor` GPUs: None means open-instruct's (1, or 0.48 with `single_gpu_mode`)
-    on a cluster with GPUs, and 0 on one without.
+    on a cluster with GPUs, and 0 on one without. `namespace` left out: the driver's named namespace, else
+    `detached_rl`, where makers look (`resolve_namespace`; never a plain `ray.init()`'s anonymous one).
     """
 
     def __init__(self, pg: Any, ray_process_cls: Any, num_gpus_per_node: Sequence[int], single_gpu_mode: bool,
-                 args: Any, streaming_config: Any, vllm_config: Any, tokenizer: Any, *, name: str = "policy_trainer",
-                 namespace: str | None = None, num_gpus_per_actor: float | None = None,
-                 num_cpus_per_actor: float = 1.0) -> None:
+                 args: Any, streaming_config: Any, vllm_config: Any, data_prep_actor_name: str | None = None,
+                 tokenizer: Any = None, *, name: str = "policy_trainer", namespace: str | None = None,
+                 num_gpus_per_actor: float | None = None, num_cpus_per_actor: float = 1.0) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         world_size = sum(num_gpus_per_node)
@@ -42,7 +44,7 @@ class ModelGroup:
         if num_gpus_per_actor is None:
             has_gpus = ray.cluster_resources().get("GPU", 0) > 0
             num_gpus_per_actor = (0.48 if single_gpu_mode else 1.0) if has_gpus else 0.0
-        self.namespace = namespace or ray.get_runtime_context().namespace
+        self.namespace = resolve_namespace(namespace)
         self.names = [f"{name}_{rank}" for rank in range(world_size)]
         self.pg = pg
 
@@ -52,9 +54,9 @@ class ModelGroup:
             if pg is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle_index(rank, num_gpus_per_node))
-            return ray_process_cls.options(**options).remote(world_size, rank, 0, None, None, args, streaming_config,
-                                                             vllm_config, tokenizer, name=self.names[rank],
-                                                             namespace=self.namespace, master=master)
+            return ray_process_cls.options(**options).remote(
+                world_size, rank, 0, None, None, args, streaming_config, vllm_config, data_prep_actor_name,
+                tokenizer, name=self.names[rank], namespace=self.namespace, master=master)
 
         # Every rank starts at once; ranks > 0 ask rank 0 for the process group's address in from_pretrained.
         self.models = [create(0, None)]

@@ -61,7 +61,32 @@ def _current_actor_name() -> str | None:
     if not ray.is_initialized():
         return None
     context = ray.get_runtime_context()
-    return context.get_actor_name() if context.worker.mode == ray.WORKER_MODE else None
+    return context.get_actor_name() if context.get_actor_id() is not None else None
+
+
+class StepsDone(int):
+    """`from_pretrained`'s result: the steps done, an int as open-instruct's, with `checkpoint_state`."""
+
+    checkpoint_state: dict[str, Any] | None
+
+    def __new__(cls, steps: int, checkpoint_state: dict[str, Any] | None = None) -> StepsDone:
+        value = super().__new__(cls, steps)
+        value.checkpoint_state = checkpoint_state
+        return value
+
+    def __getitem__(self, key: str) -> Any:
+        """The former dict view: "optimization_steps_done" (this int) and "checkpoint_state"."""
+        if key == "optimization_steps_done":
+            return int(self)
+        if key == "checkpoint_state":
+            return self.checkpoint_state
+        raise KeyError(key)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return StepsDone, (int(self), self.checkpoint_state)
+
+    def __repr__(self) -> str:
+        return f"StepsDone({int(self)}, checkpoint_state={self.checkpoint_state!r})"
 
 
 def _maker_name(engine: Any, timeout: float) -> str:
@@ -72,20 +97,28 @@ def _maker_name(engine: Any, timeout: float) -> str:
 class PolicyTrainerProcess(GRPOTrainerShell):
     """open-instruct's `PolicyTrainerRayProcess` over this project's GRPO trainer (the Ray class: below).
 
-    Built by `from_pretrained`, not by the constructor (as open-instruct's). `name` is the name makers push
-    to (default: the actor's Ray name); `strategy` overrides the one `deepspeed_stage` picks; `master`, rank 0's
-    handle, stands in for `master_addr`/`master_port` (asked in `from_pretrained`, so that all ranks start at once).
+    Built by `from_pretrained`, not by the constructor (as open-instruct's), whose arguments come in
+    open-instruct's order. `data_prep_actor_name` is kept and not looked up: the makers push to this rank's
+    replay buffer. `name` is the name makers push to (default: the actor's Ray name); `namespace` where they
+    meet (default: the driver's named namespace, else `detached_rl`); `strategy` overrides the one
+    `deepspeed_stage` picks; `master`, rank 0's handle, stands in for `master_addr`/`master_port` (asked in
+    `from_pretrained`, so that all ranks start at once).
     """
 
     def __init__(self, world_size: int, rank: int, local_rank: int = 0, master_addr: str | None = None,
                  master_port: int | None = None, args: Any = None, streaming_config: Any = None,
-                 vllm_config: Any = None, tokenizer: Any = None, *, name: str | None = None,
-                 namespace: str | None = None, strategy: str | None = None, master: Any = None) -> None:
-        if namespace is None and ray.is_initialized():
-            namespace = ray.get_runtime_context().namespace
-        # "ddp" defers building to from_pretrained (a "naive" shell builds in its constructor).
+                 vllm_config: Any = None, data_prep_actor_name: str | None = None, tokenizer: Any = None, *,
+                 name: str | None = None, namespace: str | None = None, strategy: str | None = None,
+                 master: Any = None) -> None:
+        if data_prep_actor_name is not None and not isinstance(data_prep_actor_name, str):
+            raise TypeError(f"data_prep_actor_name must be a str or None, got "
+                            f"{type(data_prep_actor_name).__name__} (open-instruct's order: ..., "
+                            "vllm_config, data_prep_actor_name, tokenizer)")
+        # "ddp" defers building to from_pretrained (a "naive" shell builds in its constructor); a namespace
+        # left out resolves as every actor's does (`resolve_namespace`), never to an anonymous driver's.
         super().__init__(name or _current_actor_name() or f"policy_trainer_{rank}", _not_loaded,
                          TrainerConfig(), None, namespace, rank, world_size, "ddp")
+        self.data_prep_actor_name = data_prep_actor_name
         self.strategy_name = strategy or strategy_from(args, world_size)
         self.local_rank = local_rank
         self.args, self.streaming_config, self.vllm_config, self.tokenizer = args, streaming_config, vllm_config, tokenizer
@@ -110,11 +143,11 @@ class PolicyTrainerProcess(GRPOTrainerShell):
 
     @ray.method(concurrency_group="compute")
     def from_pretrained(self, args: Any, model_config: Any, beaker_config: Any = None, wandb_url: str | None = None,
-                        tokenizer: Any = None) -> dict[str, Any]:
+                        tokenizer: Any = None) -> StepsDone:
         """Load the policy, build optimizer and reference, join the ranks, resume from `args.checkpoint_state_dir`.
 
-        Returns {"optimization_steps_done": steps of the restored checkpoint (0 without one), "checkpoint_state":
-        the `client_state` saved with it (None without one)}.
+        Returns the optimization steps of the restored checkpoint (0 without one) as an int, as
+        open-instruct's; its `checkpoint_state` is the `client_state` saved with it (None without one).
         """
         self.args = args
         self.tokenizer = tokenizer if tokenizer is not None else self.tokenizer
@@ -134,20 +167,19 @@ class PolicyTrainerProcess(GRPOTrainerShell):
             self.join_process_group(address, port, {"timeout_s": 60.0 * float(_args(args, "backend_timeout"))})
         return self._resume(_args(args, "checkpoint_state_dir"))
 
-    def _resume(self, directory: str | None) -> dict[str, Any]:
+    def _resume(self, directory: str | None) -> StepsDone:
         core = self._core()
         found = directory is not None and has_checkpoint(Path(directory) / f"rank_{self.rank}")
         every = core.strategy.all_gather_object(found)
         if not any(every):
             if directory is not None:
                 logger.info("learner %s: no checkpoint state in %s, starting at step 0", self.name, directory)
-            return {"optimization_steps_done": 0, "checkpoint_state": None}
+            return StepsDone(0)
         if not all(every):
             raise ValueError(f"{directory}: only ranks {[r for r, f in enumerate(every) if f]} have checkpoint "
                              f"state; every one of the {len(every)} ranks needs its rank_<r> folder")
         core.load_checkpoint(directory, put_chunk)
-        return {"optimization_steps_done": core.policy_version,
-                "checkpoint_state": self._client_state(Path(directory), core.policy_version)}
+        return StepsDone(core.policy_version, self._client_state(Path(directory), core.policy_version))
 
     def _client_state(self, directory: Path, version: int) -> dict[str, Any] | None:
         path = directory / f"client_state_rank_{self.rank}"
@@ -162,9 +194,17 @@ class PolicyTrainerProcess(GRPOTrainerShell):
 
     @ray.method(concurrency_group="model_io")
     def setup_model_update_group(self, vllm_engines: Sequence[Any]) -> None:
-        """Have `broadcast_to_vllm` send weights to these makers (handles or names; they also register themselves)."""
+        """Have `broadcast_to_vllm` send weights to these named makers, in this learner's namespace."""
         core = self._core()
-        core.makers.update(_maker_name(engine, self.config.weight_push_timeout_s) for engine in vllm_engines)
+        names = [_maker_name(engine, self.config.weight_push_timeout_s) for engine in vllm_engines]
+        for maker in names:
+            try:
+                ray.get_actor(maker, namespace=self.namespace)
+            except ValueError:
+                raise ValueError(f"maker {maker!r} is not in Ray namespace {self.namespace!r}, where learner "
+                                 f"{self.name!r} sends weights: create it with .options(name={maker!r}, "
+                                 f"namespace={self.namespace!r})") from None
+        core.makers.update(names)
 
     @ray.method(concurrency_group="compute")
     def step(self) -> tuple[dict[str, float], dict[str, list[int]]]:
@@ -210,11 +250,23 @@ class PolicyTrainerProcess(GRPOTrainerShell):
             polyak_update_ref_policy(core.learner, float(_args(self.args, "alpha")))
 
     @ray.method(concurrency_group="compute")
-    def save_checkpoint_state(self, checkpoint_state_dir: str, client_state: dict[str, Any]) -> None:
-        """Save policy, reference, optimizer, schedule, buffer and RNG states, and `client_state` (call on every rank)."""
+    def save_checkpoint_state(self, checkpoint_state_dir: str,
+                              client_state: Mapping[str, Any] | int | None = None,
+                              training_step: int | None = None) -> None:
+        """Save every state to resume from, and `client_state`: a dict, or the training step (every rank)."""
+        # open-instruct's code passes a `client_state` dict, its reference page the `training_step`: an int
+        # here is saved as {"training_step": n}.
+        if isinstance(client_state, int) and not isinstance(client_state, bool):
+            client_state, training_step = None, client_state
+        if client_state is not None and not isinstance(client_state, Mapping):
+            raise TypeError(f"client_state must be a dict or the training step (an int), got "
+                            f"{type(client_state).__name__}")
+        saved = dict(client_state or {})
+        if training_step is not None:
+            saved.setdefault("training_step", int(training_step))
         core = self._core()
         core.save_checkpoint(checkpoint_state_dir)
-        state = {"policy_version": core.policy_version, "client_state": {**client_state, "rank": self.rank}}
+        state = {"policy_version": core.policy_version, "client_state": {**saved, "rank": self.rank}}
         save_atomic(state, Path(checkpoint_state_dir) / f"client_state_rank_{self.rank}")
 
     @ray.method(concurrency_group="compute")
