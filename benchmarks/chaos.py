@@ -43,6 +43,10 @@ CONFIG = [
     "maker.max_pushes_in_flight=1", "maker.wait_for_ack=true", "maker.max_restarts=-1",
     "trainer.train_batch_size=8", "trainer.buffer_max_samples=32", "trainer.max_staleness=4",
     "trainer.batch_timeout_s=120", "trainer.stop_makers_at_end=false",
+    # The job measured in docs/operations.md, where the defaults (the main job's) differ.
+    "model.lora=null", "sampling.temperature=1.0", "maker.backend=hf", "trainer.weight_sync=full",
+    "trainer.overlap_weight_push=false", "grpo.actor_optimizer.lr=1e-6", "grpo.kl_coef=0",
+    "grpo.loss_agg=null", "grpo.micro_batch_size=8", "grpo.autocast_dtype=null",
 ]
 PUSH_OUTCOMES = ("accepted", "duplicates", "dropped_stale_by_trainer")
 

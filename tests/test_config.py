@@ -90,7 +90,8 @@ def test_file_errors(tmp_path):
 
 
 def test_factories_are_picklable_and_build_the_configured_models():
-    config = load_config(None, ["model.lora={r: 4}", "sampling.max_new_tokens=4"])
+    config = load_config(None, ["algorithm=ppo", "model.policy=tiny", "model.lora={r: 4}",
+                                "sampling.max_new_tokens=4"])
     build_trainer_models = pickle.loads(pickle.dumps(trainer_factory(config)))
     actor, critic = build_trainer_models()
     assert any("lora_A" in name for name, _ in actor.model.named_parameters())
@@ -100,8 +101,8 @@ def test_factories_are_picklable_and_build_the_configured_models():
 
 
 def test_grpo_run_config_builds_a_critic_free_setup():
-    config = load_config(None, ["algorithm=grpo", "grpo.algorithm=dapo", "maker.group_size=4",
-                                "task.reward=numeric_answer"])
+    config = load_config(None, ["model.policy=tiny", "algorithm=grpo", "grpo.algorithm=dapo",
+                                "maker.group_size=4", "task.reward=numeric_answer"])
     assert config.algorithm_config.clip_high == config.grpo.clip_high == 0.28
     assert config.algorithm_config.algorithm == "dapo"
     from detached_rl.models import Actor
@@ -127,7 +128,8 @@ def test_the_run_sampling_reaches_the_trainers_learner():
 
     from .helpers import naive_strategy
 
-    config = load_config(None, ["algorithm=grpo", "sampling.temperature=0.5", "sampling.max_new_tokens=9"])
+    config = load_config(None, ["model.policy=tiny", "algorithm=grpo", "sampling.temperature=0.5",
+                                "sampling.max_new_tokens=9"])
     learner = GRPOLearner(trainer_factory(config)(), naive_strategy(), config.algorithm_config,
                           sampling=config.sampling)  # as the trainer shells build it
     assert learner.sampling is config.sampling and learner.sampling.temperature == 0.5
@@ -161,3 +163,41 @@ def test_the_config_package_has_no_import_cycle_not_even_for_type_hints():
         return any(n == target or n not in seen and reaches(n, target, seen | {n}) for n in graph.get(start, ()))
 
     assert [module for module in graph if reaches(module, module)] == []
+
+
+def test_run_yaml_states_the_defaults_of_runconfig():
+    from detached_rl.cli.run import DEFAULT_RUN_CONFIG
+    from detached_rl.config import from_dict, read_yaml
+    from detached_rl.config.schema import MAIN_JOB
+
+    stated = read_yaml(DEFAULT_RUN_CONFIG)
+    assert from_dict(RunConfig, stated) == RunConfig() == load_config()  # laid over them, it changes nothing
+    for section, settings in MAIN_JOB.items():  # and it states each main-job setting of other layers' classes
+        assert {key: stated[section].get(key) for key in settings} == settings, section
+    defaults = RunConfig()
+    assert (defaults.algorithm, defaults.model.policy, defaults.task.name, defaults.maker.backend) == (
+        "grpo", "smollm2", "word_problems", "auto")
+
+
+def test_a_section_given_in_part_keeps_the_rest_of_the_main_jobs_defaults():
+    from detached_rl.config import from_dict
+
+    config = from_dict(RunConfig, {"maker": {"group_size": 4}, "grpo": {"algorithm": "dapo"}})
+    assert (config.maker.group_size, config.maker.backend, config.maker.wait_for_ack) == (4, "auto", True)
+    assert config.grpo.kl_coef == 0.01 and config.grpo.clip_high == 0.28  # the preset fills what neither says
+    assert load_config(None, ["task.name=addition"]).task.reward == "numeric_answer"  # the task's own reward
+
+
+def test_trainer_and_maker_without_a_config_build_the_job_run_builds(monkeypatch):
+    from detached_rl.actors.launch import launch_requests, maker_arguments
+    from detached_rl.cli.main import _config, _run_config, build_parser
+
+    monkeypatch.setattr("detached_rl.models.loaders.model_spec_problem", lambda spec: None)  # not loaded
+    parser = build_parser()
+    run = _run_config(parser.parse_args(["run"]))
+    trainer = _config(parser.parse_args(["trainer", "--name", "t"]))
+    maker = _config(parser.parse_args(["maker", "--name", "m", "--trainers", "t"]))
+    assert trainer == maker == run == RunConfig()
+    assert launch_requests(trainer, "t", ["m"]) == launch_requests(run, "t", ["m"])
+    made, ran = (maker_arguments(c, "m", ["t"]) for c in (maker, run))
+    assert made["config"] == ran["config"] and made["model_factory"].args == ran["model_factory"].args

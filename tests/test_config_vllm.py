@@ -74,7 +74,8 @@ def test_bad_values_in_config_files_name_the_dotted_key(overrides, message):
 
 def test_lora_versions_kept_follows_the_runs_max_staleness():
     assert load_config(None, ["trainer.max_staleness=4"]).maker_config.vllm.lora_versions_kept == 5
-    assert load_config(None, []).maker_config.vllm.lora_versions_kept is None  # unbounded staleness: 2 (see above)
+    unbounded = load_config(None, ["trainer.max_staleness=null"])
+    assert unbounded.maker_config.vllm.lora_versions_kept is None  # unbounded staleness: 2 (see above)
     kept = load_config(None, ["trainer.max_staleness=4", "maker.vllm.lora_versions_kept=2"])
     assert kept.maker_config.vllm.lora_versions_kept == 2  # set explicitly: kept as set
 

@@ -54,6 +54,10 @@ def run_config() -> RunConfig:
     """Tiny PPO: one naive trainer, makers whose reward, reference and critic come from scorer groups."""
     return load_config(None, [
         f"namespace={NAMESPACE}", "algorithm=ppo", "model.policy=tiny", "sampling.max_new_tokens=6",
+        # Where the defaults (the main job's) differ: the whole policy, one answer per prompt, full updates.
+        "model.lora=null", "maker.group_size=1", "sampling.temperature=1.0", "maker.backend=hf",
+        "maker.max_pushes_in_flight=2", "maker.wait_for_ack=false", "trainer.weight_sync=full",
+        "trainer.overlap_weight_push=false", "trainer.max_staleness=null",
         "maker.experience_batch_size=4", "maker.seed=1234", "maker.resources={maker_node: 1}",
         "maker.reward_scorer=reward", "maker.reference_scorer=initial", "maker.critic_scorer=critic",
         "trainer.train_batch_size=8", "trainer.buffer_max_samples=64",

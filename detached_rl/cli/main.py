@@ -53,7 +53,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _run_config(args: argparse.Namespace) -> RunConfig:
-    """The `run` command's config, from the packaged defaults, `--config`, `--set` and the other flags."""
+    """The `run` command's config: the defaults (every command's), `--config`, `--set` and the flags."""
     from detached_rl.cli.run import run_config
 
     overrides = list(args.set or [])
@@ -278,8 +278,9 @@ def _cluster_options(
     parser.add_argument("--namespace", default=None, help="Ray namespace of the actors (default: detached_rl)")
 
 
-def _config_options(parser: argparse.ArgumentParser, config_help: str = "YAML config (default: built-in defaults)"
-                    ) -> None:
+def _config_options(parser: argparse.ArgumentParser,
+                    config_help: str = "YAML laid over the defaults, the main job's (stated in "
+                                       "detached_rl/config/run.yaml)") -> None:
     parser.add_argument("--config", type=config_file, default=None, help=config_help)
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="override a config value, e.g. --set trainer.train_batch_size=16 (repeatable)")
@@ -287,8 +288,9 @@ def _config_options(parser: argparse.ArgumentParser, config_help: str = "YAML co
 
 def _backend_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=None,
-                        help="the makers' generation backend: hf (default) | vllm (needs the vllm extra; engine "
-                             "settings under maker.vllm, e.g. --set maker.vllm.kv_cache_gb=2)")
+                        help="the makers' generation backend: auto (default: vllm where it serves the "
+                             "policy, else hf) | hf | vllm (needs the vllm extra; engine settings under "
+                             "maker.vllm, e.g. --set maker.vllm.kv_cache_gb=2)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start (or join) a Ray cluster, train with one named trainer and N named makers, grade the "
                     "held-out split before and after, and write runs/<name>/ (metrics, TensorBoard, plot, adapter, "
                     "merged model). Defaults: SmolLM2-135M-Instruct + LoRA, GRPO, arithmetic word problems.")
-    run.add_argument("--steps", type=positive_int, default=None, help="training steps (default 30)")
+    run.add_argument("--steps", type=positive_int, default=None, help="training steps (default 24)")
     run.add_argument("--makers", type=positive_int, default=None, help="experience makers (default 2)")
     run.add_argument("--model", default=None, help="smollm2 (default) | tiny[-<model_type>] | a local model directory")
     run.add_argument("--task", default=None, choices=("word_problems", "addition"), help="default word_problems")
@@ -313,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto (default): trainer and makers share the cluster's GPUs unless the config sets "
                           "trainer_group.num_gpus_per_rank or maker.num_gpus; manual: only what those say")
     _backend_option(run)
-    _config_options(run, "YAML laid over the run defaults (detached_rl/config/run.yaml)")
+    _config_options(run)
     _cluster_options(run, "join this Ray cluster (host:port, ray://host:port or auto) instead of starting an "
                           "embedded one on 127.0.0.1")
     run.set_defaults(handler=_run)

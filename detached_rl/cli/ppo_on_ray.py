@@ -161,6 +161,12 @@ def launcher_config(args: argparse.Namespace) -> RunConfig:
     policy = args.pretrain or (args.model if args.model == "smollm2" else f"tiny-{args.model}")
     gpus = args.num_gpus_per_node
     overrides = [
+        # The ancestor's job where the defaults (the main job's) differ: the whole policy trained, one
+        # response per prompt sampled at temperature 1 by HF generate, full weight updates, two pushes in
+        # flight, no staleness bound.
+        "model.lora=null", "maker.group_size=1", "sampling.temperature=1.0", "maker.backend=hf",
+        "maker.max_pushes_in_flight=2", "maker.wait_for_ack=false", "trainer.weight_sync=full",
+        "trainer.overlap_weight_push=false", "trainer.max_staleness=null",
         "algorithm=ppo", f"model.policy={policy}", f"model.seed={args.seed}",
         f"task.prompt_file={prompt_file.resolve()}",
         f"sampling.max_new_tokens={args.max_new_tokens}",

@@ -13,8 +13,9 @@ newest weights and resumes its prompt cursor (saved under `maker_state/` when th
 machine alone). One that dies for good is reported and left out; the run ends with its evaluation,
 summary and export as long as the trainer finishes and one maker is left.
 
-The packaged `config/run.yaml` holds the defaults (SmolLM2-135M-Instruct + LoRA, GRPO,
-word problems); `--config` lays a YAML file over it and `--set key.path=value` overrides.
+It starts from `RunConfig`'s defaults, as every command does (SmolLM2-135M-Instruct + LoRA, GRPO, word
+problems; `config/run.yaml` states them); `--config` lays a YAML file over them and `--set key.path=value`
+overrides.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from typing import Any
 
 from detached_rl.algorithms.metrics import LOSS_KL, metric_value
 from detached_rl.cli.reporting import MetricsRecorder, evaluation_summary, plot_metrics, side_by_side
-from detached_rl.config import TASK_REWARDS, RunConfig, dump_config, load_config
+from detached_rl.config import RunConfig, dump_config, load_config
 
-DEFAULT_RUN_CONFIG = Path(__file__).parent.parent / "config" / "run.yaml"
+DEFAULT_RUN_CONFIG = Path(__file__).parent.parent / "config" / "run.yaml"  # the defaults, stated for reading
 logger = logging.getLogger(__name__)
 
 
@@ -69,7 +70,7 @@ def run_config(
     task: str | None = None,
     name: str | None = None,
 ) -> RunConfig:
-    """The packaged run defaults, then `config_path`, then the command-line flags, then `overrides`."""
+    """The defaults (`RunConfig`'s), then `config_path`, then the command-line flags, then `overrides`."""
     flags = []
     if steps is not None:
         flags.append(f"run.steps={steps}")
@@ -78,10 +79,10 @@ def run_config(
     if model is not None:
         flags.append(f"model.policy={model}")
     if task is not None:
-        flags += [f"task.name={task}", f"task.reward={TASK_REWARDS.get(task, 'numeric_answer')}"]
+        flags += [f"task.name={task}", "task.reward=null"]  # the task's own reward
     if name is not None:
         flags.append(f"run.name={name}")
-    return load_config(config_path, [*flags, *overrides], base=DEFAULT_RUN_CONFIG)
+    return load_config(config_path, [*flags, *overrides])
 
 
 def default_run_name(config: RunConfig) -> str:

@@ -193,7 +193,10 @@ def run_config_of(
         raise ValueError(f"train_batch_size {train_batch_size} must be a multiple of train_minibatch_size "
                          f"{train_minibatch_size}")
     top_k = generate_config.get("top_k")
-    grpo: dict[str, Any] = {"algorithm": ALGORITHMS[core_algo],
+    # Where our defaults (the main job's) differ from what their launch does: their lr, no KL term, the
+    # variant's loss aggregation, no autocast; below, the whole model, full weight updates.
+    grpo: dict[str, Any] = {"algorithm": ALGORITHMS[core_algo], "actor_optimizer": {"lr": 1e-6},
+                            "kl_coef": 0.0, "loss_agg": None, "micro_batch_size": 8, "autocast_dtype": None,
                             "mini_batch_size": train_minibatch_size * num_generations}
     for theirs, ours in (("beta", "kl_coef"), ("clip_eps_low", "clip_low"), ("clip_eps_high", "clip_high"),
                          ("train_microbatch_size", "micro_batch_size"), ("dynamic_batching", "dynamic_sampling"),
@@ -211,7 +214,8 @@ def run_config_of(
     data: dict[str, Any] = {
         "namespace": namespace,
         "algorithm": "grpo",
-        "model": {"policy": _model_path(inference_model_config, train_model_config, tokenizer_config)},
+        "model": {"policy": _model_path(inference_model_config, train_model_config, tokenizer_config),
+                  "lora": None},
         "task": {"prompt_file": _prompt_file(train_dataset_config, save_dir),
                  "reward": grpo_config.get("reward_fn_type", "think_answer_tags")},
         "sampling": {"max_new_tokens": _max_new_tokens(generate_config, grpo_config, train_dataset_config),
@@ -219,9 +223,11 @@ def run_config_of(
                      "top_p": float(generate_config.get("top_p", 1.0)),
                      "top_k": 0 if top_k is None or top_k < 0 else int(top_k)},  # their -1/None: no top-k
         "maker": {"experience_batch_size": inference_batch_size, "group_size": num_generations,
+                  "max_pushes_in_flight": 2, "wait_for_ack": False,
                   "backend": BACKENDS[inference_backend], "num_gpus": num_proc_per_producer if use_gpus else 0},
         # A sample made by the weights of round r may be trained n_behind rounds later, anywhere in that round.
         "trainer": {"train_batch_size": samples_per_rank, "max_staleness": (n_behind + 1) * update_steps - 1,
+                    "weight_sync": "full", "overlap_weight_push": False,
                     "buffer_max_samples": max(1024, 2 * inference_batch_size * num_producers * num_generations)},
         "trainer_group": {"world_size": num_consumer_procs, "strategy": trainer_strategy(num_consumer_procs,
                                                                                          plugin_config),

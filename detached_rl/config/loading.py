@@ -15,7 +15,7 @@ import yaml
 
 from detached_rl.algorithms.grpo import GRPOConfig
 from detached_rl.algorithms.ppo import PPOConfig
-from detached_rl.config.schema import ConfigError, RunConfig
+from detached_rl.config.schema import MAIN_JOB, ConfigError, RunConfig
 from detached_rl.maker.experience_maker import MakerConfig
 
 # Keys set once at the top of a RunConfig and refused inside these sections (RunConfig hands them on).
@@ -25,9 +25,12 @@ TOP_LEVEL_ONLY: dict[type, frozenset[str]] = {
 
 
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
-    """Build dataclass `cls` from nested plain data, checking keys and value types."""
+    """Build dataclass `cls` from nested plain data, checking keys and value types; a `RunConfig`'s data
+    is laid over the main job's (`MAIN_JOB`), so a section given in part keeps the rest of its default."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    if cls is RunConfig:
+        data = merge_mappings(MAIN_JOB, data)
     hints = typing.get_type_hints(cls)
     top_level_only = TOP_LEVEL_ONLY.get(cls, frozenset())
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in top_level_only}
@@ -158,7 +161,7 @@ def load_config(
     overrides: list[str] | tuple[str, ...] = (),
     base: str | os.PathLike | None = None,
 ) -> RunConfig:
-    """Read a YAML config (laid over the `base` YAML, else the defaults), apply overrides, validate."""
+    """Read a YAML config (laid over the `base` YAML, if any, and the defaults), apply overrides, validate."""
     data: dict[str, Any] = read_yaml(base) if base is not None else {}
     if path is not None:
         data = merge_mappings(data, read_yaml(path))

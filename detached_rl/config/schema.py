@@ -1,9 +1,11 @@
 """One typed configuration for the CLI, the examples and the Python API, loadable from YAML.
 
 `RunConfig` gathers the settings of every part (models, task, sampling, maker, trainer, PPO)
-as dataclasses with working defaults. `load_config(path, overrides)` reads YAML, applies
-`key.sub=value` overrides from the command line (`detached_rl.config.loading`), and refuses
-unknown keys and bad values with a `ConfigError` that names the dotted key. `RunConfig` also
+as dataclasses. Its defaults are the main job's, the one set that every command and `RunConfig()`
+start from: GRPO on SmolLM2-135M-Instruct with a LoRA adapter, word problems, two makers
+(`config/run.yaml` states them for reading; a test holds it to them). `load_config(path, overrides)`
+reads YAML, applies `key.sub=value` overrides from the command line (`detached_rl.config.loading`),
+and refuses unknown keys and bad values with a `ConfigError` that names the dotted key. `RunConfig` also
 hands out the prompt source; the model factories (`detached_rl.config.factories`) build from it.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +26,7 @@ from detached_rl.scorer.config import ScorerGroupConfig
 from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
 
 TASKS = ("addition", "word_problems")
+TASK_REWARDS = {"addition": "numeric_answer", "word_problems": "answer_line"}  # how each task is graded
 ALGORITHMS = ("ppo", "grpo")
 
 
@@ -35,22 +39,22 @@ class LoraConfig:
     """LoRA adapter on the policy (see `detached_rl.models.LoraSettings`)."""
 
     backend: str = "peft"
-    r: int = 8
-    alpha: float = 16
+    r: int = 16
+    alpha: float = 32
     dropout: float = 0.0
-    target_modules: tuple[str, ...] | None = None
+    target_modules: tuple[str, ...] | None = ("all-linear",)  # every Linear layer but the output head
 
 
 @dataclass
 class ModelConfig:
     """Which models the makers and trainers build; specs are `smollm2`, `tiny[-<type>]` or a local directory."""
 
-    policy: str = "tiny"
+    policy: str = "smollm2"
     critic: str | None = None  # None: a critic on the policy's architecture (spec `policy`)
     reference: bool = True  # makers hold a frozen copy of the initial policy for the KL term
     # A reward model (spec as `policy`: a scalar head on that backbone) instead of the task's reward function.
     reward_model: str | None = None
-    lora: LoraConfig | None = None
+    lora: LoraConfig | None = field(default_factory=LoraConfig)  # None: train the whole policy
     seed: int = 0
 
 
@@ -58,17 +62,19 @@ class ModelConfig:
 class TaskConfig:
     """The prompt set and how it is graded."""
 
-    name: str = "addition"
-    train_size: int = 256
+    name: str = "word_problems"
+    train_size: int = 2048
     eval_size: int = 64  # held-out problems for `detached-rl run`'s before/after accuracy
     seed: int = 0
-    reward: str = "numeric_answer"
+    reward: str | None = None  # None: the task's own (`TASK_REWARDS`)
     # Prompts from a file (.csv/.jsonl/.json with a `prompt` and an optional `answer` column) instead of `name`'s.
     prompt_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in TASKS:
             raise ValueError(f"TaskConfig.name must be one of {TASKS}, got {self.name!r}")
+        if self.reward is None:
+            self.reward = TASK_REWARDS[self.name]
         if self.reward not in REWARD_FUNCTIONS:
             raise ValueError(f"TaskConfig.reward must be one of {tuple(REWARD_FUNCTIONS)}, got {self.reward!r}")
         for name in ("train_size", "eval_size"):
@@ -77,8 +83,6 @@ class TaskConfig:
 
 
 RUN_GPUS = ("auto", "manual")
-
-TASK_REWARDS = {"addition": "numeric_answer", "word_problems": "answer_line"}
 
 
 @dataclass
@@ -94,15 +98,17 @@ class RunSection:
     """
 
     name: str | None = None  # None: "<algorithm>-<model>-<date>-<time>"
-    steps: int = 30
+    steps: int = 24
     makers: int = 2
     output_dir: str = "runs"
     examples: int = 4  # decoded held-out examples shown before/after
-    trainer_threads: int = 0  # torch threads per actor; 0: torch's default
-    maker_threads: int = 0
+    # Torch threads per actor (0: torch's default). On 2 cores two trainer threads against two makers spin
+    # in OpenMP barriers and run several times slower.
+    trainer_threads: int = 1
+    maker_threads: int = 1
     # Makers run this much nicer than the trainer: on a machine they share, the trainer (the bottleneck
     # when makers can run ahead) gets the CPU first and makers use what is left.
-    maker_nice: int = 0
+    maker_nice: int = 5
     progress: bool = True
     poll_interval_s: float = 1.0
     timeout_s: float = 3600.0  # the whole run, from start to shutdown
@@ -133,20 +139,50 @@ class ScorersConfig:
     critic: ScorerGroupConfig = field(default_factory=ScorerGroupConfig)
 
 
+# The main job's settings of the sections whose classes live in other layers, where they differ from
+# those classes' own defaults. Data, not instances: `from_dict` lays a config's own data over it, so a
+# preset picked there (e.g. `grpo.algorithm: dapo`) fills in what neither says.
+MAIN_JOB: dict[str, dict[str, Any]] = {
+    "sampling": {"max_new_tokens": 40, "temperature": 0.8},
+    # vLLM where it serves the policy; 2 prompts x 8 answers = 16 samples per push, one push in flight; the
+    # next batch once the last is in the buffer (fresher samples).
+    "maker": {"backend": "auto", "experience_batch_size": 2, "group_size": 8, "max_pushes_in_flight": 1,
+              "wait_for_ack": True},
+    # LoRA-only updates pushed while it trains on. Samples at most 1 version old: vLLM makers outrun the
+    # trainer, and at 4 they trained on 3-4 step old samples and learned half as much. A 32-sample buffer
+    # (one push per maker): makers wait instead of generating samples that would go stale.
+    "trainer": {"train_batch_size": 16, "weight_sync": "lora", "overlap_weight_push": True,
+                "max_staleness": 1, "buffer_max_samples": 32},
+    # token-mean: no per-sequence length normalisation (short answers get no extra weight); the trainer's
+    # forward passes in bfloat16.
+    "grpo": {"algorithm": "grpo", "actor_optimizer": {"lr": 5e-4}, "loss_agg": "token-mean",
+             "kl_coef": 0.01, "proximal_recompute": True, "micro_batch_size": 16,
+             "autocast_dtype": "bfloat16"},
+}
+
+
+def main_job_section(cls: type, name: str) -> Any:
+    """Section `name` of the main job, built as a `cls` from `MAIN_JOB` (nested sections too)."""
+    hints = typing.get_type_hints(cls)
+    data = {key: hints[key](**value) if isinstance(value, dict) and dataclasses.is_dataclass(hints[key])
+            else value for key, value in MAIN_JOB[name].items()}
+    return cls(**data)
+
+
 @dataclass
 class RunConfig:
-    """Everything a detached run needs; every field has a default that works."""
+    """Everything a detached run needs; the defaults are the main job's (`detached-rl run`)."""
 
     namespace: str = "detached_rl"
-    algorithm: str = "ppo"  # "ppo" (critic, GAE) or "grpo" (the GRPO family, see `grpo.algorithm`)
+    algorithm: str = "grpo"  # "ppo" (critic, GAE) or "grpo" (the GRPO family, see `grpo.algorithm`)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
-    maker: MakerConfig = field(default_factory=MakerConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sampling: SamplingConfig = field(default_factory=lambda: main_job_section(SamplingConfig, "sampling"))
+    maker: MakerConfig = field(default_factory=lambda: main_job_section(MakerConfig, "maker"))
+    trainer: TrainerConfig = field(default_factory=lambda: main_job_section(TrainerConfig, "trainer"))
     trainer_group: TrainerGroupConfig = field(default_factory=TrainerGroupConfig)  # ranks, strategy, placement
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    grpo: GRPOConfig = field(default_factory=lambda: main_job_section(GRPOConfig, "grpo"))
     run: RunSection = field(default_factory=RunSection)
     scorers: ScorersConfig = field(default_factory=ScorersConfig)
 
