@@ -62,7 +62,8 @@ def measure(model_name: str, responses: int, new_tokens: int, repeats: int, thre
 
 def main() -> None:
     """Run and print the benchmark."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--responses", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)

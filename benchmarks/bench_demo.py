@@ -1,4 +1,4 @@
-"""The default job (`detached-rl run`, i.e. `make demo`) per maker backend over several seeds: wall time and lift.
+"""The default job (`detached-rl run`, `make demo`) per maker backend over several seeds: wall time, lift.
 
     .venv/bin/python benchmarks/bench_demo.py --backends hf vllm --seeds 0 1 2
 
@@ -50,7 +50,8 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["hf", "vllm"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--output", default=None, help="run directories go here (default: a temporary one)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="more config overrides")
     parser.add_argument("--set-for", action="append", nargs=2, default=[], metavar=("BACKEND", "KEY=VALUE"),
                         help="an override for one backend's runs only")
     args = parser.parse_args()
@@ -71,7 +72,8 @@ def main() -> None:
         summary[backend] = {"median_lift_points": statistics.median(lifts), "min_lift_points": min(lifts),
                             "median_seconds": statistics.median(row["seconds"] for row in mine)}
         print(f"{backend:<6} median lift {summary[backend]['median_lift_points']:+.1f} points (min "
-              f"{summary[backend]['min_lift_points']:+.1f}), median wall time {summary[backend]['median_seconds']:.0f} s")
+              f"{summary[backend]['min_lift_points']:+.1f}), median wall time "
+              f"{summary[backend]['median_seconds']:.0f} s")
     RESULTS.mkdir(exist_ok=True)
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "runs": rows, "summary": summary}
     (RESULTS / "demo.json").write_text(json.dumps(report, indent=2))

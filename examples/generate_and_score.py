@@ -19,7 +19,8 @@ from detached_rl.rewards.tasks import addition_problems
 
 def main() -> None:
     """Run the example."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--problems", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=24)

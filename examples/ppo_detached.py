@@ -1,6 +1,8 @@
-"""PPO with named detached actors on a local Ray cluster: 2 makers feed 1 trainer, from the shared YAML config.
+"""PPO with named detached actors on a local Ray cluster: 2 makers feed 1 trainer, from the shared YAML
+config.
 
-    .venv/bin/python examples/ppo_detached.py --steps 5 [--config examples/jobs/tiny.yaml] [--set ppo.kl_coef=0.05]
+    .venv/bin/python examples/ppo_detached.py --steps 5 [--config examples/jobs/tiny.yaml] [--set
+    ppo.kl_coef=0.05]
 
 The same `RunConfig` the CLI reads: makers and the trainer find each other by name in its
 namespace; the trainer pushes chunked full-weight updates back after every step and stops
@@ -23,7 +25,8 @@ DEFAULT_CONFIG = Path(__file__).parent / "jobs" / "tiny.yaml"
 
 def main() -> None:
     """Run the example."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -40,7 +43,8 @@ def main() -> None:
     )
     makers = [
         ExperienceMakerHolder.options(name=f"maker_{i}").remote(
-            f"maker_{i}", ["trainer_0"], maker_factory(config), config.prompts(), config.maker_config, config.namespace
+            f"maker_{i}", ["trainer_0"], maker_factory(config), config.prompts(), config.maker_config,
+            config.namespace
         )
         for i in range(2)
     ]
@@ -53,8 +57,8 @@ def main() -> None:
         print(f"step {metrics['policy_version']:.0f}: reward {metrics['reward/mean']:.3f} "
               f"policy loss {metrics['loss/policy']:+.4f} value loss {metrics['loss/value']:.4f} "
               f"sync {metrics['weight_sync/bytes'] / 2**20:.2f} MiB in {metrics['weight_sync/push_s']:.3f} s")
-    print(f"trainer: {summary['steps']} steps in {summary['seconds']:.1f} s, buffer {summary['buffer']['size']} left, "
-          f"accounting ok: {summary['buffer']['accounting_ok']}")
+    print(f"trainer: {summary['steps']} steps in {summary['seconds']:.1f} s, buffer "
+          f"{summary['buffer']['size']} left, accounting ok: {summary['buffer']['accounting_ok']}")
     ray.shutdown()
 
 

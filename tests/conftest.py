@@ -1,5 +1,5 @@
-"""Shared fixtures: the device the tests run on (`--device`), and one local Ray cluster per test module that asks
-for it."""
+"""Shared fixtures: the device the tests run on (`--device`), and one local Ray cluster per test module that
+asks for it."""
 
 from __future__ import annotations
 
@@ -33,15 +33,16 @@ DEVICE_OPTION = "--device"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """`--device cpu|cuda|cuda:N`: where the non-Ray tests put their models and data, and whether Ray test actors
-    ask for GPUs."""
+    """`--device cpu|cuda|cuda:N`: where the non-Ray tests put their models and data, and whether Ray test
+    actors ask for GPUs."""
     parser.addoption(DEVICE_OPTION, default="cpu", metavar="cpu|cuda|cuda:N",
                      help="device of the tests' models and data (default cpu; cuda runs the GPU lane, "
                           "`make test-gpu`)")
 
 
 def parse_test_device(value: str) -> torch.device:
-    """The device `--device value` names, refused with a message unless it is cpu, cuda or cuda:N and present."""
+    """The device `--device value` names, refused with a message unless it is cpu,
+    cuda or cuda:N and present."""
     if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
         raise pytest.UsageError(f"{DEVICE_OPTION} {value!r}: the tests run on 'cpu', 'cuda' or 'cuda:N' only")
     device = torch.device(value)
@@ -52,7 +53,8 @@ def parse_test_device(value: str) -> torch.device:
                                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index >= torch.cuda.device_count():
-        raise pytest.UsageError(f"{DEVICE_OPTION} {value!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+        raise pytest.UsageError(f"{DEVICE_OPTION} {value!r}: only {torch.cuda.device_count()} CUDA "
+                                "device(s) here")
     # With the index: a parameter moved to "cuda" reports cuda:0, and torch.device("cuda") != cuda:0.
     return torch.device("cuda", index)
 
@@ -132,7 +134,8 @@ def cluster_marker() -> str:
 
 @pytest.fixture(scope="module")
 def ray_cluster(cluster_marker):
-    """A local Ray cluster shared by one test module, shut down after it; its processes carry `cluster_marker`."""
+    """A local Ray cluster shared by one test module, shut down after it; its
+    processes carry `cluster_marker`."""
     import ray
 
     from detached_rl.cli.jobs import init_local_ray

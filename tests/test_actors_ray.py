@@ -1,5 +1,5 @@
-"""The named detached actors on a real local Ray cluster (tiny random models; with `--device cuda` trainers and
-makers ask Ray for shares of a GPU, see `helpers.gpu_options`)."""
+"""The named detached actors on a real local Ray cluster (tiny random models; with `--device cuda` trainers
+and makers ask Ray for shares of a GPU, see `helpers.gpu_options`)."""
 
 import threading
 import time
@@ -36,7 +36,8 @@ TIMEOUT = 180
 
 
 def in_namespace(namespace):
-    """Actor options and arguments placing it in `namespace`; None: neither (it follows the driver's namespace)."""
+    """Actor options and arguments placing it in `namespace`; None: neither (it
+    follows the driver's namespace)."""
     return {} if namespace is None else {"namespace": namespace}
 
 
@@ -101,7 +102,8 @@ def test_two_makers_feed_a_two_rank_ddp_trainer(ray_cluster):
         # Each acknowledged the last version on receipt; nothing was left in flight, waiting, or behind.
         pushes = [ray.get(t.status.remote()) for t in trainers]
         assert [p["weight_push"]["acked"] for p in pushes] == [{"maker_0": 3}, {"maker_1": 3}]
-        assert all(not p["weight_push"]["in_flight"] and not p["weight_push"]["waiting"] and not p["makers_behind"]
+        assert all(not p["weight_push"]["in_flight"] and not p["weight_push"]["waiting"]
+                   and not p["makers_behind"]
                    for p in pushes)
         assert all(s["weight_updates"]["pending_version"] is None for s in maker_status)
         # Experience from both makers reached both trainers, and the counts add up.
@@ -135,7 +137,8 @@ def test_a_long_compute_call_does_not_delay_buffer_calls(ray_cluster):
             time.sleep(0.1)
         time.sleep(0.5)
         experience = Experience(torch.tensor([5, 6]), torch.tensor([7, 8]), torch.tensor([-0.5, -0.5]),
-                                torch.tensor(1.0), values=torch.zeros(2), ref_log_probs=torch.tensor([-0.4, -0.6]))
+                                torch.tensor(1.0), values=torch.zeros(2),
+                                ref_log_probs=torch.tensor([-0.4, -0.6]))
         start = time.perf_counter()
         result = ray.get(trainer.push_experience.remote([experience]), timeout=10)
         length = ray.get(trainer.buffer_length.remote(), timeout=10)
@@ -163,12 +166,14 @@ def test_malformed_experience_and_weights_are_refused_remotely(ray_cluster):
         ray.get(maker.run.remote(num_batches=1), timeout=TIMEOUT)
         before = ray.get(maker.status.remote())
         assert before["policy_version"] == 0 and before["synced"]
-        actor, critic = tiny_actor_critic(seed=0, device="cpu")  # this driver sends host tensors, as trainers do
+        # this driver sends host tensors, as trainers do
+        actor, critic = tiny_actor_critic(seed=0, device="cpu")
         state = {"actor": actor.model.state_dict(), "critic": critic.state_dict()}
         state["actor"] = {k: (v + 1 if k.endswith("q_proj.weight") else v) for k, v in state["actor"].items()}
         del state["critic"]["head.bias"]
         update, _ = build_weight_update(state, 5, put_chunk, chunk_bytes=50_000,
-                                        metadata={"trainer_run": before["trainer_run"]})  # from the run it follows
+                                        # from the run it follows
+                                        metadata={"trainer_run": before["trainer_run"]})
         with pytest.raises(WeightUpdateError, match="head.bias"):
             ray.get(maker.apply_weight_update.remote(update), timeout=TIMEOUT)
         after = ray.get(maker.status.remote())
@@ -192,7 +197,8 @@ def test_attach_waits_for_a_late_actor_and_times_out_with_its_name(ray_cluster):
 
 
 def test_maker_first_then_trainer_and_a_late_maker_starts_from_current_weights(ray_cluster):
-    """Given no namespace, the actors meet in the driver's (`ray.init(namespace=NAMESPACE)`), not in `detached_rl`:
+    """Given no namespace, the actors meet in the driver's (`ray.init(namespace=NAMESPACE)`), not in
+    `detached_rl`:
     the makers find the trainer, it pushes to and stops them there, and the driver's `attach` finds it too."""
     ray = ray_cluster
     assert ray.get_runtime_context().namespace == NAMESPACE
@@ -221,13 +227,17 @@ def test_lora_trainer_sends_lora_only_updates_to_a_merging_maker(ray_cluster):
     from .helpers import lora_actor_critic, lora_maker_models
 
     ray = ray_cluster
-    trainer = DetachedPPOTrainer.options(name="lora_trainer", namespace=NAMESPACE, **gpu_options("trainer")).remote(
+    trainer = DetachedPPOTrainer.options(name="lora_trainer", namespace=NAMESPACE,
+                                         **gpu_options("trainer")).remote(
         "lora_trainer", functools.partial(lora_actor_critic, "peft", 0),
-        TrainerConfig(train_batch_size=8, weight_sync="lora"), PPOConfig(sampling=SAMPLING), namespace=NAMESPACE,
+        TrainerConfig(train_batch_size=8, weight_sync="lora"), PPOConfig(sampling=SAMPLING),
+        namespace=NAMESPACE,
     )
-    maker = ExperienceMakerHolder.options(name="merging_maker", namespace=NAMESPACE, **gpu_options("maker")).remote(
+    maker = ExperienceMakerHolder.options(name="merging_maker", namespace=NAMESPACE,
+                                          **gpu_options("maker")).remote(
         "merging_maker", ["lora_trainer"], functools.partial(lora_maker_models, "peft", 5),
-        CyclingPrompts(arithmetic_prompts()), MakerConfig(experience_batch_size=4, sampling=SAMPLING, lora_mode="merge"),
+        CyclingPrompts(arithmetic_prompts()),
+        MakerConfig(experience_batch_size=4, sampling=SAMPLING, lora_mode="merge"),
         namespace=NAMESPACE,
     )
     try:
@@ -271,7 +281,8 @@ def test_grpo_trainer_respects_the_staleness_bound(ray_cluster, max_staleness):
         assert len(history) == 4
         for step in history:
             assert step["staleness/max"] <= max_staleness
-            assert all(int(k.rsplit("_", 1)[1]) <= max_staleness for k in step if k.startswith("staleness/hist_"))
+            assert all(int(k.rsplit("_", 1)[1]) <= max_staleness for k in step
+                       if k.startswith("staleness/hist_"))
             assert step["samples"] == 8
         stats = ray.get(trainer.buffer_stats.remote())
         assert stats["accounting_ok"]
@@ -280,7 +291,8 @@ def test_grpo_trainer_respects_the_staleness_bound(ray_cluster, max_staleness):
 
 
 def test_a_push_whose_answer_was_lost_is_stored_once_across_two_trainers(ray_cluster):
-    """The first attempt reaches trainer a and is stored, but its answer is lost: the retry goes to a, not b."""
+    """The first attempt reaches trainer a and is stored, but its answer is lost:
+    the retry goes to a, not b."""
     from concurrent.futures import Future
 
     from detached_rl.actors.trainer import DetachedGRPOTrainer
@@ -290,7 +302,8 @@ def test_a_push_whose_answer_was_lost_is_stored_once_across_two_trainers(ray_clu
     from .helpers import tiny_policy
 
     ray = ray_cluster
-    handles = {name: DetachedGRPOTrainer.options(name=name, namespace=NAMESPACE, **gpu_options("trainer")).remote(
+    handles = {name: DetachedGRPOTrainer.options(name=name, namespace=NAMESPACE,
+                                                 **gpu_options("trainer")).remote(
         name, tiny_policy, TrainerConfig(train_batch_size=8), GRPOConfig(sampling=SAMPLING), NAMESPACE)
         for name in ("once_a", "once_b")}
     calls = []
@@ -306,7 +319,8 @@ def test_a_push_whose_answer_was_lost_is_stored_once_across_two_trainers(ray_clu
 
     try:
         pusher = ExperiencePusher(submit, list(handles), backoff_initial=0.01)
-        push = [Experience(torch.tensor([5, 6]), torch.tensor([7, 8]), torch.tensor([-0.5, -0.5]), torch.tensor(1.0))
+        push = [Experience(torch.tensor([5, 6]), torch.tensor([7, 8]), torch.tensor([-0.5, -0.5]),
+                           torch.tensor(1.0))
                 for _ in range(3)]
         pusher.push(push)
         assert pusher.flush(timeout=TIMEOUT)

@@ -1,4 +1,5 @@
-"""Tests for the pure math of detached_rl.algorithms against values worked out by hand (the arithmetic is in the comments)."""
+"""Tests for the pure math of detached_rl.algorithms against values worked out by hand (the
+arithmetic is in the comments)."""
 
 from __future__ import annotations
 
@@ -188,7 +189,8 @@ def test_group_advantages_contiguous_groups_by_hand():
     expected_centered = [2 / 3, -1 / 3, -1 / 3, -2.0, 0.0, 2.0]
     close(group_advantages(scores, group_size=3, method="dr_grpo"), expected_centered)
     close(group_advantages(scores, group_size=3, method="reinforce_pp_baseline"), expected_centered)
-    # rloo: r - mean(others): A: 1 - (0+0)/2 = 1, 0 - (1+0)/2 = -0.5 (twice); B: 2 - 5 = -3, 4 - 4 = 0, 6 - 3 = 3
+    # rloo: r - mean(others): A: 1 - (0+0)/2 = 1, 0 - (1+0)/2 = -0.5 (twice); B: 2 - 5 =
+    # -3, 4 - 4 = 0, 6 - 3 = 3
     close(group_advantages(scores, group_size=3, method="rloo"), [1.0, -0.5, -0.5, -3.0, 0.0, 3.0])
 
 
@@ -282,7 +284,8 @@ def test_kl_estimate_all_kinds_by_hand():
     close(kl_estimate(lp, ref, "abs"), [0.5, 2.0])
     # k2 = d^2 / 2 = [0.125, 2]
     close(kl_estimate(lp, ref, "k2"), [0.125, 2.0])
-    # k3: u = ref - lp = [-0.5, 2]; exp(-0.5) + 0.5 - 1 = 0.6065307 - 0.5 = 0.1065307; exp(2) - 2 - 1 = 4.3890561
+    # k3: u = ref - lp = [-0.5, 2]; exp(-0.5) + 0.5 - 1 = 0.6065307 - 0.5 = 0.1065307;
+    # exp(2) - 2 - 1 = 4.3890561
     close(kl_estimate(lp, ref, "k3"), [0.1065307, 4.3890561])
     close(kl_estimate(lp, ref), [0.1065307, 4.3890561])
     close(kl_estimate(lp, ref, "low_var_kl"), [0.1065307, 4.3890561])
@@ -373,7 +376,8 @@ def test_policy_loss_clipping_both_sides_by_hand():
     #   padding (NaN)
     # token-mean: (-1.2 + 0.8 - 2.0 + 1.5) / 4 = -0.9 / 4 = -0.225
     # clipfrac 2/4 = 0.5; ratio_mean (1.5 + 0.5 + 1 + 1.5) / 4 = 1.125
-    # approx_kl = mean(old - lp) = -(ln1.5 + ln0.5 + 0 + ln1.5) / 4 = -(0.8109302 - 0.6931472) / 4 = -0.0294457
+    # approx_kl = mean(old - lp) = -(ln1.5 + ln0.5 + 0 + ln1.5) / 4 = -(0.8109302 -
+    # 0.6931472) / 4 = -0.0294457
     lp, old, adv, mask = _policy_inputs(
         [1.5, 0.5, 1.0, 1.5, 1.0], [1.0, -1.0, 2.0, -1.0, 0.0], [1, 1, 1, 1, 0]
     )
@@ -410,8 +414,8 @@ def test_policy_loss_gradient_only_through_log_probs():
 def test_policy_loss_clip_higher():
     # clip_low 0.2, clip_high 0.28 -> ratio clipped to [0.8, 1.28]
     #   A=+1, r=1.5:  max(-1.5, -1.28) = -1.28  (clipped at 1.28, not 1.2)
-    #   A=+1, r=1.25: max(-1.25, -1.25) = -1.25 (inside [0.8, 1.28]: not clipped; symmetric 0.2 would give -1.2)
-    #   A=-1, r=0.5:  max(0.5, 0.8) = 0.8       (lower side unchanged)
+    #   A=+1, r=1.25: max(-1.25, -1.25) = -1.25 (inside [0.8, 1.28]: not clipped; symmetric 0.2 would give
+    #   -1.2) A=-1, r=0.5:  max(0.5, 0.8) = 0.8       (lower side unchanged)
     # token-mean: (-1.28 - 1.25 + 0.8) / 3 = -1.73 / 3 = -0.5766667; clipfrac 2/3
     lp, old, adv, mask = _policy_inputs([1.5, 1.25, 0.5], [1.0, 1.0, -1.0])
     loss, stats = policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28)
@@ -532,7 +536,8 @@ def test_truncated_importance_weight_caps_and_masks():
     w = truncated_importance_weight(behaviour, log_probs, cap=2.0, mask=t([[1, 1, 1, 1, 0]]))
     close(w, [[0.5, 1.0, 2.0, 2.0, 0.0]])
     assert not w.requires_grad
-    # no mask, cap 1.5: [0.5, 1, 1.5, 1.5]; a huge log-ratio (1000) is clamped to 20 before exp -> capped, finite
+    # no mask, cap 1.5: [0.5, 1, 1.5, 1.5]; a huge log-ratio (1000) is clamped to 20
+    # before exp -> capped, finite
     w2 = truncated_importance_weight(
         t([0.0, 0.0, 0.0, 0.0, -1000.0]), t([math.log(0.5), 0.0, 1.0, 2.0, 0.0]), cap=1.5
     )

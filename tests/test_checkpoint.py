@@ -56,11 +56,13 @@ def test_state_round_trips_through_safetensors_and_json_without_pickle(tmp_path)
     save_atomic(state, tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["state.json", "tensors.safetensors"]
     loaded = load_state(tmp_path / "ckpt")
-    assert torch.equal(loaded["weights"]["view"], torch.arange(3.0)) and loaded["weights"]["bf16"].dtype == torch.bfloat16
+    assert torch.equal(loaded["weights"]["view"],
+                       torch.arange(3.0)) and loaded["weights"]["bf16"].dtype == torch.bfloat16
     assert loaded["weights"]["empty"].shape == (0, 4)
     assert loaded["optimizer"]["state"][0]["step"].item() == 3.0
     assert loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
-    assert loaded["numbers"] == state["numbers"] and loaded["blob"] == b"\x00\xff" and loaded["histogram"] == {(1, "a"): 2}
+    assert loaded["numbers"] == state["numbers"] and loaded["blob"] == b"\x00\xff"
+    assert loaded["histogram"] == {(1, "a"): 2}
     assert loaded["rng"]["python"] == random.getstate()
     assert np.array_equal(loaded["rng"]["numpy"][1], np.random.get_state()[1])
     assert torch.equal(loaded["rng"]["torch"], torch.get_rng_state())
@@ -90,11 +92,12 @@ def test_unstorable_state_is_refused_with_its_path_and_a_pickle_is_never_loaded(
 def make_trainer(algorithm, mini_batch_size=None):
     if algorithm == "ppo":
         actor, critic = tiny_actor_critic(seed=0)
-        learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01,
-                                                                       actor_optimizer=OptimizerConfig(lr=1e-3)))
+        config = PPOConfig(sampling=SAMPLING, kl_coef=0.01, actor_optimizer=OptimizerConfig(lr=1e-3))
+        learner = PPOLearner(actor, critic, naive_strategy(), config)
     else:
         learner = GRPOLearner(tiny_policy(seed=0), naive_strategy(),
-                              GRPOConfig(sampling=SAMPLING, kl_coef=0.05, ref_update_every=2, ref_update_alpha=0.5,
+                              GRPOConfig(sampling=SAMPLING, kl_coef=0.05, ref_update_every=2,
+                                         ref_update_alpha=0.5,
                                          mini_batch_size=mini_batch_size,
                                          actor_optimizer=OptimizerConfig(lr=1e-3, schedule="cosine",
                                                                          total_steps=10, warmup_steps=1)))
@@ -160,7 +163,8 @@ def test_set_rng_state_restores_python_numpy_and_torch_through_a_checkpoint(tmp_
 
 
 def test_resume_restores_the_random_order_of_mini_batches(tmp_path, monkeypatch):
-    """Two mini-batches per step in a random order: only a restored RNG gives the uninterrupted run's weights."""
+    """Two mini-batches per step in a random order: only a restored RNG gives the
+    uninterrupted run's weights."""
     push = make_batches("grpo", 5)[0]  # one 8-sample step
 
     def step_after_resume():
@@ -185,7 +189,8 @@ def test_resume_restores_the_random_order_of_mini_batches(tmp_path, monkeypatch)
     assert not all(torch.allclose(expected[name], unrestored[name], atol=1e-6) for name in expected)
 
 
-def test_a_trainer_killed_between_the_renames_of_its_save_resumes_from_the_previous_checkpoint(tmp_path, caplog):
+def test_a_trainer_killed_between_the_renames_of_its_save_resumes_from_the_previous_checkpoint(
+        tmp_path, caplog):
     trainer = make_trainer("grpo")
     trainer.save_checkpoint(tmp_path / "ckpt")
     trainer.push_experience(make_batches("grpo", 5)[0])

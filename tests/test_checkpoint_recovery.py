@@ -77,7 +77,8 @@ def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint_and_the_next_sa
     kill_during(lambda: save_atomic({"step": 2, "w": torch.full((3,), 2.0)}, target), point)
     left = names(tmp_path)
     staging = [n for n in left if n.startswith(f".rank_0{STAGING_MARK}")]
-    expected = {"writing": ["rank_0"], "rename_1": [".rank_0.old"], "rename_2": [".rank_0.old", "rank_0"]}[point]
+    expected = {"writing": ["rank_0"], "rename_1": [".rank_0.old"],
+                "rename_2": [".rank_0.old", "rank_0"]}[point]
     assert sorted(set(left) - set(staging)) == expected and len(staging) == (point != "rename_2")
 
     assert has_checkpoint(target)
@@ -110,11 +111,13 @@ def test_a_next_save_cleans_up_after_a_kill_between_the_renames(tmp_path):
 
 
 def test_only_staging_directories_of_gone_processes_or_of_no_save_of_this_one_are_removed(tmp_path):
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True,
                           check=True)
     prefix = f".ckpt{STAGING_MARK}"
     dead, mine, alive = (tmp_path / f"{prefix}{pid}-x1" for pid in (int(gone.stdout), os.getpid(), 1))
-    others = [tmp_path / f".other{STAGING_MARK}{int(gone.stdout)}-x2", tmp_path / "ckpt-notes", tmp_path / ".ckpt.old"]
+    others = [tmp_path / f".other{STAGING_MARK}{int(gone.stdout)}-x2", tmp_path / "ckpt-notes",
+              tmp_path / ".ckpt.old"]
     for path in (dead, mine, alive, *others):
         path.mkdir()
     assert sorted(remove_stale_staging(tmp_path / "ckpt")) == sorted([dead, mine])

@@ -1,5 +1,6 @@
-"""coati/ray users' own code on `detached_rl.compat.coati`: the seed's DetachedPPOTrainer example as written, coati's
-mmmt_prompt.py flow (2 makers x 2 DDP trainers, LoRA-only updates, saves), and the argument translation without Ray."""
+"""coati/ray users' own code on `detached_rl.compat.coati`: the seed's DetachedPPOTrainer example as written,
+coati's mmmt_prompt.py flow (2 makers x 2 DDP trainers, LoRA-only updates, saves), and the
+argument translation without Ray."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ PROMPTS = [f"{a}+{b}=" for a in range(4) for b in range(4)]
 LORA = LoraSettings(r=4, alpha=8)
 
 
-# ---------------------------------------------------------------- models the factories return (picklable by name)
+# ------------------------------------------------------------ models the factories return (picklable by name)
 def policy(lora: bool = False) -> Actor:
     """A tiny llama policy (seed 0), with LoRA when asked."""
     model, tokenizer = tiny_causal_lm("llama", seed=0)
@@ -80,8 +81,10 @@ def test_trainer_settings_translate_coati_arguments() -> None:
 
 def test_generate_kwargs_of_mmmt_prompt_become_sampling() -> None:
     sampling, max_length = coati.sampling_from_generate_kwargs(dict(
-        max_length=512, do_sample=True, temperature=1.0, top_k=50, pad_token_id=0, eos_token_id=2, use_cache=True))
-    assert (sampling.top_k, sampling.temperature, sampling.do_sample, sampling.stop_token_ids) == (50, 1.0, True, (2,))
+        max_length=512, do_sample=True, temperature=1.0, top_k=50, pad_token_id=0, eos_token_id=2,
+        use_cache=True))
+    assert (sampling.top_k, sampling.temperature, sampling.do_sample,
+            sampling.stop_token_ids) == (50, 1.0, True, (2,))
     assert max_length == 512
     with pytest.raises(ValueError, match="repetition_penalty"):
         coati.sampling_from_generate_kwargs({"repetition_penalty": 1.2})
@@ -139,7 +142,8 @@ def test_receivers_and_env_follow_coati(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_maker_models_translate_the_four_tuple() -> None:
-    models = coati.maker_models(lambda: (policy(), value_model(), lambda prompt, response: 1.0, policy()), 0.0)
+    models = coati.maker_models(lambda: (policy(), value_model(), lambda prompt, response: 1.0, policy()),
+                                0.0)
     assert models.reference is None and hasattr(models.reward, "score_detailed")
     assert coati.maker_models(partial(maker_models, False), 0.1).reference is not None
     with pytest.raises(ValueError, match="LoRA adapter"):
@@ -192,7 +196,8 @@ def test_coati_fit_rounds_rerun_batches_and_push_at_round_ends() -> None:
 
     core.learner.train_step = train_step
     core.rounds = coati.CoatiRounds(update_steps=2, train_epochs=2)
-    core.fit(8, put=lambda chunk: chunk, send_update=lambda update, makers: pushed.append(update.manifest.version)
+    core.fit(8, put=lambda chunk: chunk,
+             send_update=lambda update, makers: pushed.append(update.manifest.version)
              or {}, update_steps=1)
     first, second = trained[:4], trained[4:]
     assert sorted(first[2:]) == sorted(first[:2]) and sorted(second[2:]) == sorted(second[:2])
@@ -201,7 +206,8 @@ def test_coati_fit_rounds_rerun_batches_and_push_at_round_ends() -> None:
     assert [m.get("weight_sync/version") for m in core.history if "weight_sync/version" in m] == [4.0, 8.0]
     assert all({"actor_loss", "critic_loss"} <= set(m) for m in core.history)
     hooks = [call for call in recorder.calls if call[0] not in ("on_batch_start", "on_batch_end")]
-    assert hooks[:4] == [("on_episode_start", 0), ("on_epoch_start", 0), ("on_epoch_end", 0), ("on_epoch_start", 1)]
+    assert hooks[:4] == [("on_episode_start", 0), ("on_epoch_start", 0), ("on_epoch_end", 0),
+                         ("on_epoch_start", 1)]
     assert ("on_update_start",) in hooks and hooks[-1] == ("on_episode_end", 1)
     assert sum(call[0] == "on_batch_end" for call in recorder.calls) == 8
 
@@ -209,8 +215,8 @@ def test_coati_fit_rounds_rerun_batches_and_push_at_round_ends() -> None:
 # ---------------------------------------------------------------- on Ray
 @pytest.fixture(scope="module")
 def gpu_cluster(cluster_marker):
-    """This module's cluster, declaring 4 logical GPUs: coati's examples ask num_gpus=1 per actor (a CPU build of
-    torch keeps the models on the CPU)."""
+    """This module's cluster, declaring 4 logical GPUs: coati's examples ask num_gpus=1 per actor (a CPU build
+    of torch keeps the models on the CPU)."""
     import ray
 
     from detached_rl.cli.jobs import init_local_ray
@@ -242,7 +248,8 @@ def unit_trainer(gpu_cluster):
     """A trainer without makers for the buffer methods; the seed test asks for it so that it starts beside its
     actors."""
     return coati.DetachedPPOTrainer.options(name="trainer_unit").remote(
-        experience_maker_holder_name_list=[], strategy_fn=my_strategy, model_fn=trainer_models, train_batch_size=2)
+        experience_maker_holder_name_list=[], strategy_fn=my_strategy, model_fn=trainer_models,
+        train_batch_size=2)
 
 
 def test_seed_004_example_as_written(gpu_cluster, unit_trainer, tmp_path) -> None:
@@ -293,13 +300,14 @@ def test_buffer_methods_and_training_step(gpu_cluster, unit_trainer) -> None:
     ray.get(trainer.buffer_extend.remote([sample(), sample(), sample()]))
     assert ray.get(trainer.buffer_get_length.remote()) == 2  # batches of train_batch_size, as coati counted
     losses = ray.get(trainer.training_step.remote([sample(), sample()]))
-    assert set(losses) == {"actor_loss", "critic_loss"} and all(torch.isfinite(torch.tensor(list(losses.values()))))
+    assert set(losses) == {"actor_loss", "critic_loss"}
+    assert all(torch.isfinite(torch.tensor(list(losses.values()))))
     ray.kill(trainer)
 
 
 def test_mmmt_prompt_flow(gpu_cluster, tmp_path) -> None:
-    """coati's examples/ray/mmmt_prompt.py, translated only where its model and strategy helpers were: 2 makers,
-    2 DDP trainers, LoRA on actor and critic with LoRA-only updates, saves."""
+    """coati's examples/ray/mmmt_prompt.py, translated only where its model and strategy helpers were: 2
+    makers, 2 DDP trainers, LoRA on actor and critic with LoRA-only updates, saves."""
     ray = gpu_cluster
     from detached_rl.compat.coati import DetachedPPOTrainer, ExperienceMakerHolder, get_receivers_per_sender
     from detached_rl.strategies.ddp import find_free_port
@@ -309,7 +317,8 @@ def test_mmmt_prompt_flow(gpu_cluster, tmp_path) -> None:
     master_addr = "127.0.0.1"
     trainer_port = str(find_free_port())
     env_info_trainers = [{"local_rank": "0", "rank": str(rank), "world_size": str(num_trainers),
-                          "master_port": trainer_port, "master_addr": master_addr} for rank in range(num_trainers)]
+                          "master_port": trainer_port, "master_addr": master_addr}
+                         for rank in range(num_trainers)]
     maker_port = str(find_free_port())
     env_info_makers = [{"local_rank": "0", "rank": str(rank), "world_size": str(num_makers),
                         "master_port": maker_port, "master_addr": master_addr} for rank in range(num_makers)]
@@ -318,7 +327,8 @@ def test_mmmt_prompt_flow(gpu_cluster, tmp_path) -> None:
     experience_holder_refs = [
         ExperienceMakerHolder.options(name=f"maker{i}", num_gpus=1, max_concurrency=2).remote(
             detached_trainer_name_list=[
-                f"trainer{x}" for x in get_receivers_per_sender(i, num_makers, num_trainers, allow_idle_sender=False)],
+                f"trainer{x}"
+                for x in get_receivers_per_sender(i, num_makers, num_trainers, allow_idle_sender=False)],
             strategy_fn=partial(coati.get_strategy_from_args, "naive"),
             model_fn=partial(maker_models, True),
             env_info=env_info_maker,
@@ -334,7 +344,8 @@ def test_mmmt_prompt_flow(gpu_cluster, tmp_path) -> None:
     trainer_refs = [
         DetachedPPOTrainer.options(name=f"trainer{i}", num_gpus=1, max_concurrency=2).remote(
             experience_maker_holder_name_list=[
-                f"maker{x}" for x in get_receivers_per_sender(i, num_trainers, num_makers, allow_idle_sender=True)],
+                f"maker{x}"
+                for x in get_receivers_per_sender(i, num_trainers, num_makers, allow_idle_sender=True)],
             strategy_fn=partial(coati.get_strategy_from_args, "ddp"),
             model_fn=partial(trainer_models, True),
             env_info=env_info_trainer,
@@ -350,7 +361,8 @@ def test_mmmt_prompt_flow(gpu_cluster, tmp_path) -> None:
 
     def build_dataloader():
         def tokenize_fn(texts):
-            return dict(tokenizer(texts, return_tensors="pt", max_length=12, padding="max_length", truncation=True))
+            return dict(tokenizer(texts, return_tensors="pt", max_length=12, padding="max_length",
+                                  truncation=True))
         return DataLoader(dataset=PROMPTS, batch_size=dataset_size, shuffle=True, collate_fn=tokenize_fn)
 
     wait_tasks = [ref.workingloop.remote(build_dataloader, num_steps=experience_steps)
@@ -371,13 +383,15 @@ def test_mmmt_prompt_flow(gpu_cluster, tmp_path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "actor0")
     model.load_state_dict(torch.load(tmp_path / "actor1.pt"))
     assert set(torch.load(tmp_path / "critic0.pt")) == set(value_model(lora=True).state_dict())
-    assert torch.load(tmp_path / "actor_optim0.pt")["state"] and torch.load(tmp_path / "critic_optim1.pt")["state"]
+    assert torch.load(tmp_path / "actor_optim0.pt")["state"]
+    assert torch.load(tmp_path / "critic_optim1.pt")["state"]
 
     histories = [ray.get(trainer.metrics.remote()) for trainer in trainer_refs]
     assert all(len(history) == total_steps for history in histories)
     assert all({"actor_loss", "critic_loss"} <= set(m) for history in histories for m in history)
     pushes = [m for history in histories for m in history if "weight_sync/bytes" in m]
-    assert pushes and max(m["weight_sync/bytes"] for m in pushes) < full_bytes() / 4  # LoRA-only, actor and critic
+    # LoRA-only, actor and critic
+    assert pushes and max(m["weight_sync/bytes"] for m in pushes) < full_bytes() / 4
     versions = {ray.get(maker.status.remote())["policy_version"] for maker in experience_holder_refs}
     assert versions == {total_steps}
     for handle in [*trainer_refs, *experience_holder_refs]:

@@ -1,5 +1,5 @@
-"""ColossalChat compatibility: its prompt lines load, its launch arguments map onto a RunConfig, and a ColossalChat-format
-JSONL trains through `launch_distributed` on a local Ray cluster."""
+"""ColossalChat compatibility: its prompt lines load, its launch arguments map onto a RunConfig, and a
+ColossalChat-format JSONL trains through `launch_distributed` on a local Ray cluster."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def test_colossalchat_lines_load_with_gt_answer_as_the_answer(colossalchat_jsonl
 
 def test_a_system_prompt_goes_before_a_single_message(colossalchat_jsonl):
     first = load_prompt_file(colossalchat_jsonl, system_prompt=SYSTEM)[0]
-    assert first.prompt == [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 2 + 3?"}]
+    assert first.prompt == [{"role": "system", "content": SYSTEM},
+                            {"role": "user", "content": "What is 2 + 3?"}]
 
 
 @pytest.mark.parametrize(("row", "message"), [
@@ -63,22 +64,26 @@ def test_malformed_colossalchat_lines_are_named(tmp_path, row, message):
 
 
 def test_a_prompt_field_wins_over_messages(tmp_path):
-    item = load_prompt_file(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hi", "messages": "x", "answer": 1}]))[0]
+    item = load_prompt_file(write_jsonl(tmp_path / "p.jsonl",
+                                        [{"prompt": "Hi", "messages": "x", "answer": 1}]))[0]
     assert (item.prompt, item.metadata) == ("Hi", {"messages": "x", "answer": 1})
 
 
 def launch_arguments(tmp_path, model_path, jsonl, **changes):
     """Keyword arguments shaped as ColossalChat's rl_example.py builds them, for a tiny run."""
     arguments = dict(
-        num_producers=2, num_proc_per_producer=1, num_consumer_procs=1, num_episodes=1, inference_batch_size=1,
+        num_producers=2, num_proc_per_producer=1, num_consumer_procs=1, num_episodes=1,
+        inference_batch_size=1,
         inference_microbatch_size=1, train_batch_size=1, train_minibatch_size=1,
         train_dataset_config={"path": str(jsonl), "max_length": 64, "system_prompt": SYSTEM},
         inference_model_config={"path": str(model_path)},
-        generate_config={"top_k": 50, "top_p": 1.0, "temperature": 1.0, "max_length": 64 + 8, "do_sample": True,
+        generate_config={"top_k": 50, "top_p": 1.0, "temperature": 1.0, "max_length": 64 + 8,
+                         "do_sample": True,
                          "max_new_tokens": None},
         train_model_config={"path": str(model_path), "use_flash_attention_2": False},
         grpo_config={"algo": "GRPO", "lr": 1e-4, "train_microbatch_size": 4, "beta": 0.01,
-                     "loss_variation": "sample_level", "reward_fn_type": "think_answer_tags", "max_length": 72,
+                     "loss_variation": "sample_level", "reward_fn_type": "think_answer_tags",
+                     "max_length": 72,
                      "max_new_tokens": 8, "response_format_tags": None},
         plugin_config={"tp_size": 1, "pp_size": 1, "microbatch_size": 1, "zero_stage": 0, "max_norm": 1.0},
         inference_backend="transformers", num_generations=2, core_algo="GRPO", project_name="tiny",
@@ -93,25 +98,30 @@ def config_of(arguments, update_steps=1, use_gpus=False):
             "train_batch_size", "train_minibatch_size", "train_dataset_config", "inference_model_config",
             "generate_config", "train_model_config", "grpo_config", "plugin_config", "inference_backend",
             "num_generations", "core_algo", "n_behind")
-    return run_config_of(**{key: arguments[key] for key in keep}, tokenizer_config=None, update_steps=update_steps,
+    return run_config_of(**{key: arguments[key] for key in keep}, tokenizer_config=None,
+                         update_steps=update_steps,
                          save_dir=Path(arguments["save_dir"]), namespace="ns", name="cc", use_gpus=use_gpus)
 
 
 def test_launch_arguments_map_onto_makers_trainer_group_and_grpo(tmp_path, colossalchat_jsonl):
     arguments = launch_arguments(tmp_path, "tiny-llama", colossalchat_jsonl, num_consumer_procs=2,
                                  train_batch_size=2, train_minibatch_size=1, n_behind=2, core_algo="DAPO",
-                                 grpo_config={"algo": "DAPO", "lr": 3e-4, "clip_eps_low": 0.2, "clip_eps_high": 0.28,
+                                 grpo_config={"algo": "DAPO", "lr": 3e-4, "clip_eps_low": 0.2,
+                                              "clip_eps_high": 0.28,
                                               "loss_variation": "token_level", "reward_fn_type": "boxed",
                                               "dynamic_batching": True},
-                                 generate_config={"top_k": -1, "top_p": 0.9, "temperature": 0.7, "max_tokens": 12},
+                                 generate_config={"top_k": -1, "top_p": 0.9, "temperature": 0.7,
+                                                  "max_tokens": 12},
                                  inference_backend="vllm", num_generations=8)
     config = config_of(arguments, update_steps=3, use_gpus=True)
     assert (config.algorithm, config.grpo.algorithm, config.grpo.loss_agg) == ("grpo", "dapo", "token-mean")
     assert (config.grpo.clip_low, config.grpo.clip_high, config.grpo.dynamic_sampling) == (0.2, 0.28, True)
     assert config.grpo.actor_optimizer.lr == 3e-4 and config.grpo.mini_batch_size == 1 * 8
-    assert (config.maker.group_size, config.maker.experience_batch_size, config.maker.backend) == (8, 1, "vllm")
+    assert (config.maker.group_size, config.maker.experience_batch_size,
+            config.maker.backend) == (8, 1, "vllm")
     assert config.trainer.train_batch_size == 2 * 8  # train_batch_size prompts x num_generations, per rank
-    assert config.trainer.max_staleness == 3 * 3 - 1  # n_behind = 2 rounds of 3 steps behind, plus the round's own
+    # n_behind = 2 rounds of 3 steps behind, plus the round's own
+    assert config.trainer.max_staleness == 3 * 3 - 1
     assert (config.trainer_group.world_size, config.trainer_group.strategy) == (2, "ddp")
     assert config.trainer_group.num_gpus_per_rank == 1 and config.maker.num_gpus == 1
     assert (config.sampling.top_k, config.sampling.top_p, config.sampling.max_new_tokens) == (0, 0.9, 12)
@@ -130,7 +140,8 @@ def test_the_system_prompt_reaches_the_makers_prompt_file(tmp_path, colossalchat
     ({"core_algo": "Simple"}, "core_algo must be one of"),
     ({"grpo_config": {"algo": "GRPO", "nonsense": 1}}, r"grpo_config: unknown key\(s\) \['nonsense'\]"),
     ({"train_model_config": {"path": "Qwen/Qwen2.5-7B"}}, "the model paths differ"),
-    ({"inference_model_config": {"path": "Qwen/Qwen2.5-7B"}, "train_model_config": {"path": "Qwen/Qwen2.5-7B"}},
+    ({"inference_model_config": {"path": "Qwen/Qwen2.5-7B"},
+      "train_model_config": {"path": "Qwen/Qwen2.5-7B"}},
      "nothing is downloaded"),
     ({"plugin_config": {"zero_stage": 4}}, r"plugin_config\['zero_stage'\] must be 0, 1, 2 or 3"),
 ])
@@ -155,7 +166,8 @@ def test_metrics_carry_colossalchat_names():
            "dynamic_sampling/dropped_fraction": 0.25}
     named = colossalchat_metrics(row, temperature=0.7)
     assert named == {"metrics/reward": 0.5, "train/loss": 1.5, "train/learning_rate": 1e-4,
-                     "metrics/format_acc": 0.25, "metrics/format_reward": 0.25, "train/sample_utilization": 0.75,
+                     "metrics/format_acc": 0.25, "metrics/format_reward": 0.25,
+                     "train/sample_utilization": 0.75,
                      "rollout/temperature": 0.7}
 
 
@@ -173,8 +185,8 @@ def test_a_colossalchat_jsonl_trains_through_launch_distributed(ray_cluster, tmp
     arguments = launch_arguments(tmp_path, tmp_path / "tiny", colossalchat_jsonl, train_batch_size=2)
     result = launch_distributed(**arguments, name="cc", timeout=300)
 
-    # 4 prompts, rounds of 2 producers x 1 prompt: 2 rounds of 1 step (train_batch_size 2 x 1 consumer), each step
-    # 2 prompts x 2 generations in two optimizer steps (train_minibatch_size 1).
+    # 4 prompts, rounds of 2 producers x 1 prompt: 2 rounds of 1 step (train_batch_size 2 x 1 consumer), each
+    # step 2 prompts x 2 generations in two optimizer steps (train_minibatch_size 1).
     assert (result["steps"], result["policy_version"]) == (2, 2)
     saved = AutoModelForCausalLM.from_pretrained(result["saved"])
     assert saved.config.model_type == "llama" and "modeling-episode-0-step-2" in result["saved"]

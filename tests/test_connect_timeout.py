@@ -35,7 +35,8 @@ def test_a_join_that_never_completes_ends_after_the_variables_timeout():
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
         address = f"127.0.0.1:{silent.getsockname()[1]}"
-        env = {**os.environ, jobs.CONNECT_TIMEOUT_VARIABLE: "4", "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+        env = {**os.environ, jobs.CONNECT_TIMEOUT_VARIABLE: "4", "PYTHONPATH": str(ROOT),
+               "RAY_AUTH_MODE": "disabled"}
         start = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "detached_rl.cli.main", "status", "--address", address],
                               env=env, capture_output=True, text=True, timeout=110)

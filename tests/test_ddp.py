@@ -1,8 +1,9 @@
 """The DDP strategies (torch DDP, ColossalAI's TorchDDPPlugin): two gloo ranks in spawned processes train in
 lock-step and agree through collectives.
 
-On the CPU with `--device cuda` too: gloo reduces host tensors, and two NCCL ranks cannot share the one GPU a test
-machine may have (the GPU path of a group runs in the Ray trainer-group tests when there are GPUs enough).
+On the CPU with `--device cuda` too: gloo reduces host tensors, and two NCCL ranks cannot share the one GPU a
+test machine may have (the GPU path of a group runs in the Ray trainer-group tests when there are GPUs
+enough).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def _loss(model: torch.nn.Module, sequences: torch.Tensor) -> torch.Tensor:
     return -model(sequences, torch.ones_like(sequences), mask).mean()
 
 
-def _train(strategy, model: torch.nn.Module, batches: list[torch.Tensor]) -> tuple[torch.nn.Module, list[float]]:
+def _train(strategy, model: torch.nn.Module,
+           batches: list[torch.Tensor]) -> tuple[torch.nn.Module, list[float]]:
     """Prepare `model` and take one optimizer step per batch; returns the prepared model and grad norms."""
     model, optimizer, _ = strategy.prepare_training(model, OPTIM)
     norms = []
@@ -60,7 +62,8 @@ def _train(strategy, model: torch.nn.Module, batches: list[torch.Tensor]) -> tup
 
 def _params(model: torch.nn.Module, only_trainable: bool = False) -> dict[str, torch.Tensor]:
     return {
-        name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad or not only_trainable
+        name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad
+        or not only_trainable
     }
 
 
@@ -85,7 +88,8 @@ def _scenarios(strategy: DDPStrategy) -> dict[str, Any]:
     initial = _params(strategy.unwrap(lora), only_trainable=True)
     for sequences in batches[:2]:
         strategy.backward(_loss(lora, sequences), lora, optimizer)
-        grads = {name: p.grad.clone() for name, p in strategy.unwrap(lora).named_parameters() if p.grad is not None}
+        grads = {name: p.grad.clone() for name, p in strategy.unwrap(lora).named_parameters()
+                 if p.grad is not None}
         strategy.optimizer_step(optimizer, lora, OPTIM.max_grad_norm)
     results["lora"] = {
         "wrapped": strategy.unwrap(lora) is not lora,
@@ -97,9 +101,11 @@ def _scenarios(strategy: DDPStrategy) -> dict[str, Any]:
 
     frozen = tiny_causal_lm("llama", seed=0)[0].requires_grad_(False)
     prepared = strategy.prepare_model(frozen)
-    results["frozen"] = {"same_object": prepared is frozen, "unwrap_same": strategy.unwrap(prepared) is frozen}
+    results["frozen"] = {"same_object": prepared is frozen,
+                         "unwrap_same": strategy.unwrap(prepared) is frozen}
 
-    # Checkpoint round trip through the strategy: a freshly prepared model and optimizer get the trained state.
+    # Checkpoint round trip through the strategy: a freshly prepared model and
+    # optimizer get the trained state.
     import tempfile
 
     with tempfile.TemporaryDirectory() as directory:
@@ -123,7 +129,8 @@ def _scenarios(strategy: DDPStrategy) -> dict[str, Any]:
 
     strategy.shards_weights = True
     try:
-        core = TrainerCore(f"t{rank}", GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), strategy, GRPOConfig()))
+        core = TrainerCore(f"t{rank}",
+                           GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), strategy, GRPOConfig()))
         core.makers.update({f"maker_{rank}", f"maker_{rank + 2}"})
         puts: list[int] = []
         update, _ = core.build_update(lambda chunk: puts.append(len(chunk)) or len(puts))
@@ -133,7 +140,8 @@ def _scenarios(strategy: DDPStrategy) -> dict[str, Any]:
     finally:
         del strategy.shards_weights
 
-    results["all_true"] = [strategy.all_true(True), strategy.all_true(rank == 0), strategy.all_true(rank == 1)]
+    results["all_true"] = [strategy.all_true(True), strategy.all_true(rank == 0),
+                           strategy.all_true(rank == 1)]
     metrics = {"loss": 1.0, "kl": 0.5, "tokens": 10.0, "num_samples": 2.0}
     if rank == 1:
         # Another insertion order: keys are matched by name.
@@ -184,7 +192,8 @@ def _rank_main(target: Callable[[DDPStrategy], Any], rank: int, world_size: int,
                name: str = "ddp") -> None:
     """Child process: join the group, run `target`, report (rank, ok, pickled result or traceback)."""
     torch.set_num_threads(1)
-    strategy = make_strategy(name, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
+    strategy = make_strategy(name, rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                             master_port=port,
                              backend="gloo", timeout_s=60.0)
     try:
         out.put((rank, True, pickle.dumps(target(strategy))))
@@ -194,7 +203,8 @@ def _rank_main(target: Callable[[DDPStrategy], Any], rank: int, world_size: int,
         strategy.destroy()
 
 
-def run_ranks(target: Callable[[DDPStrategy], Any], world_size: int = WORLD_SIZE, strategy: str = "ddp") -> list[Any]:
+def run_ranks(target: Callable[[DDPStrategy], Any], world_size: int = WORLD_SIZE,
+              strategy: str = "ddp") -> list[Any]:
     """Run `target(strategy)` on `world_size` spawned gloo ranks; returns each rank's result, by rank."""
     context = mp.get_context("spawn")
     out = context.Queue()
@@ -239,7 +249,9 @@ NO_COLOSSALAI = "colossalai is not installed (`make colossalai` installs it besi
 
 
 @pytest.fixture(scope="module", params=[
-    "ddp", pytest.param("colossalai_ddp", marks=pytest.mark.skipif(not colossalai_available(), reason=NO_COLOSSALAI)),
+    "ddp",
+    pytest.param("colossalai_ddp",
+                 marks=pytest.mark.skipif(not colossalai_available(), reason=NO_COLOSSALAI)),
 ])
 def ranks(request) -> list[dict[str, Any]]:
     return run_ranks(_scenarios, strategy=request.param)
@@ -333,7 +345,8 @@ def test_a_group_of_one_process_trains_and_its_collectives_are_identities():
         assert isinstance(trained, DistributedDataParallel) and norms[0] > 0
         assert strategy.unwrap(trained) is trained.module
         assert strategy.all_true(True) and not strategy.all_true(False)
-        assert strategy.reduce_metrics({"loss": 2.0, "tokens": 7.0}, weight=3.0) == {"loss": 2.0, "tokens": 7.0}
+        assert strategy.reduce_metrics({"loss": 2.0, "tokens": 7.0},
+                                       weight=3.0) == {"loss": 2.0, "tokens": 7.0}
         assert strategy.broadcast_object([1, 2]) == [1, 2]
         strategy.barrier()
         del trained  # a DDP model must not outlive its process group (see DDPStrategy.destroy)
@@ -362,7 +375,8 @@ def test_a_master_addr_that_is_not_this_machines_is_refused_by_rank_zero():
         ({"backend": "mpi"}, "backend"),
         ({"timeout_s": 0}, "timeout_s"),
         # Without CUDA, nccl itself is refused; with CUDA, nccl is fine and a CPU device is what is refused.
-        ({"device": "cpu", "backend": "nccl"} if torch.cuda.is_available() else {"device": "cuda:0", "backend": "nccl"},
+        ({"device": "cpu", "backend": "nccl"} if torch.cuda.is_available()
+         else {"device": "cuda:0", "backend": "nccl"},
          "device" if torch.cuda.is_available() else "backend"),
     ],
 )

@@ -88,7 +88,8 @@ def pure_outputs(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "rewards_to_go_undiscounted": rewards_to_go(x["rewards"], mask),
         "scores_at_last_token": scores_at_last_token(x["scores"], mask),
         "group_advantages_by_size": group_advantages(x["scores"], group_size=2),
-        "group_advantages_by_ids": group_advantages(x["scores"], group_ids=["a", "b", "a", "c"], method="rloo"),
+        "group_advantages_by_ids": group_advantages(x["scores"], group_ids=["a", "b", "a", "c"],
+                                                    method="rloo"),
         "truncated_importance_weight": truncated_importance_weight(x["old_log_probs"], lp, 2.0, mask),
         "overlong_penalty": overlong_penalty(mask.sum(1), 5, 2, 1.0),
     }
@@ -124,12 +125,14 @@ def test_pure_tensor_functions_give_the_cpu_values_on_any_device(device):
 
 
 def experiences(n: int = 5) -> list[Experience]:
-    """Ragged host experiences in two groups, some with values (all or none per batch) and per-token rewards."""
+    """Ragged host experiences in two groups, some with values (all or none per
+    batch) and per-token rewards."""
     out = []
     for i in range(n):
         prompt, response = 2 + i % 3, 1 + (i * 2) % 4
         reward = torch.full((response,), 0.5) if i == 1 else torch.tensor(float(i))
-        out.append(Experience(torch.arange(3, 3 + prompt), torch.arange(20, 20 + response), -torch.rand(response),
+        out.append(Experience(torch.arange(3, 3 + prompt), torch.arange(20, 20 + response),
+                              -torch.rand(response),
                               reward, policy_version=i, group_id="ab"[i % 2], values=torch.randn(response)))
     return out
 

@@ -130,8 +130,8 @@ def test_select_rows_trims_unused_padding():
 
 
 def test_reference_log_probs_are_finite_for_every_sampled_token():
-    """Reference log-probs come from the temperature-scaled full distribution (`reference_sampling`), where every
-    token has a finite log-prob: -inf is a reference scored with top-k/top-p, refused by field."""
+    """Reference log-probs come from the temperature-scaled full distribution (`reference_sampling`), where
+    every token has a finite log-prob: -inf is a reference scored with top-k/top-p, refused by field."""
     with pytest.raises(ExperienceValidationError, match="reference_sampling") as info:
         make(ref_log_probs=torch.tensor([-0.5, float("-inf")])).validate()
     assert info.value.field == "ref_log_probs"

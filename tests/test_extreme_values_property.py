@@ -1,7 +1,8 @@
-"""Property test: generated experiences full of extreme finite values (±1e38 and float32's max, ±1e300 in float64,
-subnormals, log-probs at the bound, rewards at ±max_abs_reward, in every float dtype) go through validation, the
-replay buffer and real GRPO and PPO training steps on the tiny model. Refused pushes name the corrupted field and
-change nothing; accepted ones never leave a non-finite weight; buffer statistics and status always answer (no Ray)."""
+"""Property test: generated experiences full of extreme finite values (±1e38 and float32's max, ±1e300 in
+float64, subnormals, log-probs at the bound, rewards at ±max_abs_reward, in every float dtype) go through
+validation, the replay buffer and real GRPO and PPO training steps on the tiny model. Refused pushes name the
+corrupted field and change nothing; accepted ones never leave a non-finite weight; buffer statistics and
+status always answer (no Ray)."""
 
 from __future__ import annotations
 
@@ -41,12 +42,14 @@ F16_MAX = torch.finfo(torch.float16).max
 BOUNDS = {"log_probs": LOG_PROB_BOUND, "ref_log_probs": LOG_PROB_BOUND, "reward": DEFAULT_MAX_ABS_REWARD,
           **dict.fromkeys(("values", "advantages", "returns"), DEFAULT_MAX_ABS_REWARD * ESTIMATE_SCALE)}
 TINY = (5e-324, 1e-310, 1e-45, 1e-40, 1e-8, 0.0)  # subnormal in float64 / float32, tiny normal, zero
-# Over the field's bound or not finite in float32 (1e300: inf there, though finite in float64) or not finite at all.
+# Over the field's bound or not finite in float32 (1e300: inf there, though finite in
+# float64) or not finite at all.
 BAD = (math.nan, math.inf, -math.inf, 1e300, -1e300, 1e38, -1e38, F32_MAX, -F32_MAX)
 
 
 def in_bounds(rng: random.Random, field: str, dtype: torch.dtype) -> float:
-    """A value the field's bound admits after the cast to `dtype` (the bound itself only where it is exact)."""
+    """A value the field's bound admits after the cast to `dtype` (the bound
+    itself only where it is exact)."""
     bound = BOUNDS[field]
     limit = min(0.99 * bound, 0.99 * F16_MAX) if dtype == torch.float16 else 0.99 * bound
     kind = rng.randrange(5)
@@ -93,13 +96,15 @@ def corrupt(data: st.DataObject, exp: Experience) -> str:
     if field == "log_probs" and data.draw(st.booleans(), label="positive log-prob"):
         bad = 0.5
     value[data.draw(st.integers(0, value.numel() - 1))] = bad
-    # float64 keeps every bad value as it is: a cast to float16 would turn 1e38 into inf (refused all the same).
+    # float64 keeps every bad value as it is: a cast to float16 would turn 1e38 into
+    # inf (refused all the same).
     setattr(exp, field, value.reshape(getattr(exp, field).shape))
     return field
 
 
 def weights_finite(trainer: TrainerCore) -> bool:
-    return not any(count_nonfinite(p) for model in trainer.synced_models().values() for p in model.state_dict().values())
+    return not any(count_nonfinite(p) for model in trainer.synced_models().values()
+                   for p in model.state_dict().values())
 
 
 class Run:
@@ -123,13 +128,15 @@ class Run:
                 self.trainer.push_experience(push)
             assert refused.value.field == corrupted and corrupted in str(refused.value)
             after = self.trainer.buffer.stats()
-            assert after.pop("rejected_invalid") == stats_before.pop("rejected_invalid") + 1 and after == stats_before
+            assert after.pop("rejected_invalid") == stats_before.pop("rejected_invalid") + 1
+            assert after == stats_before
             self.refused += 1
         else:
             assert self.trainer.push_experience(push).accepted == GROUP
         stats = self.trainer.buffer.stats()
         json.dumps(stats)
-        assert stats["accounting_ok"] and (stats["reward"]["mean"] is None or math.isfinite(stats["reward"]["std"]))
+        assert stats["accounting_ok"] and (stats["reward"]["mean"] is None
+                                           or math.isfinite(stats["reward"]["std"]))
         if len(self.trainer.buffer) >= BATCH:
             metrics = self.trainer.train_step()
             self.steps += 1

@@ -32,8 +32,8 @@ STEPS = 16
 def new_trainer(name: str, **config):
     # A small buffer throttles makers to the trainer's pace, so a fault lands mid-run, not after it.
     config = {"train_batch_size": 8, "buffer_max_samples": 16, "batch_timeout_s": 120, **config}
-    # Detached, as `detached-rl trainer` starts it: a dead detached actor's name is free at once for a successor
-    # (a non-detached one keeps it while its owner holds a handle).
+    # Detached, as `detached-rl trainer` starts it: a dead detached actor's name is free at once for a
+    # successor (a non-detached one keeps it while its owner holds a handle).
     return DetachedGRPOTrainer.options(name=name, namespace=NAMESPACE, lifetime="detached",
                                        **gpu_options("trainer")).remote(
         name, tiny_policy, TrainerConfig(**config), GRPOConfig(sampling=SAMPLING), NAMESPACE)
@@ -74,15 +74,19 @@ def test_a_maker_killed_mid_generation_restarts_takes_the_latest_weights_and_the
                          and s["first_batch_version"] is not None and s, "the restarted maker's first batch",
                          timeout=TIMEOUT, interval=0.2)
         version_at_restart = after["first_batch_version"]
-        assert after["restarted"] and version_at_restart >= 2  # not -1 / 0: it pulled the trainer's weights first
-        assert after["batches"] > before["batches"]  # its prompt cursor and counters went on from the saved state
+        # not -1 / 0: it pulled the trainer's weights first
+        assert after["restarted"] and version_at_restart >= 2
+        # its prompt cursor and counters went on from the saved state
+        assert after["batches"] > before["batches"]
         summary = wait_for(lambda: (s := ray.get(trainer.status.remote())) and s["state"] == "done" and s,
                            "the trainer to finish", timeout=TIMEOUT, interval=0.2)
         assert summary["policy_version"] == STEPS
-        # A weight push that met the maker while it was restarting is reported, naming it, and did not stop training.
+        # A weight push that met the maker while it was restarting is reported, naming it,
+        # and did not stop training.
         assert summary["last_error"] is None or "fault_maker" in summary["last_error"]
         stats = ray.get(trainer.buffer_stats.remote())
-        # Every sample that reached the trainer is trained, in the buffer or dropped with a reason; none twice.
+        # Every sample that reached the trainer is trained, in the buffer or dropped
+        # with a reason; none twice.
         assert stats["accounting_ok"] and stats["duplicates"] == 0
         assert stats["sampled"] == STEPS * 8
         final = wait_for(lambda: (s := status_or_none(ray, maker)) and s["state"] != "running" and s,
@@ -101,14 +105,17 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_its_makers_re_attach_b
     replacement = None
     try:
         ray.get(maker.start.remote(), timeout=TIMEOUT)
-        ray.get(trainer.start_fit.remote(STEPS, checkpoint_every=1, checkpoint_dir=checkpoints), timeout=TIMEOUT)
-        wait_for(lambda: ray.get(trainer.policy_version.remote()) >= 3, "three training steps", timeout=TIMEOUT,
+        ray.get(trainer.start_fit.remote(STEPS, checkpoint_every=1, checkpoint_dir=checkpoints),
+                timeout=TIMEOUT)
+        wait_for(lambda: ray.get(trainer.policy_version.remote()) >= 3, "three training steps",
+                 timeout=TIMEOUT,
                  interval=0.2)
         first = ray.get(trainer.status.remote(), timeout=TIMEOUT)
         os.kill(first["pid"], signal.SIGKILL)
         wait_for(lambda: status_or_none(ray, trainer) is None, "the trainer to be gone", timeout=TIMEOUT,
                  interval=0.2)
-        wait_for(lambda: _name_free(ray, "resumed_trainer"), "the trainer's name to be released", timeout=TIMEOUT,
+        wait_for(lambda: _name_free(ray, "resumed_trainer"), "the trainer's name to be released",
+                 timeout=TIMEOUT,
                  interval=0.2)
         # `detached-rl status` shows the dead trainer, and the maker's pushes fail with an error naming it.
         rows = {row["name"]: row for row in jobs.all_status(NAMESPACE)}
@@ -122,21 +129,25 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_its_makers_re_attach_b
         replacement = new_trainer("resumed_trainer")
         assert ray.get(replacement.start_fit.remote(STEPS, checkpoint_every=1, checkpoint_dir=checkpoints,
                                                     resume_from=checkpoints), timeout=TIMEOUT)
-        done = wait_for(lambda: (s := ray.get(replacement.status.remote())) and s["state"] in ("done", "failed") and s,
+        done = wait_for(lambda: (s := ray.get(replacement.status.remote()))
+                        and s["state"] in ("done", "failed") and s,
                         "the resumed trainer to finish", timeout=TIMEOUT, interval=0.2)
         assert done["state"] == "done" and done["policy_version"] == STEPS, done["last_error"]
         assert done["trainer_run"] != first["trainer_run"]
         history = ray.get(replacement.metrics.remote())
-        assert history and history[0]["policy_version"] >= first["policy_version"]  # picked up, not from scratch
+        # picked up, not from scratch
+        assert history and history[0]["policy_version"] >= first["policy_version"]
         assert ray.get(replacement.buffer_stats.remote())["accounting_ok"]
 
         # The maker never restarted: it found the new trainer by name and follows its run and versions.
-        maker_status = wait_for(lambda: (s := ray.get(maker.status.remote())) and s["state"] != "running" and s,
+        maker_status = wait_for(lambda: (s := ray.get(maker.status.remote())) and s["state"] != "running"
+                                and s,
                                 "the maker to be stopped by the new trainer", timeout=TIMEOUT, interval=0.2)
         assert not maker_status["restarted"]
         assert maker_status["trainer_run"] == done["trainer_run"] and maker_status["policy_version"] == STEPS
         push = maker_status["push"]
-        pushed = push["accepted"] + push["duplicates"] + push["dropped_stale_by_trainer"] + sum(push["dropped"].values())
+        pushed = (push["accepted"] + push["duplicates"] + push["dropped_stale_by_trainer"]
+                  + sum(push["dropped"].values()))
         assert pushed == push["samples_pushed"]  # every push acked or dropped with a reason
     finally:
         ray.kill(maker, no_restart=True)
@@ -159,7 +170,8 @@ def test_the_local_cluster_binds_to_loopback(ray_cluster, cluster_marker):
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
     # This module's cluster only (its processes carry the marker), not another cluster on the machine.
     own = marked_processes(cluster_marker)
-    ray_processes = {proc.pid for proc in own if any(part in proc.name() for part in ("gcs_server", "raylet"))}
+    ray_processes = {proc.pid for proc in own
+                     if any(part in proc.name() for part in ("gcs_server", "raylet"))}
     assert len(ray_processes) == 2, f"expected this cluster's GCS and raylet, found {[p.name() for p in own]}"
     listening = {conn.laddr.ip for conn in psutil.net_connections("inet")
                  if conn.status == psutil.CONN_LISTEN and conn.pid in ray_processes}

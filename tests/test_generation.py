@@ -58,8 +58,8 @@ def fresh_backend(state, lora=False):
 
 
 def lora_model(seed):
-    """A tiny llama (base seed 0) with a peft LoRA adapter whose B is random (seed), so the adapter matters, on the
-    test device."""
+    """A tiny llama (base seed 0) with a peft LoRA adapter whose B is random (seed), so the adapter matters,
+    on the test device."""
     model = apply_lora(tiny_causal_lm("llama", seed=0)[0], LoraSettings(r=4, alpha=8))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -124,7 +124,8 @@ def test_a_lora_update_through_the_sink_changes_exactly_what_generation_uses(lor
     assert commits == [{f"actor/{key}" for key in adapter}]
     after = greedy(backend)
     # merge mode computes with W0 + s·B·A, the LoRA model with W0·x + s·B·(A·x): equal up to rounding.
-    assert_same_generation(after, greedy(fresh_backend(trainer.state_dict(), lora=True)), exact=lora_mode == "keep")
+    assert_same_generation(after, greedy(fresh_backend(trainer.state_dict(), lora=True)),
+                           exact=lora_mode == "keep")
     assert any(not torch.allclose(a, b) for a, b in zip(before[1], after[1], strict=True))
 
 
@@ -139,7 +140,8 @@ def test_a_refused_update_leaves_the_sink_weights_untouched(mode, lora_mode, cor
     served_before = {key: t.clone() for key, t in backend.model.state_dict().items()}
     generated_before = greedy(backend)
     store = ObjectStore()
-    update, _ = build_weight_update({"actor": lora_model(seed=2).state_dict()}, 1, store.put, chunk_bytes=60_000)
+    update, _ = build_weight_update({"actor": lora_model(seed=2).state_dict()}, 1, store.put,
+                                    chunk_bytes=60_000)
     assert update.manifest.num_chunks > 1
     chunk = store.objects[update.chunk_refs[corrupt]]
     name = next(iter(chunk))
@@ -157,24 +159,29 @@ def test_a_refused_update_leaves_the_sink_weights_untouched(mode, lora_mode, cor
 
 
 def test_unknown_backend_names_and_unfitting_options_are_refused_naming_the_field():
-    with pytest.raises(ValueError, match=r"MakerConfig\.backend must be one of \['auto', 'hf', 'vllm'\], got 'tgi'"):
+    with pytest.raises(ValueError,
+                       match=r"MakerConfig\.backend must be one of \['auto', 'hf', 'vllm'\], got 'tgi'"):
         MakerConfig(backend="tgi")
     actor = Actor(*tiny_lm("llama", seed=0))
     with pytest.raises(ValueError, match=r"MakerConfig\.backend must be one of"):
         build_generation_backend("nope", actor)
     with pytest.raises(ValueError, match=r"MakerConfig\.backend_options \['gpu_memory_utilization'\]"):
         ExperienceMaker("maker_0", tiny_maker_models(), CyclingPrompts(arithmetic_prompts()),
-                        MakerConfig(backend_options={"gpu_memory_utilization": 0.5}), strategy=naive_strategy())
+                        MakerConfig(backend_options={"gpu_memory_utilization": 0.5}),
+                        strategy=naive_strategy())
     with pytest.raises(ValueError, match="lora_mode must be one of"):
         HFGenerationBackend.from_actor(actor, lora_mode="fuse")
-    with pytest.raises(ValueError, match=r"MakerConfig\.backend_options \['kv_cache'\] are not options of backend 'vllm'"):
+    with pytest.raises(ValueError,
+                       match=r"MakerConfig\.backend_options \['kv_cache'\] are not options of "
+                             r"backend 'vllm'"):
         MakerConfig(backend="vllm", backend_options={"kv_cache": 1})
 
 
 def test_vllm_is_registered_lazily_and_its_options_are_the_vllm_section_with_overrides():
     assert GENERATION_BACKENDS["vllm"] == "detached_rl.generation.vllm_config:build_vllm_backend"
     config = MakerConfig(backend="vllm", vllm=VLLMConfig(dtype="float32"), backend_options={"kv_cache_gb": 3})
-    assert config.backend_kwargs() == {**dataclasses.asdict(VLLMConfig()), "dtype": "float32", "kv_cache_gb": 3}
+    assert config.backend_kwargs() == {**dataclasses.asdict(VLLMConfig()), "dtype": "float32",
+                                       "kv_cache_gb": 3}
     assert MakerConfig(backend_options={"x": 1}).backend_kwargs() == {"x": 1}  # other backends: as given
 
 
@@ -213,9 +220,11 @@ def test_the_maker_builds_a_registered_backend_with_its_options_and_updates_thro
     models = tiny_maker_models(seed=0)
     trained = {"actor": tiny_causal_lm("llama", seed=1)[0].state_dict(),
                "critic": copy.deepcopy(models.critic).state_dict()}
-    config = MakerConfig(experience_batch_size=2, sampling=SamplingConfig(max_new_tokens=6), backend="counting",
+    config = MakerConfig(experience_batch_size=2, sampling=SamplingConfig(max_new_tokens=6),
+                         backend="counting",
                          backend_options={"share_prompts": False})
-    maker = ExperienceMaker("maker_0", models, CyclingPrompts(arithmetic_prompts()), config, strategy=naive_strategy())
+    maker = ExperienceMaker("maker_0", models, CyclingPrompts(arithmetic_prompts()), config,
+                            strategy=naive_strategy())
     assert isinstance(maker.backend.weight_sink, CountingSink) and not maker.backend.share_prompts
     store = ObjectStore()
     update, _ = build_weight_update(trained, 4, store.put)
@@ -229,7 +238,8 @@ def test_the_maker_builds_a_registered_backend_with_its_options_and_updates_thro
 # Behaviour log-probs step by step (O(B·V) memory), and the backend's GPU options.
 
 WARPED = SamplingConfig(max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9)
-SCORING_SAMPLINGS = [WARPED, SamplingConfig(max_new_tokens=10), SamplingConfig(max_new_tokens=10, do_sample=False)]
+SCORING_SAMPLINGS = [WARPED, SamplingConfig(max_new_tokens=10),
+                     SamplingConfig(max_new_tokens=10, do_sample=False)]
 
 
 def output_scores_generation(model, input_ids, attention_mask, sampling, pad_token_id, stop_ids):
@@ -243,7 +253,8 @@ def output_scores_generation(model, input_ids, attention_mask, sampling, pad_tok
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     generated = out.sequences[:, input_ids.shape[1]:]
-    log_probs = torch.stack([token_log_probs(step.float(), generated[:, t]) for t, step in enumerate(out.scores)], 1)
+    log_probs = torch.stack([token_log_probs(step.float(), generated[:, t])
+                             for t, step in enumerate(out.scores)], 1)
     return generated, log_probs
 
 
@@ -258,7 +269,8 @@ def test_step_by_step_log_probs_equal_those_from_output_scores(sampling):
     torch.manual_seed(1)
     free, _ = output_scores_generation(model, input_ids, attention_mask, sampling, tokenizer.pad_token_id,
                                        [tokenizer.eos_token_id])
-    # A stop token that row 0 emits by step 3 (same seed): rows finish at different steps, finished rows are padded.
+    # A stop token that row 0 emits by step 3 (same seed): rows finish at different steps,
+    # finished rows are padded.
     stop = SamplingConfig(**{**sampling.__dict__, "stop_token_ids": (int(free[0, 3]),)})
     torch.manual_seed(1)
     want_ids, want_log_probs = output_scores_generation(model, input_ids, attention_mask, stop,
@@ -300,7 +312,8 @@ def test_the_backend_keeps_one_step_of_scores_not_all_of_them(sampling, monkeypa
 
 
 def test_behaviour_log_probs_score_each_token_against_the_scores_it_was_sampled_from():
-    """Step t's token is scored against step t's scores, whether `generate` stopped on time or one step late."""
+    """Step t's token is scored against step t's scores, whether `generate`
+    stopped on time or one step late."""
     generator = torch.Generator().manual_seed(0)
     scores = [torch.randn(2, 7, generator=generator) for _ in range(4)]
     tokens = torch.randint(0, 7, (2, 4), generator=generator)
@@ -322,10 +335,12 @@ def test_a_static_cache_gives_the_dynamic_caches_greedy_tokens():
     dynamic = HFGenerationBackend.from_actor(actor)
     static = HFGenerationBackend.from_actor(actor, cache_implementation="static")
     assert static.cache_implementation == "static" and not static.share_prompts and dynamic.share_prompts
-    prompts = PROMPTS + PROMPTS  # repeated prompts: the dynamic backend shares their prefill, the static one cannot
+    # repeated prompts: the dynamic backend shares their prefill, the static one cannot
+    prompts = PROMPTS + PROMPTS
     want = dynamic.generate_text(prompts, GREEDY)
     got = static.generate_text(prompts, GREEDY)
-    assert_same_generation((got.response_ids, got.log_probs), (want.response_ids, want.log_probs), exact=False)
+    assert_same_generation((got.response_ids, got.log_probs), (want.response_ids, want.log_probs),
+                           exact=False)
 
 
 def test_generation_dtype_casts_the_generating_model_and_auto_keeps_float32_off_cuda():
@@ -339,7 +354,8 @@ def test_generation_dtype_casts_the_generating_model_and_auto_keeps_float32_off_
     assert {layout.dtype for layout in cast.weight_sink.layout().values()} == {torch.bfloat16}
     out = cast.generate_text(PROMPTS, WARPED)
     for ids, log_probs in zip(out.response_ids, out.log_probs, strict=True):
-        assert len(ids) == len(log_probs) and log_probs.dtype == torch.float32 and bool((log_probs <= 0).all())
+        assert len(ids) == len(log_probs) and log_probs.dtype == torch.float32
+        assert bool((log_probs <= 0).all())
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -358,7 +374,8 @@ def test_bad_generation_options_are_refused_naming_the_field(options, message):
                     "(run with --device cuda)")
 def test_static_cache_bf16_generation_on_cuda_scores_what_the_policy_recomputes():
     model, tokenizer = tiny_lm("llama", seed=0)
-    backend = HFGenerationBackend.from_actor(Actor(model, tokenizer), cache_implementation="static", dtype="bfloat16")
+    backend = HFGenerationBackend.from_actor(Actor(model, tokenizer), cache_implementation="static",
+                                             dtype="bfloat16")
     plain = SamplingConfig(max_new_tokens=10)  # no top-k/top-p boundary for bf16 rounding to move
     torch.manual_seed(0)
     out = backend.generate_text(PROMPTS + PROMPTS, plain)
@@ -366,6 +383,7 @@ def test_static_cache_bf16_generation_on_cuda_scores_what_the_policy_recomputes(
                      zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True)],
                     tokenizer.pad_token_id).to(lane_device())
     with torch.no_grad():
-        recomputed = Actor(model, tokenizer)(batch.sequences, batch.attention_mask, batch.response_mask, plain)
+        recomputed = Actor(model, tokenizer)(batch.sequences, batch.attention_mask, batch.response_mask,
+                                             plain)
     mask = batch.response_mask.bool()
     torch.testing.assert_close(recomputed.float()[mask], batch.log_probs[mask], atol=0.1, rtol=0.05)

@@ -35,7 +35,8 @@ def exp(score, group, length=3, version=0, lp=-1.0):
 def test_variant_defaults():
     assert GRPOConfig().loss_agg == "seq-mean-token-mean" and GRPOConfig().clip_high is None
     dapo = GRPOConfig(algorithm="dapo")
-    assert (dapo.clip_high, dapo.loss_agg, dapo.dynamic_sampling, dapo.overlong_shaping) == (0.28, "token-mean",
+    assert (dapo.clip_high, dapo.loss_agg, dapo.dynamic_sampling,
+            dapo.overlong_shaping) == (0.28, "token-mean",
                                                                                               True, True)
     assert GRPOConfig(algorithm="dr_grpo").loss_agg == "seq-mean-token-sum-norm"
     assert GRPOConfig(algorithm="dapo", clip_high=0.3, dynamic_sampling=False).clip_high == 0.3
@@ -75,7 +76,8 @@ def test_presets_hold_the_variants_defaults():
 
 def test_sampling_comes_from_the_learner_argument_and_bounds_the_overlong_buffer():
     explicit = SamplingConfig(max_new_tokens=5, temperature=0.5)
-    grpo = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), naive_strategy(), GRPOConfig(), sampling=explicit)
+    grpo = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), naive_strategy(), GRPOConfig(),
+                       sampling=explicit)
     assert grpo.sampling is explicit and learner().sampling is SAMPLING
     with pytest.raises(ValueError, match="GRPOConfig.overlong_buffer"):
         GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), naive_strategy(), GRPOConfig(overlong_buffer=5),
@@ -137,7 +139,8 @@ def test_fresh_batches_are_on_policy_and_stale_ones_are_importance_weighted():
     torch.manual_seed(0)
     out = HFGenerationBackend.from_actor(actor).generate_text(["q1", "q2"] * 2, SAMPLING)
     experiences = [Experience(p, r, lp, torch.tensor(float(i // 2)), policy_version=3, group_id=str(i % 2))
-                   for i, (p, r, lp) in enumerate(zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True))]
+                   for i, (p, r, lp) in enumerate(zip(out.prompt_ids, out.response_ids, out.log_probs,
+                                                      strict=True))]
     fresh = grpo.train_step(experiences, policy_version=3)
     assert fresh["val/ratio"] == pytest.approx(1.0, abs=1e-5) and fresh["policy/importance_weight_avg"] == 1.0
     assert fresh["policy/importance_weight"] == 1.0  # the old name, kept as an alias
@@ -178,7 +181,8 @@ def test_grpo_learns_a_verifiable_preference_in_a_few_dozen_steps():
     trainer.build_update(store.put)
     maker = ExperienceMaker(
         "maker", MakerModels(actor=Actor(*tiny_causal_lm("llama", seed=3)), reward=LowTokenReward()),
-        CyclingPrompts(arithmetic_prompts()), MakerConfig(experience_batch_size=2, group_size=8, sampling=SAMPLING),
+        CyclingPrompts(arithmetic_prompts()),
+        MakerConfig(experience_batch_size=2, group_size=8, sampling=SAMPLING),
         strategy=naive_strategy(),
     )
     maker.apply_weight_update(trainer.register_maker("maker"), store.fetch)
@@ -197,7 +201,8 @@ def test_grpo_learns_a_verifiable_preference_in_a_few_dozen_steps():
 def test_micro_batches_give_the_full_batch_gradient_in_every_aggregation_mode(agg):
     grads = []
     for micro_batch_size in (8, 3):
-        grpo = learner(loss_agg=agg, micro_batch_size=micro_batch_size, actor_optimizer=OptimizerConfig(lr=1e-3))
+        grpo = learner(loss_agg=agg, micro_batch_size=micro_batch_size,
+                       actor_optimizer=OptimizerConfig(lr=1e-3))
         recorded = {}
         original = grpo.strategy.optimizer_step
 
@@ -233,10 +238,12 @@ def test_the_grpo_trainers_reference_scores_the_full_distribution():
     prompts = ["q1", "q1", "q2", "q2"]
     out = HFGenerationBackend.from_actor(learner.policy).generate_text(prompts, TOP_K)
     experiences = [Experience(p, r, lp, torch.tensor(float(i % 2)), group_id=prompts[i]).validate()
-                   for i, (p, r, lp) in enumerate(zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True))]
+                   for i, (p, r, lp) in enumerate(zip(out.prompt_ids, out.response_ids, out.log_probs,
+                                                      strict=True))]
     batch = collate(experiences, learner.policy.tokenizer.pad_token_id, device=lane_device())
     with torch.no_grad():
-        full = learner.reference(batch.sequences, batch.attention_mask, batch.response_mask, reference_sampling(TOP_K))
+        full = learner.reference(batch.sequences, batch.attention_mask, batch.response_mask,
+                                 reference_sampling(TOP_K))
     kl = masked_kl(batch.log_probs, full, batch.response_mask, "k1")
     expected = float((kl * batch.response_mask).sum() / batch.response_mask.sum())
     metrics = learner.train_step(experiences, policy_version=0)

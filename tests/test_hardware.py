@@ -50,19 +50,22 @@ def test_known_gpu_names_map_to_their_data_sheet_dense_peaks(name, spec, bf16_tf
 @pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA B200", "AMD Instinct MI300X", "Tesla K80"])
 def test_gpus_not_in_the_table_are_measured(name):
     assert lookup_gpu(name) is None
-    peak = table_or_measured_peak(name, "float32", lambda: measure_matmul_flops("cpu", "float32", 128), "128³")
+    peak = table_or_measured_peak(name, "float32", lambda: measure_matmul_flops("cpu", "float32", 128),
+                                  "128³")
     assert peak.source == "measured: 128³" and peak.value > 1e6
 
 
 def test_a_kind_missing_from_a_known_gpu_is_measured():
     """V100 has no bf16 tensor cores: its bf16 figure is measured, its fp16 one comes from the table."""
     assert "bfloat16" not in lookup_gpu("Tesla V100-SXM2-16GB").peak_flops
-    assert table_or_measured_peak("Tesla V100-SXM2-16GB", "bfloat16", lambda: 1.0, "x").source == "measured: x"
+    assert table_or_measured_peak("Tesla V100-SXM2-16GB", "bfloat16", lambda: 1.0,
+                                  "x").source == "measured: x"
     assert table_or_measured_peak("Tesla V100-SXM2-16GB", "float16", lambda: 1.0, "x").value == 125 * T
 
 
 def test_the_table_is_consistent():
-    """Dense peaks: tensor-core kinds at least the FP32 one, all positive, every entry sourced and reachable."""
+    """Dense peaks: tensor-core kinds at least the FP32 one, all positive, every
+    entry sourced and reachable."""
     names = [spec.name for _, spec in GPU_SPECS]
     assert len(names) == len(set(names))
     for pattern, spec in GPU_SPECS:
@@ -84,7 +87,8 @@ def test_the_cpu_peak_is_measured_once_and_leaves_the_global_rng_alone():
     assert device_peak(torch.device("cpu"), "float32") is first  # cached per (device, dtype)
     assert peak_flops("cpu", "float32") == first.value
     bandwidth = memory_bandwidth("cpu")
-    assert bandwidth.source.startswith("measured") and bandwidth.value > 1e8 and memory_bandwidth("cpu") is bandwidth
+    assert bandwidth.source.startswith("measured") and bandwidth.value > 1e8
+    assert memory_bandwidth("cpu") is bandwidth
 
 
 def test_float32_on_cuda_counts_as_tf32_only_when_pytorch_allows_tf32():
@@ -106,7 +110,8 @@ def test_unknown_dtypes_are_refused_naming_them():
         peak_flops("cpu", "float64")
 
 
-@pytest.mark.skipif(lane_device().type != "cuda", reason="GPU lane: the lane GPU's peak (run with --device cuda)")
+@pytest.mark.skipif(lane_device().type != "cuda",
+                    reason="GPU lane: the lane GPU's peak (run with --device cuda)")
 def test_the_lane_gpus_peak_is_its_table_entry_or_a_plausible_measurement():
     name = torch.cuda.get_device_name(lane_device())
     peak = device_peak(lane_device(), "bfloat16")

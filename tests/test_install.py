@@ -1,4 +1,5 @@
-"""A plain `pip install .` (no extras) into a fresh venv runs the main job to the end and writes every artefact.
+"""A plain `pip install .` (no extras) into a fresh venv runs the main job to the end and writes every
+artefact.
 
 Minutes, not seconds (venv, torch, the project and its dependencies, then a 2-step run on the tiny model):
 part of `make test`; deselect with `-m "not install"`.
@@ -29,7 +30,8 @@ RUN = "install-check"
 PIP_TIMEOUT_S = 1200
 RUN_TIMEOUT_S = 900
 # What `pip install .` reads from the checkout; the rest (.venv, caches, run outputs) stays behind.
-NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info", "__pycache__", ".pytest_cache",
+NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info", "__pycache__",
+                                    ".pytest_cache",
                                    ".ruff_cache", ".hypothesis", "results")
 
 
@@ -42,8 +44,8 @@ def pinned_torch() -> str:
 def step(command: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """Run one setup or job command; fail with its output when it fails."""
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, (f"{' '.join(command)} exited {done.returncode}\nstdout:\n{done.stdout[-4000:]}\n"
-                                  f"stderr:\n{done.stderr[-4000:]}")
+    assert done.returncode == 0, (f"{' '.join(command)} exited {done.returncode}\n"
+                                  f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}")
     return done
 
 
@@ -70,14 +72,17 @@ def installed_run():
         start = time.monotonic()
         # The same Python as this test (a venv made from a venv is based on the base interpreter).
         step([sys.executable, "-m", "venv", str(venv)], work, env, 300)
-        step([*pip, pinned_torch()], work, env, PIP_TIMEOUT_S)  # first: else pip resolves a multi-GB CUDA build
+        # first: else pip resolves a multi-GB CUDA build
+        step([*pip, pinned_torch()], work, env, PIP_TIMEOUT_S)
         step([*pip, "."], source, env, PIP_TIMEOUT_S)
         seconds["install"] = time.monotonic() - start
 
         marker = new_cluster_marker()
         start = time.monotonic()
-        job = step([str(venv / "bin" / "detached-rl"), "run", "--model", "tiny", "--steps", str(STEPS), "--makers",
-                    "1", "--name", RUN, "--output", str(work / "runs"), "--namespace", "detached_rl_install_test",
+        job = step([str(venv / "bin" / "detached-rl"), "run", "--model", "tiny", "--steps", str(STEPS),
+                    "--makers",
+                    "1", "--name", RUN, "--output", str(work / "runs"), "--namespace",
+                    "detached_rl_install_test",
                     "--no-progress", "--set", "task.eval_size=4", "--set", "sampling.max_new_tokens=8",
                     "--set", "run.examples=1"],
                    work, {**env, CLUSTER_MARKER: marker}, RUN_TIMEOUT_S)
@@ -102,7 +107,8 @@ def test_the_job_reports_and_writes_config_metrics_and_results(installed_run):
     assert "held-out before training: accuracy" in stdout and "held-out after training: accuracy" in stdout
     assert f"{STEPS} steps" in stdout and "not written" not in stdout
     assert "grpo" in (directory / "config.yaml").read_text()
-    rows = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert all("reward/mean" in row for row in rows)
     evaluation = json.loads((directory / "eval.json").read_text())

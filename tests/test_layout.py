@@ -1,4 +1,5 @@
-"""The package layout: each folder one layer, imports only go down, no import cycles, Ray only in the Ray wing."""
+"""The package layout: each folder one layer, imports only go down, no import
+cycles, Ray only in the Ray wing."""
 
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ ALLOWED = {
                "trainer"},
     "actors": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
                "trainer", "config"},
-    "cli": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker", "trainer",
+    "cli": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
+            "trainer",
             "config", "actors"},
-    # Migration paths for other systems' users: thin shells over everything below, the CLI's job helpers included.
+    # Migration paths for other systems' users: thin shells over everything below, the
+    # CLI's job helpers included.
     "compat": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
                "trainer", "config", "actors", "cli"},
 }

@@ -34,7 +34,8 @@ SAMPLING = SamplingConfig(max_new_tokens=6)
 
 
 def test_every_estimator_and_loss_of_the_learners_is_registered():
-    assert set(ADVANTAGE_ESTIMATORS) >= {"gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
+    assert set(ADVANTAGE_ESTIMATORS) >= {"gae", "grpo", "dr_grpo", "rloo", "reinforce_pp",
+                                         "reinforce_pp_baseline"}
     assert "ppo_clip" in POLICY_LOSSES
     with pytest.raises(ValueError, match="unknown advantage estimator 'vtrace'; registered:"):
         get_advantage_estimator("vtrace")
@@ -60,7 +61,8 @@ def test_registered_estimators_compute_the_formulas():
     assert torch.equal(rloo, broadcast_to_tokens(torch.tensor([1.0, -1.0, 2.0]), mask))
     # Rewards to go with gamma 0.9: [0 + 0.9 * 1, 1], [0.5 + 0.9 * (0 + 0.9 * -0.5), 0 - 0.45, -0.5], [2].
     by_hand = torch.tensor([[0.9, 1.0, 0.0], [0.5 - 0.405, -0.45, -0.5], [2.0, 0.0, 0.0]])
-    assert torch.allclose(rloo_returns, by_hand) and torch.allclose(rewards_to_go(token_rewards, mask, 0.9), by_hand)
+    assert torch.allclose(rloo_returns, by_hand) and torch.allclose(rewards_to_go(token_rewards, mask, 0.9),
+                                                                    by_hand)
     grpo, _ = get_advantage_estimator("grpo")(inputs, settings)
     assert torch.equal(grpo, broadcast_to_tokens(
         group_advantages(scores, group_ids=["a", "a", "single:2"], method="grpo"), mask))
@@ -68,7 +70,8 @@ def test_registered_estimators_compute_the_formulas():
         get_advantage_estimator("gae")(AdvantageInputs(mask=mask, scores=scores, token_rewards=token_rewards),
                                        settings)
     with pytest.raises(ValueError, match="'grpo' needs group_ids"):
-        get_advantage_estimator("grpo")(AdvantageInputs(mask=mask, scores=scores, token_rewards=token_rewards),
+        get_advantage_estimator("grpo")(AdvantageInputs(mask=mask, scores=scores,
+                                                        token_rewards=token_rewards),
                                         settings)
 
 
@@ -115,7 +118,8 @@ def test_both_learners_satisfy_the_learner_protocol():
     assert not isinstance(object(), Learner)
     assert (ppo.assembles_batches, ppo.max_sampling_rounds) == (False, 1)
     assert (grpo.assembles_batches, grpo.max_sampling_rounds) == (True, 8)
-    assert GRPOLearner(grpo.policy, naive_strategy(), GRPOConfig(), sampling=SAMPLING).max_sampling_rounds == 1
+    assert GRPOLearner(grpo.policy, naive_strategy(), GRPOConfig(),
+                       sampling=SAMPLING).max_sampling_rounds == 1
     grpo.train_epochs = 3
     assert grpo.config.train_epochs == 3
     assert ppo.make_batch(lambda count: list(range(count)), 4) == ([0, 1, 2, 3], {})
@@ -163,14 +167,16 @@ def test_the_trainer_uses_only_the_protocol(tmp_path):
     assert isinstance(learner, Learner) and not hasattr(learner, "config")
     trainer = TrainerCore("trainer", learner, TrainerConfig(train_batch_size=4, batch_timeout_s=5))
     samples = [Experience(torch.tensor([5, 6]), torch.arange(10, 13), torch.full((3,), -1.0),
-                          torch.tensor(float(i % 2)), group_id=str(i // 2), policy_version=0) for i in range(4)]
+                          torch.tensor(float(i % 2)), group_id=str(i // 2), policy_version=0)
+               for i in range(4)]
     trainer.push_experience(samples)
     metrics = trainer.train_step()
     assert trainer.policy_version == 1 and "loss/kl_avg" in metrics
     trainer.save_checkpoint(tmp_path)
     trainer.load_checkpoint(tmp_path)
     # Dynamic sampling that finds no useful group names the learner's draw count.
-    uniform = [Experience(torch.tensor([5, 6]), torch.arange(10, 13), torch.full((3,), -1.0), torch.tensor(1.0),
+    uniform = [Experience(torch.tensor([5, 6]), torch.arange(10, 13), torch.full((3,), -1.0),
+                          torch.tensor(1.0),
                           group_id=f"u{i // 2}", policy_version=1, id=f"u{i}") for i in range(32)]
     trainer.push_experience(uniform)
     with pytest.raises(RuntimeError, match="no group with different rewards in 8 draws"):

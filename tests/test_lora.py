@@ -346,7 +346,8 @@ def test_lora_backend_and_merge_without_lora() -> None:
 def test_lora_on_a_critic_trains_the_adapters_and_the_head(backend, where):
     plain = tiny_critic()
     settings = LoraSettings(backend=backend, r=4, alpha=8)
-    if where == "backbone":  # what the issue did: LoRA on the body, then the head (peft's causal-LM wrapper failed)
+    # what the issue did: LoRA on the body, then the head (peft's causal-LM wrapper failed)
+    if where == "backbone":
         critic = Critic(apply_lora(backbone_of(tiny_causal_lm("opt", seed=1)[0]), settings), head=plain.head)
     else:
         critic = apply_lora(tiny_critic(), settings)

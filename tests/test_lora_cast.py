@@ -1,6 +1,7 @@
-"""LoRA-only updates for makers that cast weights (`MakerConfig.weight_cast_dtype`): base fingerprints are compared
-after casting both bases to the maker's dtype, so a bf16/fp16 maker takes LoRA-only updates after a full one, a
-maker that reconnects (or restarts) with the same base gets LoRA-only ones, and a maker with another base never does."""
+"""LoRA-only updates for makers that cast weights (`MakerConfig.weight_cast_dtype`): base fingerprints are
+compared after casting both bases to the maker's dtype, so a bf16/fp16 maker takes LoRA-only updates after a
+full one, a maker that reconnects (or restarts) with the same base gets LoRA-only ones, and a maker
+with another base never does."""
 
 import copy
 
@@ -36,8 +37,9 @@ from .helpers import (
 SAMPLING = SamplingConfig(max_new_tokens=6)
 PROBE = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-# Measured on the CPU: served logits are within 5e-3 (bf16) / 6e-4 (fp16) of the fp32 trainer's, in keep and merge
-# modes, while one LoRA step at lr 1e-2 moves them by more than 0.1: a maker left on older weights fails.
+# Measured on the CPU: served logits are within 5e-3 (bf16) / 6e-4 (fp16) of the fp32 trainer's, in keep and
+# merge modes, while one LoRA step at lr 1e-2 moves them by more than 0.1: a maker
+# left on older weights fails.
 TOLERANCE = {"bfloat16": 1.5e-2, "float16": 2e-3}
 
 
@@ -58,7 +60,8 @@ def make_trainer():
 
 
 def casting_maker(name, dtype, mode="keep", seed=0):
-    """A maker whose models are stored in `dtype` and which casts incoming weights to it; seed 0 = the trainer's base."""
+    """A maker whose models are stored in `dtype` and which casts incoming weights to it;
+    seed 0 = the trainer's base."""
     models = lora_maker_models("peft", seed=seed)
     models.actor.to(DTYPES[dtype])
     models.critic.to(DTYPES[dtype])
@@ -114,15 +117,16 @@ def test_a_casting_maker_takes_lora_only_updates_after_a_full_one(dtype, mode):
 def test_reconnecting_with_the_same_base_gets_lora_only_and_another_base_a_full_update(dtype):
     trainer, store = make_trainer()
     maker = casting_maker("maker_0", dtype)
-    maker.apply_weight_update(trainer.register_maker("maker_0", maker.base_fingerprint, store.put), store.fetch)
+    maker.apply_weight_update(trainer.register_maker("maker_0", maker.base_fingerprint, store.put),
+                              store.fetch)
     train_and_sync(trainer, store, [maker])
     lora_update = trainer.latest_update
     assert lora_update.manifest.kind == "lora" and maker.policy_version == 1
 
     # The same maker registers again (a reconnect): LoRA-only.
     assert trainer.register_maker("maker_0", maker.base_fingerprint, store.put) is lora_update
-    # A fresh maker with the same base in the same dtype (a restarted one): LoRA-only, and it serves the trainer's
-    # weights once it applied it.
+    # A fresh maker with the same base in the same dtype (a restarted one): LoRA-only, and it serves the
+    # trainer's weights once it applied it.
     fresh = casting_maker("maker_1", dtype)
     offered = trainer.register_maker("maker_1", fresh.base_fingerprint, store.put)
     assert offered.manifest.kind == "lora"
@@ -161,8 +165,10 @@ def test_a_maker_with_a_slightly_different_base_is_not_taken_for_the_trainer():
 
 def test_uncast_makers_keep_exact_fingerprints():
     trainer, store = make_trainer()
-    maker = ExperienceMaker("maker_0", lora_maker_models("peft", seed=0), CyclingPrompts(arithmetic_prompts()),
-                            MakerConfig(experience_batch_size=8, sampling=SAMPLING), strategy=naive_strategy())
+    maker = ExperienceMaker("maker_0", lora_maker_models("peft", seed=0),
+                            CyclingPrompts(arithmetic_prompts()),
+                            MakerConfig(experience_batch_size=8, sampling=SAMPLING),
+                            strategy=naive_strategy())
     assert maker.base_fingerprint == trainer.base_fingerprint and ":" not in maker.base_fingerprint
     metadata = trainer.latest_update.manifest.metadata
     assert sent_base_fingerprint(metadata, None) == trainer.base_fingerprint

@@ -1,5 +1,6 @@
-"""LoRA updates are checked against the served adapter's config, not only its shapes (the `check_update` sink hook),
-and what vLLM's keep mode can serve is decided from the model before any engine starts (no vLLM needed here)."""
+"""LoRA updates are checked against the served adapter's config, not only its shapes (the `check_update` sink
+hook), and what vLLM's keep mode can serve is decided from the model before any engine
+starts (no vLLM needed here)."""
 
 import copy
 import re
@@ -47,7 +48,8 @@ def test_config_check_names_the_field_that_differs():
         check_lora_config(mine, [], "here")
     with pytest.raises(ValueError, match=r"must carry its adapter config in metadata\['lora'\]"):
         check_lora_update(mine, "lora", {"trainer_run": "a"}, "here")
-    check_lora_update(mine, "full", {}, "here")  # a full update's tensors say it all but alpha: checked if sent
+    # a full update's tensors say it all but alpha: checked if sent
+    check_lora_update(mine, "full", {}, "here")
     with pytest.raises(ValueError, match="LoRA alpha"):
         check_lora_update(mine, "full", {"lora": {**mine, "alpha": 2}}, "here")
 
@@ -69,7 +71,8 @@ def test_the_receiver_refuses_a_lora_update_for_another_config_before_fetching(l
         return store.fetch(ref)
 
     before = {key: tensor.clone() for key, tensor in sink.state().items()}
-    for metadata, message in [({}, r"metadata\['lora'\]"), ({"lora": {**config, "alpha": 32}}, "LoRA alpha is 32"),
+    for metadata, message in [({}, r"metadata\['lora'\]"),
+                              ({"lora": {**config, "alpha": 32}}, "LoRA alpha is 32"),
                               ({"lora": {**config, "r": 8}}, "LoRA r is 8"),
                               ({"lora": {**config, "target_modules": ["q_proj"]}}, "LoRA target_modules")]:
         update, _ = build_weight_update({"actor": lora_state_dict(trainer)}, 1, store.put, kind="lora",
@@ -115,7 +118,8 @@ def test_keep_mode_layout_maps_peft_and_loralib_keys_to_plain_names_and_a_peft_a
     q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
     assert layout.adapter_names[q_a] == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     assert layout.adapter_config | {"target_modules": None} == {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "target_modules": None, "bias": "none",
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "target_modules": None,
+        "bias": "none",
         "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None}
     assert sorted(layout.adapter_config["target_modules"]) == ["down_proj", "q_proj"]
     rslora = copy.deepcopy(model)
@@ -131,7 +135,8 @@ def test_keep_mode_layout_maps_peft_and_loralib_keys_to_plain_names_and_a_peft_a
 
 
 @pytest.mark.parametrize(("build", "named"), [
-    (lambda: lora_llama(LoraSettings(r=4, alpha=8, target_modules=("q_proj",)))[0].base_model.model, "outside a PeftModel"),
+    (lambda: lora_llama(LoraSettings(r=4, alpha=8, target_modules=("q_proj",)))[0].base_model.model,
+     "outside a PeftModel"),
     (lambda: dora(), "use_dora"),
     (lambda: lora_llama(LoraSettings(r=4, alpha=8, modules_to_save=("lm_head",)))[0], "modules_to_save"),
     (lambda: lora_llama(LoraSettings(r=4, alpha=8, bias="all"))[0], "bias='all'"),
@@ -148,7 +153,8 @@ def dora():
     import peft
 
     model, _ = tiny_causal_lm("llama", seed=0)
-    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True))
+    return peft.get_peft_model(model,
+                               peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True))
 
 
 def test_engine_lora_rank_rounds_up_to_a_rank_vllm_accepts():

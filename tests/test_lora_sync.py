@@ -39,7 +39,8 @@ def make_lora_pair(backend, mode, maker_seed=3):
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8, weight_sync="lora"))
     store = ObjectStore()
     trainer.build_update(store.put)
-    maker = ExperienceMaker("maker_0", lora_maker_models(backend, seed=maker_seed), CyclingPrompts(arithmetic_prompts()),
+    maker = ExperienceMaker("maker_0", lora_maker_models(backend, seed=maker_seed),
+                            CyclingPrompts(arithmetic_prompts()),
                             MakerConfig(experience_batch_size=8, sampling=SAMPLING, lora_mode=mode),
                             strategy=naive_strategy())
     return trainer, maker, store
@@ -77,13 +78,16 @@ def test_five_lora_updates_keep_the_maker_exactly_on_the_trainer(backend, mode):
 
 def test_lora_update_is_refused_when_the_base_differs():
     trainer, maker, store = make_lora_pair("peft", "keep")
-    maker.apply_weight_update(trainer.register_maker("maker_0", maker.base_fingerprint, store.put), store.fetch)
+    maker.apply_weight_update(trainer.register_maker("maker_0", maker.base_fingerprint, store.put),
+                              store.fetch)
     trainer.push_experience(maker.make_experience())
     trainer.train_step()
     trainer.sync_weights(store.put, lambda u, makers: {})
     lora_update = trainer.latest_update
-    stranger = ExperienceMaker("maker_1", lora_maker_models("peft", seed=9), CyclingPrompts(arithmetic_prompts()),
-                               MakerConfig(experience_batch_size=8, sampling=SAMPLING), strategy=naive_strategy())
+    stranger = ExperienceMaker("maker_1", lora_maker_models("peft", seed=9),
+                               CyclingPrompts(arithmetic_prompts()),
+                               MakerConfig(experience_batch_size=8, sampling=SAMPLING),
+                               strategy=naive_strategy())
     before = logits_of(stranger.backend.model)
     with pytest.raises(WeightUpdateError, match="base fingerprint mismatch"):
         stranger.apply_weight_update(lora_update, store.fetch)
@@ -98,9 +102,11 @@ def test_rank_mismatch_is_refused_with_the_key_named():
     maker.apply_weight_update(trainer.register_maker("maker_0", None, store.put), store.fetch)
     # The same adapter at rank 8 instead of 4: every A and B has the wrong shape.
     actor_state = {k: torch.zeros(8, v.shape[1], device=v.device) if "lora_A" in k
-                   else torch.zeros(v.shape[0], 8, device=v.device) if "lora_B" in k else v for k, v in trainer.synced_state(trainable_only=True)["actor"].items()}
+                   else torch.zeros(v.shape[0], 8, device=v.device) if "lora_B" in k else v
+                   for k, v in trainer.synced_state(trainable_only=True)["actor"].items()}
     bad, _ = build_weight_update({"actor": actor_state}, 1, store.put, kind="lora",
-                                 metadata={"base_fingerprint": trainer.base_fingerprint, "trainer_run": trainer.run_id})
+                                 metadata={"base_fingerprint": trainer.base_fingerprint,
+                                           "trainer_run": trainer.run_id})
     before = logits_of(maker.backend.model)
     with pytest.raises(WeightUpdateError, match="shape mismatch.*lora_A"):
         maker.apply_weight_update(bad, store.fetch)
@@ -159,17 +165,21 @@ def lora_critic_models(backend: str, seed: int) -> tuple[Actor, Critic]:
     return actor, critic.to(lane_device())
 
 
-def ppo_pair(actor: Actor, critic: Critic, maker_critic: Critic) -> tuple[TrainerCore, ExperienceMaker, ObjectStore]:
+def ppo_pair(actor: Actor, critic: Critic,
+             maker_critic: Critic) -> tuple[TrainerCore, ExperienceMaker, ObjectStore]:
     learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(
-        sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-2), critic_optimizer=OptimizerConfig(lr=1e-2)))
+        sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-2),
+        critic_optimizer=OptimizerConfig(lr=1e-2)))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8, weight_sync="lora"))
     store = ObjectStore()
     trainer.build_update(store.put)
     maker_actor, _ = lora_actor_critic("peft", seed=0)
     models = MakerModels(actor=maker_actor, critic=maker_critic.to(lane_device()), reward=LowTokenReward())
     maker = ExperienceMaker("maker_0", models, CyclingPrompts(arithmetic_prompts()),
-                            MakerConfig(experience_batch_size=8, sampling=SAMPLING), strategy=naive_strategy())
-    maker.apply_weight_update(trainer.register_maker("maker_0", maker.base_fingerprint, store.put), store.fetch)
+                            MakerConfig(experience_batch_size=8, sampling=SAMPLING),
+                            strategy=naive_strategy())
+    maker.apply_weight_update(trainer.register_maker("maker_0", maker.base_fingerprint, store.put),
+                              store.fetch)
     return trainer, maker, store
 
 
@@ -207,7 +217,8 @@ def test_lora_updates_carry_a_trained_critic_without_lora_whole_and_a_frozen_one
     size = trainable_bytes(critic)
     assert trainer.synced_in_full == {"critic": size}
     assert "critic has no LoRA" in caplog.text and "weight_sync/bytes/critic" in caplog.text
-    metrics = sync_once(trainer, maker, store)  # the critic changes every step: it ships every time, and says so
+    # the critic changes every step: it ships every time, and says so
+    metrics = sync_once(trainer, maker, store)
     assert metrics["weight_sync/bytes/critic"] == size and trainer.latest_update.manifest.kind == "lora"
 
     critic.requires_grad_(False)  # frozen: after the full update a LoRA-only update carries none of it

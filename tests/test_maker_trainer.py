@@ -120,7 +120,8 @@ def test_generation_never_mixes_two_weight_versions():
         sequence = torch.cat([e.prompt_ids, e.response_ids])[None].to(model_device(scratch))
         with torch.no_grad():
             recomputed = scratch.log_probs(sequence, torch.ones_like(sequence),
-                                           torch.ones(1, e.response_length, device=sequence.device), SAMPLING)[0].cpu()
+                                           torch.ones(1, e.response_length, device=sequence.device),
+                                           SAMPLING)[0].cpu()
         assert torch.allclose(recomputed, e.log_probs, atol=1e-4), e.policy_version
 
 
@@ -144,7 +145,8 @@ def test_fit_runs_against_a_producing_maker_thread():
         stop.set()
         producer.join()
     assert summary["steps"] == 3 and summary["policy_version"] == 3
-    assert [m.get("weight_sync/version") for m in trainer.history] == [None, 2.0, 3.0]  # every 2 steps + the end
+    # every 2 steps + the end
+    assert [m.get("weight_sync/version") for m in trainer.history] == [None, 2.0, 3.0]
     assert maker.policy_version == 3 and stopped == ["maker_0"]
     assert trainer.status()["state"] == "done"
 
@@ -264,7 +266,8 @@ def test_gone_makers_are_forgotten_and_a_resume_keeps_live_pushes(tmp_path):
         trainer.push_experience(maker.make_experience())
     trainer.train_step()
     trainer.sync_weights(store.put, lambda u, makers: {m: LookupError(m) if m == "maker_gone" else
-                                                       maker.apply_weight_update(u, store.fetch) for m in makers})
+                                                       maker.apply_weight_update(u, store.fetch)
+                                                       for m in makers})
     assert trainer.makers == {"maker_0"}
     trainer.save_checkpoint(tmp_path / "ckpt")
     live = maker.make_experience()
@@ -284,7 +287,8 @@ def test_evaluate_grades_greedy_answers_and_leaves_counters_and_cursor_alone():
     first, second = maker.evaluate(problems, batch_size=2), maker.evaluate(problems, batch_size=5)
     assert len(first) == 5 and [r["prompt"] for r in first] == [p.prompt for p in problems]
     assert {r["policy_version"] for r in first} == {0}
-    assert [r["response"] for r in first] == [r["response"] for r in second]  # greedy: batching does not matter
+    # greedy: batching does not matter
+    assert [r["response"] for r in first] == [r["response"] for r in second]
     assert all({"reward", "response", "response_length"} <= set(r) and 0 <= r["reward"] <= 1 for r in first)
     assert maker.samples_made == 0 and maker.prompts.state_dict() == cursor
 
@@ -309,7 +313,8 @@ def test_a_maker_waiting_for_the_acknowledged_version_never_generates_stale_batc
     maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
     train_step = trainer.learner.train_step
 
-    def slow_train_step(*args, **kwargs):  # the maker outruns the trainer, so the queue fills and the bound binds
+    # the maker outruns the trainer, so the queue fills and the bound binds
+    def slow_train_step(*args, **kwargs):
         time.sleep(0.1)
         return train_step(*args, **kwargs)
 
@@ -344,17 +349,20 @@ def test_a_maker_waiting_for_the_acknowledged_version_never_generates_stale_batc
 
 
 def test_with_top_k_the_reference_scores_every_sampled_token_and_trains():
-    """With top-k, the maker's reference (the initial policy) scores the temperature-scaled full distribution: a
-    sampled token outside its own top-k still has a finite log-prob, and the PPO step trains on finite numbers."""
+    """With top-k, the maker's reference (the initial policy) scores the temperature-scaled full distribution:
+    a sampled token outside its own top-k still has a finite log-prob, and the PPO
+    step trains on finite numbers."""
     sampling = SamplingConfig(max_new_tokens=6, top_k=2)
     maker = ExperienceMaker("maker_0", tiny_maker_models(seed=7), CyclingPrompts(arithmetic_prompts()),
-                            MakerConfig(experience_batch_size=4, sampling=sampling), strategy=naive_strategy())
+                            MakerConfig(experience_batch_size=4, sampling=sampling),
+                            strategy=naive_strategy())
     actor, critic = tiny_actor_critic(seed=0)
     learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=sampling, kl_coef=0.1))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8))
     store = ObjectStore()
     trainer.build_update(store.put)
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)  # the policy now differs from ref
+    # the policy now differs from ref
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
     experiences = maker.make_experience() + maker.make_experience()
     assert all(bool(torch.isfinite(e.ref_log_probs).all()) for e in experiences)
     assert all(math.isfinite(e.info["kl"]) for e in experiences)

@@ -42,10 +42,12 @@ def valid_experience(data: st.DataObject, index: int) -> Experience:
     length = data.draw(st.integers(1, 6), label="response length")
     return make_experience(
         prompt=data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5), label="prompt"),
-        response=data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=length, max_size=length), label="response"),
+        response=data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=length, max_size=length),
+                           label="response"),
         log_probs=-torch.rand(length), reward=data.draw(st.floats(-5, 5), label="reward"),
         values=torch.zeros(length), ref_log_probs=-torch.rand(length), advantages=torch.randn(length),
-        returns=torch.randn(length), policy_version=data.draw(st.integers(0, CURRENT_VERSION), label="version"),
+        returns=torch.randn(length),
+        policy_version=data.draw(st.integers(0, CURRENT_VERSION), label="version"),
         maker="maker_0", id=f"sample-{index}-{data.draw(st.integers(0, 10**9), label='id')}",
     )
 
@@ -131,7 +133,8 @@ def buffer_state(buffer: ReplayBuffer) -> tuple:
 def buffer() -> ReplayBuffer:
     buffer = ReplayBuffer(max_samples=64, max_staleness=8, vocab_size=VOCAB, max_sequence_length=MAX_SEQUENCE)
     # With every optional field, as the generated pushes: samples of one buffer carry the same fields.
-    seed = [make_experience(prompt=(1, 2), response=(3, 4), maker="maker_0", id=f"seed-{i}", values=torch.zeros(2),
+    seed = [make_experience(prompt=(1, 2), response=(3, 4), maker="maker_0", id=f"seed-{i}",
+                            values=torch.zeros(2),
                             ref_log_probs=-torch.ones(2), advantages=torch.zeros(2), returns=torch.zeros(2))
             for i in range(4)]
     buffer.append(seed, current_version=CURRENT_VERSION)
@@ -158,8 +161,8 @@ def test_malformed_experience_is_refused_naming_the_field_and_changes_nothing(bu
 
 @pytest.fixture(scope="module")
 def receivers():
-    """A full-weights receiver and a LoRA (peft, r=4) receiver, each at version CURRENT_VERSION, with their models on
-    the test device (the updates arrive on the CPU, as from the object store)."""
+    """A full-weights receiver and a LoRA (peft, r=4) receiver, each at version CURRENT_VERSION, with their
+    models on the test device (the updates arrive on the CPU, as from the object store)."""
     full = tiny_causal_lm("llama", seed=1)[0].to(lane_device())
     lora = apply_lora(tiny_causal_lm("llama", seed=1)[0], LoraSettings(r=4, alpha=8)).to(lane_device())
     out = {}

@@ -19,8 +19,8 @@ def test_not_installed_raises_naming_the_package():
 def test_a_failed_start_is_logged_answers_none_and_is_retried(caplog, tmp_path):
     marker = tmp_path / "failed-once"
     # Fails its first start (printing why on stderr), comes up on the next.
-    code = (f"import os, sys\nif not os.path.exists({str(marker)!r}):\n    open({str(marker)!r}, 'w').close()\n"
-            "    sys.exit('no sympy today')\n" + WORKER_CODE)
+    code = (f"import os, sys\nif not os.path.exists({str(marker)!r}):\n    open({str(marker)!r}, "
+            "'w').close()\n    sys.exit('no sympy today')\n" + WORKER_CODE)
     worker = MathVerifyWorker(code)
     worker.retry_after_s = 3600.0
     with caplog.at_level(logging.WARNING, logger="detached_rl.rewards.math_verify"):

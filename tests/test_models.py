@@ -72,7 +72,8 @@ def test_tiny_tokenizer_round_trip_and_chat_template(kind):
     text = "What is 12 + 30? héllo"
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
     assert {tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id} == {0, 1, 2}
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     if kind == "char":
         assert len(tokenizer("abc")["input_ids"]) == 3
@@ -129,7 +130,8 @@ def test_log_probs_match_a_prefix_by_prefix_forward():
 def test_warped_log_probs_put_all_mass_on_kept_tokens():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]], device=lane_device())
     # top_k=3 keeps 2.0, 1.0, 0.5; top_p=0.7 of those (at T=1) keeps 2.0 and 1.0:
-    # softmax([2, 1, .5]) = [.629, .231, .140]; ascending cumsum .140, .371, 1 -> drop cum <= .3 -> .5 dropped.
+    # softmax([2, 1, .5]) = [.629, .231, .140]; ascending cumsum .140, .371, 1 -> drop
+    # cum <= .3 -> .5 dropped.
     warped = process_logits(logits, SamplingConfig(top_k=3, top_p=0.7))
     assert torch.isinf(warped[0, 2:]).all() and torch.isfinite(warped[0, :2]).all()
     assert warped.softmax(-1)[0, :2].sum().item() == pytest.approx(1.0)
@@ -267,9 +269,11 @@ def test_packaged_minilm_scores_policy_text_through_its_own_tokenizer():
     reward_model = RewardModel.from_pretrained(minilm_dir()).to(lane_device())
     assert reward_model.backbone.config.model_type == "bert"
     policy_tokenizer = tiny_tokenizer()
-    scorer = RetokenizingRewardModel(reward_model, AutoTokenizer.from_pretrained(minilm_dir()), policy_tokenizer)
+    scorer = RetokenizingRewardModel(reward_model, AutoTokenizer.from_pretrained(minilm_dir()),
+                                     policy_tokenizer)
     exps = [
-        Experience(torch.tensor(policy_tokenizer(p)["input_ids"]), torch.tensor(policy_tokenizer(r)["input_ids"]),
+        Experience(torch.tensor(policy_tokenizer(p)["input_ids"]),
+                   torch.tensor(policy_tokenizer(r)["input_ids"]),
                    torch.full((len(policy_tokenizer(r)["input_ids"]),), -1.0), torch.tensor(0.0))
         for p, r in [("What is 3 + 4?", " The answer is 7."), ("Say hi", " hi")]
     ]
@@ -309,7 +313,8 @@ def test_entropy_of_filtered_logits_has_finite_gradients():
     """Top-k/top-p filtered logits are -inf: the entropy ignores them and its gradient stays finite."""
     from detached_rl.core.sampling import entropy_from_logits
 
-    logits = torch.tensor([[1.0, 2.0, float("-inf")], [0.5, float("-inf"), float("-inf")]], requires_grad=True)
+    logits = torch.tensor([[1.0, 2.0, float("-inf")], [0.5, float("-inf"), float("-inf")]],
+                          requires_grad=True)
     entropy = entropy_from_logits(logits)
     entropy.sum().backward()
     expected = entropy_from_logits(torch.tensor([[1.0, 2.0]]))
@@ -319,7 +324,8 @@ def test_entropy_of_filtered_logits_has_finite_gradients():
 
 
 def test_reference_sampling_keeps_the_temperature_and_drops_the_filters():
-    top_k, plain = SamplingConfig(max_new_tokens=6, top_k=2, temperature=0.7), SamplingConfig(max_new_tokens=6)
+    top_k, plain = SamplingConfig(max_new_tokens=6, top_k=2,
+                                  temperature=0.7), SamplingConfig(max_new_tokens=6)
     assert reference_sampling(top_k) == SamplingConfig(max_new_tokens=6, temperature=0.7)
     assert reference_sampling(SamplingConfig(top_p=0.9, do_sample=False)).top_p == 1.0
     assert reference_sampling(plain) is plain and reference_sampling(None) is None

@@ -1,5 +1,5 @@
-"""Numeric guards: rewards and other loss inputs finite in float32 and bounded, bounded strings counted in bytes,
-dense tensors only, skipped non-finite training steps, no weight update with NaN/inf built (no Ray)."""
+"""Numeric guards: rewards and other loss inputs finite in float32 and bounded, bounded strings counted in
+bytes, dense tensors only, skipped non-finite training steps, no weight update with NaN/inf built (no Ray)."""
 
 from __future__ import annotations
 
@@ -191,7 +191,8 @@ def restored_buffer(rewards: list[torch.Tensor]) -> ReplayBuffer:
 
 
 def test_buffer_statistics_answer_for_any_values():
-    huge = restored_buffer([torch.tensor(1e308, dtype=torch.float64), torch.tensor(1e308, dtype=torch.float64),
+    huge = restored_buffer([torch.tensor(1e308, dtype=torch.float64),
+                            torch.tensor(1e308, dtype=torch.float64),
                             torch.tensor([3e38, 3e38]), torch.tensor(5e-324, dtype=torch.float64)])
     reward = huge.stats()["reward"]
     assert all(math.isfinite(reward[key]) for key in ("mean", "std", "min", "max"))
@@ -202,7 +203,8 @@ def test_buffer_statistics_answer_for_any_values():
 
 
 def test_info_means_skip_numbers_that_are_not_finite_floats():
-    experiences = [make_experience(info={"big": 10**400, "nan": math.nan, "ok": 1.0, "huge": 1e308}) for _ in range(3)]
+    experiences = [make_experience(info={"big": 10**400, "nan": math.nan, "ok": 1.0, "huge": 1e308})
+                   for _ in range(3)]
     assert info_means(experiences) == {"info/ok": 1.0, "info/huge": pytest.approx(1e308)}
 
 
@@ -279,7 +281,8 @@ def same(a, b) -> bool:
 
 
 def all_finite(trainer: TrainerCore) -> bool:
-    return not any(count_nonfinite(t) for model in trainer.synced_models().values() for t in model.state_dict().values())
+    return not any(count_nonfinite(t) for model in trainer.synced_models().values()
+                   for t in model.state_dict().values())
 
 
 @pytest.mark.parametrize(("algorithm", "field", "value"), [
@@ -309,7 +312,8 @@ def test_a_step_with_a_nonfinite_loss_is_skipped_counted_and_training_goes_on(al
 
 def test_fit_over_a_poisoned_batch_ends_done_and_reports_the_skip():
     trainer = grpo_trainer()
-    trainer.buffer.load_state_dict(poison(batch("grpo", "a"), "reward", torch.tensor(1e300, dtype=torch.float64)))
+    trainer.buffer.load_state_dict(poison(batch("grpo", "a"), "reward",
+                                          torch.tensor(1e300, dtype=torch.float64)))
     trainer.push_experience(batch("grpo", "b"))
     result = trainer.fit(2, ObjectStore().put, lambda update, makers: {})
     assert result["policy_version"] == 2 and trainer.state == "done" and trainer.last_error is None

@@ -50,15 +50,18 @@ def test_help_documents_every_flag_of_the_ancestor():
 
 
 def test_flags_map_onto_the_groups_the_batch_and_the_steps(prompt_csv):
-    args = parse("--prompt_csv", str(prompt_csv), "--model", "opt", "--num_episodes", "3", "--max_timesteps", "4",
-                 "--update_timesteps", "2", "--experience_batch_size", "5", "--num_actor_nodes", "2", "--strategy",
+    args = parse("--prompt_csv", str(prompt_csv), "--model", "opt", "--num_episodes", "3", "--max_timesteps",
+                 "4",
+                 "--update_timesteps", "2", "--experience_batch_size", "5", "--num_actor_nodes", "2",
+                 "--strategy",
                  "ddp", "--num_critic_nodes", "3", "--num_initial_nodes", "2", "--num_reward_nodes", "1",
                  "--num_makers", "2", "--name", "exp")
     config = launcher_config(args)
     assert training_steps(args) == 6 and config.trainer.train_batch_size == 10
     assert config.model.policy == "tiny-opt" and config.task.reward == "numeric_answer"
     assert (config.trainer_group.world_size, config.trainer_group.strategy) == (2, "ddp")
-    assert config.maker.scorers == {"reward": "exp-reward", "reference": "exp-initial", "critic": "exp-critic"}
+    assert config.maker.scorers == {"reward": "exp-reward", "reference": "exp-initial",
+                                    "critic": "exp-critic"}
     assert [getattr(config.scorers, r).num_workers for r in ("critic", "reference", "reward")] == [3, 2, 1]
     assert cpu_slots(config, 2) == 2 + 3 + 2 + 1 + 2
     assert len(config.prompts(1, 2).items) == 4  # the second maker's half of the 9 prompts
@@ -67,7 +70,8 @@ def test_flags_map_onto_the_groups_the_batch_and_the_steps(prompt_csv):
 def test_gpus_make_one_worker_per_gpu_and_no_answers_means_a_reward_model(tmp_path):
     path = tmp_path / "prompts.csv"
     path.write_text("prompt\nSay hello.\nTell a joke.\n")
-    config = launcher_config(parse("--prompt_csv", str(path), "--num_gpus_per_node", "2", "--num_actor_nodes", "2",
+    config = launcher_config(parse("--prompt_csv", str(path), "--num_gpus_per_node", "2", "--num_actor_nodes",
+                                   "2",
                                    "--strategy", "ddp", "--num_critic_nodes", "2"))
     assert config.trainer_group.world_size == 4 and config.trainer_group.num_gpus_per_rank == 1
     assert config.scorers.critic.num_workers == 4 and config.scorers.critic.bundle() == {"CPU": 1.0, "GPU": 1}
@@ -75,7 +79,8 @@ def test_gpus_make_one_worker_per_gpu_and_no_answers_means_a_reward_model(tmp_pa
 
 
 def test_gpus_per_node_give_a_naive_trainer_and_every_maker_a_gpu(prompt_csv):
-    config = launcher_config(parse("--prompt_csv", str(prompt_csv), "--num_gpus_per_node", "2", "--num_makers", "2"))
+    config = launcher_config(parse("--prompt_csv", str(prompt_csv), "--num_gpus_per_node", "2",
+                                   "--num_makers", "2"))
     assert (config.trainer_group.strategy, config.trainer_group.world_size) == ("naive", 1)
     assert config.trainer_group.num_gpus_per_rank == 1 and config.maker.num_gpus == 1
     cpu = launcher_config(parse("--prompt_csv", str(prompt_csv)))
@@ -99,7 +104,8 @@ def test_a_missing_prompt_file_is_named(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_gpt2_dir(tmp_path_factory):
-    """A local Hugging Face directory of a tiny random GPT-2 (what --pretrain names instead of the hub's gpt2)."""
+    """A local Hugging Face directory of a tiny random GPT-2 (what --pretrain names
+    instead of the hub's gpt2)."""
     path = tmp_path_factory.mktemp("pretrain") / "tiny-gpt2"
     model, tokenizer = tiny_lm("gpt2", device="cpu")
     model.save_pretrained(path)
@@ -112,21 +118,25 @@ def test_prompt_csv_url_takes_a_path_or_a_file_url(prompt_csv):
     assert prompt_path(f"file://localhost{prompt_csv}") == prompt_csv
     config = launcher_config(parse("--prompt_csv_url", prompt_csv.as_uri()))
     assert config.task.prompt_file == str(prompt_csv.resolve())
-    with pytest.raises(ValueError, match="--prompt_csv_url: 'https://x.org/p.csv' is a https URL and nothing is "
+    with pytest.raises(ValueError,
+                       match="--prompt_csv_url: 'https://x.org/p.csv' is a https URL and nothing is "
                                          "downloaded"):
         prompt_path("https://x.org/p.csv")
     with pytest.raises(ValueError, match="names a file on host 'remote'"):
         prompt_path("file://remote/p.csv")
 
 
-def test_pretrain_takes_a_local_directory_or_the_packaged_model_and_refuses_a_hub_name(prompt_csv, tiny_gpt2_dir):
+def test_pretrain_takes_a_local_directory_or_the_packaged_model_and_refuses_a_hub_name(
+        prompt_csv, tiny_gpt2_dir):
     assert launcher_config(parse("--prompt_csv", str(prompt_csv), "--pretrain", str(tiny_gpt2_dir))
                            ).model.policy == str(tiny_gpt2_dir)
-    assert launcher_config(parse("--prompt_csv", str(prompt_csv), "--pretrain", "smollm2")).model.policy == "smollm2"
+    assert launcher_config(parse("--prompt_csv", str(prompt_csv), "--pretrain",
+                                 "smollm2")).model.policy == "smollm2"
     with pytest.raises(ValueError) as refused:
         launcher_config(parse("--prompt_csv", str(prompt_csv), "--pretrain", "gpt2"))
     message = str(refused.value)
-    assert message.startswith("--pretrain: 'gpt2'") and "nothing is downloaded" in message and "\n" not in message
+    assert message.startswith("--pretrain: 'gpt2'") and "nothing is downloaded" in message
+    assert "\n" not in message
 
 
 @pytest.mark.parametrize(("argv", "expected"), [([], False), (["--need_optim_ckpt"], True),
@@ -145,7 +155,8 @@ def test_train_batch_size_is_the_samples_per_optimizer_step(prompt_csv):
     config = launcher_config(parse("--prompt_csv", str(prompt_csv), "--train_batch_size", "3"))
     assert config.ppo.mini_batch_size == 3 and config.trainer.train_batch_size == 8
     assert launcher_config(parse("--prompt_csv", str(prompt_csv))).ppo.mini_batch_size is None
-    with pytest.raises(ValueError, match="--train_batch_size 9 is more than the 8 samples of a training step"):
+    with pytest.raises(ValueError,
+                       match="--train_batch_size 9 is more than the 8 samples of a training step"):
         launcher_config(parse("--prompt_csv", str(prompt_csv), "--train_batch_size", "9"))
 
 
@@ -184,7 +195,8 @@ def test_optimizer_states_are_written_beside_the_policy_from_the_trainer_checkpo
     checkpoint = checkpoint_dir_of(save_path)
     assert checkpoint == tmp_path / "actor.pt.trainer_checkpoint"
     for rank in (0, 1):
-        save_atomic({"learner": {"actor_optimizer": {"state": {}, "param_groups": [{"lr": 0.1 * (rank + 1)}]}}},
+        save_atomic({"learner": {"actor_optimizer": {"state": {},
+                                                     "param_groups": [{"lr": 0.1 * (rank + 1)}]}}},
                     checkpoint / f"rank_{rank}")
     written = save_optimizer_states(checkpoint, save_path)
     assert written == [tmp_path / OPTIMIZER_FILE.format(rank=rank) for rank in (0, 1)]
@@ -194,7 +206,8 @@ def test_optimizer_states_are_written_beside_the_policy_from_the_trainer_checkpo
 
 
 def group_overrides() -> list[str]:
-    """On the GPU lane: a GPU per trainer rank where there are enough (else gloo on the CPU), a share per maker."""
+    """On the GPU lane: a GPU per trainer rank where there are enough (else gloo on
+    the CPU), a share per maker."""
     if lane_device().type != "cuda":
         return []
     return [f"trainer_group.num_gpus_per_rank={group_gpus_per_rank(2)}", f"maker.num_gpus={MAKER_GPU_SHARE}"]
@@ -202,9 +215,9 @@ def group_overrides() -> list[str]:
 
 @pytest.mark.ray
 def test_the_ancestors_readme_command_line_runs_end_to_end_on_cpu(prompt_csv, tmp_path, tiny_gpt2_dir):
-    """train_prompts_on_ray.py's README line, translated only where unavoidable: a tiny local GPT-2 for the hub's
-    gpt2 (nothing is downloaded), ddp and no GPUs on a CPU machine for colossalai_zero2 on 4 GPUs a node; then our
-    flags for a short run with two makers, the .pt save and the optimizer state."""
+    """train_prompts_on_ray.py's README line, translated only where unavoidable: a tiny local GPT-2 for the
+    hub's gpt2 (nothing is downloaded), ddp and no GPUs on a CPU machine for colossalai_zero2 on 4 GPUs a
+    node; then our flags for a short run with two makers, the .pt save and the optimizer state."""
     import torch
 
     save = tmp_path / "actor_checkpoint_prompts.pt"

@@ -71,7 +71,8 @@ def test_answer_key_metadata_keys_and_custom_prompt_key(tmp_path):
 
 
 def test_json_list(tmp_path):
-    path = write(tmp_path, "p.json", json.dumps([{"prompt": "a", "answer": 1}, {"prompt": MESSAGES}], indent=2))
+    path = write(tmp_path, "p.json",
+                 json.dumps([{"prompt": "a", "answer": 1}, {"prompt": MESSAGES}], indent=2))
     assert load_prompt_file(path) == [PromptItem("a", {"answer": 1}), PromptItem(MESSAGES, {})]
 
 
@@ -95,10 +96,12 @@ def test_missing_file_and_unknown_extension(tmp_path):
 @pytest.mark.parametrize(
     ("name", "text", "message"),
     [
-        ("p.jsonl", '{"prompt": "a"}\n\n{"question": "b"}\n', r"p\.jsonl: line 3: missing prompt field 'prompt'"),
+        ("p.jsonl", '{"prompt": "a"}\n\n{"question": "b"}\n',
+         r"p\.jsonl: line 3: missing prompt field 'prompt'"),
         ("p.jsonl", '{"prompt": "a"}\n{"prompt": "b",\n', r"p\.jsonl: line 2: malformed JSON"),
         ("p.jsonl", '{"prompt": "a"}\n["b"]\n', r"p\.jsonl: line 2: expected an object, got list"),
-        ("p.jsonl", '{"prompt": 5}\n', r"p\.jsonl: line 1: 'prompt' must be a str or a list of chat messages"),
+        ("p.jsonl", '{"prompt": 5}\n',
+         r"p\.jsonl: line 1: 'prompt' must be a str or a list of chat messages"),
         ("p.jsonl", '{"prompt": [{"role": "user"}]}\n', r"p\.jsonl: line 1: chat messages need str 'role'"),
         ("p.jsonl", '{"prompt": []}\n', r"p\.jsonl: line 1: empty message list"),
         ("p.json", '[{"prompt": "a"}, {"answer": 1}]', r"p\.json: item 1: missing prompt field 'prompt'"),

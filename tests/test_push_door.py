@@ -1,5 +1,5 @@
-"""The replay buffer's door (issue 26.2): what a push must be to be stored, and that a refusal is named, counted
-and stores nothing (no Ray)."""
+"""The replay buffer's door (issue 26.2): what a push must be to be stored, and that a refusal is named,
+counted and stores nothing (no Ray)."""
 
 import dataclasses
 
@@ -20,12 +20,15 @@ GROUP = 8
 
 
 def group(name: str, size: int = GROUP, version: int = 0, **kwargs) -> list[Experience]:
-    return [make_experience(id=f"{name}-{i}", group_id=name, policy_version=version, reward=float(i % 2), **kwargs)
+    return [make_experience(id=f"{name}-{i}", group_id=name, policy_version=version, reward=float(i % 2),
+                            **kwargs)
             for i in range(size)]
 
 
-def refused(buffer: ReplayBuffer, push: list, field: str | None, match: str, version: int = 0) -> RejectedPushError:
-    """Push `push`, expect a refusal naming `field` (None: no one field), and check it was counted and changed nothing else."""
+def refused(buffer: ReplayBuffer, push: list, field: str | None, match: str,
+            version: int = 0) -> RejectedPushError:
+    """Push `push`, expect a refusal naming `field` (None: no one field), and check it was
+    counted and changed nothing else."""
     before = buffer.stats()
     stored = [e.id for e in buffer.experiences()]
     with pytest.raises(RejectedPushError, match=match) as info:

@@ -1,4 +1,5 @@
-"""A resumed trainer keeps every push it acknowledged, including one acknowledged while its checkpoint loads."""
+"""A resumed trainer keeps every push it acknowledged, including one acknowledged
+while its checkpoint loads."""
 
 import threading
 
@@ -37,11 +38,13 @@ def test_merged_state_keeps_restored_then_live_samples_and_counts_a_known_id_as_
     assert {maker: row["received"] for maker, row in stats["per_maker"].items()} == {"m0": 4, "m1": 4}
     assert merged.append(pushes(1)[0], current_version=0).full
     merged.take(5)
-    assert merged.append(fresh, current_version=0).duplicates == 2  # live ids, sampled ones too, are remembered
+    # live ids, sampled ones too, are remembered
+    assert merged.append(fresh, current_version=0).duplicates == 2
 
 
 def new_trainer() -> TrainerCore:
-    learner = GRPOLearner(tiny_policy(), naive_strategy(), GRPOConfig(sampling=SamplingConfig(max_new_tokens=4)))
+    learner = GRPOLearner(tiny_policy(), naive_strategy(),
+                          GRPOConfig(sampling=SamplingConfig(max_new_tokens=4)))
     return TrainerCore("t0", learner, TrainerConfig(train_batch_size=2, buffer_max_samples=4))
 
 

@@ -1,4 +1,5 @@
-"""ReplayBuffer: budgets and backpressure, dedupe, validation, staleness, reuse, threads, inspection, state."""
+"""ReplayBuffer: budgets and backpressure, dedupe, validation, staleness, reuse,
+threads, inspection, state."""
 
 import functools
 import io
@@ -165,7 +166,8 @@ def test_malformed_push_is_refused_whole():
 
 def test_vocab_size_is_checked():
     buffer = CheckedBuffer(vocab_size=9)
-    with pytest.raises(RejectedPushError, match="index 0 of 1.*response_ids: has token ids >= vocab size 9") as info:
+    with pytest.raises(RejectedPushError,
+                       match="index 0 of 1.*response_ids: has token ids >= vocab size 9") as info:
         buffer.append([make(response=(8, 9))], 0)
     assert info.value.field == "response_ids"
     assert buffer.append([make(response=(7, 8))], 0).accepted == 1
@@ -314,7 +316,8 @@ def test_concurrent_producers_and_consumers():
     assert stats["received"] == stats["sampled"] == len(expected)
     assert stats["duplicates"] == producers * (pushes // 50) * per_push
     assert stats["refused_full"] == sum(refused)
-    assert stats["per_maker"] == {f"m{p}": {"received": pushes * per_push, "in_buffer": 0} for p in range(producers)}
+    assert stats["per_maker"] == {f"m{p}": {"received": pushes * per_push, "in_buffer": 0}
+                                  for p in range(producers)}
 
 
 def test_stats_fields():
@@ -322,13 +325,16 @@ def test_stats_fields():
     empty = buffer.stats()
     assert empty["reward"] == {"mean": None, "std": None, "min": None, "max": None}
     assert empty["dropped"] == {"stale": 0, "evicted": 0, "cleared": 0}
-    buffer.append([make(maker="m0", policy_version=3, reward=1.0), make(maker="m0", policy_version=4, reward=3.0)], 4)
-    buffer.append([make(maker="m1", policy_version=4, reward=[0.5, 1.5]), make(maker="m1", policy_version=1)], 4)
+    buffer.append([make(maker="m0", policy_version=3, reward=1.0),
+                   make(maker="m0", policy_version=4, reward=3.0)], 4)
+    buffer.append([make(maker="m1", policy_version=4, reward=[0.5, 1.5]), make(maker="m1", policy_version=1)],
+                  4)
     stats = buffer.stats()
     assert stats["size"] == stats["in_buffer"] == 3 and stats["bytes"] == buffer.nbytes
     assert (stats["max_samples"], stats["max_bytes"]) == (10, 1 << 30)
     assert stats["staleness"] == {"3": 1, "4": 2}
-    assert stats["per_maker"] == {"m0": {"received": 2, "in_buffer": 2}, "m1": {"received": 2, "in_buffer": 1}}
+    assert stats["per_maker"] == {"m0": {"received": 2, "in_buffer": 2},
+                                  "m1": {"received": 2, "in_buffer": 1}}
     assert stats["reward"]["mean"] == pytest.approx(2.0)
     assert stats["reward"]["std"] == pytest.approx((2 / 3) ** 0.5)
     assert (stats["reward"]["min"], stats["reward"]["max"]) == (1.0, 3.0)
@@ -366,7 +372,8 @@ def test_state_dict_round_trip():
     buffer = CheckedBuffer(max_reuse=2, max_staleness=5)
     half = make(id="bf16", maker="m1", policy_version=1)
     half.log_probs = half.log_probs.to(torch.bfloat16)
-    ab = [make(id="a", maker="m0", policy_version=1, info={"text": "x"}), make(id="b", maker="m0", policy_version=1)]
+    ab = [make(id="a", maker="m0", policy_version=1, info={"text": "x"}),
+          make(id="b", maker="m0", policy_version=1)]
     buffer.append([*ab, half], 1)
     buffer.append([make(id="s", policy_version=0)], 6)  # dropped as stale on arrival
     buffer.sample(1)  # "a" handed out once, now at the back
@@ -388,7 +395,8 @@ def test_state_dict_round_trip():
     assert restored.stats() == buffer.stats()
     assert restored.stats()["sampled"] == 1 and len(restored) == 2
     # Dedupe memory survived: "s" (dropped on arrival) and "a" (sampled) are recognised.
-    result = restored.append([make(id="s", policy_version=6), make(id="a", policy_version=6), make(id="new", policy_version=6)], 6)
+    result = restored.append([make(id="s", policy_version=6), make(id="a", policy_version=6),
+                              make(id="new", policy_version=6)], 6)
     assert (result.duplicates, result.accepted) == (2, 1)
     with pytest.raises(ValueError, match="inconsistent"):
         CheckedBuffer().load_state_dict({**state, "queue": []})
@@ -446,18 +454,21 @@ def test_a_push_whose_optional_fields_differ_from_the_buffer_is_refused_naming_t
     reference = torch.tensor([-0.5, -0.5])
     buffer = ReplayBuffer(max_samples=10)
     buffer.append([make(id="r0", ref_log_probs=reference)], current_version=0)
-    with pytest.raises(RejectedPushError, match="ref_log_probs: absent here but present on the buffer's samples") as info:
+    with pytest.raises(RejectedPushError,
+                       match="ref_log_probs: absent here but present on the buffer's samples") as info:
         buffer.append([make(id="r1")], current_version=0)
     assert info.value.field == "ref_log_probs" and len(buffer) == 1
     with pytest.raises(RejectedPushError, match="push's first"):
-        ReplayBuffer(max_samples=10).append([make(id="r2"), make(id="r3", ref_log_probs=reference)], current_version=0)
+        ReplayBuffer(max_samples=10).append([make(id="r2"), make(id="r3", ref_log_probs=reference)],
+                                            current_version=0)
     buffer.sample(1, current_version=0)  # drained: samples of another shape may start
     buffer.append([make(id="r4")], current_version=0)
 
 
 def test_a_replay_buffer_checkpointed_with_minus_inf_reference_log_probs_still_loads():
-    """Before the convention a reference could send -inf; such samples are refused now, but a checkpointed buffer
-    holding them loads (restoring does not re-validate) and the trainers leave those tokens out of the KL."""
+    """Before the convention a reference could send -inf; such samples are refused now, but a checkpointed
+    buffer holding them loads (restoring does not re-validate) and the trainers leave
+    those tokens out of the KL."""
     buffer = ReplayBuffer()
     buffer.append([make(ref_log_probs=torch.tensor([-0.5, -1.0]))], 0)
     state = buffer.state_dict()

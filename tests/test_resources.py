@@ -1,5 +1,5 @@
-"""What each actor asks Ray for, how `run` shares GPUs, which device an actor uses, and refusing what cannot be
-placed: the pure parts, without a Ray cluster."""
+"""What each actor asks Ray for, how `run` shares GPUs, which device an actor uses, and refusing what cannot
+be placed: the pure parts, without a Ray cluster."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from detached_rl.maker.experience_maker import MakerConfig
     ("maker.num_gpus=many", "maker.num_gpus: expected a number, got 'many'"),
     ("maker.num_gpus=.nan", "maker.num_gpus: expected a finite number, got nan"),
     ("maker.num_cpus=-0.5", "maker.num_cpus: must be a number >= 0"),
-    ("trainer_group.num_gpus_per_rank=2.5", "trainer_group.num_gpus_per_rank: must be a fraction up to 1 or a whole"),
+    ("trainer_group.num_gpus_per_rank=2.5",
+     "trainer_group.num_gpus_per_rank: must be a fraction up to 1 or a whole"),
     ("trainer_group.num_cpus_per_rank=-1", "trainer_group.num_cpus_per_rank: must be a number >= 0"),
     ("run.gpus=sometimes", "run.gpus: must be one of ('auto', 'manual'), got 'sometimes'"),
 ])
@@ -41,11 +42,13 @@ def test_bad_gpu_and_cpu_counts_are_refused_naming_the_key(override, message):
 
 
 def test_fractions_and_whole_gpus_are_accepted():
-    config = load_config(None, ["maker.num_gpus=0.25", "maker.num_cpus=0.5", "trainer_group.num_gpus_per_rank=2",
+    config = load_config(None,
+                         ["maker.num_gpus=0.25", "maker.num_cpus=0.5", "trainer_group.num_gpus_per_rank=2",
                                 "run.gpus=manual"])
     assert (config.maker.num_gpus, config.maker.num_cpus) == (0.25, 0.5)
     assert config.trainer_group.num_gpus_per_rank == 2 and config.run.gpus == "manual"
-    assert MakerConfig().num_gpus == 0.0 and MakerConfig().num_cpus == 1.0  # CPU behaviour unchanged by default
+    # CPU behaviour unchanged by default
+    assert MakerConfig().num_gpus == 0.0 and MakerConfig().num_cpus == 1.0
     with pytest.raises(ValueError, match=r"MakerConfig\.num_gpus must be a number >= 0, got True"):
         MakerConfig(num_gpus=True)
 
@@ -130,7 +133,8 @@ def test_run_cpu_slots_count_the_trainer_and_every_maker():
 
 def test_a_gpu_on_a_cpu_only_cluster_is_named():
     requests = {"trainer run-trainer": {"CPU": 1.0}, "maker run-maker-0": {"CPU": 1.0, "GPU": 1.0}}
-    assert unplaceable(requests, {"CPU": 8.0, "memory": 1e9}) == "maker run-maker-0 asks for 1 GPU; the cluster has 0"
+    assert (unplaceable(requests, {"CPU": 8.0, "memory": 1e9})
+            == "maker run-maker-0 asks for 1 GPU; the cluster has 0")
 
 
 def test_requests_that_fit_only_one_by_one_are_named_together():
@@ -167,17 +171,21 @@ def test_an_actor_given_no_gpu_stays_on_the_cpu():
 
 
 def test_launch_asks_for_every_roles_cpus_and_gpus():
-    config = load_config(None, ["maker.num_gpus=0.25", "maker.num_cpus=0.5", "maker.resources={maker_node: 1}",
-                                "trainer_group.num_gpus_per_rank=0.5", "trainer_group.resources={trainer_node: 1}",
+    config = load_config(None,
+                         ["maker.num_gpus=0.25", "maker.num_cpus=0.5", "maker.resources={maker_node: 1}",
+                                "trainer_group.num_gpus_per_rank=0.5",
+                                "trainer_group.resources={trainer_node: 1}",
                                 "maker.reward_scorer=rw", "scorers.reward.num_nodes=2"])
     assert trainer_request(config) == {"CPU": 1.0, "GPU": 0.5, "trainer_node": 1.0}
-    assert maker_request(config, detached=False) == {"CPU": 0.5, "GPU": 0.25}  # custom resources: detached only
+    # custom resources: detached only
+    assert maker_request(config, detached=False) == {"CPU": 0.5, "GPU": 0.25}
     requests = launch_requests(config, "t", ["m0", "m1"], ["reward"])
     assert requests == {"trainer t": trainer_request(config), "maker m0": maker_request(config),
                         "maker m1": maker_request(config), "reward scorer rw_0": {"CPU": 1.0},
                         "reward scorer rw_1": {"CPU": 1.0}}
     options = _options("m0", config, True, maker_request(config))
-    assert (options["num_cpus"], options["num_gpus"], options["resources"]) == (0.5, 0.25, {"maker_node": 1.0})
+    assert (options["num_cpus"], options["num_gpus"],
+            options["resources"]) == (0.5, 0.25, {"maker_node": 1.0})
     options = _options("t", config, False, trainer_request(config, detached=False))
     assert (options["num_cpus"], options["num_gpus"], "resources" in options) == (1.0, 0.5, False)
     group = load_config(None, ["trainer_group.strategy=ddp", "trainer_group.world_size=2",

@@ -1,5 +1,6 @@
-"""Actors ask Ray for their CPUs and GPUs: what launch creates carries the request, a request the cluster can never
-place is refused at once naming the resources, and one it cannot place yet fails within the command's timeout."""
+"""Actors ask Ray for their CPUs and GPUs: what launch creates carries the request, a request the cluster can
+never place is refused at once naming the resources, and one it cannot place yet fails
+within the command's timeout."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ NAMESPACE = "resources_test"
 
 
 def start_cluster(marker: str, gpus: int):
-    """A local cluster with `gpus` GPUs (logical ones where the machine has none); its processes carry `marker`."""
+    """A local cluster with `gpus` GPUs (logical ones where the machine has none);
+    its processes carry `marker`."""
     import ray
 
     from detached_rl.cli.jobs import init_local_ray
@@ -37,7 +39,8 @@ def start_cluster(marker: str, gpus: int):
 
 
 def config(*overrides: str):
-    return load_config(None, [f"namespace={NAMESPACE}", "algorithm=grpo", "model.policy=tiny", "task.train_size=16",
+    return load_config(None,
+                       [f"namespace={NAMESPACE}", "algorithm=grpo", "model.policy=tiny", "task.train_size=16",
                               "sampling.max_new_tokens=4", *overrides])
 
 
@@ -71,7 +74,8 @@ class TestCpuOnlyCluster:
 
         start = time.monotonic()
         with pytest.raises(jobs.JobError, match="^trainer gt asks for 0.5 GPU; the cluster has 0$"):
-            jobs.start_trainer(config("trainer_group.num_gpus_per_rank=0.5"), "gt", total_steps=1, update_steps=1)
+            jobs.start_trainer(config("trainer_group.num_gpus_per_rank=0.5"), "gt", total_steps=1,
+                               update_steps=1)
         assert time.monotonic() - start < 10 and not exists("gt")
 
     def test_run_refuses_gpus_before_creating_any_actor(self, cluster, tmp_path):
@@ -87,7 +91,8 @@ class TestCpuOnlyCluster:
 
 
 class TestClusterWithOneGpu:
-    """One GPU: a real one on the GPU lane, a logical one here (actors then warn and keep their models on the CPU)."""
+    """One GPU: a real one on the GPU lane, a logical one here (actors then warn and
+    keep their models on the CPU)."""
 
     @pytest.fixture(scope="class")
     def cluster(self, cluster_marker):
@@ -114,7 +119,8 @@ class TestClusterWithOneGpu:
 
             # 0.75 of the GPU is taken: a maker asking for half of it could be placed, but not now.
             start = time.monotonic()
-            with pytest.raises(jobs.JobError, match=r"^maker 'late' \(asking for 1 CPU, 0.5 GPU\) did not start "
+            with pytest.raises(jobs.JobError,
+                               match=r"^maker 'late' \(asking for 1 CPU, 0.5 GPU\) did not start "
                                                     r"within 5 s; the cluster has .*0.25 GPU free$"):
                 jobs.start_maker(config("maker.num_gpus=0.5"), "late", ["rt"], num_batches=1, timeout=5)
             assert time.monotonic() - start < 30

@@ -1,7 +1,8 @@
-"""A maker whose weights fall off its trainer's comes back by itself (no Ray): a trainer resumed from a checkpoint
-brings the makers that registered before it loaded to the checkpoint's version, and a maker pushed a forged
-far-future version registers again. Real tiny maker and trainer, a real MakerLoop and ExperiencePusher; the Ray
-shells are stood in for by threads (one per actor concurrency group) and in-process calls."""
+"""A maker whose weights fall off its trainer's comes back by itself (no Ray): a trainer resumed from a
+checkpoint brings the makers that registered before it loaded to the checkpoint's version, and a maker pushed
+a forged far-future version registers again. Real tiny maker and trainer, a real MakerLoop and
+ExperiencePusher; the Ray shells are stood in for by threads (one per actor concurrency
+group) and in-process calls."""
 
 from __future__ import annotations
 
@@ -32,13 +33,15 @@ from .helpers import (
 )
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
-BATCH_TIMEOUT_S = 30.0  # the trainer gives up after this long without data: the failure the tests guard against
+# the trainer gives up after this long without data: the failure the tests guard against
+BATCH_TIMEOUT_S = 30.0
 
 
 def new_trainer(store: ObjectStore) -> TrainerCore:
     actor, critic = tiny_actor_critic(seed=0)
     learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01))
-    config = TrainerConfig(train_batch_size=8, max_staleness=1, buffer_max_samples=16, overlap_weight_push=True,
+    config = TrainerConfig(train_batch_size=8, max_staleness=1, buffer_max_samples=16,
+                           overlap_weight_push=True,
                            batch_timeout_s=BATCH_TIMEOUT_S, weight_push_timeout_s=30.0)
     trainer = TrainerCore("trainer_0", learner, config)
     trainer.build_update(store.put)  # version 0 of a new run, as the actor does when it starts
@@ -53,7 +56,8 @@ class Wiring:
         config = MakerConfig(**{"experience_batch_size": 4, "sampling": SAMPLING, "max_pushes_in_flight": 1,
                                 "wait_for_ack": True, "weight_timeout_s": 120.0, "resync_after_s": 3.0,
                                 **maker_config})
-        self.maker = ExperienceMaker("maker_0", tiny_maker_models(seed=7), CyclingPrompts(arithmetic_prompts()),
+        self.maker = ExperienceMaker("maker_0", tiny_maker_models(seed=7),
+                                     CyclingPrompts(arithmetic_prompts()),
                                      config, strategy=naive_strategy())
         self.trainer = new_trainer(self.store)
         self.registered_with: TrainerCore | None = None
@@ -102,19 +106,21 @@ def wiring(request):
 
 
 def resume_with_maker_registered_first(wiring: Wiring, checkpoints: str) -> dict:
-    """Train 3 steps with checkpoints; replace the trainer by a new one; let the maker register with it (at its
-    version 0) before the checkpoint loads; then resume and train 5 more steps."""
+    """Train 3 steps with checkpoints; replace the trainer by a new one; let the maker register with it (at
+    its version 0) before the checkpoint loads; then resume and train 5 more steps."""
     wiring.register()
     wiring.start()
     wiring.fit(3, checkpoint_every=1, checkpoint_dir=checkpoints)
     wait_for(lambda: wiring.maker.policy_version == 3, "the maker to serve version 3")
     wiring.trainer = new_trainer(wiring.store)  # the trainer job restarted: a new process, a new run
     wait_for(lambda: "maker_0" in wiring.trainer.makers, "the maker to register with the new trainer")
-    assert wiring.maker.policy_version == 0  # it took the new run's only weights: those of before the checkpoint
+    # it took the new run's only weights: those of before the checkpoint
+    assert wiring.maker.policy_version == 0
     return wiring.fit(8, checkpoint_every=1, checkpoint_dir=checkpoints, resume_from=checkpoints)
 
 
-# The maker waits longer for fresh weights than the trainer for data: only the trainer's own push can save the run.
+# The maker waits longer for fresh weights than the trainer for data: only the trainer's
+# own push can save the run.
 @pytest.mark.parametrize("wiring", [{"resync_after_s": 2 * BATCH_TIMEOUT_S}], indirect=True)
 def test_a_resumed_trainer_brings_a_maker_that_registered_before_the_checkpoint_loaded_to_its_version(
         wiring, tmp_path):
@@ -130,8 +136,8 @@ def test_a_resumed_trainer_brings_a_maker_that_registered_before_the_checkpoint_
 
 @pytest.mark.parametrize("wiring", [{"max_version_jump": 2}], indirect=True)
 def test_a_maker_that_cannot_take_the_resumed_version_by_push_registers_again_and_trains_on(wiring, tmp_path):
-    # A checkpoint 3 versions ahead is beyond the maker's max_version_jump: the trainer's push is refused, and the
-    # maker registers with it again, which may move it anywhere.
+    # A checkpoint 3 versions ahead is beyond the maker's max_version_jump: the trainer's push is refused, and
+    # the maker registers with it again, which may move it anywhere.
     summary = resume_with_maker_registered_first(wiring, str(tmp_path / "ckpt"))
     assert summary["policy_version"] == 8 and wiring.trainer.state == "done"
     assert wiring.loop.resyncs >= 1

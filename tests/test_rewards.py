@@ -125,7 +125,8 @@ FULL, WRONG, CORRECT_ONLY, NOTHING = (
         ("<think>x</think><answer>41</answer>", WRONG),
         ("<think>x</think><answer></answer>", WRONG),
         ("<answer>42</answer>", CORRECT_ONLY),  # no think
-        ("<think>x</think><answer>41</answer><answer>42</answer>", CORRECT_ONLY),  # two answers: the last counts
+        # two answers: the last counts
+        ("<think>x</think><answer>41</answer><answer>42</answer>", CORRECT_ONLY),
         ("<think>x</think><answer>42</answer> and more", CORRECT_ONLY),  # trailing text
         ("Sure! <think>x</think><answer>42</answer>", CORRECT_ONLY),  # leading text
         ("<answer>42</answer><think>x</think>", CORRECT_ONLY),  # wrong order
@@ -153,7 +154,8 @@ def test_think_answer_tags_strings_and_weights():
 @pytest.mark.parametrize(
     ("text", "expected"),
     [(r"\boxed{3}", "3"), (r"so \boxed{\frac{1}{2}}.", r"\frac{1}{2}"), (r"\boxed {x^{2}}", "x^{2}"),
-     (r"\boxed{1} then \boxed{\sqrt{\frac{a}{b}}}", r"\sqrt{\frac{a}{b}}"), (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
+     (r"\boxed{1} then \boxed{\sqrt{\frac{a}{b}}}", r"\sqrt{\frac{a}{b}}"),
+     (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
      (r"\boxed{\frac{1}{2}", None), ("no box", None), (r"\boxed", None)],
 )
 def test_last_boxed(text, expected):
@@ -177,7 +179,8 @@ def test_last_boxed(text, expected):
 )
 def test_boxed(response, answer, correct, has_format):
     result = boxed_reward("q", response, answer=answer)
-    assert result == {"reward": pytest.approx(correct + 0.1 * has_format), "correct": correct, "format": has_format,
+    assert result == {"reward": pytest.approx(correct + 0.1 * has_format), "correct": correct,
+                      "format": has_format,
                       "verifier_unavailable": 0.0}
 
 
@@ -199,7 +202,8 @@ def test_boxed_survives_pathological_answers_off_the_main_thread():
     with ThreadPoolExecutor(1) as pool:
         result = pool.submit(boxed_reward, "q", r"\boxed{10^{10^{10}} + 2^{2^{2^{2^{100}}}}}", answer="1",
                              timeout_s=1).result(timeout=30)
-    assert result == {"reward": pytest.approx(0.1), "correct": 0.0, "format": 1.0, "verifier_unavailable": 0.0}
+    assert result == {"reward": pytest.approx(0.1), "correct": 0.0, "format": 1.0,
+                      "verifier_unavailable": 0.0}
 
 
 def test_math_worker_that_overruns_is_killed_and_restarted():
@@ -232,7 +236,8 @@ def test_last_python_block(response, expected):
 
 # ------------------------------------------------------------------ code: scoring
 
-DOUBLE_TESTS = [{"input": "2\n", "output": "4\n"}, {"input": "5", "output": "10"}, {"input": "-3\n", "output": "-6"}]
+DOUBLE_TESTS = [{"input": "2\n", "output": "4\n"}, {"input": "5", "output": "10"},
+                {"input": "-3\n", "output": "-6"}]
 
 
 def test_code_correct_partial_and_wrong_solutions(no_leftovers):
@@ -250,11 +255,13 @@ def test_code_correct_partial_and_wrong_solutions(no_leftovers):
 
 
 def test_code_assert_tests(no_leftovers):
-    tests = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add('a', 'b') == 'ab'", "assert add(2, 2) == 5"]
+    tests = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add('a', 'b') == 'ab'",
+             "assert add(2, 2) == 5"]
     assert code_reward("q", _block("def add(a, b):\n    return a + b"), tests)["correct"] == 0.75
     assert code_reward("q", _block("def add(a, b):\n    return 0"), tests)["correct"] == 0.25
     # a main guard does not run (no stdin), and exiting early neither passes nor skips the tests
-    guarded = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    print(add(*map(int, input().split())))"
+    guarded = ("def add(a, b):\n    return a + b\n"
+               "if __name__ == '__main__':\n    print(add(*map(int, input().split())))")
     assert code_reward("q", _block(guarded), tests[:1])["correct"] == 1.0
     exits = "import sys\ndef add(a, b):\n    return a + b\nsys.exit(0)"
     assert code_reward("q", _block(exits), tests[:2])["correct"] == 1.0
@@ -267,7 +274,8 @@ def test_code_assert_tests(no_leftovers):
 
 
 def test_code_malformed_responses_and_tests():
-    assert code_reward("q", "print(int(input()) * 2)", DOUBLE_TESTS) == {"reward": 0.0, "correct": 0.0, "format": 0.0}
+    assert code_reward("q", "print(int(input()) * 2)",
+                       DOUBLE_TESTS) == {"reward": 0.0, "correct": 0.0, "format": 0.0}
     assert code_reward("q", _block("int main() { return 0; }", "cpp"), DOUBLE_TESTS)["format"] == 0.0
     assert code_reward("q", _block("print(int(input(( * 2)"), DOUBLE_TESTS) == {
         "reward": 0.0, "correct": 0.0, "format": 1.0}
@@ -319,7 +327,8 @@ def test_hostile_write_outside_the_directory(tmp_path, no_leftovers):
                    f"import os\nos.symlink({str(target)!r}, 'link')\nopen('link', 'w').write('x')",
                    f"import os\nos.chdir({str(tmp_path)!r})\nopen('escaped.txt', 'w').write('x')",
                    f"import os\nos.mkdir({str(tmp_path / 'dir')!r})"):
-        assert code_reward("q", _block(attack + "\nprint('done')"), [{"input": "", "output": "done"}])["reward"] == 0
+        assert code_reward("q", _block(attack + "\nprint('done')"),
+                           [{"input": "", "output": "done"}])["reward"] == 0
     assert list(tmp_path.iterdir()) == []
 
 
@@ -329,7 +338,8 @@ def test_hostile_write_outside_the_directory(tmp_path, no_leftovers):
 def test_run_python_basics(secret_env, no_leftovers):
     result = run_python(
         "import os, sys\nprint(sys.stdin.read().upper())\nprint(os.listdir('.'))\nprint(sorted(os.environ))\n"
-        "print(os.getcwd())\nopen('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read(), file=sys.stderr)",
+        "print(os.getcwd())\nopen('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read(), "
+        "file=sys.stderr)",
         stdin="hello",
     )
     assert result.ok and result.stderr == "ok\n" and not result.timed_out and result.killed_reason is None
@@ -353,7 +363,8 @@ def test_run_python_limits_report_why(no_leftovers):
     assert run_python("x = bytearray(100 * 2**20)\nprint(len(x))", memory_mb=256).stdout == f"{100 * 2**20}\n"
     disk = run_python("f = open('big', 'wb')\nfor _ in range(8):\n    f.write(b'x' * 2**20)", max_file_mb=4)
     assert disk.returncode == 1 and "File too large" in disk.stderr
-    full = run_python("for i in range(8):\n    open(f'f{i}', 'wb').write(b'x' * 2**20)", max_file_mb=1, max_tmp_mb=4)
+    full = run_python("for i in range(8):\n    open(f'f{i}', 'wb').write(b'x' * 2**20)", max_file_mb=1,
+                      max_tmp_mb=4)
     assert full.returncode == 1 and "No space left" in full.stderr
     assert run_python("print(1)\0").killed_reason == "invalid_code"
     assert run_python("x = 1\n" * 100_000).killed_reason == "invalid_code"
@@ -365,7 +376,8 @@ def test_run_python_confinement_as_the_code_sees_it(no_leftovers):
     assert fields["Uid"] == ["65534"] * 4 and fields["Gid"] == ["65534"] * 4 and fields["Groups"] == []
     assert fields["CapEff"] == fields["CapPrm"] == fields["CapBnd"] == ["0000000000000000"]
     assert fields["NoNewPrivs"] == ["1"] and fields["Seccomp"] == ["2"]
-    seen = run_python("import os\nprint(sorted(os.listdir('/')), sorted(p for p in os.listdir('/proc') if p.isdigit()))",
+    seen = run_python("import os\nprint(sorted(os.listdir('/')), sorted(p for p in os.listdir('/proc') if "
+                      "p.isdigit()))",
                       audit_hook=False).stdout
     assert "etc" not in seen and "home" not in seen and "['1', '2']" in seen  # only its own PID namespace
 
@@ -379,7 +391,8 @@ OS_LAYER_ATTACKS = {
     "ptrace_init": "import ctypes\nassert ctypes.CDLL(None).ptrace(16, 1, 0, 0) == 0",
     "mount": "import ctypes\nassert ctypes.CDLL(None).mount(b'none', b'/tmp', b'tmpfs', 0, None) == 0",
     "tiocsti_high_bits": "import ctypes\nc = ctypes.c_char(b'x')\n"
-                         "assert ctypes.CDLL(None).ioctl(0, ctypes.c_ulong(0x100005412), ctypes.byref(c)) == 0",
+                         "assert ctypes.CDLL(None).ioctl(0, ctypes.c_ulong(0x100005412), "
+                         "ctypes.byref(c)) == 0",
     "inet_socket": "import socket\nsocket.socket().connect(('1.1.1.1', 53))",
     "netlink_socket": "import socket\nsocket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)",
     "pidfd_kill": "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(1), signal.SIGKILL)",
@@ -451,16 +464,20 @@ def test_run_python_is_safe_from_threads(no_leftovers):
 def test_rewards_through_function_reward_on_a_tiny_tokenizer(no_leftovers):
     tokenizer = tiny_tokenizer()
     samples = [
-        ("What is 6 * 7?", "<think>6 * 7 = 42</think> <answer>42</answer>", {"answer": 42}, "think_answer_tags"),
+        ("What is 6 * 7?", "<think>6 * 7 = 42</think> <answer>42</answer>", {"answer": 42},
+         "think_answer_tags"),
         ("Half of one?", r"It is \boxed{\frac{1}{2}}", {"answer": "0.5"}, "boxed"),
         ("Double n.", "```python\nprint(int(input()) * 2)\n```", {"tests": DOUBLE_TESTS}, "code"),
     ]
     for prompt, response, metadata, name in samples:
-        exps = [Experience(torch.tensor(tokenizer(prompt)["input_ids"]), torch.tensor(tokenizer(response)["input_ids"]),
+        exps = [Experience(torch.tensor(tokenizer(prompt)["input_ids"]),
+                           torch.tensor(tokenizer(response)["input_ids"]),
                            torch.full((len(tokenizer(response)["input_ids"]),), -1.0), torch.tensor(0.0))]
         batch = collate(exps, tokenizer.pad_token_id)
         scorer = FunctionReward(get_reward_function(name), tokenizer)
-        rewards, parts = scorer.score_detailed(batch.sequences, batch.attention_mask, batch.response_mask, [metadata])
+        rewards, parts = scorer.score_detailed(batch.sequences, batch.attention_mask, batch.response_mask,
+                                               [metadata])
         expected = 1.0 if name == "code" else 1.1
         extra = {"verifier_unavailable": 0.0} if name == "boxed" else {}
-        assert rewards.tolist() == pytest.approx([expected]) and parts == [{"correct": 1.0, "format": 1.0, **extra}]
+        assert rewards.tolist() == pytest.approx([expected]) and parts == [{"correct": 1.0, "format": 1.0,
+                                                                            **extra}]

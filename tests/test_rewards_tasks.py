@@ -17,7 +17,8 @@ def test_last_number(text, expected):
 
 def test_numeric_answer_reward_components():
     assert numeric_answer_reward("q", "3 + 4 = 7", answer=7) == {"reward": 1.1, "correct": 1.0, "format": 1.0}
-    assert numeric_answer_reward("q", "7 is not 8", answer=7) == {"reward": 0.1, "correct": 0.0, "format": 1.0}
+    assert numeric_answer_reward("q", "7 is not 8", answer=7) == {"reward": 0.1, "correct": 0.0,
+                                                                  "format": 1.0}
     assert numeric_answer_reward("q", "seven", answer=7) == {"reward": 0.0, "correct": 0.0, "format": 0.0}
     with pytest.raises(ValueError, match="answer"):
         numeric_answer_reward("q", "1", answer=float("nan"))

@@ -1,7 +1,8 @@
-"""Hostile code against the code sandbox and the code reward (issue 20), one table-driven class per attack family.
+"""Hostile code against the code sandbox and the code reward (issue 20), one table-driven class per attack
+family.
 
-Every case is judged by its effects, the same way: nothing escapes (canary files outside unchanged, no file the
-attack named exists on the host, no secret, host file or host directory listing in its output, no listener
+Every case is judged by its effects, the same way: nothing escapes (canary files outside unchanged, no file
+the attack named exists on the host, no secret, host file or host directory listing in its output, no listener
 reached), the caller survives (this process gets no signal; a sibling "maker" and a sibling uid-65534 process
 stay alive and running), no process outlives the call (this process is a child subreaper, so a daemon that
 double-forks and setsids still ends up as our descendant), no hack scores and honest code still scores.
@@ -58,8 +59,10 @@ GRACE_S = 2.0  # how long a leftover process may take to go away after the call 
 LATE_S = 0.7  # delayed attacks act 0.5 s after they start: look for their effects this much later
 HANG_MARGIN_S = 30.0  # not a timing assertion: a call this far past its timeout has hung
 # Top-level names of a standard Linux root; any other name in "/" identifies the host's root (e.g. /old_root).
-STANDARD_ROOT_NAMES = {"bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64", "libx32", "media", "mnt", "opt",
-                       "proc", "root", "run", "sbin", "srv", "sys", "tmp", "usr", "var", "work", "nix", "snap"}
+STANDARD_ROOT_NAMES = {"bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64", "libx32", "media", "mnt",
+                       "opt",
+                       "proc", "root", "run", "sbin", "srv", "sys", "tmp", "usr", "var", "work", "nix",
+                       "snap"}
 MAKER_CODE = "import sys\nheld = sys.stdin.readline()\nprint('ready', flush=True)\nsys.stdin.read()\n"
 
 
@@ -84,7 +87,8 @@ def _descendants(root: int) -> dict[int, str]:
     while pending:
         pid = pending.pop()
         try:
-            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            found[pid] = command.decode(errors="replace")[:120]
         except OSError:
             found[pid] = "?"
         pending += children.get(pid, [])
@@ -125,7 +129,8 @@ def _pending_signals(pid: int) -> int:
 
 
 def _longest_line(path: str) -> str | None:
-    """The longest line of a file (evidence that it was read), or None when unreadable or too short to tell."""
+    """The longest line of a file (evidence that it was read), or None when
+    unreadable or too short to tell."""
     try:
         lines = Path(path).read_text(errors="replace").splitlines()
     except OSError:
@@ -151,7 +156,8 @@ def _nonblocking(sock: socket.socket) -> socket.socket:
 
 
 class World:
-    """What lives around every attack for the whole module: listeners, siblings, the subreaper, a signal trap."""
+    """What lives around every attack for the whole module: listeners, siblings,
+    the subreaper, a signal trap."""
 
     def __init__(self, scratch: Path) -> None:
         self.scratch = scratch
@@ -161,7 +167,8 @@ class World:
         tcp = _nonblocking(socket.create_server(("127.0.0.1", 0), backlog=64))
         self.streams = {"tcp 127.0.0.1": tcp}
         if self.host_ip is not None:
-            self.streams["tcp host address"] = _nonblocking(socket.create_server((self.host_ip, 0), backlog=64))
+            server = socket.create_server((self.host_ip, 0), backlog=64)
+            self.streams["tcp host address"] = _nonblocking(server)
         self.unix_path = str(scratch / "listener.sock")
         unix = socket.socket(socket.AF_UNIX)
         unix.bind(self.unix_path)
@@ -203,7 +210,8 @@ class World:
             self.maker.stdin.flush()
             assert self.maker.stdout.readline() == b"ready\n"
         if self.nobody is None or self.nobody.poll() is not None:
-            self.nobody = subprocess.Popen(["sleep", "3600"], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/",
+            self.nobody = subprocess.Popen(["sleep", "3600"], user=NOBODY, group=NOBODY, extra_groups=[],
+                                           cwd="/",
                                            env={"NOBODY_SECRET": self.nobody_secret})
 
     def sibling_problems(self) -> list[str]:
@@ -241,7 +249,8 @@ class World:
         return hits
 
     def own_pid_namespace(self) -> bool:
-        """Whether sandboxed code runs in a pid namespace of its own (kill(-1) then reaches only its own tree)."""
+        """Whether sandboxed code runs in a pid namespace of its own (kill(-1) then
+        reaches only its own tree)."""
         if self._own_pid_namespace is None:
             probe = run_python("import os\nprint(os.readlink('/proc/self/ns/pid'))", timeout_s=20)
             namespace = probe.stdout.strip()
@@ -282,13 +291,15 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int, bytes | None]]:
     for path in sorted(root.rglob("*")):
         info = path.lstat()
         content = path.read_bytes() if stat.S_ISREG(info.st_mode) else None
-        entries[str(path.relative_to(root))] = (stat.S_IFMT(info.st_mode), stat.S_IMODE(info.st_mode), content)
+        entries[str(path.relative_to(root))] = (stat.S_IFMT(info.st_mode), stat.S_IMODE(info.st_mode),
+                                                content)
     return entries
 
 
 @dataclass
 class Arena:
-    """One attack's surroundings: canaries, marks, the secrets it must not reach; `attack` runs a case and judges it."""
+    """One attack's surroundings: canaries, marks, the secrets it must not reach; `attack`
+    runs a case and judges it."""
 
     world: World
     env_secret: str
@@ -329,16 +340,19 @@ class Arena:
             "canary_file": str(self.canary_file), "maker_pid": str(world.maker.pid),
             "nobody_pid": str(world.nobody.pid), "test_pid": str(world.pid),
             "tcp_port": str(world.streams["tcp 127.0.0.1"].getsockname()[1]), "host_ip": world.host_ip or "",
-            "host_tcp_port": str(world.streams["tcp host address"].getsockname()[1]) if world.host_ip else "0",
+            "host_tcp_port": (str(world.streams["tcp host address"].getsockname()[1]) if world.host_ip
+                              else "0"),
             "udp_port": str(world.datagrams["udp 127.0.0.1"].getsockname()[1]), "unix_path": world.unix_path,
-            "abstract_name": world.abstract_name, "repo": str(REPO), "stdlib": sysconfig.get_paths()["stdlib"],
+            "abstract_name": world.abstract_name, "repo": str(REPO),
+            "stdlib": sysconfig.get_paths()["stdlib"],
             "site_packages": sysconfig.get_paths()["purelib"], "expected": self.expected,
         }
 
     def watched_dirs(self) -> list[str]:
         """Where an attack's `$mark` files would land on the host."""
         paths = sysconfig.get_paths()
-        return sorted({"/tmp", "/var/tmp", "/dev/shm", "/root", "/", str(REPO), os.getcwd(), tempfile.gettempdir(),
+        return sorted({"/tmp", "/var/tmp", "/dev/shm", "/root", "/", str(REPO), os.getcwd(),
+                       tempfile.gettempdir(),
                        paths["stdlib"], os.path.join(paths["stdlib"], "__pycache__"), paths["purelib"],
                        str(self.canary_dir), str(self.canary_dir / "sub")})
 
@@ -346,34 +360,41 @@ class Arena:
         found = []
         for directory in self.watched_dirs():
             with contextlib.suppress(OSError):
-                found += [os.path.join(directory, name) for name in os.listdir(directory) if self.mark in name]
+                found += [os.path.join(directory, name) for name in os.listdir(directory)
+                          if self.mark in name]
         return found
 
     def evidence(self) -> dict[str, str]:
         """Strings that can only be in an attack's output if it read what it must not: label -> string."""
         world = self.world
         found = {"test process secret": self.env_secret, "maker environment": world.maker_env_secret,
-                 "maker memory": world.maker_memory_secret, "uid-65534 sibling environment": world.nobody_secret,
+                 "maker memory": world.maker_memory_secret,
+                 "uid-65534 sibling environment": world.nobody_secret,
                  "canary file": self.canary_text, "expected output": self.expected}
         for name, snapshot in self.before_files.items():
             if snapshot[2]:
                 found[f"canary {name}"] = snapshot[2].decode()
-        for path in ("/etc/shadow", "/etc/passwd", "/root/.bashrc", "/root/.gitconfig", str(REPO / "pyproject.toml")):
+        for path in ("/etc/shadow", "/etc/passwd", "/root/.bashrc", "/root/.gitconfig",
+                     str(REPO / "pyproject.toml")):
             line = _longest_line(path)
             if line is not None:
                 found[path] = line
-        listed = {"/root": set(os.listdir("/root")) - {".pyenv"}, "/": set(os.listdir("/")) - STANDARD_ROOT_NAMES,
-                  str(REPO): {"pyproject.toml", ".git", "README.md"}, str(self.canary_dir): {"canary.txt", "held.txt"}}
+        listed = {"/root": set(os.listdir("/root")) - {".pyenv"},
+                  "/": set(os.listdir("/")) - STANDARD_ROOT_NAMES,
+                  str(REPO): {"pyproject.toml", ".git", "README.md"},
+                  str(self.canary_dir): {"canary.txt", "held.txt"}}
         for directory, names in listed.items():
             for name in names:
                 found[f"listing of {directory} ({name})"] = json.dumps(name)  # attacks print listings as JSON
         return found
 
     def attack(self, case: Case) -> None:
-        """Run `case` and assert everything the module docstring promises; all problems are reported together."""
+        """Run `case` and assert everything the module docstring promises; all
+        problems are reported together."""
         if case.needs_own_pid_namespace and not self.world.own_pid_namespace():
-            pytest.fail(f"refused to run {case.name}: sandboxed code shares our pid namespace, so this attack "
-                        f"would reach every process the sandbox's uid may signal (as root: the whole machine)")
+            pytest.fail(f"refused to run {case.name}: sandboxed code shares our pid namespace, so "
+                        "this attack would reach every process the sandbox's uid may signal (as root: the "
+                        "whole machine)")
         problems, output = self.problems(case, run_python)
         assert not problems, "\n".join(problems) + (f"\n--- output ---\n{output[-2000:]}" if output else "")
 
@@ -526,16 +547,19 @@ class TestHonestCode:
 
 # ------------------------------------------------------------------ the checks catch what they look for
 
-# Attacks that succeed without the sandbox (as uid 65534, environment inherited), with the problem each must raise.
+# Attacks that succeed without the sandbox (as uid 65534, environment inherited), with the
+# problem each must raise.
 UNCONFINED_CATCHES = {
     "read_canary": "leaked canary file", "write_canary_dir": "canary directory changed",
     "hardlink_canary": "canary directory changed", "read_repo": f"leaked {REPO / 'pyproject.toml'}",
     "write_tmp": "created on the host", "environment_secrets": "leaked test process secret",
     "proc_nobody_sibling": "leaked uid-65534 sibling environment",
     "process_vm_readv_nobody": "leaked uid-65534 sibling environment",
-    "ptrace_nobody_sibling": "the attack reports success", "kill_nobody_sibling": "uid-65534 sibling was killed",
+    "ptrace_nobody_sibling": "the attack reports success",
+    "kill_nobody_sibling": "uid-65534 sibling was killed",
     "setsid_daemon": "outlived the call", "tcp_loopback": "reached the tcp 127.0.0.1 listener",
-    "udp_loopback": "reached the udp 127.0.0.1 listener", "unix_socket_file": "reached the unix socket file listener",
+    "udp_loopback": "reached the udp 127.0.0.1 listener",
+    "unix_socket_file": "reached the unix socket file listener",
     "unix_abstract": "reached the abstract unix socket listener",
 }
 
@@ -559,7 +583,8 @@ def nobody_python() -> str:
     """A Python interpreter that uid 65534 may run (ours may sit in a root-only directory)."""
     for candidate in (sys.executable, shutil.which("python3"), "/usr/bin/python3"):
         with contextlib.suppress(OSError):
-            if candidate and subprocess.run([candidate, "-c", "pass"], user=NOBODY, group=NOBODY, extra_groups=[],
+            if candidate and subprocess.run([candidate, "-c", "pass"], user=NOBODY, group=NOBODY,
+                                            extra_groups=[],
                                             cwd="/", capture_output=True).returncode == 0:
                 return candidate
     pytest.skip("no Python interpreter that uid 65534 can run")
@@ -567,13 +592,16 @@ def nobody_python() -> str:
 
 class TestHarnessDetects:
     @pytest.mark.parametrize("name", sorted(UNCONFINED_CATCHES))
-    def test_unconfined_attack_is_caught(self, name: str, arena: Arena, nobody_python: str, tmp_path: Path) -> None:
+    def test_unconfined_attack_is_caught(self, name: str, arena: Arena, nobody_python: str,
+                                         tmp_path: Path) -> None:
         tmp_path.chmod(0o777)
 
         def unconfined(code: str, timeout_s: float) -> Unconfined:
-            # Output to files, not pipes: a daemon that keeps a pipe open would hold the call until the timeout.
+            # Output to files, not pipes: a daemon that keeps a pipe open would hold
+            # the call until the timeout.
             with open(tmp_path / "out", "w+b") as out, open(tmp_path / "err", "w+b") as err:
-                child = subprocess.Popen([nobody_python, "-I", "-c", code], stdout=out, stderr=err, cwd=tmp_path,
+                child = subprocess.Popen([nobody_python, "-I", "-c", code], stdout=out, stderr=err,
+                                         cwd=tmp_path,
                                          user=NOBODY, group=NOBODY, extra_groups=[], env=dict(os.environ))
                 try:
                     returncode, timed_out = child.wait(timeout_s), False
@@ -593,4 +621,5 @@ class TestHarnessDetects:
 def test_case_table_is_large_and_unique() -> None:
     names = [case.name for case in ALL_CASES]
     assert len(names) >= 60 and len(names) == len(set(names))
-    assert ALL_CASES == FILESYSTEM + AUDIT_HOOK + PROCESSES + SIGNALS + NETWORK + PRIVILEGE + RESOURCES + GRADING + HONEST
+    assert ALL_CASES == (FILESYSTEM + AUDIT_HOOK + PROCESSES + SIGNALS + NETWORK + PRIVILEGE + RESOURCES
+                         + GRADING + HONEST)

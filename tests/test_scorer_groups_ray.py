@@ -1,7 +1,7 @@
 """Scorer groups on a local Ray cluster: answers, retries on a dead worker, a clear report when all are down.
 
-On the CPU with `--device cuda` too: these workers score with a Python reward (no model), and a scorer group takes
-whole GPUs per worker, not shares of one.
+On the CPU with `--device cuda` too: these workers score with a Python reward (no model), and a scorer group
+takes whole GPUs per worker, not shares of one.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def test_a_group_answers_retries_past_a_dead_worker_and_reports_when_all_are_dow
         assert scoring.retries >= 1
 
         ray.kill(handles[1], no_restart=True)
-        with pytest.raises(ScorerUnavailableError, match=r"reward scorer group 'rw' did not answer after 2 attempts"):
+        with pytest.raises(ScorerUnavailableError,
+                           match=r"reward scorer group 'rw' did not answer after 2 attempts"):
             scoring.submit(asked)(60)
     finally:
         stop_scorer_group("rw", 2, NAMESPACE)
@@ -88,7 +89,8 @@ def test_a_group_that_cannot_start_leaves_nothing_behind(ray_cluster):
 def test_a_placement_group_is_removed_once_the_last_worker_of_its_group_is_gone(ray_cluster):
     from ray.util.placement_group import get_placement_group
 
-    handles = start_scorer_group("pg", "reward", LowTokenReward, ScorerGroupConfig(num_nodes=2, num_cpus_per_worker=0.5),
+    handles = start_scorer_group("pg", "reward", LowTokenReward,
+                                 ScorerGroupConfig(num_nodes=2, num_cpus_per_worker=0.5),
                                  namespace=NAMESPACE)
     try:
         ray.kill(handles[0], no_restart=True)

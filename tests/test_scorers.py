@@ -1,4 +1,5 @@
-"""Scorers without Ray: merged batches answer as separate ones, makers with scorers make the same experience."""
+"""Scorers without Ray: merged batches answer as separate ones, makers with
+scorers make the same experience."""
 
 import threading
 import time
@@ -245,7 +246,8 @@ TOP_K = SamplingConfig(max_new_tokens=6, top_k=2, temperature=0.7)
 
 
 def outside_top_k_request(actor: Actor) -> ScoreRequest:
-    """A one-row request whose last response token is the model's least likely one there (far outside any top-k)."""
+    """A one-row request whose last response token is the model's least likely one
+    there (far outside any top-k)."""
     prompt = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         first = int(actor.model(prompt.to(lane_device())).logits[0, -1].argmax())

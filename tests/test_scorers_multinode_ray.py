@@ -69,15 +69,18 @@ def run_config() -> RunConfig:
 
 
 def local_experience(config: RunConfig) -> list:
-    """The first batch a maker with local models makes from the trainer's initial weights and the same seed."""
-    local = dataclasses.replace(config.maker_config, reward_scorer=None, reference_scorer=None, critic_scorer=None,
+    """The first batch a maker with local models makes from the trainer's initial
+    weights and the same seed."""
+    local = dataclasses.replace(config.maker_config, reward_scorer=None, reference_scorer=None,
+                                critic_scorer=None,
                                 resources={})
     config = dataclasses.replace(config, maker=local)
     maker = ExperienceMaker("maker_0", maker_factory(config)(), config.prompts(), local,
                             NaiveStrategy(device="cpu"))  # where the maker actor, given no GPU, runs
     actor, critic = trainer_factory(config)()
     store = ObjectStore()
-    update, _ = build_weight_update({"actor": actor.model.state_dict(), "critic": critic.state_dict()}, 0, store.put)
+    update, _ = build_weight_update({"actor": actor.model.state_dict(), "critic": critic.state_dict()}, 0,
+                                    store.put)
     maker.apply_weight_update(update, store.fetch)
     return maker.make_experience()
 
@@ -101,22 +104,26 @@ def test_roles_on_their_nodes_equal_experience_and_a_short_ppo_run(cluster):
             assert status["node_id"] == cluster[resource], f"{name} is not on the {resource}"
 
         # The first batch (policy v0, critic v0) equals a local-model maker's, from the same seed.
-        wait_for(lambda: ray.get(trainer.buffer_length.remote(), timeout=30) >= 4, "the first batch", timeout=180,
+        wait_for(lambda: ray.get(trainer.buffer_length.remote(), timeout=30) >= 4, "the first batch",
+                 timeout=180,
                  interval=0.5)
         rows = ray.get(trainer.buffer_export.remote(0, 4), timeout=60)
         expected = local_experience(config)
         assert len(rows) == len(expected) == 4
         for row, local in zip(rows, expected, strict=True):
             assert row["policy_version"] == 0 and row["info"]["critic_version"] == 0
-            assert row["prompt_ids"] == local.prompt_ids.tolist() and row["response_ids"] == local.response_ids.tolist()
+            assert row["prompt_ids"] == local.prompt_ids.tolist()
+            assert row["response_ids"] == local.response_ids.tolist()
             for name in ("log_probs", "values", "ref_log_probs", "reward"):
-                torch.testing.assert_close(torch.tensor(row[name]), getattr(local, name).float(), atol=1e-5, rtol=0,
+                torch.testing.assert_close(torch.tensor(row[name]), getattr(local, name).float(), atol=1e-5,
+                                           rtol=0,
                                            msg=lambda text, name=name: f"{name}: {text}")
             assert row["info"]["kl"] == pytest.approx(local.info["kl"], abs=1e-5)
 
         # A short PPO run completes; the critic scorers follow the trainer's versions.
         assert ray.get(maker.start.remote(None), timeout=60)
-        wait_for(lambda: ray.get(trainer.status.remote(), timeout=30)["state"] in ("done", "failed"), "the run to finish",
+        wait_for(lambda: ray.get(trainer.status.remote(), timeout=30)["state"] in ("done", "failed"),
+                 "the run to finish",
                  timeout=300, interval=0.5)
         status = ray.get(trainer.status.remote(), timeout=30)
         assert status["state"] == "done" and status["steps"] == 2, status
@@ -125,7 +132,8 @@ def test_roles_on_their_nodes_equal_experience_and_a_short_ppo_run(cluster):
             assert scorer["version"] == status["policy_version"] and scorer["last_error"] is None
         served = [ray.get(ray.get_actor(n, namespace=NAMESPACE).status.remote(), timeout=30) for n in scorers]
         assert all(s["requests"] >= 1 for s in served if s["scorer_role"] != "critic")
-        assert sum(s["requests"] for s in served if s["scorer_role"] == "critic") >= 3  # round-robin over both
+        # round-robin over both
+        assert sum(s["requests"] for s in served if s["scorer_role"] == "critic") >= 3
     finally:
         stopped = jobs.stop([], NAMESPACE, force=True, timeout=30)
         assert set(stopped) >= {"trainer", "maker_0", *scorers}

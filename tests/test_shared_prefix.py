@@ -28,7 +28,8 @@ def grouped_batch(groups: int = 2, group_size: int = 3) -> tuple[torch.Tensor, t
     rows = groups * group_size
     sequences = torch.cat([prompts.repeat_interleave(group_size, 0),
                            torch.randint(3, 50, (rows, RESPONSE), generator=generator)], 1)
-    mask = torch.cat([prompt_mask.repeat_interleave(group_size, 0), torch.ones(rows, RESPONSE, dtype=torch.long)], 1)
+    mask = torch.cat([prompt_mask.repeat_interleave(group_size, 0),
+                      torch.ones(rows, RESPONSE, dtype=torch.long)], 1)
     mask[-1, -2:] = 0
     sequences[-1, -2:] = 0
     return sequences, mask

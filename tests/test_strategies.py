@@ -30,7 +30,8 @@ def test_optimizer_covers_only_trainable_parameters_and_steps():
     assert next(model.parameters()).device == strategy.device
     optimizer, scheduler = strategy.create_optimizer(model, OptimizerConfig(lr=1e-2, warmup_steps=2))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == sum(p.numel() for p in trainable)
+    assert sum(p.numel() for g in optimizer.param_groups
+               for p in g["params"]) == sum(p.numel() for p in trainable)
     before = [p.detach().clone() for p in trainable]
     ids = torch.tensor([[3, 4, 5, 6]], device=strategy.device)
     loss = model(ids, labels=ids).loss
@@ -76,7 +77,8 @@ def test_checkpoint_round_trip_and_atomic_replace(tmp_path):
     other = strategy.prepare_model(tiny_causal_lm("llama", seed=2)[0])
     other_optimizer, _ = strategy.create_optimizer(other, OptimizerConfig(lr=1e-3))
     assert strategy.load_checkpoint(path, other, other_optimizer) == {"step": 2}
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
+    assert all(torch.equal(a, b)
+               for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
     assert other_optimizer.state_dict()["state"][0]["step"] == 1
     with pytest.raises(FileNotFoundError, match="not a detached-rl checkpoint"):
         strategy.load_checkpoint(tmp_path / "nothing", other)
@@ -97,7 +99,8 @@ def test_learning_rate_schedules(schedule, expected):
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [(dict(betas=(0.9, 1.0)), "betas"), (dict(schedule="step"), "schedule"), (dict(schedule="cosine"), "total_steps"),
+    [(dict(betas=(0.9, 1.0)), "betas"), (dict(schedule="step"), "schedule"),
+     (dict(schedule="cosine"), "total_steps"),
      (dict(weight_decay=-1), "weight_decay"), (dict(max_grad_norm=0), "max_grad_norm")],
 )
 def test_optimizer_config_refuses_bad_values(kwargs, field):
@@ -121,20 +124,22 @@ def test_sharded_colossalai_strategies_refuse_cpu_naming_what_works(name, plugin
 
 def test_colossalai_strategies_say_how_to_install_it_when_it_is_missing(monkeypatch):
     monkeypatch.setattr(colossalai_strategies, "colossalai_available", lambda: False)
-    with pytest.raises(StrategyUnavailableError, match=r"needs the colossalai package.*make colossalai.*'naive' or 'ddp'"):
+    with pytest.raises(StrategyUnavailableError,
+                       match=r"needs the colossalai package.*make colossalai.*'naive' or 'ddp'"):
         make_strategy("colossalai_ddp", **GROUP)
 
 
 def test_prepare_training_is_prepare_model_plus_optimizer_and_gradient_share_is_one():
     strategy = naive_strategy()
-    model, optimizer, scheduler = strategy.prepare_training(tiny_causal_lm("llama")[0], OptimizerConfig(lr=1e-3))
+    model, optimizer, scheduler = strategy.prepare_training(tiny_causal_lm("llama")[0],
+                                                            OptimizerConfig(lr=1e-3))
     assert scheduler.optimizer is optimizer and optimizer.param_groups[0]["lr"] == 1e-3
     assert strategy.gradient_share(17.0) == 1.0 and not strategy.shards_weights
     names = [name for name, _ in strategy.named_tensors(model, prefix="model.layers.0.")]
     assert names and all(not n.startswith("model.") for n in names)
 
 
-# ---------------------------------------------------------------- gradient accumulation and the sharded plugins
+# -------------------------------------------------------------- gradient accumulation and the sharded plugins
 
 def test_backwards_per_step_refuses_a_second_pass_only_where_accumulation_is_off():
     first, second = object(), object()
@@ -146,7 +151,8 @@ def test_backwards_per_step_refuses_a_second_pass_only_where_accumulation_is_off
     strict.backward(first)
     strict.backward(second)  # another optimizer (PPO's critic) counts on its own
     with pytest.raises(ValueError, match=r"'colossalai_gemini' takes one backward pass per optimizer step.*"
-                                         r"PPOConfig.micro_batch_size / GRPOConfig.micro_batch_size.*leave it on"):
+                                         r"PPOConfig.micro_batch_size / "
+                                         r"GRPOConfig.micro_batch_size.*leave it on"):
         strict.backward(first)
     strict.stepped(first)
     strict.backward(first)  # a new step starts afresh
@@ -191,8 +197,9 @@ def _batches(device, seed=0):
 
 
 def _naive_mixed_precision(model, batches, dtype):
-    """What ZeRO and Gemini do, in plain torch: fp32 master weights stepped by AdamW on the gradients the `dtype`
-    model accumulated over the micro-batches, then copied back as master.to(dtype). Returns the `dtype` weights."""
+    """What ZeRO and Gemini do, in plain torch: fp32 master weights stepped by AdamW on the gradients the
+    `dtype` model accumulated over the micro-batches, then copied back as master.to(dtype).
+    Returns the `dtype` weights."""
     working = model.to(dtype).train()
     masters = [p.detach().float().clone().requires_grad_(True) for p in working.parameters()]
     optimizer = torch.optim.AdamW(masters, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
@@ -212,7 +219,8 @@ def _naive_mixed_precision(model, batches, dtype):
 def _sharded_run(name, precision, batches, **plugin_options):
     from detached_rl.strategies.ddp import find_free_port
 
-    strategy = make_strategy(name, rank=0, world_size=1, master_addr="127.0.0.1", master_port=find_free_port(),
+    strategy = make_strategy(name, rank=0, world_size=1, master_addr="127.0.0.1",
+                             master_port=find_free_port(),
                              precision=precision, plugin_options=plugin_options)
     try:
         model, optimizer, _ = strategy.prepare_training(tiny_causal_lm("llama", seed=4)[0].train(),
@@ -241,8 +249,10 @@ def test_one_rank_sharded_group_gathers_the_trained_weights(name, precision):
     assert gathered.keys() == expected.keys()
     for key, tensor in expected.items():
         assert gathered[key].dtype == dtype, key
-        # bf16: one rounding step at most where HybridAdam's fp32 arithmetic differs from AdamW's in the last bits.
-        tolerance = {"rtol": 1.6e-2, "atol": 1e-5} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-6}
+        # bf16: one rounding step at most where HybridAdam's fp32 arithmetic differs from
+        # AdamW's in the last bits.
+        bf16 = dtype == torch.bfloat16
+        tolerance = {"rtol": 1.6e-2, "atol": 1e-5} if bf16 else {"rtol": 1e-4, "atol": 1e-6}
         torch.testing.assert_close(gathered[key], tensor.cpu(), msg=key, **tolerance)
     moved = [k for k in gathered if not torch.equal(gathered[k], initial[k])]
     assert moved, "training moved no weight"

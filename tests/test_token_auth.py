@@ -1,6 +1,7 @@
 """Joining a `ray start` cluster with token auth on: the right token joins, a wrong one is refused by Ray.
 
-A whole `detached-rl run` on a token-auth cluster is tests/test_run_job.py (its embedded cluster has token auth on).
+A whole `detached-rl run` on a token-auth cluster is tests/test_run_job.py (its embedded cluster has token
+auth on).
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ TIMEOUT_S = 600
 
 @pytest.fixture(scope="module")
 def token_cluster():
-    """A head node on 127.0.0.1 started with RAY_AUTH_MODE=token; its address and the environment with the token."""
-    directory = tempfile.mkdtemp(prefix="drl-tok-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    """A head node on 127.0.0.1 started with RAY_AUTH_MODE=token; its address and the
+    environment with the token."""
+    # short: Ray's socket paths have a length limit
+    directory = tempfile.mkdtemp(prefix="drl-tok-", dir="/tmp")
     marker = new_cluster_marker()
     token = secrets.token_hex(32)
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": token,
            "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), CLUSTER_MARKER: marker, "HOME": directory}
     port = free_port()
     subprocess.run(

@@ -28,12 +28,14 @@ PER_RANK = GROUP_SIZE * GROUPS_PER_RANK
 # A large learning rate, so that a wrong gradient shows above the tolerance; a large Adam eps, because Adam
 # scales a gradient near 0 (rounding noise, ~1e-9) up to a step of ~lr, which no summation order survives.
 ALGORITHM = GRPOConfig(sampling=SamplingConfig(max_new_tokens=8), kl_coef=0.05, loss_agg="token-mean",
-                       micro_batch_size=3, actor_optimizer=OptimizerConfig(lr=1e-2, eps=1e-4, max_grad_norm=1.0))
+                       micro_batch_size=3,
+                       actor_optimizer=OptimizerConfig(lr=1e-2, eps=1e-4, max_grad_norm=1.0))
 NO_COLOSSALAI = "colossalai is not installed (`make colossalai` installs it beside torch)"
 
 
 def experiences_for(step: int, rank: int) -> list:
-    """Whole GRPO groups for one rank and step; rank 0's responses are longer (the ranks hold unequal tokens)."""
+    """Whole GRPO groups for one rank and step; rank 0's responses are longer (the
+    ranks hold unequal tokens)."""
     generator = torch.Generator().manual_seed(100 * step + rank)
     out = []
     for group in range(GROUPS_PER_RANK):
@@ -77,7 +79,8 @@ def naive_weights(ray_cluster):
     # On a GPU only when the groups below get GPUs too: the weights are compared within atol 1e-5.
     options = gpu_options("trainer") if group_gpus_per_rank(WORLD_SIZE) else {}
     trainer = DetachedGRPOTrainer.options(name="naive_trainer", namespace=NAMESPACE, **options).remote(
-        "naive_trainer", tiny_policy, TrainerConfig(train_batch_size=PER_RANK * WORLD_SIZE), ALGORITHM, NAMESPACE)
+        "naive_trainer", tiny_policy, TrainerConfig(train_batch_size=PER_RANK * WORLD_SIZE), ALGORITHM,
+        NAMESPACE)
     try:
         for step in range(STEPS):
             batch = [e for rank in range(WORLD_SIZE) for e in experiences_for(step, rank)]
@@ -143,7 +146,8 @@ def test_sharded_colossalai_strategies_refuse_cpu_and_leave_nothing_behind(ray_c
         pytest.skip("this machine has CUDA: the strategies would run")
     prefix = f"group_{strategy}"
     with pytest.raises(Exception, match=f"strategy '{strategy}' needs CUDA GPUs.*naive, ddp, colossalai_ddp"):
-        start_trainer_group(prefix, WORLD_SIZE, tiny_policy, TrainerConfig(train_batch_size=PER_RANK), ALGORITHM,
+        start_trainer_group(prefix, WORLD_SIZE, tiny_policy, TrainerConfig(train_batch_size=PER_RANK),
+                            ALGORITHM,
                             NAMESPACE, strategy=strategy, timeout=TIMEOUT)
     for rank in range(WORLD_SIZE):
         assert gone(ray, f"{prefix}_{rank}")

@@ -90,7 +90,8 @@ def test_seeded_by_torch_and_stops_at_stop_ids(engine):
     greedy = SamplingConfig(max_new_tokens=12, do_sample=False)
     free = backend.generate(prompts[:1], greedy).response_ids[0]
     stop = int(free[2])
-    cut = backend.generate(prompts[:1], SamplingConfig(max_new_tokens=12, do_sample=False, stop_token_ids=(stop,)))
+    cut = backend.generate(prompts[:1],
+                           SamplingConfig(max_new_tokens=12, do_sample=False, stop_token_ids=(stop,)))
     end = free.tolist().index(stop) + 1
     assert cut.response_ids[0].tolist() == free[:end].tolist()
     assert cut.finished == [True]
@@ -102,7 +103,8 @@ def test_full_update_through_the_sink_changes_greedy_output_as_hf_does(engine):
     hf_model, _ = tiny()
     hf = HFGenerationBackend.from_actor(Actor(hf_model, tokenizer))
     before = backend.generate(prompts, greedy).response_ids
-    assert all(torch.equal(a, b) for a, b in zip(before, hf.generate(prompts, greedy).response_ids, strict=True))
+    assert all(torch.equal(a, b)
+               for a, b in zip(before, hf.generate(prompts, greedy).response_ids, strict=True))
     new_model, _ = tiny(seed=7)
     state = new_model.state_dict()
     sink = backend.weight_sink

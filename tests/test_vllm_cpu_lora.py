@@ -1,4 +1,5 @@
-"""The one-adapter fast path of vLLM's CPU LoRA ops computes what vLLM's own ops compute (no engine needed)."""
+"""The one-adapter fast path of vLLM's CPU LoRA ops computes what vLLM's own ops
+compute (no engine needed)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """LoRA keep mode of the vLLM backend on a real engine (CPU): one vLLM adapter per version, not merged.
 
-A trainer (a peft LoRA model, r=8, trained with AdamW) sends real `WeightUpdate`s through a `WeightReceiver` over the
-backend's sink; the float32 engine must then generate what the trainer's model generates. Skipped where `vllm` does
-not import (install recipe: docs/vllm-notes.md).
+A trainer (a peft LoRA model, r=8, trained with AdamW) sends real `WeightUpdate`s through a `WeightReceiver`
+over the backend's sink; the float32 engine must then generate what the trainer's model generates. Skipped
+where `vllm` does not import (install recipe: docs/vllm-notes.md).
 """
 
 from __future__ import annotations
@@ -49,12 +49,14 @@ def lora_policy(settings: LoraSettings = SETTINGS):
 
 
 class Trainer:
-    """The trainer's side: a LoRA model trained with AdamW on fixed token sequences, and the updates it sends."""
+    """The trainer's side: a LoRA model trained with AdamW on fixed token
+    sequences, and the updates it sends."""
 
     def __init__(self, model) -> None:
         self.model = model
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-        self.batch = torch.randint(3, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+        self.batch = torch.randint(3, model.config.vocab_size, (4, 16),
+                                   generator=torch.Generator().manual_seed(0))
         self.store = ObjectStore()
 
     def step(self, steps: int = 2) -> None:
@@ -67,16 +69,19 @@ class Trainer:
         self.model.eval()
 
     def update(self, version: int, kind: str = "lora", state=None, **metadata):
-        state = state if state is not None else (lora_state_dict(self.model) if kind == "lora" else self.model.state_dict())
+        state = state if state is not None else (lora_state_dict(self.model) if kind == "lora"
+                                                 else self.model.state_dict())
         metadata = {"trainer_run": "run-a", "lora": lora_config_dict(self.model)} | metadata
         return build_weight_update({"actor": state}, version, self.store.put, chunk_bytes=200_000, kind=kind,
-                                   metadata={key: value for key, value in metadata.items() if value is not None})[0]
+                                   metadata={key: value for key, value in metadata.items()
+                                             if value is not None})[0]
 
 
 @pytest.fixture(scope="module")
 def setup():
     model, tokenizer = lora_policy()
-    backend = VLLMBackend.from_actor(Actor(copy.deepcopy(model), tokenizer), dtype="float32", max_model_len=256,
+    backend = VLLMBackend.from_actor(Actor(copy.deepcopy(model), tokenizer), dtype="float32",
+                                     max_model_len=256,
                                      lora_versions_kept=KEPT)
     trainer = Trainer(model)
     receiver = WeightReceiver({"actor": backend.weight_sink}, version=-1)  # -1: not synced, as a maker starts
@@ -114,7 +119,8 @@ def test_the_engine_serves_lora_with_adapters_sized_for_the_rank_and_the_version
     assert isinstance(sink, VLLMLoraSink) and backend.weight_sink is sink
     lora = backend.llm.llm_engine.vllm_config.lora_config
     assert (lora.max_lora_rank, lora.max_loras, lora.max_cpu_loras) == (8, KEPT, KEPT + 1)
-    assert sink.adapter_ids == [1] and backend.llm.llm_engine.list_loras() == {1}  # version 0: the actor's own
+    # version 0: the actor's own
+    assert sink.adapter_ids == [1] and backend.llm.llm_engine.list_loras() == {1}
     assert set(sink.layout()) == set(trainer.model.state_dict())
     assert sink.root.startswith("/dev/shm/")
     assert_serves(backend, trainer.model, prompts)
@@ -158,21 +164,25 @@ def corrupt(trainer, version: int, what: str):
         update = trainer.update(version)
         specs = list(update.manifest.tensors)
         specs[3] = dataclasses.replace(specs[3], checksum=specs[3].checksum ^ 1)
-        return dataclasses.replace(update, manifest=dataclasses.replace(update.manifest, tensors=tuple(specs))), \
+        return dataclasses.replace(update,
+                                   manifest=dataclasses.replace(update.manifest, tensors=tuple(specs))), \
             "checksum mismatch"
     if what == "shape":
         update = trainer.update(version)
         specs = list(update.manifest.tensors)
         specs[0] = dataclasses.replace(specs[0], shape=(specs[0].shape[0] + 1, *specs[0].shape[1:]))
-        return dataclasses.replace(update, manifest=dataclasses.replace(update.manifest, tensors=tuple(specs))), \
+        return dataclasses.replace(update,
+                                   manifest=dataclasses.replace(update.manifest, tensors=tuple(specs))), \
             "shape mismatch"
     if what == "rank":  # the adapter of a rank-16 trainer
         wider = lora_policy(dataclasses.replace(SETTINGS, r=16, alpha=32))[0]
-        return trainer.update(version, state=lora_state_dict(wider), lora=lora_config_dict(wider)), "shape mismatch"
+        return trainer.update(version, state=lora_state_dict(wider),
+                              lora=lora_config_dict(wider)), "shape mismatch"
     if what == "rank_in_config":
         return trainer.update(version, lora={**lora_config_dict(trainer.model), "r": 16}), "LoRA r is 16"
     if what == "alpha":
-        return trainer.update(version, lora={**lora_config_dict(trainer.model), "alpha": 8}), "LoRA alpha is 8"
+        return trainer.update(version,
+                              lora={**lora_config_dict(trainer.model), "alpha": 8}), "LoRA alpha is 8"
     assert what == "no_config"
     return trainer.update(version, lora=None), r"metadata\['lora'\]"
 
@@ -192,7 +202,8 @@ def test_a_refused_update_leaves_the_previous_version_serving(setup, what):
     # ... and the next good update still applies.
     assert receiver.apply(trainer.update(version + 1), trainer.store.fetch).applied
     after = greedy(backend, prompts)
-    assert after != before and after == greedy(HFGenerationBackend(trainer.model, backend.pad_token_id, backend.eos_token_ids), prompts)
+    assert after != before and after == greedy(HFGenerationBackend(trainer.model, backend.pad_token_id,
+                                                                   backend.eos_token_ids), prompts)
 
 
 def test_an_adapter_that_cannot_be_registered_leaves_the_engine_on_the_previous_version(setup):
@@ -213,7 +224,8 @@ def test_an_adapter_that_cannot_be_registered_leaves_the_engine_on_the_previous_
         os.remove(blocker)
     assert sink.adapter_ids == ids and adapter_dirs(sink) == kept and greedy(backend, prompts) == before
     state = sink.state()
-    assert all(torch.equal(state[key], tensor) for key, tensor in served.items())  # the mirror holds what is served
+    # the mirror holds what is served
+    assert all(torch.equal(state[key], tensor) for key, tensor in served.items())
     # The sink put everything back (SinkUnchanged): the receiver still serves the previous version, and the
     # next LoRA update applies.
     assert receiver.consistent and receiver.servable_version == version
@@ -236,7 +248,8 @@ def test_merge_mode_still_serves_lora_policies(setup):
     with pytest.raises(RuntimeError, match="already runs in this process"):
         VLLMBackend.from_actor(Actor(copy.deepcopy(model), tokenizer), lora_mode="merge", dtype="float32")
     setup[0].close()  # runs last in this module; the fixture's own close is then a no-op
-    backend = VLLMBackend.from_actor(Actor(copy.deepcopy(model), tokenizer), lora_mode="merge", dtype="float32",
+    backend = VLLMBackend.from_actor(Actor(copy.deepcopy(model), tokenizer), lora_mode="merge",
+                                     dtype="float32",
                                      max_model_len=256)
     try:
         assert backend.lora_sink is None
@@ -247,6 +260,7 @@ def test_merge_mode_still_serves_lora_policies(setup):
         assert receiver.apply(trainer.update(1), trainer.store.fetch).applied
         assert_serves(backend, trainer.model, prompts)
         with pytest.raises(WeightUpdateError, match="LoRA alpha is 8"):
-            receiver.apply(trainer.update(2, lora={**lora_config_dict(model), "alpha": 8}), trainer.store.fetch)
+            receiver.apply(trainer.update(2, lora={**lora_config_dict(model), "alpha": 8}),
+                           trainer.store.fetch)
     finally:
         backend.close()

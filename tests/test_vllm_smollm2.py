@@ -39,7 +39,8 @@ def smollm2():
     return actor, hf
 
 
-def recompute(actor: Actor, prompt: torch.Tensor, response: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+def recompute(actor: Actor, prompt: torch.Tensor, response: torch.Tensor,
+              sampling: SamplingConfig) -> torch.Tensor:
     sequence = torch.cat([prompt, response]).unsqueeze(0)
     with torch.no_grad():
         logits = actor.model(input_ids=sequence).logits[0, prompt.numel() - 1 : -1].float()
@@ -47,7 +48,8 @@ def recompute(actor: Actor, prompt: torch.Tensor, response: torch.Tensor, sampli
 
 
 def compare(actor: Actor, hf, dtype: str) -> tuple[int, float]:
-    """(greedy answers equal to HF's, max |behaviour - recompute| over sampled tokens) for a `dtype` engine."""
+    """(greedy answers equal to HF's, max |behaviour - recompute| over sampled
+    tokens) for a `dtype` engine."""
     backend = VLLMBackend.from_actor(actor, dtype=dtype, max_model_len=1024)
     try:
         greedy = backend.generate_text(PROMPTS, GREEDY)
@@ -55,7 +57,8 @@ def compare(actor: Actor, hf, dtype: str) -> tuple[int, float]:
         torch.manual_seed(0)
         sampled = backend.generate_text(PROMPTS, SAMPLED)
         gap = max(float((lp - recompute(actor, p, r, SAMPLED)).abs().max())
-                  for p, r, lp in zip(sampled.prompt_ids, sampled.response_ids, sampled.log_probs, strict=True))
+                  for p, r, lp in zip(sampled.prompt_ids, sampled.response_ids, sampled.log_probs,
+                                      strict=True))
     finally:
         backend.close()
     print(f"SmolLM2, vLLM {dtype} vs HF float32: greedy answers equal {equal}/{len(PROMPTS)}, "

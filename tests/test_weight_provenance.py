@@ -1,5 +1,6 @@
 """Where a maker's weights may come from (no Ray): only the trainer run it registered with, no big jumps, no
-rollbacks, except through an explicit reset (registering again); and never NaN or Inf, whatever the checksums say."""
+rollbacks, except through an explicit reset (registering again); and never NaN or Inf,
+whatever the checksums say."""
 
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ def full(store: ObjectStore, model: torch.nn.Module, version: int, run: str | No
 
 
 def poisoned(update: WeightUpdate, store: ObjectStore, name: str, value: float) -> WeightUpdate:
-    """`update` with one element of tensor `name` set to `value`, its checksum recomputed: the manifest vouches
-    for it, as a trainer's own NaN weights would be vouched for."""
+    """`update` with one element of tensor `name` set to `value`, its checksum recomputed: the manifest
+    vouches for it, as a trainer's own NaN weights would be vouched for."""
     spec = next(spec for spec in update.manifest.tensors if spec.name == name)
     ref = update.chunk_refs[spec.chunk]
     tensor = store.objects[ref][name].clone()
@@ -89,7 +90,8 @@ def test_an_update_of_another_trainer_run_is_refused_until_an_explicit_reset(bou
     # A trainer resumed from its step-2 checkpoint (a new run): the maker registers with it again.
     resumed = tiny_llama(seed=3)
     assert receiver.apply(full(store, resumed, 2, run="run-b"), store.fetch, reset=True).applied
-    assert (receiver.version, receiver.trainer_run) == (2, "run-b") and unchanged(maker, state_snapshot(resumed))
+    assert (receiver.version,
+            receiver.trainer_run) == (2, "run-b") and unchanged(maker, state_snapshot(resumed))
     with pytest.raises(WeightUpdateError, match="trainer_run 'run-a'"):
         receiver.apply(full(store, tiny_llama(seed=2), 5), store.fetch)  # the old run is now the foreign one
     assert receiver.apply(full(store, tiny_llama(seed=4), 3, run="run-b"), store.fetch).applied
@@ -99,15 +101,18 @@ def test_an_update_of_another_trainer_run_is_refused_until_an_explicit_reset(bou
 def test_registering_with_a_trainer_that_has_no_weights_yet_follows_its_run_from_its_first_update(bound):
     store, maker, receiver = bound
     # The maker met a trainer resumed under the same name before it had loaded its checkpoint: registration
-    # offered nothing, only the new run's id. Its first update (a full one, at the checkpoint's step) is the reset.
+    # offered nothing, only the new run's id. Its first update (a full one, at the
+    # checkpoint's step) is the reset.
     receiver.registered_runs.update({"run-b", "run-x"})
     with pytest.raises(WeightUpdateError, match="trainer_run 'run-c'"):
         receiver.receive(full(store, tiny_llama(seed=3), 2, run="run-c"), store.fetch)
     resumed = tiny_llama(seed=3)
     assert receiver.receive(full(store, resumed, 2, run="run-b"), store.fetch).applied
-    assert (receiver.version, receiver.trainer_run) == (2, "run-b") and unchanged(maker, state_snapshot(resumed))
+    assert (receiver.version,
+            receiver.trainer_run) == (2, "run-b") and unchanged(maker, state_snapshot(resumed))
     with pytest.raises(WeightUpdateError, match="stale version 1"):
-        receiver.receive(full(store, tiny_llama(seed=4), 1, run="run-b"), store.fetch)  # now an ordinary rollback
+        # now an ordinary rollback
+        receiver.receive(full(store, tiny_llama(seed=4), 1, run="run-b"), store.fetch)
     # Following run-b ended the other registration's claim: run-x is now just another run.
     with pytest.raises(WeightUpdateError, match="trainer_run 'run-x' is not the trainer run"):
         receiver.receive(full(store, tiny_llama(seed=4), 5, run="run-x"), store.fetch)
@@ -122,7 +127,8 @@ def test_a_far_future_version_is_refused_and_the_real_next_update_still_applies(
     nxt = tiny_llama(seed=4)
     assert receiver.apply(full(store, nxt, 4), store.fetch).applied
     assert receiver.version == 4 and unchanged(maker, state_snapshot(nxt))
-    assert receiver.apply(full(store, tiny_llama(seed=5), 4 + 1000), store.fetch).applied  # the bound itself is allowed
+    # the bound itself is allowed
+    assert receiver.apply(full(store, tiny_llama(seed=5), 4 + 1000), store.fetch).applied
     # An explicit reset may go anywhere.
     assert receiver.apply(full(store, tiny_llama(seed=6), 10**9), store.fetch, reset=True).applied
     assert receiver.version == 10**9
@@ -145,7 +151,8 @@ def test_a_lora_update_of_a_new_run_needs_its_full_update_first_even_as_a_reset(
     receiver = WeightReceiver({"actor": maker})
     assert receiver.apply(full(store, lora_llama(seed=2), 1), store.fetch).applied
     adapter = {key: p.detach() for key, p in lora_llama(seed=3).named_parameters() if p.requires_grad}
-    update = build_weight_update({"actor": adapter}, 1, store.put, kind="lora", metadata={"trainer_run": "run-b"})[0]
+    update = build_weight_update({"actor": adapter}, 1, store.put, kind="lora",
+                                 metadata={"trainer_run": "run-b"})[0]
     with pytest.raises(WeightUpdateError, match="new trainer run 'run-b'.*needs a full update first"):
         receiver.apply(update, store.fetch, reset=True)
 
@@ -157,7 +164,8 @@ def test_a_full_update_with_nan_or_inf_is_refused_and_nothing_changes(bound, mod
     receiver.mode = mode
     before, fingerprint = state_snapshot(maker), receiver.fingerprint
     update = poisoned(full(store, tiny_llama(seed=3), 4), store, f"actor/{Q_PROJ}", value)
-    assert update.manifest.tensors[0].name != f"actor/{Q_PROJ}"  # in place, an earlier chunk could be written first
+    # in place, an earlier chunk could be written first
+    assert update.manifest.tensors[0].name != f"actor/{Q_PROJ}"
     with pytest.raises(WeightUpdateError, match=f"'actor/{Q_PROJ}' holds NaN or Inf"):
         receiver.apply(update, store.fetch)
     assert (receiver.version, receiver.trainer_run) == (3, "run-a")
@@ -185,7 +193,8 @@ def test_a_lora_update_with_nan_is_refused_and_the_adapter_is_kept(mode):
     assert receiver.apply(full(store, lora_llama(seed=2), 1), store.fetch).applied
     before = state_snapshot(maker)
     adapter = {key: p.detach() for key, p in lora_llama(seed=3).named_parameters() if p.requires_grad}
-    update = build_weight_update({"actor": adapter}, 2, store.put, kind="lora", metadata={"trainer_run": "run-a"})[0]
+    update = build_weight_update({"actor": adapter}, 2, store.put, kind="lora",
+                                 metadata={"trainer_run": "run-a"})[0]
     name = next(spec.name for spec in update.manifest.tensors if "lora_B" in spec.name)
     with pytest.raises(WeightUpdateError, match=f"{name!r} holds NaN or Inf"):
         receiver.apply(poisoned(update, store, name, float("nan")), store.fetch)
@@ -238,7 +247,8 @@ def test_a_failed_in_place_reset_binds_to_the_new_run_whose_full_update_repairs_
 
 def test_a_makers_registration_is_the_reset_and_pushes_are_not():
     config = MakerConfig(experience_batch_size=1, max_version_jump=10)
-    maker = ExperienceMaker("maker_0", grpo_maker_models(device=lane_device()), CyclingPrompts(arithmetic_prompts()),
+    maker = ExperienceMaker("maker_0", grpo_maker_models(device=lane_device()),
+                            CyclingPrompts(arithmetic_prompts()),
                             config)
     assert maker.receiver.max_version_jump == 10
     store, trainer = ObjectStore(), maker.backend.weight_sink.state()

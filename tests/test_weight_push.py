@@ -1,4 +1,5 @@
-"""`WeightPushQueue` on its own (no Ray, no models): one update in flight per maker, the newest waits, none blocks."""
+"""`WeightPushQueue` on its own (no Ray, no models): one update in flight per maker, the
+newest waits, none blocks."""
 
 from concurrent.futures import Future
 
@@ -9,7 +10,8 @@ from detached_rl.trainer.weight_push import WeightPushQueue
 
 
 def update(version: int) -> WeightUpdate:
-    return WeightUpdate(WeightManifest(version=version, kind="lora", tensors=(), num_chunks=0, total_bytes=0), [])
+    return WeightUpdate(WeightManifest(version=version, kind="lora", tensors=(), num_chunks=0, total_bytes=0),
+                        [])
 
 
 class Makers:

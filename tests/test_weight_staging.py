@@ -22,7 +22,8 @@ HOLD_S = 60.0  # the longest the test keeps a batch mid-generation; it is releas
 
 
 class HeldBackend:
-    """Wraps a maker's `generate_text`: each call can be held mid-batch and records the weights it began and ended on."""
+    """Wraps a maker's `generate_text`: each call can be held mid-batch and records the
+    weights it began and ended on."""
 
     def __init__(self, maker: ExperienceMaker) -> None:
         self.maker = maker
@@ -67,7 +68,8 @@ def test_the_trainer_pushes_while_the_maker_is_mid_batch_and_samples_keep_their_
         trainer.push_experience(maker.make_experience())
     # The maker's model_io thread: one call at a time, as the actor's concurrency group.
     model_io = ThreadPoolExecutor(max_workers=1)
-    queue = WeightPushQueue(lambda name, update: model_io.submit(maker.receive_weight_update, update, store.fetch),
+    queue = WeightPushQueue(lambda name, update: model_io.submit(maker.receive_weight_update, update,
+                                                                 store.fetch),
                             timeout=HOLD_S)
     backend.release.clear()
     backend.generating.clear()
@@ -95,7 +97,8 @@ def test_the_trainer_pushes_while_the_maker_is_mid_batch_and_samples_keep_their_
     assert version == 0 and before == after
     assert maker.policy_version == 2 and maker.receiver.pending_version is None
     # Registration's v0, then v1 (superseded, never served) and v2: three received, two swapped in.
-    assert maker.status()["weight_updates"] == {"received": 3, "swapped": 2, "superseded": 1, "swap_failures": 0,
+    assert maker.status()["weight_updates"] == {"received": 3, "swapped": 2, "superseded": 1,
+                                                "swap_failures": 0,
                                                 "pending_version": None}
     assert maker.receiver.fingerprint == trainer.fingerprints[2]
     following = maker.make_experience()
@@ -140,7 +143,8 @@ def test_a_maker_trailing_by_more_than_the_staleness_bound_is_reported_and_not_w
     for _ in range(3):
         trainer.policy_version += 1  # a training step (what it trains does not matter here)
         metrics = trainer.sync_weights(store.put, queue)
-    assert len(never) == 1 and queue.superseded == 1  # v1 in flight, v3 waiting (v2 replaced): nothing more queued
+    # v1 in flight, v3 waiting (v2 replaced): nothing more queued
+    assert len(never) == 1 and queue.superseded == 1
     # It registered at v0 (`make_pair`) and acknowledged nothing since: 3 versions behind, the bound is 1.
     assert metrics["weight_sync/makers_behind"] == 1.0 and metrics["weight_sync/max_maker_lag"] == 3.0
     status = trainer.status()

@@ -487,15 +487,18 @@ def test_a_resumed_trainer_run_may_roll_makers_back_with_a_full_update_as_a_rese
     store, maker = Store(), tiny_llama(seed=1)
     receiver = WeightReceiver({"actor": maker})
     first_run = tiny_llama(seed=2)
-    update, _ = build_weight_update({"actor": first_run.state_dict()}, 5, store.put, metadata={"trainer_run": "a"})
+    update, _ = build_weight_update({"actor": first_run.state_dict()}, 5, store.put,
+                                    metadata={"trainer_run": "a"})
     receiver.apply(update, store.fetch)
     assert (receiver.version, receiver.trainer_run) == (5, "a")
 
-    stale, _ = build_weight_update({"actor": first_run.state_dict()}, 3, store.put, metadata={"trainer_run": "a"})
+    stale, _ = build_weight_update({"actor": first_run.state_dict()}, 3, store.put,
+                                   metadata={"trainer_run": "a"})
     with pytest.raises(WeightUpdateError, match="stale version 3 < current 5"):
         receiver.apply(stale, store.fetch)
     resumed = tiny_llama(seed=3)  # resumed from its step-3 checkpoint in a new process
-    lora_like, _ = build_weight_update({"actor": {Q_PROJ: resumed.state_dict()[Q_PROJ]}}, 3, store.put, kind="lora",
+    lora_like, _ = build_weight_update({"actor": {Q_PROJ: resumed.state_dict()[Q_PROJ]}}, 3, store.put,
+                                       kind="lora",
                                        metadata={"trainer_run": "b"})
     with pytest.raises(WeightUpdateError, match="trainer_run 'b' is not the trainer run"):
         receiver.apply(lora_like, store.fetch)  # a push: only a reset (registering again) may change the run
@@ -504,7 +507,8 @@ def test_a_resumed_trainer_run_may_roll_makers_back_with_a_full_update_as_a_rese
     assert (receiver.version, receiver.trainer_run) == (5, "a")
     assert_state_equal(maker, first_run.state_dict())
 
-    rollback, _ = build_weight_update({"actor": resumed.state_dict()}, 3, store.put, metadata={"trainer_run": "b"})
+    rollback, _ = build_weight_update({"actor": resumed.state_dict()}, 3, store.put,
+                                      metadata={"trainer_run": "b"})
     assert receiver.apply(rollback, store.fetch, reset=True).applied
     assert (receiver.version, receiver.trainer_run) == (3, "b")
     assert_state_equal(maker, resumed.state_dict())

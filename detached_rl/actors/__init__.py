@@ -6,6 +6,7 @@ from detached_rl.actors.trainer import DetachedGRPOTrainer, DetachedPPOTrainer
 from detached_rl.actors.transport import DEFAULT_NAMESPACE, attach, get_all
 
 __all__ = [
-    "DEFAULT_NAMESPACE", "DetachedGRPOTrainer", "DetachedPPOTrainer", "ExperienceMakerHolder", "attach", "get_all",
+    "DEFAULT_NAMESPACE", "DetachedGRPOTrainer", "DetachedPPOTrainer", "ExperienceMakerHolder", "attach",
+    "get_all",
     "start_trainer_group", "stop_trainer_group",
 ]

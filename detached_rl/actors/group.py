@@ -1,4 +1,5 @@
-"""Actor groups: named workers of one actor class in one detached placement group, started and stopped as a whole.
+"""Actor groups: named workers of one actor class in one detached placement group, started and stopped as a
+whole.
 
 An `ActorGroup` `<prefix>` of size n is the detached, named actors `<prefix>_0` … `<prefix>_{n-1}`,
 one per bundle of the detached placement group `<prefix>-placement`. Trainer groups (data-parallel
@@ -57,9 +58,11 @@ def remove_placement_groups_left_empty(stopped: Iterable[str], live: Iterable[st
 
 
 class ActorGroup:
-    """`size` detached, named workers `<prefix>_<index>` of one actor class in the placement group `<prefix>-placement`."""
+    """`size` detached, named workers `<prefix>_<index>` of one actor class in the placement
+    group `<prefix>-placement`."""
 
-    def __init__(self, prefix: str, size: int, namespace: str | None = None, kind: str = "actor group") -> None:
+    def __init__(self, prefix: str, size: int, namespace: str | None = None,
+                 kind: str = "actor group") -> None:
         if not prefix:
             raise ValueError("ActorGroup: prefix is empty")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -82,9 +85,10 @@ class ActorGroup:
         ready: Callable[[list[Any]], Any] | None = None,
         detached: bool = True,
     ) -> list[Any]:
-        """Place one `bundle` per worker, create the workers (`arguments(index, name)` are each one's constructor
-        arguments, `options` extra actor options) and wait until `ready(handles)` returns; returns the handles.
-        `detached=False`: the workers and the placement group end with the driver that creates them.
+        """Place one `bundle` per worker, create the workers (`arguments(index, name)` are each one's
+        constructor arguments, `options` extra actor options) and wait until `ready(handles)` returns; returns
+        the handles. `detached=False`: the workers and the placement group end with the driver that creates
+        them.
 
         If the bundles cannot be placed within `timeout` s, or a worker or `ready` fails, every
         worker and the placement group are removed and the error is raised.
@@ -99,13 +103,15 @@ class ActorGroup:
         try:
             if not group.wait(timeout_seconds=timeout):
                 raise TimeoutError(
-                    f"{self.kind} {self.prefix!r}: {self.size} bundles of {bundle} ({placement_strategy}) could not be "
-                    f"placed within {timeout:.0f} s; the cluster has {ray.available_resources()} available"
+                    f"{self.kind} {self.prefix!r}: {self.size} bundles of {bundle} ({placement_strategy}) "
+                    f"could not be placed within {timeout:.0f} s; the cluster has "
+                    f"{ray.available_resources()} available"
                 )
             for index, name in enumerate(self.names):
                 worker_options = {
                     "lifetime": lifetime, "namespace": self.namespace, "name": name,
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        group, placement_group_bundle_index=index),
                     **(options or {}),
                 }
                 handles.append(actor_class.options(**worker_options).remote(*arguments(index, name)))
@@ -129,7 +135,8 @@ class ActorGroup:
         return found
 
     def stop(self, shutdown: str | None = None, timeout: float = 60.0) -> None:
-        """Call the workers' `shutdown` method (all at once; if given), kill them and remove the placement group.
+        """Call the workers' `shutdown` method (all at once; if given), kill them and remove the placement
+        group.
 
         Missing workers and a missing placement group are skipped; a shutdown that fails or takes
         longer than `timeout` s is logged, and the workers are killed anyway.
@@ -164,7 +171,8 @@ def start_trainer_group(
     sampling: SamplingConfig | None = None,
     detached: bool = True,
 ) -> list[Any]:
-    """Create `world_size` named trainer ranks (prefix_0 ...) in a placement group and form their process group.
+    """Create `world_size` named trainer ranks (prefix_0 ...) in a placement group and form their process
+    group.
 
     The ranks are detached actors (`detached=False`: owned by this driver), one per bundle of a placement
     group named `<prefix>-placement` (`group.placement_strategy`, PACK by default). Rank 0 hosts the process
@@ -175,8 +183,8 @@ def start_trainer_group(
     if group is None:
         group = TrainerGroupConfig(strategy=strategy, world_size=world_size)
     elif (group.world_size, group.strategy) != (world_size, strategy):
-        raise ValueError(f"start_trainer_group: world_size/strategy ({world_size}, {strategy!r}) disagree with "
-                         f"group ({group.world_size}, {group.strategy!r})")
+        raise ValueError(f"start_trainer_group: world_size/strategy ({world_size}, {strategy!r}) "
+                         f"disagree with group ({group.world_size}, {group.strategy!r})")
     namespace = resolve_namespace(namespace)
     bundle = {"CPU": group.num_cpus_per_rank} if group.num_cpus_per_rank else {}
     if group.num_gpus_per_rank:
@@ -191,17 +199,21 @@ def start_trainer_group(
             get_all([h.join_process_group.remote(address, port, group.strategy_options()) for h in handles],
                     timeout=timeout)
         else:
-            ray.get(handles[0].policy_version.remote(), timeout=timeout)  # built in its constructor: surface errors
+            # built in its constructor: surface errors
+            ray.get(handles[0].policy_version.remote(), timeout=timeout)
 
     return ActorGroup(prefix, world_size, namespace, kind="trainer group").start(
         trainer_class(algorithm),
-        lambda rank, name: (name, model_factory, config, algorithm, namespace, rank, world_size, group.strategy,
+        lambda rank, name: (name, model_factory, config, algorithm, namespace, rank, world_size,
+                            group.strategy,
                             sampling),
         bundle, group.placement_strategy, timeout, options, ready=form_process_group, detached=detached,
     )
 
 
-def stop_trainer_group(prefix: str, world_size: int, namespace: str | None = None, timeout: float = 60.0) -> None:
-    """Free each rank's models, kill the ranks and remove their placement group (missing parts are skipped)."""
+def stop_trainer_group(prefix: str, world_size: int, namespace: str | None = None,
+                       timeout: float = 60.0) -> None:
+    """Free each rank's models, kill the ranks and remove their placement group
+    (missing parts are skipped)."""
     # All ranks shut down at once: a DDP model freed after its process group is gone can hang.
     ActorGroup(prefix, world_size, namespace, kind="trainer group").stop(shutdown="shutdown", timeout=timeout)

@@ -25,5 +25,6 @@ def actor_device() -> str | None:
     device = device_for(gpus, torch.cuda.is_available())
     if gpus > 0 and device == "cpu":
         # A cluster that declares GPUs this torch cannot use (a CPU build, or logical GPUs of a test cluster).
-        logger.warning("Ray gave this actor %g GPU but torch sees no CUDA device: its models stay on the CPU", gpus)
+        logger.warning("Ray gave this actor %g GPU but torch sees no CUDA device: its models stay on the CPU",
+                       gpus)
     return device

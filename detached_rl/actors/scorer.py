@@ -75,7 +75,8 @@ class ScorerWorker:
         self.namespace = resolve_namespace(namespace)
         from detached_rl.strategies import NaiveStrategy
 
-        self.core = Scorer(role, model_factory(), sampling, device=NaiveStrategy(device=actor_device()).device)
+        self.core = Scorer(role, model_factory(), sampling,
+                           device=NaiveStrategy(device=actor_device()).device)
         self.batcher = RequestBatcher(self.core.answer, max_batch_rows=max_batch_rows, max_wait_s=max_wait_s)
         self.trainer_names = list(trainer_names)
         self.last_error: str | None = None
@@ -132,7 +133,8 @@ class ScorerWorker:
 
     @ray.method(concurrency_group="control")
     def stop(self) -> None:
-        """Nothing to drain: a scorer serves until it is removed (trainers call this on their makers at the end)."""
+        """Nothing to drain: a scorer serves until it is removed (trainers call this
+        on their makers at the end)."""
 
 
 def start_scorer_group(
@@ -155,7 +157,8 @@ def start_scorer_group(
                "resources": dict(group.resources) or None}
     return ActorGroup(prefix, count, namespace, kind="scorer group").start(
         ScorerWorker,
-        lambda index, name: (name, prefix, count, role, model_factory, sampling, namespace, list(trainer_names),
+        lambda index, name: (name, prefix, count, role, model_factory, sampling, namespace,
+                             list(trainer_names),
                              group.max_batch_rows, group.max_wait_s),
         group.bundle(), group.placement_strategy, group.timeout_s, options,
         ready=lambda handles: get_all([h.group_info.remote() for h in handles], timeout=group.timeout_s),
@@ -170,7 +173,8 @@ def stop_scorer_group(prefix: str, num_workers: int, namespace: str | None = Non
 class RemoteScoring:
     """A maker's client of scorer groups (a `ScoringService`): ask all roles at once, retry, report."""
 
-    RETRIED = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
+    RETRIED = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+               ray.exceptions.ActorUnavailableError)
 
     def __init__(self, groups: dict[str, str], namespace: str | None = None, attach_timeout_s: float = 120.0,
                  timeout_s: float = 120.0, attempts: int = 3) -> None:
@@ -214,7 +218,8 @@ class RemoteScoring:
         return name, handle.score.remote(request_ref, self.timeout_s)
 
     def submit(self, request: ScoreRequest, roles: frozenset[str] | None = None) -> PendingScores:
-        """Put the request once and ask each role's next worker; the returned function collects and retries."""
+        """Put the request once and ask each role's next worker; the returned
+        function collects and retries."""
         request.validate()
         request_ref = ray.put(request)
         asked = {role: self._ask(role, request_ref) for role in (self.roles if roles is None else roles)}

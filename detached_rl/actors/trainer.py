@@ -70,7 +70,8 @@ class _TrainerShell:
         self._ready = threading.Event()
         if strategy == "naive":
             if world_size != 1:
-                raise ValueError(f"trainer {name!r}: strategy 'naive' trains in one process, not {world_size}")
+                raise ValueError(f"trainer {name!r}: strategy 'naive' trains in one process, not "
+                                 f"{world_size}")
             self._build(NaiveStrategy(device=actor_device()))
 
     def _make_learner(self, strategy: Strategy) -> Any:
@@ -94,7 +95,8 @@ class _TrainerShell:
         return ray.util.get_node_ip_address(), find_free_port()
 
     @ray.method(concurrency_group="compute")
-    def join_process_group(self, master_addr: str, master_port: int, options: dict[str, Any] | None = None) -> None:
+    def join_process_group(self, master_addr: str, master_port: int,
+                           options: dict[str, Any] | None = None) -> None:
         """Form the data-parallel process group with the other ranks (all ranks call this together)."""
         from detached_rl.strategies import make_strategy
 
@@ -127,7 +129,8 @@ class _TrainerShell:
         """State, version, steps, buffer fill, samples/s, last error, process id and run id."""
         core = self._core()
         context = ray.get_runtime_context()
-        return {**core.status(), "pid": os.getpid(), "trainer_run": core.run_id, "node_id": context.get_node_id(),
+        return {**core.status(), "pid": os.getpid(), "trainer_run": core.run_id,
+                "node_id": context.get_node_id(),
                 "resources": context.get_assigned_resources(), "device": str(core.strategy.device)}
 
     @ray.method(concurrency_group="buffer_length")
@@ -138,7 +141,8 @@ class _TrainerShell:
 
     @ray.method(concurrency_group="model_io")
     def export_policy(self) -> dict[str, bytes]:
-        """The policy as files: the LoRA adapter (peft format) under adapter/ and a merged model under merged/."""
+        """The policy as files: the LoRA adapter (peft format) under adapter/ and a
+        merged model under merged/."""
         from detached_rl.models.export import policy_files
 
         core = self._core()
@@ -192,7 +196,8 @@ class _TrainerShell:
     def fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None,
             checkpoint_every: int = 0, checkpoint_dir: str | None = None, resume_from: str | None = None,
             ) -> dict[str, Any]:
-        """Train up to step `total_steps`; push weights every `update_steps` steps and at the end; checkpoint."""
+        """Train up to step `total_steps`; push weights every `update_steps` steps
+        and at the end; checkpoint."""
         core = self._core()
 
         send = WeightPushQueue(functools.partial(send_weight_update, namespace=self.namespace),
@@ -205,7 +210,8 @@ class _TrainerShell:
                     pending[name] = attach(name, self.namespace, timeout=5.0).stop.remote()
                 except Exception as error:  # noqa: BLE001 - a vanished maker needs no stopping
                     logger.warning("could not stop maker %s: %s", name, error)
-            for name, ref in pending.items():  # wait for the acknowledgement: a dropped reference is not a delivery
+            # wait for the acknowledgement: a dropped reference is not a delivery
+            for name, ref in pending.items():
                 try:
                     ray.get(ref, timeout=30.0)
                 except Exception as error:  # noqa: BLE001
@@ -217,7 +223,8 @@ class _TrainerShell:
     @ray.method(concurrency_group="model_io")
     def start_fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None,
                   **checkpointing: Any) -> bool:
-        """Run `fit` in a background thread of the actor (it outlives the caller); False if one runs already."""
+        """Run `fit` in a background thread of the actor (it outlives the caller);
+        False if one runs already."""
         core = self._core()
         if core.state == "training" or self._fit_thread is not None and self._fit_thread.is_alive():
             return False
@@ -229,7 +236,8 @@ class _TrainerShell:
         self._fit_thread.start()
         return True
 
-    def _fit_logged(self, total_steps: int, update_steps: int, train_epochs: int | None, **checkpointing: Any) -> None:
+    def _fit_logged(self, total_steps: int, update_steps: int, train_epochs: int | None,
+                    **checkpointing: Any) -> None:
         try:
             self.fit(total_steps, update_steps, train_epochs, **checkpointing)
         except Exception:  # noqa: BLE001 - recorded in last_error by fit, shown by status
@@ -242,7 +250,8 @@ class _TrainerShell:
 
     @ray.method(concurrency_group="buffer_sample")
     def buffer_export(self, start: int = 0, count: int = 256) -> list[dict[str, Any]]:
-        """Samples `start`..`start+count` (arrival order) as plain dicts with decoded text, without removing them."""
+        """Samples `start`..`start+count` (arrival order) as plain dicts with decoded
+        text, without removing them."""
         core = self._core()
         tokenizer = core.strategy.unwrap(core.learner.actor).tokenizer
         rows = []

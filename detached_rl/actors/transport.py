@@ -39,8 +39,8 @@ def _anonymous(namespace: str) -> bool:
 
 def default_namespace() -> str:
     """Where actors meet when no namespace is given: the Ray job's namespace when one was set, else
-    `DEFAULT_NAMESPACE`. In a driver that is its `ray.init(namespace=...)`; inside an actor, the namespace of the
-    driver that created it (Ray reports the job's, not the actor's own `.options(namespace=...)`)."""
+    `DEFAULT_NAMESPACE`. In a driver that is its `ray.init(namespace=...)`; inside an actor, the namespace of
+    the driver that created it (Ray reports the job's, not the actor's own `.options(namespace=...)`)."""
     if ray.is_initialized():
         current = ray.get_runtime_context().namespace
         if current and not _anonymous(current):
@@ -72,12 +72,14 @@ def get_all(refs: Sequence[Any], timeout: float) -> list[Any]:
     if first_error is not None:
         raise first_error
     if pending:
-        raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls did not finish within {timeout:.0f} s")
+        raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls did not finish within "
+                                             f"{timeout:.0f} s")
     return results
 
 
 def attach(name: str, namespace: str | None = None, timeout: float = 60.0, poll_interval: float = 0.2):
-    """The handle of the named actor, waiting up to `timeout` s for it to exist (namespace: `resolve_namespace`)."""
+    """The handle of the named actor, waiting up to `timeout` s for it to exist
+    (namespace: `resolve_namespace`)."""
     namespace = resolve_namespace(namespace)
     deadline = time.monotonic() + timeout
     while True:
@@ -93,7 +95,8 @@ def attach(name: str, namespace: str | None = None, timeout: float = 60.0, poll_
 
 
 def put_chunk(chunk: dict[str, torch.Tensor]) -> Any:
-    """`ray.put` a weight chunk in the wire format of `core.chunk_codec` (shared by every maker without copies)."""
+    """`ray.put` a weight chunk in the wire format of `core.chunk_codec` (shared by
+    every maker without copies)."""
     return ray.put(encode_chunk(chunk))
 
 
@@ -108,7 +111,8 @@ def ray_fetch(timeout: float) -> Callable[[Any], dict[str, torch.Tensor]]:
 
 
 def send_weight_update(maker: str, update: WeightUpdate, namespace: str) -> Future:
-    """Send `update` to the maker named `maker`; a future of its acknowledgement (`LookupError` if no such actor)."""
+    """Send `update` to the maker named `maker`; a future of its acknowledgement
+    (`LookupError` if no such actor)."""
     try:
         handle = ray.get_actor(maker, namespace=namespace)
     except ValueError:

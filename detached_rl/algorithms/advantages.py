@@ -34,7 +34,8 @@ class AdvantageInputs:
     # the learner puts the KL into the reward (PPO's kl_mode="reward", REINFORCE++).
     token_rewards: torch.Tensor
     values: torch.Tensor | None = None  # [B, T] the critic's values of the behaviour policy (GAE)
-    group_ids: Sequence[Hashable | None] | None = None  # [B] each response's prompt group; None: a group of its own
+    # [B] each response's prompt group; None: a group of its own
+    group_ids: Sequence[Hashable | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ def compute_gae(
 
 
 def rewards_to_go(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """Discounted return of every token, sum over later valid tokens s >= t of gamma^(s - t) * r_s, without grad.
+    """Discounted return of every token, sum over later valid tokens s >= t of gamma^(s - t) * r_s, without
+    grad.
 
     Conventions: [B, T], along dim 1 from the end; masked positions contribute nothing and are 0 in
     the result (with gamma = 1 the running sum is the reversed cumulative sum of the masked rewards).
@@ -259,7 +261,8 @@ def _group_relative(inputs: AdvantageInputs, settings: AdvantageSettings, method
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """`group_advantages(method)` at every valid token; returns are the rewards to go."""
     if inputs.group_ids is None:
-        raise ValueError(f"advantage estimator {method!r} needs group_ids (the prompt group of each response)")
+        raise ValueError(f"advantage estimator {method!r} needs group_ids (the prompt group of "
+                         "each response)")
     ids = [gid if gid is not None else f"single:{i}" for i, gid in enumerate(inputs.group_ids)]
     per_sequence = group_advantages(inputs.scores, group_ids=ids, method=method, eps=settings.eps)
     return (broadcast_to_tokens(per_sequence, inputs.mask),
@@ -275,7 +278,8 @@ def _whiten_if_possible(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @register_advantage_estimator("gae", uses_critic=True)
 def gae_estimator(inputs: AdvantageInputs, settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE(gamma, lambda) over the token rewards and the critic's values (PPO); returns = advantages + values."""
+    """GAE(gamma, lambda) over the token rewards and the critic's values (PPO);
+    returns = advantages + values."""
     if inputs.values is None:
         raise ValueError("advantage estimator 'gae' needs values (field values, computed by a critic)")
     return compute_gae(inputs.token_rewards, inputs.values, inputs.mask, settings.gamma, settings.lam)
@@ -288,7 +292,8 @@ def grpo_estimator(inputs: AdvantageInputs, settings: AdvantageSettings) -> tupl
 
 
 @register_advantage_estimator("dr_grpo")
-def dr_grpo_estimator(inputs: AdvantageInputs, settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
+def dr_grpo_estimator(inputs: AdvantageInputs,
+                      settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr.GRPO: score - group mean (no division by the std) at every token."""
     return _group_relative(inputs, settings, "dr_grpo")
 
@@ -302,7 +307,8 @@ def rloo_estimator(inputs: AdvantageInputs, settings: AdvantageSettings) -> tupl
 @register_advantage_estimator("reinforce_pp_baseline")
 def reinforce_pp_baseline_estimator(inputs: AdvantageInputs, settings: AdvantageSettings
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ with a group baseline: score - group mean at every token, whitened over the batch's tokens."""
+    """REINFORCE++ with a group baseline: score - group mean at every token,
+    whitened over the batch's tokens."""
     advantages, returns = _group_relative(inputs, settings, "reinforce_pp_baseline")
     if int(inputs.mask.sum()) >= 2:
         advantages = masked_whiten(advantages, inputs.mask)
@@ -310,7 +316,9 @@ def reinforce_pp_baseline_estimator(inputs: AdvantageInputs, settings: Advantage
 
 
 @register_advantage_estimator("reinforce_pp")
-def reinforce_pp_estimator(inputs: AdvantageInputs, settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: each token's reward to go (KL penalty included in the token rewards), whitened over the batch."""
+def reinforce_pp_estimator(inputs: AdvantageInputs,
+                           settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: each token's reward to go (KL penalty included in the token
+    rewards), whitened over the batch."""
     returns = rewards_to_go(inputs.token_rewards, inputs.mask, settings.gamma)
     return _whiten_if_possible(returns, inputs.mask), returns

@@ -62,12 +62,14 @@ from detached_rl.strategies import check_strategy
 from detached_rl.strategies.base import Strategy
 from detached_rl.strategies.hardware import peak_flops
 
-# The learner's config, importable from here too: the trainers, the run config and compat build it with the learner.
+# The learner's config, importable from here too: the trainers, the run config and compat
+# build it with the learner.
 __all__ = ["GRPOConfig", "GRPOLearner", "overlong_penalty"]
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float) -> torch.Tensor:
-    """DAPO's soft overlong punishment [B]: 0 up to max_length - buffer, then linear down to -penalty at max_length."""
+    """DAPO's soft overlong punishment [B]: 0 up to max_length - buffer, then linear down
+    to -penalty at max_length."""
     start = max_length - buffer
     return (-(lengths.float() - start).clamp(min=0) / buffer * penalty).clamp(min=-penalty)
 
@@ -91,7 +93,8 @@ class GRPOLearner(EpochsFromConfig):
         self.estimate_advantages = get_advantage_estimator(self.config.advantage_estimator)
         self.policy_loss = get_policy_loss(self.config.policy_loss)
         self.strategy = strategy
-        self.actor, self.optimizer, self.scheduler = strategy.prepare_training(actor, self.config.actor_optimizer)
+        self.actor, self.optimizer, self.scheduler = strategy.prepare_training(
+            actor, self.config.actor_optimizer)
         self.reference: Actor | None = None
         if self.config.kl_coef > 0:
             plain = self._effective_policy()
@@ -111,7 +114,8 @@ class GRPOLearner(EpochsFromConfig):
 
     @property
     def engine(self) -> str:
-        """The engine of this trainer's log-probs (`trainer_engine`): "hf:float32", "hf:autocast-bfloat16", ..."""
+        """The engine of this trainer's log-probs (`trainer_engine`): "hf:float32",
+        "hf:autocast-bfloat16", ..."""
         return trainer_engine(self.policy.model, self.config.autocast_dtype)
 
     @property
@@ -135,7 +139,8 @@ class GRPOLearner(EpochsFromConfig):
     def state_dict(self) -> dict[str, Any]:
         """Everything training changes: policy, reference (Polyak-updated), optimizer, schedule, counters."""
         return {"actor": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "steps": self.steps, "optimizer_steps": self.optimizer_steps,
+                "scheduler": self.scheduler.state_dict(), "steps": self.steps,
+                "optimizer_steps": self.optimizer_steps,
                 "reference": self.reference.state_dict() if self.reference is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -179,10 +184,12 @@ class GRPOLearner(EpochsFromConfig):
             max_length = self.sampling.max_new_tokens
             buffer = self.config.overlong_buffer or max(1, max_length // 5)
             lengths = batch.response_mask.sum(1)
-            scores = scores + overlong_penalty(lengths, max_length, buffer, self.config.overlong_penalty).to(scores)
+            scores = scores + overlong_penalty(lengths, max_length, buffer,
+                                               self.config.overlong_penalty).to(scores)
         return scores
 
-    def advantages(self, batch: ExperienceBatch, scores: torch.Tensor, kl: torch.Tensor | None) -> torch.Tensor:
+    def advantages(self, batch: ExperienceBatch, scores: torch.Tensor,
+                   kl: torch.Tensor | None) -> torch.Tensor:
         """Token-level advantages [B, R] of the configured estimator; `kl` [B, R], when given, is subtracted
         (times kl_coef) from the token rewards."""
         token_rewards = scores_at_last_token(scores, batch.response_mask)
@@ -194,13 +201,15 @@ class GRPOLearner(EpochsFromConfig):
         return advantages
 
     # ---------------------------------------------------------------- training
-    def train_step(self, experiences: list[Experience], policy_version: int | None = None) -> dict[str, float]:
+    def train_step(self, experiences: list[Experience],
+                   policy_version: int | None = None) -> dict[str, float]:
         """One GRPO step on a batch of whole groups; returns token-weighted metrics."""
         start = time.perf_counter()
         config = self.config
         batch = collate(experiences, self.policy.tokenizer.pad_token_id, device=self.strategy.device)
         # From the host-side versions: deciding on it needs no device sync.
-        staleness = [policy_version - e.policy_version for e in experiences] if policy_version is not None else None
+        staleness = [policy_version - e.policy_version
+                     for e in experiences] if policy_version is not None else None
         multi_pass = config.train_epochs > 1 or (config.mini_batch_size or batch.size) < batch.size
         recompute_old = config.proximal_recompute and self._any_rank(needs_behaviour_correction(
             staleness, multi_pass, (experience_engine(e.info) for e in experiences), self.engine))
@@ -208,9 +217,11 @@ class GRPOLearner(EpochsFromConfig):
         with torch.no_grad():
             kl = None
             if self.reference is not None:
-                # Over the full vocabulary (`reference_sampling`), never -inf for a sampled token; the policy's side
-                # stays the processed distribution it samples from: the KL is KL(sampling policy || reference).
-                batch.ref_log_probs = recompute_log_probs(self.reference, batch, reference_sampling(self.sampling),
+                # Over the full vocabulary (`reference_sampling`), never -inf for a sampled token; the
+                # policy's side stays the processed distribution it samples from: the KL is
+                # KL(sampling policy || reference).
+                batch.ref_log_probs = recompute_log_probs(self.reference, batch,
+                                                          reference_sampling(self.sampling),
                                                           self.config.micro_batch_size, self._autocast)
                 kl = masked_kl(batch.log_probs, batch.ref_log_probs, batch.response_mask, config.kl_kind)
                 extra_forwards += 1
@@ -233,7 +244,8 @@ class GRPOLearner(EpochsFromConfig):
             means.add(micro_metrics, micro.num_response_tokens)
             if last:
                 (norm,), skip = step_unless_nonfinite(
-                    self.strategy, [(self.optimizer, self.actor, config.actor_optimizer.max_grad_norm)], losses)
+                    self.strategy, [(self.optimizer, self.actor, config.actor_optimizer.max_grad_norm)],
+                    losses)
                 losses = []
                 if skip is None:
                     self.scheduler.step()
@@ -242,7 +254,8 @@ class GRPOLearner(EpochsFromConfig):
                     skipped[skip] += 1
                 means.add({"grad_norm/actor": norm}, mini_tokens)
         self.steps += 1
-        if self.reference is not None and config.ref_update_every and self.steps % config.ref_update_every == 0:
+        every = config.ref_update_every
+        if self.reference is not None and every and self.steps % every == 0:
             self.update_ref_policy()
         metrics = means.means()
         metrics.update(skip_metrics(skipped))
@@ -260,12 +273,13 @@ class GRPOLearner(EpochsFromConfig):
         return names.with_aliases(metrics)
 
     def _any_rank(self, flag: bool) -> bool:
-        """True when `flag` is true on some rank: ranks must agree on forwards through the wrapped model and on
-        their metrics' keys."""
+        """True when `flag` is true on some rank: ranks must agree on forwards through the wrapped model and
+        on their metrics' keys."""
         return not self.strategy.all_true(not flag)
 
     def _matmul_dtype(self) -> str:
-        """The dtype the training matmuls run in: `autocast_dtype`, else the policy's bf16/fp16, else float32."""
+        """The dtype the training matmuls run in: `autocast_dtype`, else the
+        policy's bf16/fp16, else float32."""
         if self.config.autocast_dtype is not None:
             return self.config.autocast_dtype
         dtype = str(next(self.policy.model.parameters()).dtype).removeprefix("torch.")
@@ -283,24 +297,29 @@ class GRPOLearner(EpochsFromConfig):
     def _micro_step(self, micro: ExperienceBatch, weight: float) -> dict[str, Any]:
         config, response_mask = self.config, micro.response_mask
         with self._autocast():
-            log_probs, entropy = self.actor(micro.sequences, micro.attention_mask, response_mask, self.sampling,
+            log_probs, entropy = self.actor(micro.sequences, micro.attention_mask, response_mask,
+                                            self.sampling,
                                             return_entropy=True, entropy_grad=config.entropy_coef > 0)
         # Tokens with a non-finite log-prob on any side stay out of every loss term (and its gradient).
         mask = finite_token_mask(response_mask, log_probs.detach(), micro.old_log_probs, micro.log_probs,
                                  micro.ref_log_probs)
         log_probs = torch.where(mask, log_probs, torch.zeros_like(log_probs))
         max_length = self.sampling.max_new_tokens
-        loss_settings = PolicyLossSettings(config.clip_low, config.clip_high, config.dual_clip, config.loss_agg,
+        loss_settings = PolicyLossSettings(config.clip_low, config.clip_high, config.dual_clip,
+                                           config.loss_agg,
                                            max_length=max_length)
-        policy_loss, stats = self.policy_loss(log_probs, micro.old_log_probs, micro.advantages, mask, loss_settings,
+        policy_loss, stats = self.policy_loss(log_probs, micro.old_log_probs, micro.advantages, mask,
+                                              loss_settings,
                                               weights=micro.loss_weights)
         total = policy_loss
         kl_loss = torch.zeros((), device=log_probs.device)
-        if self.reference is not None:  # with the KL in the reward it is in the advantages; here only reported
+        # with the KL in the reward it is in the advantages; here only reported
+        if self.reference is not None:
             in_loss = not config.kl_in_reward
             ref_log_probs = torch.where(mask, micro.ref_log_probs, torch.zeros_like(log_probs))
             kl_loss = aggregate_loss(kl_estimate(log_probs if in_loss else log_probs.detach(), ref_log_probs,
-                                                 config.kl_kind), mask, config.loss_agg, max_length=max_length)
+                                                 config.kl_kind), mask, config.loss_agg,
+                                     max_length=max_length)
             if in_loss:
                 total = total + config.kl_coef * kl_loss
         entropy_term = aggregate_loss(entropy, mask, config.loss_agg)
@@ -311,16 +330,18 @@ class GRPOLearner(EpochsFromConfig):
             names.LOSS_POLICY: policy_loss.detach(), names.LOSS_KL: kl_loss.detach(),
             names.LOSS_ENTROPY: entropy_term.detach(), names.LOSS_TOTAL: total.detach(),
             names.POLICY_CLIPFRAC: stats["clipfrac"], names.POLICY_APPROX_KL: stats["approx_kl"],
-            names.POLICY_RATIO: stats["ratio_mean"], names.POLICY_ENTROPY: masked_mean(entropy.detach(), response_mask),
+            names.POLICY_RATIO: stats["ratio_mean"],
+            names.POLICY_ENTROPY: masked_mean(entropy.detach(), response_mask),
             names.POLICY_IMPORTANCE_WEIGHT: masked_mean(micro.loss_weights, mask),
             names.POLICY_NONFINITE_FRACTION: masked_mean((~mask).to(entropy.dtype), response_mask),
         }
 
     def _training_flops(self, batch: ExperienceBatch, extra_forwards: int) -> float:
-        """Model FLOPs of the step: 2N per token per forward, 2N for activation gradients, 2N more for trainable
-        weight gradients (N = parameters; attention's sequence-length term is left out)."""
+        """Model FLOPs of the step: 2N per token per forward, 2N for activation gradients, 2N more for
+        trainable weight gradients (N = parameters; attention's sequence-length term is left out)."""
         tokens = int(batch.attention_mask.sum())
-        per_token = 2 * self.num_parameters * (1 + extra_forwards) + 2 * self.num_parameters + 2 * self.num_trainable
+        forwards = 2 * self.num_parameters * (1 + extra_forwards)
+        per_token = forwards + 2 * self.num_parameters + 2 * self.num_trainable
         return float(per_token * tokens * self.config.train_epochs)
 
     def _batch_metrics(self, batch: ExperienceBatch, scores: torch.Tensor, staleness: list[int] | None,

@@ -1,4 +1,5 @@
-"""Batches of whole groups for the GRPO family, and dynamic sampling (DAPO): drop groups that teach nothing."""
+"""Batches of whole groups for the GRPO family, and dynamic sampling (DAPO): drop
+groups that teach nothing."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def draw_groups(sample: Callable[[int], list[Experience]], size: int, rounds: in
     sizes = sorted({len(g) for g in split_groups(experiences)})
     if len(sizes) > 1:
         raise ValueError(
-            f"a GRPO batch of {size} samples holds groups of sizes {sizes}: trainer.train_batch_size must be a "
-            "multiple of the makers' group_size, or advantages would use part of a group"
+            f"a GRPO batch of {size} samples holds groups of sizes {sizes}: "
+            "trainer.train_batch_size must be a multiple of the makers' group_size, or advantages would use "
+            "part of a group"
         )
     return experiences, {"dynamic_sampling/groups_seen": float(seen),
                          "dynamic_sampling/dropped_fraction": dropped / seen if seen else 0.0}

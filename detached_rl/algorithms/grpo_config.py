@@ -19,7 +19,8 @@ from detached_rl.strategies.optim import OptimizerConfig
 
 @dataclass(frozen=True)
 class VariantPreset:
-    """What one variant of the family sets: the defaults of the `GRPOConfig` fields left None, and its KL placement."""
+    """What one variant of the family sets: the defaults of the `GRPOConfig` fields left
+    None, and its KL placement."""
 
     advantage_estimator: str  # a name in ADVANTAGE_ESTIMATORS
     loss_agg: str  # one of LOSS_AGG_MODES
@@ -41,9 +42,11 @@ PRESETS: dict[str, VariantPreset] = {
     # r - mean of the group's other responses.
     "rloo": VariantPreset(advantage_estimator="rloo", loss_agg="token-mean"),
     # Batch-whitened reward to go, with the KL penalty in the token rewards.
-    "reinforce_pp": VariantPreset(advantage_estimator="reinforce_pp", loss_agg="token-mean", kl_in_reward=True),
+    "reinforce_pp": VariantPreset(advantage_estimator="reinforce_pp", loss_agg="token-mean",
+                                  kl_in_reward=True),
     # r - group mean, whitened over the batch's tokens.
-    "reinforce_pp_baseline": VariantPreset(advantage_estimator="reinforce_pp_baseline", loss_agg="token-mean"),
+    "reinforce_pp_baseline": VariantPreset(advantage_estimator="reinforce_pp_baseline",
+                                           loss_agg="token-mean"),
 }
 VARIANTS = tuple(PRESETS)
 
@@ -59,7 +62,8 @@ class GRPOConfig:
     clip_low: float = 0.2
     clip_high: float | None = None  # dapo: 0.28 ("clip-higher")
     dual_clip: float | None = None
-    loss_agg: str | None = None  # grpo: seq-mean-token-mean; dr_grpo: seq-mean-token-sum-norm; others: token-mean
+    # grpo: seq-mean-token-mean; dr_grpo: seq-mean-token-sum-norm; others: token-mean
+    loss_agg: str | None = None
     kl_coef: float = 0.0  # beta; > 0 keeps a reference model on the trainer
     kl_kind: str = "k3"
     entropy_coef: float = 0.0
@@ -88,7 +92,8 @@ class GRPOConfig:
     # training of SmolLM2 on CPUs with AMX); weights, gradients and the optimizer stay in their dtype.
     autocast_dtype: str | None = None
     # How the makers sample, for the learner built without an explicit `sampling` (GRPOLearner(..., sampling=)
-    # wins). RunConfig keeps its one `sampling` at the top and leaves this None; None here and there: defaults.
+    # wins). RunConfig keeps its one `sampling` at the top and leaves this None; None
+    # here and there: defaults.
     sampling: SamplingConfig | None = None
 
     def __post_init__(self) -> None:
@@ -98,19 +103,24 @@ class GRPOConfig:
         self.advantage_estimator = self.advantage_estimator or preset.advantage_estimator
         self.loss_agg = self.loss_agg or preset.loss_agg
         self.clip_high = self.clip_high if self.clip_high is not None else preset.clip_high
-        self.dynamic_sampling = preset.dynamic_sampling if self.dynamic_sampling is None else self.dynamic_sampling
-        self.overlong_shaping = preset.overlong_shaping if self.overlong_shaping is None else self.overlong_shaping
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS or estimator_uses_critic(self.advantage_estimator):
+        if self.dynamic_sampling is None:
+            self.dynamic_sampling = preset.dynamic_sampling
+        if self.overlong_shaping is None:
+            self.overlong_shaping = preset.overlong_shaping
+        estimator = self.advantage_estimator
+        if estimator not in ADVANTAGE_ESTIMATORS or estimator_uses_critic(estimator):
             critic_free = sorted(n for n in ADVANTAGE_ESTIMATORS if not estimator_uses_critic(n))
             raise ValueError(f"GRPOConfig.advantage_estimator must be one of {critic_free} (no critic here), "
                              f"got {self.advantage_estimator!r}")
         if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"GRPOConfig.policy_loss must be one of {sorted(POLICY_LOSSES)}, got {self.policy_loss!r}")
+            raise ValueError(f"GRPOConfig.policy_loss must be one of {sorted(POLICY_LOSSES)}, got "
+                             f"{self.policy_loss!r}")
         if self.loss_agg not in LOSS_AGG_MODES:
             raise ValueError(f"GRPOConfig.loss_agg must be one of {LOSS_AGG_MODES}, got {self.loss_agg!r}")
         if self.kl_kind not in KL_KINDS:
             raise ValueError(f"GRPOConfig.kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
-        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+        if self.group_size is not None and (isinstance(self.group_size, bool)
+                                            or not isinstance(self.group_size, int)
                                             or self.group_size < 1):
             raise ValueError(f"GRPOConfig.group_size must be an int >= 1 or None, got {self.group_size!r}")
         for name in ("micro_batch_size", "train_epochs", "max_sampling_rounds"):
@@ -122,7 +132,8 @@ class GRPOConfig:
         if not 0 < self.ref_update_alpha <= 1:
             raise ValueError(f"GRPOConfig.ref_update_alpha must be in (0, 1], got {self.ref_update_alpha}")
         if self.autocast_dtype is not None and self.autocast_dtype not in ("bfloat16", "float16"):
-            raise ValueError(f"GRPOConfig.autocast_dtype must be 'bfloat16', 'float16' or null, got {self.autocast_dtype!r}")
+            raise ValueError("GRPOConfig.autocast_dtype must be 'bfloat16', 'float16' or null, got "
+                             f"{self.autocast_dtype!r}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"GRPOConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
         if self.sampling is not None:
@@ -132,7 +143,8 @@ class GRPOConfig:
         """Refuse an `overlong_buffer` that does not fit in (0, max_new_tokens)."""
         if self.overlong_buffer is not None and not 0 < self.overlong_buffer < max_new_tokens:
             raise ValueError(
-                f"GRPOConfig.overlong_buffer must be in (0, max_new_tokens={max_new_tokens}), got {self.overlong_buffer}"
+                f"GRPOConfig.overlong_buffer must be in (0, max_new_tokens={max_new_tokens}), got "
+                f"{self.overlong_buffer}"
             )
 
     @property

@@ -1,4 +1,5 @@
-"""The `Learner` protocol: everything `TrainerCore` (and the trainer actors) use of a learner, and nothing more.
+"""The `Learner` protocol: everything `TrainerCore` (and the trainer actors) use of a learner, and nothing
+more.
 
 `PPOLearner` and `GRPOLearner` satisfy it; a new algorithm needs a class with these members, its
 config, and (for the CLI) a config section. `TrainerCore` never reads an algorithm's config.
@@ -46,7 +47,8 @@ class Learner(Protocol):
         """`size` experiences drawn with `sample`, and metrics about the drawing."""
         ...
 
-    def train_step(self, experiences: list[Experience], policy_version: int | None = None) -> dict[str, float]:
+    def train_step(self, experiences: list[Experience],
+                   policy_version: int | None = None) -> dict[str, float]:
         """Train on one batch; returns the step's metrics (names of `detached_rl.algorithms.metrics`)."""
         ...
 
@@ -60,7 +62,8 @@ class Learner(Protocol):
 
 
 class EpochsFromConfig:
-    """`train_epochs` read from and written to the learner's `config`, refusing values below 1 by field name."""
+    """`train_epochs` read from and written to the learner's `config`, refusing
+    values below 1 by field name."""
 
     config: Any
 

@@ -1,4 +1,5 @@
-"""Losses: the policy losses (registered by name), the critic's clipped value loss, truncated importance weights.
+"""Losses: the policy losses (registered by name), the critic's clipped value loss, truncated importance
+weights.
 
 A policy loss is one function registered with ``register_policy_loss`` and has one signature:
 ``loss(log_probs, old_log_probs, advantages, mask, settings: PolicyLossSettings, weights=None)

@@ -1,4 +1,5 @@
-"""Masked statistics over token-level tensors: sum, mean, whitening, and spreading sequence values over tokens.
+"""Masked statistics over token-level tensors: sum, mean, whitening, and spreading sequence values over
+tokens.
 
 Conventions (see ``_common``): ``mask`` has ``x``'s shape, nonzero = valid; masked entries are dropped
 with ``torch.where`` so NaN/inf there never leaks; ``dim=None`` reduces over every position, an int

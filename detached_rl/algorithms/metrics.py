@@ -1,4 +1,5 @@
-"""The one metric vocabulary every learner's `train_step` reports (open-instruct's `<group>/<name>_avg` style).
+"""The one metric vocabulary every learner's `train_step` reports (open-instruct's `<group>/<name>_avg`
+style).
 
 Values are means over the step's valid response tokens (token-weighted over micro-batches) unless
 the description says otherwise. The names the learners used before live on as aliases: each step's
@@ -25,7 +26,8 @@ LOSS_TOTAL = "loss/total_avg"
 POLICY_ENTROPY = "policy/entropy_avg"
 #: Share of valid tokens where the clipped surrogate term was the larger (the ratio was clipped).
 POLICY_CLIPFRAC = "policy/clipfrac_avg"
-#: Mean of old - new log-prob per token: a cheap estimate of KL(old || new) ("old": behaviour or proximal policy).
+#: Mean of old - new log-prob per token: a cheap estimate of KL(old || new) ("old":
+#: behaviour or proximal policy).
 POLICY_APPROX_KL = "policy/approx_kl_avg"
 #: Mean probability ratio new / old per token (1 on a fresh, single pass).
 POLICY_RATIO = "val/ratio"
@@ -41,7 +43,8 @@ MISMATCH_KL = "mismatch/kl"
 MISMATCH_MAX_ABS_DIFF = "mismatch/max_abs_log_prob_diff"
 #: Mean |recompute - behaviour| log-prob per valid response token.
 MISMATCH_MEAN_ABS_DIFF = "mismatch/mean_abs_log_prob_diff"
-#: Share of valid response tokens whose importance weight recompute / behaviour exceeded `tis_cap` (was capped).
+#: Share of valid response tokens whose importance weight recompute / behaviour
+#: exceeded `tis_cap` (was capped).
 MISMATCH_TIS_CLIPPED = "mismatch/tis_clipped_fraction"
 #: Count of response tokens whose behaviour or recomputed log-prob is not finite (weight 0, out of the loss).
 MISMATCH_MASKED_TOKENS = "mismatch/masked_tokens"
@@ -53,7 +56,8 @@ VALUE_ERROR = "value/error_avg"
 OBJECTIVE_KL = "objective/kl_avg"
 #: Seconds the learner's train_step took.
 TIME_TRAINING = "time/training"
-#: Optimizer steps of this training step skipped for a non-finite loss or gradient norm (`algorithms.step_guard`).
+#: Optimizer steps of this training step skipped for a non-finite loss or gradient norm
+#: (`algorithms.step_guard`).
 SKIPPED_STEPS = "train/skipped_steps"
 #: The policy's learning rate after the step.
 LR_ACTOR = "lr/actor"
@@ -71,7 +75,8 @@ NUM_TOTAL_TOKENS = "val/num_total_tokens"
 TOKENS_PER_SECOND_STEP = "learner_tokens_per_second_step"
 #: `NUM_TOTAL_TOKENS` over the wall time since training started.
 TOKENS_PER_SECOND_OVERALL = "learner_tokens_per_second_overall"
-#: Learner MFU in percent: 6 x parameters FLOPs per sequence token over the training time and the ranks' summed peaks.
+#: Learner MFU in percent: 6 x parameters FLOPs per sequence token over the training time and
+#: the ranks' summed peaks.
 LEARNER_MFU = "learner_mfu"
 
 
@@ -102,7 +107,8 @@ METRICS: dict[str, str] = {
     VALUE_ERROR: "mean squared error of the values to the returns",
     OBJECTIVE_KL: "KL(behaviour || reference) per token of the batch",
     TIME_TRAINING: "seconds of the learner's train_step",
-    SKIPPED_STEPS: "optimizer steps skipped (weights and optimizer untouched) for a non-finite loss or gradient norm",
+    SKIPPED_STEPS: "optimizer steps skipped (weights and optimizer untouched) for a non-finite loss or "
+                   "gradient norm",
     LR_ACTOR: "the policy's learning rate after the step",
     MFU: "model FLOPs utilisation of the step (fraction of the device's dense matmul peak)",
     RATIO_VAR: "token-weighted variance over sequences of each sequence's mean new / old ratio",
@@ -110,7 +116,8 @@ METRICS: dict[str, str] = {
     NUM_TOTAL_TOKENS: "tokens of all steps before this one",
     TOKENS_PER_SECOND_STEP: "step tokens over the step's wall time",
     TOKENS_PER_SECOND_OVERALL: "tokens of all earlier steps over the time since training started",
-    LEARNER_MFU: "learner MFU in percent (6 x parameters FLOPs per sequence token, summed peaks of the ranks)",
+    LEARNER_MFU: "learner MFU in percent (6 x parameters FLOPs per sequence token, summed peaks "
+                 "of the ranks)",
 }
 
 #: open-instruct's name -> this project's, where the two spell one metric differently (the rest, e.g.
@@ -148,7 +155,8 @@ def with_aliases(metrics: Mapping[str, float]) -> dict[str, float]:
 
 
 def metric_value(row: Mapping[str, object], name: str) -> object | None:
-    """`row[name]`, else the value under one of its old aliases (rows written before the rename), else None."""
+    """`row[name]`, else the value under one of its old aliases (rows written
+    before the rename), else None."""
     if name in row:
         return row[name]
     return next((row[old] for old, new in METRIC_ALIASES.items() if new == name and old in row), None)

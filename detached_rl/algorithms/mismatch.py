@@ -1,4 +1,5 @@
-"""Train/inference mismatch: which engine made the behaviour log-probs, when the trainer corrects for them, and by how much they differ.
+"""Train/inference mismatch: which engine made the behaviour log-probs, when the trainer corrects for them,
+and by how much they differ.
 
 Engines. Every generation backend names the engine its behaviour log-probs come from,
 ``"<backend>:<dtype>"`` (``engine_name``): ``"hf:float32"`` for Hugging Face ``generate`` in float32,
@@ -54,7 +55,8 @@ def module_dtype(model: nn.Module) -> torch.dtype:
 
 
 def trainer_engine(model: nn.Module, autocast_dtype: str | None = None) -> str:
-    """The engine of a trainer's recompute: "hf:<parameter dtype>", or "hf:autocast-<dtype>" under autocast."""
+    """The engine of a trainer's recompute: "hf:<parameter dtype>", or
+    "hf:autocast-<dtype>" under autocast."""
     if autocast_dtype is not None:
         return engine_name("hf", f"autocast-{autocast_dtype}")
     return engine_name("hf", module_dtype(model))
@@ -67,7 +69,8 @@ def backend_engine(backend: object, backend_name: str) -> str:
 
 
 def experience_engine(info: Mapping[str, Any]) -> str:
-    """The engine an experience's behaviour log-probs came from (`info["engine"]`; untagged: UNKNOWN_ENGINE)."""
+    """The engine an experience's behaviour log-probs came from (`info["engine"]`;
+    untagged: UNKNOWN_ENGINE)."""
     engine = info.get(ENGINE_KEY)
     return engine if isinstance(engine, str) and engine else UNKNOWN_ENGINE
 
@@ -87,7 +90,8 @@ def needs_behaviour_correction(
 
 
 def finite_token_mask(mask: torch.Tensor, *log_probs: torch.Tensor | None) -> torch.Tensor:
-    """Bool mask of the valid tokens where every given log-prob tensor is finite (None entries are skipped)."""
+    """Bool mask of the valid tokens where every given log-prob tensor is finite
+    (None entries are skipped)."""
     fn = "finite_token_mask"
     kept = mask if mask.dtype == torch.bool else mask != 0
     for index, values in enumerate(log_probs):
@@ -132,7 +136,8 @@ def mismatch_metrics(
         out = {
             names.MISMATCH_KL: masked_mean(kl_estimate(behaviour, recomputed, "k3"), valid),
             names.MISMATCH_MEAN_ABS_DIFF: masked_mean(abs_diff, valid),
-            names.MISMATCH_MAX_ABS_DIFF: torch.where(valid, abs_diff, zero).max() if abs_diff.numel() else zero.sum(),
+            names.MISMATCH_MAX_ABS_DIFF: (torch.where(valid, abs_diff, zero).max() if abs_diff.numel()
+                                          else zero.sum()),
             names.MISMATCH_TIS_CLIPPED: masked_mean(clipped, valid),
             names.MISMATCH_MASKED_TOKENS: masked_sum(torch.ones_like(abs_diff), m & ~valid),
         }
@@ -142,7 +147,8 @@ def mismatch_metrics(
 def apply_behaviour_correction(
     batch: ExperienceBatch, recomputed_log_probs: torch.Tensor | None, tis_cap: float | None
 ) -> dict[str, torch.Tensor]:
-    """Set `batch.old_log_probs` and `batch.loss_weights`; return the mismatch metrics (none without a recompute).
+    """Set `batch.old_log_probs` and `batch.loss_weights`; return the mismatch metrics (none without a
+    recompute).
 
     Without a recompute (None) the old policy is the behaviour policy and every weight is 1. With
     one, old = the recompute and each token is weighted by ``truncated_importance_weight(behaviour,
@@ -162,7 +168,8 @@ def apply_behaviour_correction(
     return mismatch_metrics(behaviour, recomputed_log_probs, mask, tis_cap)
 
 
-def masked_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
+def masked_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor,
+              kind: str) -> torch.Tensor:
     """Per-token ``kl_estimate`` [B, T], 0 at padding and wherever either log-prob is not finite."""
     valid = finite_token_mask(mask, log_probs, ref_log_probs)
     zero = torch.zeros_like(log_probs)

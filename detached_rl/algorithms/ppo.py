@@ -88,7 +88,8 @@ class PPOConfig:
     # report the mismatch. False: ratios and clipping are taken against the behaviour policy itself.
     proximal_recompute: bool = True
     # How the makers sample, for the learner built without an explicit `sampling` (PPOLearner(..., sampling=)
-    # wins). RunConfig keeps its one `sampling` at the top and leaves this None; None here and there: defaults.
+    # wins). RunConfig keeps its one `sampling` at the top and leaves this None; None
+    # here and there: defaults.
     sampling: SamplingConfig | None = None
 
     def __post_init__(self) -> None:
@@ -100,7 +101,8 @@ class PPOConfig:
             raise ValueError(f"PPOConfig.loss_agg must be one of {LOSS_AGG_MODES}, got {self.loss_agg!r}")
         for name, registry in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
             if getattr(self, name) not in registry:
-                raise ValueError(f"PPOConfig.{name} must be one of {sorted(registry)}, got {getattr(self, name)!r}")
+                raise ValueError(f"PPOConfig.{name} must be one of {sorted(registry)}, got "
+                                 f"{getattr(self, name)!r}")
         for name in ("micro_batch_size", "train_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PPOConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -112,7 +114,8 @@ class PPOConfig:
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"PPOConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-            raise ValueError(f"PPOConfig.gamma and PPOConfig.lam must be in [0, 1], got {self.gamma}, {self.lam}")
+            raise ValueError("PPOConfig.gamma and PPOConfig.lam must be in [0, 1], got "
+                             f"{self.gamma}, {self.lam}")
 
 
 def shaped_rewards(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -127,11 +130,13 @@ def shaped_rewards(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Ten
     return batch.token_rewards, kl
 
 
-def ppo_advantages(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(advantages, returns, kl) [B, R]: the configured estimator (GAE) over shaped rewards and the maker's values,
-    optionally whitened."""
+def ppo_advantages(batch: ExperienceBatch,
+                   config: PPOConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(advantages, returns, kl) [B, R]: the configured estimator (GAE) over shaped rewards and the maker's
+    values, optionally whitened."""
     if batch.values is None:
-        raise ValueError("PPO needs values on every experience (field values), computed by the maker's critic")
+        raise ValueError("PPO needs values on every experience (field values), computed by the "
+                         "maker's critic")
     rewards, kl = shaped_rewards(batch, config)
     inputs = AdvantageInputs(mask=batch.response_mask, scores=batch.scores, token_rewards=rewards,
                              values=batch.values, group_ids=batch.group_ids)
@@ -179,7 +184,8 @@ def recompute_log_probs(
     actor: torch.nn.Module, batch: ExperienceBatch, sampling: SamplingConfig, micro_batch_size: int,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> torch.Tensor:
-    """`actor`'s log-probs [B, R] of the batch's responses under `sampling`, `micro_batch_size` rows at a time."""
+    """`actor`'s log-probs [B, R] of the batch's responses under `sampling`,
+    `micro_batch_size` rows at a time."""
     out = torch.zeros_like(batch.log_probs)
     for start in range(0, batch.size, micro_batch_size):
         end = min(start + micro_batch_size, batch.size)
@@ -255,9 +261,11 @@ class PPOLearner(EpochsFromConfig):
         """Everything training changes: models, optimizers, schedules, counters."""
         unwrap = self.strategy.unwrap
         return {"actor": unwrap(self.actor).state_dict(), "critic": unwrap(self.critic).state_dict(),
-                "actor_optimizer": self.actor_optimizer.state_dict(), "critic_optimizer": self.critic_optimizer.state_dict(),
+                "actor_optimizer": self.actor_optimizer.state_dict(),
+                "critic_optimizer": self.critic_optimizer.state_dict(),
                 "actor_scheduler": self.actor_scheduler.state_dict(),
-                "critic_scheduler": self.critic_scheduler.state_dict(), "optimizer_steps": self.optimizer_steps}
+                "critic_scheduler": self.critic_scheduler.state_dict(),
+                "optimizer_steps": self.optimizer_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
@@ -277,16 +285,19 @@ class PPOLearner(EpochsFromConfig):
         """Pad id used when collating."""
         return int(self.strategy.unwrap(self.actor).tokenizer.pad_token_id)
 
-    def train_step(self, experiences: list[Experience], policy_version: int | None = None) -> dict[str, float]:
+    def train_step(self, experiences: list[Experience],
+                   policy_version: int | None = None) -> dict[str, float]:
         """Train on one batch (epochs x mini-batches x micro-batches); returns token-weighted metrics."""
         start = time.perf_counter()
         config = self.config
         batch = collate(experiences, self.pad_token_id, device=self.strategy.device)
-        staleness = [policy_version - e.policy_version for e in experiences] if policy_version is not None else None
+        staleness = [policy_version - e.policy_version
+                     for e in experiences] if policy_version is not None else None
         multi_pass = config.train_epochs > 1 or (config.mini_batch_size or batch.size) < batch.size
         # Every rank decides alike: the recompute runs through the wrapped model, and metric keys must match.
-        recompute_old = config.proximal_recompute and not self.strategy.all_true(not needs_behaviour_correction(
-            staleness, multi_pass, (experience_engine(e.info) for e in experiences), self.engine))
+        needs_correction = needs_behaviour_correction(
+            staleness, multi_pass, (experience_engine(e.info) for e in experiences), self.engine)
+        recompute_old = config.proximal_recompute and not self.strategy.all_true(not needs_correction)
         with torch.no_grad():
             advantages, returns, kl = ppo_advantages(batch, config)
             recomputed = (recompute_log_probs(self.actor, batch, self.sampling, config.micro_batch_size)
@@ -331,12 +342,15 @@ class PPOLearner(EpochsFromConfig):
             micro.sequences, micro.attention_mask, response_mask, self.sampling, return_entropy=True,
             entropy_grad=config.entropy_coef > 0,
         )
-        # Tokens with a non-finite log-prob on any side stay out of the policy's loss terms (and their gradient).
+        # Tokens with a non-finite log-prob on any side stay out of the policy's loss
+        # terms (and their gradient).
         mask = finite_token_mask(response_mask, log_probs.detach(), micro.old_log_probs, micro.log_probs,
                                  micro.ref_log_probs)
         log_probs = torch.where(mask, log_probs, torch.zeros_like(log_probs))
-        loss_settings = PolicyLossSettings(config.clip_low, config.clip_high, config.dual_clip, config.loss_agg)
-        policy_loss, stats = self.policy_loss(log_probs, micro.old_log_probs, micro.advantages, mask, loss_settings,
+        loss_settings = PolicyLossSettings(config.clip_low, config.clip_high, config.dual_clip,
+                                           config.loss_agg)
+        policy_loss, stats = self.policy_loss(log_probs, micro.old_log_probs, micro.advantages, mask,
+                                              loss_settings,
                                               weights=micro.loss_weights)
         entropy_term = aggregate_loss(entropy, mask, config.loss_agg)
         actor_loss = policy_loss - config.entropy_coef * entropy_term
@@ -353,7 +367,8 @@ class PPOLearner(EpochsFromConfig):
         self.strategy.backward(actor_loss * weight, self.actor, self.actor_optimizer)
 
         values = self.critic(micro.sequences, micro.attention_mask, response_mask)
-        critic_loss, value_stats = value_loss(values, micro.values, micro.returns, response_mask, config.value_clip,
+        critic_loss, value_stats = value_loss(values, micro.values, micro.returns, response_mask,
+                                              config.value_clip,
                                               config.loss_agg)
         self.strategy.backward(config.value_coef * critic_loss * weight, self.critic, self.critic_optimizer)
         value_error = masked_mean((values.detach() - micro.returns) ** 2, response_mask)
@@ -364,12 +379,14 @@ class PPOLearner(EpochsFromConfig):
             names.POLICY_ENTROPY: masked_mean(entropy.detach(), response_mask),
             names.POLICY_CLIPFRAC: stats["clipfrac"], names.POLICY_APPROX_KL: stats["approx_kl"],
             names.POLICY_RATIO: stats["ratio_mean"], names.VALUE_CLIPFRAC: value_stats["vf_clipfrac"],
-            names.VALUE_ERROR: value_error, names.POLICY_IMPORTANCE_WEIGHT: masked_mean(micro.loss_weights, mask),
+            names.VALUE_ERROR: value_error,
+            names.POLICY_IMPORTANCE_WEIGHT: masked_mean(micro.loss_weights, mask),
             names.POLICY_NONFINITE_FRACTION: masked_mean((~mask).to(entropy.dtype), response_mask),
         }
 
     def _optimizer_step(self, losses: list[torch.Tensor]) -> tuple[dict[str, float], str | None]:
-        """Step actor and critic together, or neither (`step_unless_nonfinite`); their norms and any skip reason."""
+        """Step actor and critic together, or neither (`step_unless_nonfinite`); their
+        norms and any skip reason."""
         (actor_norm, critic_norm), skip = step_unless_nonfinite(self.strategy, [
             (self.actor_optimizer, self.actor, self.config.actor_optimizer.max_grad_norm),
             (self.critic_optimizer, self.critic, self.config.critic_optimizer.max_grad_norm),

@@ -47,7 +47,8 @@ def step_unless_nonfinite(
     """
     device = strategy.device
     no_grads = torch.zeros((), device=device)
-    losses_finite = (torch.stack([loss.detach().reshape(()).float().to(device) for loss in losses]).isfinite().all()
+    losses_finite = (torch.stack([loss.detach().reshape(()).float().to(device)
+                                  for loss in losses]).isfinite().all()
                      if losses else torch.ones((), dtype=torch.bool, device=device))
     norms = [grad_norm(model) for _, model, _ in steps]
     checked = torch.stack([losses_finite.float(), *(no_grads if norm is None else norm.float().to(device)
@@ -60,13 +61,15 @@ def step_unless_nonfinite(
     else:
         reason = None
     if strategy.all_true(reason is None):
-        return [strategy.optimizer_step(optimizer, model, max_norm) for optimizer, model, max_norm in steps], None
+        return [strategy.optimizer_step(optimizer, model, max_norm)
+                for optimizer, model, max_norm in steps], None
     for optimizer, _, _ in steps:
         strategy.skip_step(optimizer)
     return norm_values, reason or OTHER_RANK
 
 
 def skip_metrics(skipped: Counter[str]) -> dict[str, float]:
-    """A training step's skip counts: the total and one per reason, every key always present (ranks reduce alike)."""
+    """A training step's skip counts: the total and one per reason, every key always
+    present (ranks reduce alike)."""
     return {SKIPPED_STEPS: float(sum(skipped.values())),
             **{skipped_steps_key(reason): float(skipped[reason]) for reason in SKIP_REASONS}}

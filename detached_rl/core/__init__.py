@@ -1,1 +1,2 @@
-"""Ray-free data and protocols: experience, replay buffer, weight-update protocol and codec, checkpoints, prompts."""
+"""Ray-free data and protocols: experience, replay buffer, weight-update protocol and
+codec, checkpoints, prompts."""

@@ -46,14 +46,16 @@ def check_int(name: str, value: Any, minimum: int) -> int:
 
 
 def check_max_abs_reward(name: str, value: Any) -> float:
-    """`value` as a bound on |reward|: a number in (0, MAX_ABS_REWARD_LIMIT]; else ValueError naming `name`."""
+    """`value` as a bound on |reward|: a number in (0, MAX_ABS_REWARD_LIMIT];
+    else ValueError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_ABS_REWARD_LIMIT:
         raise ValueError(f"{name} must be a number in (0, {MAX_ABS_REWARD_LIMIT:g}], got {value!r}")
     return float(value)
 
 
 def check_push_size(count: int, nbytes: int | None, max_samples: int, max_bytes: int) -> None:
-    """Refuse a push of `count` samples (`nbytes` bytes, None: not yet counted) an empty buffer cannot take."""
+    """Refuse a push of `count` samples (`nbytes` bytes, None: not yet counted)
+    an empty buffer cannot take."""
     if count > max_samples or (nbytes is not None and nbytes > max_bytes):
         size = f"{count} samples" if nbytes is None else f"{count} samples ({nbytes} bytes)"
         raise RejectedPushError(
@@ -155,13 +157,15 @@ def _check_same_fields(exp: Experience, reference: Experience, whose: str) -> No
         has, expected = getattr(exp, name) is not None, getattr(reference, name) is not None
         if has != expected:
             raise ExperienceValidationError(
-                name, f"{'present' if has else 'absent'} here but {'absent' if has else 'present'} on {whose} "
+                name,
+                f"{'present' if has else 'absent'} here but {'absent' if has else 'present'} on {whose} "
                       "(every maker of a trainer must send the same fields)")
 
 
 def _refuse_group(experiences: list[Experience], index: int, message: str) -> NoReturn:
     error = ExperienceValidationError("group_id", message)
-    raise RejectedPushError(f"{_where(index, len(experiences), experiences[index])}: {error}", index, error.field)
+    raise RejectedPushError(f"{_where(index, len(experiences), experiences[index])}: {error}", index,
+                            error.field)
 
 
 def _where(index: int, total: int, exp: Any) -> str:

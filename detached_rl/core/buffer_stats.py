@@ -24,7 +24,8 @@ def summary(values: list[float]) -> dict[str, float | None]:
     except OverflowError:  # sums of values near the float64 limit: scaled into [-1, 1] first
         scale = max(abs(v) for v in values)
         scaled = [v / scale for v in values]
-        mean, std = statistics.fmean(scaled) * scale, min(statistics.pstdev(scaled) * scale, sys.float_info.max)
+        mean, std = statistics.fmean(scaled) * scale, min(statistics.pstdev(scaled) * scale,
+                                                          sys.float_info.max)
     return {"mean": mean, "std": std, "min": min(values), "max": max(values)}
 
 

@@ -78,8 +78,10 @@ def encode_state(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         if isinstance(value, dict):
             if all(isinstance(k, str) and not k.startswith("__") for k in value):
                 return {k: encode(v, f"{path}.{k}") for k, v in value.items()}
-            return {"__items__": [[encode(k, f"{path}<key>"), encode(v, f"{path}[{k!r}]")] for k, v in value.items()]}
-        raise CheckpointError(f"checkpoint state at {path or 'the top'}: cannot store a {type(value).__name__}")
+            return {"__items__": [[encode(k, f"{path}<key>"), encode(v, f"{path}[{k!r}]")]
+                                  for k, v in value.items()]}
+        raise CheckpointError(f"checkpoint state at {path or 'the top'}: cannot store a "
+                              f"{type(value).__name__}")
 
     return encode(state, ""), tensors
 
@@ -122,7 +124,8 @@ def read_state(directory: str | os.PathLike) -> Any:
     """Read what `write_state` wrote; refuses anything else."""
     directory = Path(directory)
     if not (directory / STATE_FILE).is_file() or not (directory / TENSOR_FILE).is_file():
-        raise FileNotFoundError(f"{directory} is not a detached-rl checkpoint (no {STATE_FILE} and {TENSOR_FILE})")
+        raise FileNotFoundError(f"{directory} is not a detached-rl checkpoint (no {STATE_FILE} and "
+                                f"{TENSOR_FILE})")
     document = json.loads((directory / STATE_FILE).read_text())
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise CheckpointError(f"{directory / STATE_FILE}: format is not {FORMAT}")
@@ -135,11 +138,13 @@ def save_atomic(state: dict[str, Any], directory: str | os.PathLike) -> Path:
 
 
 def write_directory_atomically(directory: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Let `write` fill a staging directory, fsync it, then swap it in for `directory` (see the module doc)."""
+    """Let `write` fill a staging directory, fsync it, then swap it in for
+    `directory` (see the module doc)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(directory)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}{STAGING_MARK}{os.getpid()}-", dir=directory.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}{STAGING_MARK}{os.getpid()}-",
+                                    dir=directory.parent))
     with _LOCK:
         _IN_PROGRESS.add(staging.resolve())
     try:
@@ -165,13 +170,15 @@ def write_directory_atomically(directory: str | os.PathLike, write: Callable[[Pa
 
 
 def previous_checkpoint(directory: str | os.PathLike) -> Path:
-    """Where a save keeps the checkpoint it replaces until the new one is in place: `.<name>.old` beside it."""
+    """Where a save keeps the checkpoint it replaces until the new one is in
+    place: `.<name>.old` beside it."""
     directory = Path(directory)
     return directory.with_name(f".{directory.name}.old")
 
 
 def has_checkpoint(directory: str | os.PathLike) -> bool:
-    """True if `load_state(directory)` finds a checkpoint there or, after an interrupted save, its previous one."""
+    """True if `load_state(directory)` finds a checkpoint there or, after an
+    interrupted save, its previous one."""
     return _is_complete(Path(directory)) or _is_complete(previous_checkpoint(directory))
 
 
@@ -192,7 +199,8 @@ def remove_stale_staging(directory: str | os.PathLike) -> list[Path]:
         for name in names:
             pid_text = name[len(prefix):].partition("-")[0] if name.startswith(prefix) else ""
             path = directory.parent / name
-            if pid_text.isdigit() and path.resolve() not in _IN_PROGRESS and not _other_process_alive(int(pid_text)):
+            if (pid_text.isdigit() and path.resolve() not in _IN_PROGRESS
+                    and not _other_process_alive(int(pid_text))):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     if removed:
@@ -234,15 +242,16 @@ def _fsync_tree(root: Path) -> None:
 
 
 def load_state(directory: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by `save_atomic` (no unpickling), or its previous one after an interrupted save."""
+    """Read a checkpoint written by `save_atomic` (no unpickling), or its previous one
+    after an interrupted save."""
     directory = Path(directory)
     with _LOCK:
         remove_stale_staging(directory)
         source = directory
         previous = previous_checkpoint(directory)
         if not _is_complete(directory) and _is_complete(previous):
-            logger.warning("checkpoint %s is missing or incomplete (a save was interrupted between its renames): "
-                           "loading the previous checkpoint %s", directory, previous)
+            logger.warning("checkpoint %s is missing or incomplete (a save was interrupted between "
+                           "its renames): loading the previous checkpoint %s", directory, previous)
             source = previous
         return read_state(source)
 

@@ -20,18 +20,21 @@ EncodedChunk = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
 
 
 def encode_chunk(chunk: Mapping[str, torch.Tensor]) -> EncodedChunk:
-    """Each tensor as (dtype name, shape, a uint8 view of its bytes); CPU tensors are not copied if contiguous."""
+    """Each tensor as (dtype name, shape, a uint8 view of its bytes); CPU tensors
+    are not copied if contiguous."""
     encoded: EncodedChunk = {}
     for name, tensor in chunk.items():
         flat = tensor.detach().reshape(-1).cpu()
-        encoded[name] = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), flat.view(torch.uint8).numpy())
+        encoded[name] = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
+                         flat.view(torch.uint8).numpy())
     return encoded
 
 
 def decode_chunk(raw: Any) -> dict[str, torch.Tensor]:
     """Tensors viewing the arrays of an encoded chunk (read-only memory: verify, then copy)."""
     if not isinstance(raw, Mapping):
-        raise ValueError(f"weight chunk: expected a mapping of name -> (dtype, shape, bytes), got {type(raw).__name__}")
+        raise ValueError("weight chunk: expected a mapping of name -> (dtype, shape, bytes), got "
+                         f"{type(raw).__name__}")
     tensors: dict[str, torch.Tensor] = {}
     for name, entry in raw.items():
         if not isinstance(name, str) or not isinstance(entry, tuple) or len(entry) != 3:
@@ -46,8 +49,8 @@ def decode_chunk(raw: Any) -> dict[str, torch.Tensor]:
             raise ValueError(f"weight chunk: tensor {name!r}: bytes must be a 1-D uint8 array")
         expected = math.prod(shape) * dtype.itemsize
         if array.size != expected:
-            raise ValueError(f"weight chunk: tensor {name!r}: {array.size} bytes for shape {shape} of {dtype_name} "
-                             f"({expected} expected)")
+            raise ValueError(f"weight chunk: tensor {name!r}: {array.size} bytes for shape {shape} of "
+                             f"{dtype_name} ({expected} expected)")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not writable.*")  # only read: verified, then copied
             tensors[name] = torch.from_numpy(array).view(dtype).reshape(shape)

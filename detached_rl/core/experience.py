@@ -72,11 +72,13 @@ class Experience:
 
     @property
     def score(self) -> float:
-        """The sequence-level reward: the scalar reward, or the sum of a per-token reward (summed in float64)."""
+        """The sequence-level reward: the scalar reward, or the sum of a per-token
+        reward (summed in float64)."""
         return float(self.reward.detach().to(torch.float64).sum())
 
     def nbytes(self) -> int:
-        """Bytes the sample holds: its tensors, its strings (UTF-8) and its `info` (as JSON); the buffer's budget unit."""
+        """Bytes the sample holds: its tensors, its strings (UTF-8) and its `info` (as
+        JSON); the buffer's budget unit."""
         total = 0
         for f in fields(self):
             value = getattr(self, f.name)
@@ -86,7 +88,8 @@ class Experience:
                 total += len(value.encode("utf-8", "surrogatepass"))
         return total + _info_nbytes(self.info)
 
-    def validate(self, vocab_size: int | None = None, max_abs_reward: float = MAX_ABS_REWARD_LIMIT) -> Experience:
+    def validate(self, vocab_size: int | None = None,
+                 max_abs_reward: float = MAX_ABS_REWARD_LIMIT) -> Experience:
         """Check shapes, dtypes, values and sizes; raise `ExperienceValidationError` naming the bad field.
 
         Rewards must lie within `max_abs_reward` (the trainer's `trainer.max_abs_reward`), values, returns and

@@ -95,7 +95,8 @@ class ExperienceBatch:
         """Return a copy with every tensor moved to `device` (from the host to CUDA: pinned, non-blocking)."""
         return ExperienceBatch(
             **{
-                f.name: to_device(getattr(self, f.name), device) if isinstance(getattr(self, f.name), torch.Tensor)
+                f.name: to_device(getattr(self, f.name), device)
+                if isinstance(getattr(self, f.name), torch.Tensor)
                 else getattr(self, f.name)
                 for f in fields(self)
             }
@@ -127,7 +128,8 @@ def collate(experiences: Sequence[Experience], pad_token_id: int = 0,
     log_probs = torch.zeros((batch_size, response_len), **on)
     token_rewards = torch.zeros((batch_size, response_len), **on)
     optional = {
-        name: torch.zeros((batch_size, response_len), **on) if getattr(experiences[0], name) is not None else None
+        name: (torch.zeros((batch_size, response_len), **on) if getattr(experiences[0], name) is not None
+               else None)
         for name in TOKEN_FIELDS
     }
     for row, exp in enumerate(experiences):
@@ -166,7 +168,8 @@ def collate(experiences: Sequence[Experience], pad_token_id: int = 0,
 def uncollate(batch: ExperienceBatch) -> list[Experience]:
     """Split a padded batch back into ragged experiences (inverse of `collate`)."""
     out = []
-    # Per-row lengths and flags read back once (not one device sync per row); tensors stay on the batch's device.
+    # Per-row lengths and flags read back once (not one device sync per row); tensors
+    # stay on the batch's device.
     prompt_lengths = batch.attention_mask[:, : batch.prompt_length].sum(1).tolist()
     response_lengths = batch.response_mask.sum(1).tolist()
     scalar_rewards = batch.scalar_reward.tolist()

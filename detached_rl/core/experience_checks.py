@@ -3,8 +3,9 @@
 Numeric guards: float fields are trained in float32 (`TRAINING_DTYPE`, `collate` casts to it), so every value
 must be finite there, not only in the dtype it travels in (1e300 in float64 is inf in float32), and within a
 bound that keeps sums, squares and normalisations finite: rewards within `max_abs_reward`,
-values/returns/advantages within `ESTIMATE_SCALE` times that, log-probs within `LOG_PROB_BOUND`. Strings (`id`,
-`maker`, `group_id`) are at most `MAX_NAME_BYTES` of UTF-8; `info` is JSON data of at most `MAX_INFO_BYTES`.
+values/returns/advantages within `ESTIMATE_SCALE` times that, log-probs within `LOG_PROB_BOUND`. Strings
+(`id`, `maker`, `group_id`) are at most `MAX_NAME_BYTES` of UTF-8; `info` is JSON data of at most
+`MAX_INFO_BYTES`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ overflows KL terms (k2 squares it)."""
 MAX_NAME_BYTES = 256
 """UTF-8 bytes allowed in `id`, `group_id` and `maker` (a uuid hex id is 32)."""
 MAX_INFO_BYTES = 64 * 1024
-"""JSON bytes allowed in `info`: decoded text and reward components fit easily; megabytes do not belong here."""
+"""JSON bytes allowed in `info`: decoded text and reward components fit easily;
+megabytes do not belong here."""
 
 
 class ExperienceValidationError(ValueError):
@@ -51,7 +53,8 @@ class ExperienceValidationError(ValueError):
 
 
 def short_repr(value: Any, limit: int = 60) -> str:
-    """repr of a pushed value for a message, cut to about `limit` characters (a refused id may be megabytes)."""
+    """repr of a pushed value for a message, cut to about `limit` characters (a
+    refused id may be megabytes)."""
     text = repr(value[: limit + 1] if isinstance(value, str | bytes) else value)
     return text if len(text) <= limit else f"{text[:limit]}..."
 
@@ -68,7 +71,8 @@ _LOG_PROBS = _Bound(LOG_PROB_BOUND, "LOG_PROB_BOUND: no sampled token is that un
 
 
 def validate_experience(exp: Experience, vocab_size: int | None, max_abs_reward: float) -> Experience:
-    """`Experience.validate`: raise `ExperienceValidationError` naming the first bad field; else return `exp`."""
+    """`Experience.validate`: raise `ExperienceValidationError` naming the first
+    bad field; else return `exp`."""
     if not (isinstance(max_abs_reward, int | float) and 0 < max_abs_reward <= MAX_ABS_REWARD_LIMIT):
         raise ValueError(f"max_abs_reward must be in (0, {MAX_ABS_REWARD_LIMIT:g}], got {max_abs_reward!r}")
     # A sample built without __init__ (deleted attribute, pickled by another version of this class) may lack
@@ -76,7 +80,8 @@ def validate_experience(exp: Experience, vocab_size: int | None, max_abs_reward:
     present = vars(exp)
     for f in fields(exp):
         if f.name not in present:
-            raise ExperienceValidationError(f.name, "is missing (every field must be set; None where optional)")
+            raise ExperienceValidationError(f.name,
+                                            "is missing (every field must be set; None where optional)")
     _check_ids(exp.prompt_ids, "prompt_ids", vocab_size)
     _check_ids(exp.response_ids, "response_ids", vocab_size)
     length = exp.response_length
@@ -110,7 +115,8 @@ def validate_experience(exp: Experience, vocab_size: int | None, max_abs_reward:
     _check_name(exp.id, "id")
     if exp.group_id is not None:
         if not isinstance(exp.group_id, str):
-            raise ExperienceValidationError("group_id", f"must be a str or None, got {short_repr(exp.group_id)}")
+            raise ExperienceValidationError("group_id",
+                                            f"must be a str or None, got {short_repr(exp.group_id)}")
         _check_name(exp.group_id, "group_id")
     if not isinstance(exp.info, dict):
         raise ExperienceValidationError("info", f"must be a dict, got {type(exp.info).__name__}")
@@ -125,13 +131,16 @@ def validate_experience(exp: Experience, vocab_size: int | None, max_abs_reward:
 def _check_name(value: str, name: str) -> None:
     # Characters never outnumber UTF-8 bytes: a 20 MB string is refused before it is encoded.
     if len(value) > MAX_NAME_BYTES:
-        raise ExperienceValidationError(name, f"is {len(value)} characters long, over the {MAX_NAME_BYTES}-byte limit")
+        raise ExperienceValidationError(name,
+                                        f"is {len(value)} characters long, over the "
+                                        f"{MAX_NAME_BYTES}-byte limit")
     try:
         size = len(value.encode("utf-8"))
     except UnicodeEncodeError as error:
         raise ExperienceValidationError(name, f"is not valid UTF-8 text: {error.reason}") from None
     if size > MAX_NAME_BYTES:
-        raise ExperienceValidationError(name, f"is {size} bytes as UTF-8, over the {MAX_NAME_BYTES}-byte limit")
+        raise ExperienceValidationError(name,
+                                        f"is {size} bytes as UTF-8, over the {MAX_NAME_BYTES}-byte limit")
 
 
 def _check_info(info: dict[str, Any]) -> None:
@@ -140,13 +149,17 @@ def _check_info(info: dict[str, Any]) -> None:
     try:
         size = len(json.dumps(info, allow_nan=True))
     except (TypeError, ValueError) as error:
-        raise ExperienceValidationError("info", f"must hold JSON data (str, numbers, lists, dicts): {error}") from None
+        raise ExperienceValidationError("info",
+                                        "must hold JSON data (str, numbers, lists, "
+                                        f"dicts): {error}") from None
     if size > MAX_INFO_BYTES:
-        raise ExperienceValidationError("info", f"is {size} bytes as JSON, over the {MAX_INFO_BYTES}-byte limit")
+        raise ExperienceValidationError("info",
+                                        f"is {size} bytes as JSON, over the {MAX_INFO_BYTES}-byte limit")
 
 
 def _check_tensor(value: Any, name: str) -> None:
-    """A dense tensor with data: sparse, other non-strided and meta tensors are refused before anything reads them."""
+    """A dense tensor with data: sparse, other non-strided and meta tensors are refused
+    before anything reads them."""
     if not isinstance(value, torch.Tensor):
         raise ExperienceValidationError(name, f"must be a tensor, got {type(value).__name__}")
     if value.layout != torch.strided:
@@ -180,10 +193,13 @@ def _check_floats(value: torch.Tensor, name: str, bound: _Bound) -> None:
     magnitude = float(finite.to(torch.float64).abs().max())
     if not bool(torch.isfinite(finite.to(TRAINING_DTYPE)).all()):
         raise ExperienceValidationError(
-            name, f"has a value of magnitude {magnitude:.3g}, which is inf in {TRAINING_DTYPE} (the training dtype)")
+            name,
+            f"has a value of magnitude {magnitude:.3g}, which is inf in {TRAINING_DTYPE} (the "
+            "training dtype)")
     if magnitude > bound.limit:
         raise ExperienceValidationError(
-            name, f"has a value of magnitude {magnitude:.3g}, over the limit {bound.limit:g} ({bound.source})")
+            name,
+            f"has a value of magnitude {magnitude:.3g}, over the limit {bound.limit:g} ({bound.source})")
 
 
 def _check_token_floats(value: Any, name: str, length: int, bound: _Bound, what: str = "") -> None:
@@ -197,13 +213,15 @@ def _check_token_floats(value: Any, name: str, length: int, bound: _Bound, what:
 
 
 def _check_reference_log_probs(value: Any, length: int) -> None:
-    # Reference log-probs come from the temperature-scaled full distribution (`models.reference_sampling`), which
-    # gives every token the policy can sample a finite log-prob; -inf means a reference scored with top-k/top-p.
-    # (Replay buffers checkpointed before this rule load unchecked; the trainers leave -inf out of the KL.)
+    # Reference log-probs come from the temperature-scaled full distribution (`models.reference_sampling`),
+    # which gives every token the policy can sample a finite log-prob; -inf means a reference scored with
+    # top-k/top-p. (Replay buffers checkpointed before this rule load unchecked; the trainers
+    # leave -inf out of the KL.)
     _check_tensor(value, "ref_log_probs")
     if value.dtype in _FLOAT_DTYPES and bool((value == float("-inf")).any()):
         raise ExperienceValidationError(
-            "ref_log_probs", "has -inf values: reference log-probs must be scored on the temperature-scaled full "
-                             "distribution (no top-k/top-p; detached_rl.models.reference_sampling), where every "
-                             "token the policy can sample has a finite log-prob")
+            "ref_log_probs",
+            "has -inf values: reference log-probs must be scored on the temperature-scaled full "
+                             "distribution (no top-k/top-p; detached_rl.models.reference_sampling), "
+                             "where every token the policy can sample has a finite log-prob")
     _check_token_floats(value, "ref_log_probs", length, _LOG_PROBS)

@@ -139,8 +139,8 @@ def _make_item(
         if system_prompt is not None and prompt[0]["role"] != "system":
             prompt = [{"role": "system", "content": system_prompt}, *prompt]
     else:
-        raise ValueError(f"{where}: {prompt_key!r} must be a str or a list of chat messages (or one message), "
-                         f"got {type(prompt).__name__}")
+        raise ValueError(f"{where}: {prompt_key!r} must be a str or a list of chat messages (or "
+                         f"one message), got {type(prompt).__name__}")
 
     if metadata_keys is None:
         metadata = {key: value for key, value in row.items() if key not in (prompt_key, answer_key)}
@@ -188,7 +188,8 @@ def load_prompt_file(
     if not rows:
         raise ValueError(f"{path}: no prompts in file")
     return [
-        _make_item(row, f"{path}: {where}", prompt_key, answer_key, metadata_keys, system_prompt, suffix == ".csv")
+        _make_item(row, f"{path}: {where}", prompt_key, answer_key, metadata_keys, system_prompt,
+                   suffix == ".csv")
         for where, row in rows
     ]
 
@@ -254,7 +255,8 @@ class CyclingPrompts:
             raise ValueError(f"CyclingPrompts state lacks field(s) {missing}")
         epoch, cursor, size = int(state["epoch"]), int(state["cursor"]), int(state["size"])
         if size != len(self.items):
-            raise ValueError(f"CyclingPrompts state field 'size' is {size}, but this source has {len(self.items)}")
+            raise ValueError(f"CyclingPrompts state field 'size' is {size}, but this source has "
+                             f"{len(self.items)}")
         if epoch < 0:
             raise ValueError(f"CyclingPrompts state field 'epoch' is {epoch}, must be >= 0")
         # cursor == size is a finished epoch; the next batch starts the following one.

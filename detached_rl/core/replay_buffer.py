@@ -36,7 +36,8 @@ from detached_rl.core.buffer_stats import describe, summary
 from detached_rl.core.experience import Experience
 from detached_rl.core.experience_checks import DEFAULT_MAX_ABS_REWARD
 
-# The door's names, importable from here too: the buffer raises the error, the maker and trainer read the rest.
+# The door's names, importable from here too: the buffer raises the error, the maker
+# and trainer read the rest.
 __all__ = ["DROP_REASONS", "NEWER_THAN_TRAINER", "OVERFLOW_POLICIES", "AppendResult", "RejectedPushError",
            "ReplayBuffer", "check_max_abs_reward"]
 
@@ -193,11 +194,14 @@ class ReplayBuffer:
                 current_version=current_version,
             )
 
-    def sample(self, count: int, current_version: int | None = None, timeout: float = 0.0) -> list[Experience]:
-        """Hand out the `count` oldest samples, waiting up to `timeout` s for enough; `[]` if there are not."""
+    def sample(self, count: int, current_version: int | None = None,
+               timeout: float = 0.0) -> list[Experience]:
+        """Hand out the `count` oldest samples, waiting up to `timeout` s for
+        enough; `[]` if there are not."""
         check_int("count", count, minimum=1)
         if count > self.max_samples:
-            raise ValueError(f"count {count} exceeds max_samples {self.max_samples}: it could never be served")
+            raise ValueError(f"count {count} exceeds max_samples {self.max_samples}: it could "
+                             "never be served")
         if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"timeout must be a finite number >= 0, got {timeout!r}")
         deadline = time.monotonic() + timeout
@@ -245,7 +249,8 @@ class ReplayBuffer:
             self._nbytes = 0
 
     def stats(self) -> dict[str, Any]:
-        """Return sizes, counters, staleness histogram, per-maker counts and reward statistics (JSON-ready)."""
+        """Return sizes, counters, staleness histogram, per-maker counts and
+        reward statistics (JSON-ready)."""
         with self._cond:
             entries = list(self._queue.values())
             counts = dict(self._counts)
@@ -318,7 +323,8 @@ class ReplayBuffer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the buffer's contents with a `state_dict`; this buffer's configuration is kept."""
         if state.get("format") != _STATE_FORMAT:
-            raise ValueError(f"unknown replay buffer state format {state.get('format')!r}, expected {_STATE_FORMAT}")
+            raise ValueError(f"unknown replay buffer state format {state.get('format')!r}, expected "
+                             f"{_STATE_FORMAT}")
         arrivals: OrderedDict[str, _Entry] = OrderedDict()
         for item in state["samples"]:
             exp = Experience(**_copy_fields(item["experience"]))
@@ -347,14 +353,16 @@ class ReplayBuffer:
         # Size first, over the whole push: stale or repeated samples never make an oversized push pass.
         check_push_size(len(experiences), None, self.max_samples, self.max_bytes)
         buffered = next(iter(self._arrivals.values())).experience if self._arrivals else None
-        check_push(experiences, current_version, vocab_size=self.vocab_size, max_abs_reward=self.max_abs_reward,
+        check_push(experiences, current_version, vocab_size=self.vocab_size,
+                   max_abs_reward=self.max_abs_reward,
                    max_sequence_length=self.max_sequence_length, buffered=buffered)
         sizes = {exp.id: exp.nbytes() for exp in experiences}
         check_push_size(len(experiences), sum(sizes.values()), self.max_samples, self.max_bytes)
         return sizes
 
     def _evict_oldest(self) -> int:
-        """Drop the oldest sample and, in a grouped buffer, the rest of its group (which arrived right after it)."""
+        """Drop the oldest sample and, in a grouped buffer, the rest of its group
+        (which arrived right after it)."""
         sample_id, entry = next(iter(self._arrivals.items()))
         self._remove(sample_id, reason="evicted")
         evicted, group_id = 1, entry.experience.group_id

@@ -1,4 +1,5 @@
-"""Checks of the Ray resources a config asks for, how `run` shares GPUs, and which device an actor uses (Ray-free)."""
+"""Checks of the Ray resources a config asks for, how `run` shares GPUs, and which
+device an actor uses (Ray-free)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def check_resources(resources: Any, where: str) -> None:
     if not isinstance(resources, dict):
         raise ValueError(f"{where} must be a mapping of resource names to amounts, got {resources!r}")
     for key, amount in resources.items():
-        if not isinstance(key, str) or isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0:
+        if (not isinstance(key, str) or isinstance(amount, bool) or not isinstance(amount, int | float)
+                or amount <= 0):
             raise ValueError(f"{where}: {key!r} must map to a number > 0, got {amount!r}")
         if key in ("CPU", "GPU", "memory"):
             raise ValueError(f"{where}: {key!r} is not a custom resource (set the CPU/GPU counts instead)")
@@ -30,10 +32,12 @@ def check_resources(resources: Any, where: str) -> None:
 def check_amount(amount: Any, where: str, gpu: bool = False) -> None:
     """Refuse a CPU or GPU count Ray cannot take, naming `where`: not a number >= 0, finer than 1/10000, or
     (`gpu`) a fraction above 1 (Ray places a GPU fraction on one GPU: 0.5 or 2, never 1.5)."""
-    if isinstance(amount, bool) or not isinstance(amount, int | float) or not math.isfinite(amount) or amount < 0:
+    if (isinstance(amount, bool) or not isinstance(amount, int | float) or not math.isfinite(amount)
+            or amount < 0):
         raise ValueError(f"{where} must be a number >= 0, got {amount!r}")
     if 0 < amount < RESOURCE_PRECISION:
-        raise ValueError(f"{where} must be 0 or at least {RESOURCE_PRECISION:g} (Ray's precision), got {amount!r}")
+        raise ValueError(f"{where} must be 0 or at least {RESOURCE_PRECISION:g} (Ray's precision), "
+                         f"got {amount!r}")
     if gpu and amount > 1 and amount != int(amount):
         raise ValueError(f"{where} must be a fraction up to 1 or a whole number of GPUs, got {amount!r}")
 
@@ -41,7 +45,8 @@ def check_amount(amount: Any, where: str, gpu: bool = False) -> None:
 def resource_request(num_cpus: float, num_gpus: float, resources: Mapping[str, float] | None = None
                      ) -> dict[str, float]:
     """What one actor asks Ray for, as Ray names it ({"CPU": …, "GPU": …, custom…}); zero amounts left out."""
-    request = {"CPU": float(num_cpus), "GPU": float(num_gpus), **{k: float(v) for k, v in (resources or {}).items()}}
+    request = {"CPU": float(num_cpus), "GPU": float(num_gpus),
+               **{k: float(v) for k, v in (resources or {}).items()}}
     return {key: amount for key, amount in request.items() if amount > 0}
 
 
@@ -75,7 +80,8 @@ def unplaceable(requests: Mapping[str, Mapping[str, float]], cluster: Mapping[st
 
 
 def gpu_shares(cluster_gpus: float, makers: int, trainer_share: float = 0.5) -> tuple[float, float]:
-    """GPUs for one trainer and for each of `makers` makers on a cluster with `cluster_gpus` GPUs: (trainer, per maker).
+    """GPUs for one trainer and for each of `makers` makers on a cluster with `cluster_gpus` GPUs: (trainer,
+    per maker).
 
     No GPU: (0, 0). One GPU: the trainer takes `trainer_share` of it and the makers split the
     rest. More: the trainer takes one GPU and the makers share the others, each GPU holding the

@@ -68,7 +68,8 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dimension; -inf logits (filtered tokens) contribute 0."""
     filtered = torch.isinf(logits)
-    # Zero the -inf log-probs before the product: exp(-inf) * -inf is NaN in the backward pass even where masked.
+    # Zero the -inf log-probs before the product: exp(-inf) * -inf is NaN in the
+    # backward pass even where masked.
     log_p = torch.log_softmax(logits, dim=-1).masked_fill(filtered, 0.0)
     p_log_p = torch.where(filtered, torch.zeros_like(log_p), log_p.exp() * log_p)
     return -p_log_p.sum(dim=-1)

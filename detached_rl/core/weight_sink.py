@@ -33,7 +33,8 @@ class SinkCommit:
 
 
 class SinkUnchanged(RuntimeError):
-    """Raised by `WeightSink.write`/`commit` that failed but put back all it had changed: it serves the previous version.
+    """Raised by `WeightSink.write`/`commit` that failed but put back all it had changed: it serves the
+    previous version.
 
     The `WeightReceiver` then refuses the update without marking the model half-written.
     """

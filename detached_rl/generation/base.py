@@ -1,4 +1,5 @@
-"""The generation backend interface: prompts in, responses and behaviour log-probs out, weights in through a sink.
+"""The generation backend interface: prompts in, responses and behaviour log-probs out, weights in through a
+sink.
 
 A maker generates only through a `GenerationBackend` and applies weight updates only through
 its `weight_sink`, so an inference engine that owns its weights (vLLM) fits behind the same
@@ -73,7 +74,8 @@ class GenerationBackend(Protocol):
         """Generate one response per prompt."""
         ...
 
-    def generate_text(self, prompts: Sequence[Prompt], sampling: SamplingConfig | None = None) -> GenerationOutput:
+    def generate_text(self, prompts: Sequence[Prompt],
+                      sampling: SamplingConfig | None = None) -> GenerationOutput:
         """Encode text or chat prompts with the policy's tokenizer and generate; `prompt_ids` filled in."""
         ...
 

@@ -18,7 +18,8 @@ from detached_rl.models.lora import check_lora_update, lora_backend, lora_config
 from detached_rl.models.lora_merge import LoraMergeTarget
 from detached_rl.models.shared_prefix import run_distinct_prompts, supports_shared_prefix
 
-__all__ = ["CACHE_IMPLEMENTATIONS", "GENERATION_DTYPES", "BehaviourLogProbs", "HFGenerationBackend", "LoraModuleSink",
+__all__ = ["CACHE_IMPLEMENTATIONS", "GENERATION_DTYPES", "BehaviourLogProbs", "HFGenerationBackend",
+           "LoraModuleSink",
            "MergedLoraSink"]
 
 # `backend_options` values: "dynamic" is HF's default KV cache; "static" preallocates it (prompt +
@@ -32,7 +33,8 @@ STATIC_CACHE_BUCKET = 256
 
 
 class BehaviourLogProbs(LogitsProcessor):
-    """The last logits processor of `generate`: the behaviour log-prob of every sampled token, kept as [B] a step.
+    """The last logits processor of `generate`: the behaviour log-prob of every sampled token, kept as [B] a
+    step.
 
     At step t it is handed the processed scores of step t (what the token is sampled from, after
     temperature, top-k and top-p) and the ids up to step t-1. It keeps step t's scores, scores the
@@ -63,7 +65,8 @@ class BehaviourLogProbs(LogitsProcessor):
 
 
 class LoraModuleSink(ModuleWeightSink):
-    """A `ModuleWeightSink` over a LoRA model (keep mode) that refuses updates made for another adapter config."""
+    """A `ModuleWeightSink` over a LoRA model (keep mode) that refuses updates made
+    for another adapter config."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
@@ -75,7 +78,8 @@ class LoraModuleSink(ModuleWeightSink):
 
 
 class MergedLoraSink(ModuleWeightSink):
-    """Writes W0, A and B (trainer naming) into a `LoraMergeTarget`; commit re-merges the weights they touch."""
+    """Writes W0, A and B (trainer naming) into a `LoraMergeTarget`; commit
+    re-merges the weights they touch."""
 
     def __init__(self, target: LoraMergeTarget) -> None:
         super().__init__(target)
@@ -108,7 +112,8 @@ class HFGenerationBackend:
         self.cache_implementation = cache_implementation
         # Rows with the same prompt (GRPO groups) prefill it once: see `detached_rl.models.shared_prefix`.
         # HF takes either a cache object or a cache implementation, so a static cache prefills every row.
-        self.share_prompts = share_prompts and supports_shared_prefix(model) and cache_implementation == "dynamic"
+        self.share_prompts = (share_prompts and supports_shared_prefix(model)
+                              and cache_implementation == "dynamic")
         self.pad_token_id = pad_token_id
         self.eos_token_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
         self.encode_prompts = encode_prompts
@@ -116,7 +121,8 @@ class HFGenerationBackend:
 
     @property
     def engine(self) -> str:
-        """The engine tag of the behaviour log-probs: "hf:<dtype the model generates in>", e.g. "hf:float32"."""
+        """The engine tag of the behaviour log-probs: "hf:<dtype the model
+        generates in>", e.g. "hf:float32"."""
         dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
         return f"hf:{str(dtype).removeprefix('torch.')}"
 
@@ -154,11 +160,15 @@ class HFGenerationBackend:
         if generation_dtype is not None:
             actor.model.to(generation_dtype)  # in place: the sink then writes (casts) into the cast weights
         tokenizer = actor.tokenizer
-        return cls(actor.model, tokenizer.pad_token_id, tokenizer.eos_token_id, share_prompts=actor.share_prompts,
-                   encode_prompts=actor.encode_prompts, weight_sink=sink, cache_implementation=cache_implementation)
+        return cls(actor.model, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                   share_prompts=actor.share_prompts,
+                   encode_prompts=actor.encode_prompts, weight_sink=sink,
+                   cache_implementation=cache_implementation)
 
-    def generate_text(self, prompts: Sequence[Prompt], sampling: SamplingConfig | None = None) -> GenerationOutput:
-        """One response per text, chat or token-id prompt: response ids, behaviour log-probs and prompt ids."""
+    def generate_text(self, prompts: Sequence[Prompt],
+                      sampling: SamplingConfig | None = None) -> GenerationOutput:
+        """One response per text, chat or token-id prompt: response ids,
+        behaviour log-probs and prompt ids."""
         if self.encode_prompts is None:
             raise ValueError("HFGenerationBackend.generate_text needs encode_prompts (see from_actor)")
         prompt_ids = self.encode_prompts(prompts)
@@ -217,8 +227,8 @@ class HFGenerationBackend:
         return GenerationOutput(responses, behaviour, finished.tolist())
 
     def _shared_prompt_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, Any]:
-        """`past_key_values` holding every row's prompt (but its last token) computed once per distinct prompt,
-        when rows repeat a prompt (GRPO groups) on an architecture that allows it; else nothing."""
+        """`past_key_values` holding every row's prompt (but its last token) computed once per distinct
+        prompt, when rows repeat a prompt (GRPO groups) on an architecture that allows it; else nothing."""
         if input_ids.shape[1] < 2 or not self.share_prompts:
             return {}
         # generate runs the last prompt token itself, for the first logits: cache all but that column
@@ -229,7 +239,8 @@ class HFGenerationBackend:
 
 
 def sampling_warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
-    """HF's temperature, top-k and top-p warpers for `sampling`, as `generate` would build them (none when greedy)."""
+    """HF's temperature, top-k and top-p warpers for `sampling`, as `generate` would
+    build them (none when greedy)."""
     if not sampling.do_sample:
         return []
     warpers: list[LogitsProcessor] = []

@@ -41,14 +41,17 @@ def backend_factory(name: str) -> BackendFactory:
 
 def build_generation_backend(name: str, actor: Actor, lora_mode: str = "keep",
                              options: Mapping[str, Any] | None = None) -> GenerationBackend:
-    """Build backend `name` for `actor`; options it does not take are refused naming `MakerConfig.backend_options`."""
+    """Build backend `name` for `actor`; options it does not take are refused naming
+    `MakerConfig.backend_options`."""
     factory = backend_factory(name)
     options = dict(options or {})
     try:
         inspect.signature(factory).bind(actor, lora_mode=lora_mode, **options)
     except TypeError as error:
-        raise ValueError(f"MakerConfig.backend_options {sorted(options)} do not fit backend {name!r}: {error}") from None
+        raise ValueError(f"MakerConfig.backend_options {sorted(options)} do not fit backend "
+                         f"{name!r}: {error}") from None
     backend = factory(actor, lora_mode=lora_mode, **options)
     if not isinstance(backend, GenerationBackend):
-        raise TypeError(f"backend {name!r} built a {type(backend).__name__}, which is not a GenerationBackend")
+        raise TypeError(f"backend {name!r} built a {type(backend).__name__}, which is not a "
+                        "GenerationBackend")
     return backend

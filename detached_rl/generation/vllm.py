@@ -66,7 +66,8 @@ def vllm_available() -> bool:
 
 
 class VLLMWeightSink:
-    """A `WeightSink` for a vLLM engine: a host mirror under the trainer's names; `commit` reloads the engine."""
+    """A `WeightSink` for a vLLM engine: a host mirror under the trainer's names;
+    `commit` reloads the engine."""
 
     def __init__(self, mirror: WeightSink, plain_state: Callable[[], Mapping[str, Tensor]],
                  reload: Callable[[Iterator[tuple[str, Tensor]]], None]) -> None:
@@ -135,8 +136,8 @@ _LIVE_ENGINE: list[weakref.ref] = []
 def _refuse_a_second_engine() -> None:
     """Refuse to start an engine while another live one of this process has not been closed."""
     if any(ref() is not None for ref in _LIVE_ENGINE):
-        raise RuntimeError("a vLLM engine already runs in this process (one per process: its distributed state "
-                           "is process-wide); close() the other VLLMBackend first")
+        raise RuntimeError("a vLLM engine already runs in this process (one per process: its "
+                           "distributed state is process-wide); close() the other VLLMBackend first")
 
 
 class VLLMBackend:
@@ -154,8 +155,10 @@ class VLLMBackend:
         self.encode_prompts = encode_prompts
         self.share_prompts = share_prompts
         self._weight_sink = weight_sink
-        # The RAM-backed directory (config, adapters) goes at `close`, or when the backend or the process goes.
-        self._remove_workdir = weakref.finalize(self, shutil.rmtree, workdir, True) if workdir is not None else None
+        # The RAM-backed directory (config, adapters) goes at `close`, or when the
+        # backend or the process goes.
+        self._remove_workdir = (weakref.finalize(self, shutil.rmtree, workdir, True) if workdir is not None
+                                else None)
 
     @property
     def weight_sink(self) -> WeightSink:
@@ -181,17 +184,18 @@ class VLLMBackend:
         """A vLLM engine serving `actor`'s weights (options: `MakerConfig.backend_options`).
 
         `dtype`: the engine's dtype (the trainer's tensors are cast on load, so the receiver needs no
-        `weight_cast_dtype`). `kv_cache_gb`: the KV cache (vLLM's `kv_cache_memory_bytes`, on CPU and GPU; on CPU
-        an exported `VLLM_CPU_KVCACHE_SPACE` wins). `lora_mode` (LoRA policies): "keep" serves the base weights plus one vLLM adapter per
-        version, keeping the last `lora_versions_kept` registered; "merge" serves W = W0 + s·B·A,
-        reloaded on every update (for what keep mode refuses: DoRA, fan_in_fan_out, modules_to_save,
-        trained biases, loralib MergedLinear).
+        `weight_cast_dtype`). `kv_cache_gb`: the KV cache (vLLM's `kv_cache_memory_bytes`, on CPU and GPU; on
+        CPU an exported `VLLM_CPU_KVCACHE_SPACE` wins). `lora_mode` (LoRA policies): "keep" serves the base
+        weights plus one vLLM adapter per version, keeping the last `lora_versions_kept` registered; "merge"
+        serves W = W0 + s·B·A, reloaded on every update (for what keep mode refuses: DoRA, fan_in_fan_out,
+        modules_to_save, trained biases, loralib MergedLinear).
         """
         if lora_mode not in LORA_MODES:
             raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {lora_mode!r}")
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"MakerConfig.backend_options.dtype must be one of {VLLM_DTYPES}, got {dtype!r}")
-        if isinstance(lora_versions_kept, bool) or not isinstance(lora_versions_kept, int) or lora_versions_kept < 1:
+        kept = lora_versions_kept
+        if isinstance(kept, bool) or not isinstance(kept, int) or kept < 1:
             raise ValueError(f"MakerConfig.backend_options.lora_versions_kept must be an int >= 1, "
                              f"got {lora_versions_kept!r}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
@@ -203,14 +207,16 @@ class VLLMBackend:
         mirror: WeightSink
         plain: nn.Module
         if lora_backend(model) is not None and lora_mode == "keep":
-            keep = KeepModeLayout.from_lora_model(model)  # refuses what keep mode cannot serve, before any engine
+            # refuses what keep mode cannot serve, before any engine
+            keep = KeepModeLayout.from_lora_model(model)
             plain = keep.hf_model
             from vllm.platforms import current_platform
 
             if current_platform.is_cpu():
                 from detached_rl.generation import vllm_cpu_lora
 
-                vllm_cpu_lora.install()  # one matmul per layer instead of a per-token gather (one adapter per batch)
+                # one matmul per layer instead of a per-token gather (one adapter per batch)
+                vllm_cpu_lora.install()
             engine_options = dict(enable_lora=True, max_lora_rank=engine_lora_rank(keep.config["r"]),
                                   max_loras=lora_versions_kept, max_cpu_loras=lora_versions_kept + 1)
         elif lora_backend(model) is not None:
@@ -237,12 +243,14 @@ class VLLMBackend:
                       gpu_memory_utilization=gpu_memory_utilization, **engine_options)
 
             def reload(weights: Iterator[tuple[str, Tensor]]) -> None:
-                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+                llm.collective_rpc("reload_weights",
+                                   kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
                 llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
             sink: VLLMWeightSink | VLLMLoraSink
             if keep is not None:
-                sink = VLLMLoraSink(model, keep, llm, reload, os.path.join(workdir, "adapters"), lora_versions_kept)
+                sink = VLLMLoraSink(model, keep, llm, reload, os.path.join(workdir, "adapters"),
+                                    lora_versions_kept)
                 try:
                     sink.start()  # version 0: the actor's own adapter, so every request carries one
                 except Exception as error:
@@ -274,7 +282,8 @@ class VLLMBackend:
         """vLLM `SamplingParams` for `sampling` (n samples of one prompt)."""
         from vllm import SamplingParams
 
-        # Ids outside the vocabulary can never be sampled (HF `generate` just never meets them); vLLM refuses them.
+        # Ids outside the vocabulary can never be sampled (HF `generate` just never meets
+        # them); vLLM refuses them.
         vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         stop_ids = [i for i in (sampling.stop_token_ids or self.eos_token_ids) if 0 <= i < vocab_size]
         if sampling.do_sample:
@@ -282,11 +291,13 @@ class VLLMBackend:
                                          top_p=sampling.top_p, seed=seed)
         else:
             knobs = dict(temperature=0.0)
-        return SamplingParams(n=n, max_tokens=sampling.max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True,
+        return SamplingParams(n=n, max_tokens=sampling.max_new_tokens, stop_token_ids=stop_ids,
+                              ignore_eos=True,
                               logprobs=0, detokenize=False, skip_special_tokens=False, repetition_penalty=1.0,
                               min_p=0.0, **knobs)
 
-    def generate_text(self, prompts: Sequence[Prompt], sampling: SamplingConfig | None = None) -> GenerationOutput:
+    def generate_text(self, prompts: Sequence[Prompt],
+                      sampling: SamplingConfig | None = None) -> GenerationOutput:
         if self.encode_prompts is None:
             raise ValueError("VLLMBackend.generate_text needs encode_prompts (see from_actor)")
         prompt_ids = self.encode_prompts(prompts)
@@ -305,7 +316,8 @@ class VLLMBackend:
             if ids.numel() == 0:
                 raise ValueError("VLLMBackend.generate: an empty prompt")
             as_list = ids.tolist()
-            # vLLM refuses n > 1 for greedy requests: those go one by one (prefix caching still shares the prompt).
+            # vLLM refuses n > 1 for greedy requests: those go one by one (prefix caching
+            # still shares the prompt).
             if self.share_prompts and sampling.do_sample and runs and runs[-1][0] == as_list:
                 runs[-1] = (as_list, runs[-1][1] + 1)
             else:
@@ -328,7 +340,8 @@ class VLLMBackend:
                 if len(logprobs) != len(tokens):
                     raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(tokens)} tokens")
                 responses.append(torch.tensor(tokens, dtype=torch.long))
-                behaviour.append(torch.tensor([step[token].logprob for step, token in zip(logprobs, tokens, strict=True)],
+                behaviour.append(torch.tensor([step[token].logprob
+                                               for step, token in zip(logprobs, tokens, strict=True)],
                                               dtype=torch.float32))
                 finished.append(bool(tokens) and tokens[-1] in stop_ids)
         return GenerationOutput(responses, behaviour, finished)

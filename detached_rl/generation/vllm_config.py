@@ -1,4 +1,5 @@
-"""The vLLM backend's settings (`maker.vllm`), its process environment and its factory; imports no vLLM itself.
+"""The vLLM backend's settings (`maker.vllm`), its process environment and its factory; imports no vLLM
+itself.
 
 `VLLMConfig` is what `MakerConfig.vllm` holds: the keyword arguments of `VLLMBackend.from_actor`
 but `lora_mode`. `build_vllm_backend` is the factory `GENERATION_BACKENDS["vllm"]` names: it sets
@@ -32,15 +33,18 @@ FIELD = "maker.vllm"
 
 
 class VLLMUnavailableError(ImportError):
-    """`maker.backend` is "vllm" but the `vllm` package does not import here; the message says how to install it."""
+    """`maker.backend` is "vllm" but the `vllm` package does not import here; the
+    message says how to install it."""
 
 
 @dataclass
 class VLLMConfig:
-    """Engine settings of a vLLM maker (`maker.vllm`); every field is a keyword of `VLLMBackend.from_actor`."""
+    """Engine settings of a vLLM maker (`maker.vllm`); every field is a keyword
+    of `VLLMBackend.from_actor`."""
 
     dtype: str = "bfloat16"  # the engine's dtype; the trainer's tensors are cast on load
-    kv_cache_gb: int = 1  # KV cache per maker (the engine's kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE, if set, wins)
+    # KV cache per maker (the engine's kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE, if set, wins)
+    kv_cache_gb: int = 1
     max_model_len: int = 2048  # prompt + response tokens of one sequence
     enforce_eager: bool = True  # no graph capture or compilation: starts in seconds
     enable_prefix_caching: bool = True  # a group's samples share their prompt's KV blocks
@@ -63,7 +67,8 @@ class VLLMConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{FIELD}.{name} must be true or false, got {getattr(self, name)!r}")
         utilization = self.gpu_memory_utilization
-        if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
+        if (isinstance(utilization, bool) or not isinstance(utilization, int | float)
+                or not 0 < utilization <= 1):
             raise ValueError(f"{FIELD}.gpu_memory_utilization must be in (0, 1], got {utilization!r}")
 
     def backend_kwargs(self) -> dict[str, Any]:
@@ -80,7 +85,8 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 
 def vllm_config_with(config: VLLMConfig, options: dict[str, Any]) -> VLLMConfig:
-    """`config` with `options` (`MakerConfig.backend_options`) laid over it; unknown keys are refused by name."""
+    """`config` with `options` (`MakerConfig.backend_options`) laid over it;
+    unknown keys are refused by name."""
     known = {f.name for f in dataclasses.fields(VLLMConfig)}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -95,8 +101,8 @@ def engine_environment(config: VLLMConfig) -> dict[str, str]:
         # The engine lives in the maker's process: weight updates reach it without a copy, and it runs on
         # the torch threads the maker was given (`run.maker_threads`).
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        # vLLM's default ("auto") pins one OpenMP thread to each core of the NUMA node when it spawns an engine
-        # process; makers share their cores with the trainer and with each other, so they must not pin.
+        # vLLM's default ("auto") pins one OpenMP thread to each core of the NUMA node when it spawns an
+        # engine process; makers share their cores with the trainer and with each other, so they must not pin.
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }
 
@@ -121,8 +127,8 @@ def require_vllm() -> None:
     from detached_rl.generation.vllm import vllm_available
 
     if not vllm_available():
-        raise VLLMUnavailableError(f"maker.backend 'vllm' needs the vllm package, which does not import here; "
-                                   f"{VLLM_INSTALL_HINT}")
+        raise VLLMUnavailableError("maker.backend 'vllm' needs the vllm package, which does not "
+                                   f"import here; {VLLM_INSTALL_HINT}")
 
 
 def model_head_size(model: Any) -> int | None:
@@ -146,9 +152,9 @@ def check_head_size(model: Any) -> None:
     supported = CPUAttentionBackend.get_supported_head_sizes()
     head_size = model_head_size(model)
     if head_size is not None and head_size not in supported:
-        raise ValueError(f"maker.backend 'vllm': the policy's attention head size {head_size} is not one vLLM's CPU "
-                         f"attention takes ({supported}); use a model with head size >= 32 (e.g. SmolLM2), or "
-                         "maker.backend: hf")
+        raise ValueError(f"maker.backend 'vllm': the policy's attention head size {head_size} is not "
+                         f"one vLLM's CPU attention takes ({supported}); use a model with head size "
+                         ">= 32 (e.g. SmolLM2), or maker.backend: hf")
 
 
 def build_vllm_backend(actor: Actor, lora_mode: str = "keep", **options: Any) -> GenerationBackend:
@@ -176,7 +182,8 @@ def vllm_unfit_reason(actor: Actor) -> str | None:
 
 
 def build_auto_backend(actor: Actor, lora_mode: str = "keep", **options: Any) -> GenerationBackend:
-    """The `GENERATION_BACKENDS["auto"]` factory: vLLM where this process can serve the policy with it, else HF.
+    """The `GENERATION_BACKENDS["auto"]` factory: vLLM where this process can serve the policy with it, else
+    HF.
 
     `options` are the `maker.vllm` settings; the HF fallback takes its defaults. The chosen engine is the
     backend's `engine` tag (maker status, experience `info["engine"]`).

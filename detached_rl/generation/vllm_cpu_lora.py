@@ -44,13 +44,15 @@ def _adapter(weights: torch.Tensor, index: int, dtype: torch.dtype) -> torch.Ten
     return matrix.to(dtype)
 
 
-def _shrink(inputs: torch.Tensor, weights: torch.Tensor, output: torch.Tensor, index: int, scaling: float) -> None:
+def _shrink(inputs: torch.Tensor, weights: torch.Tensor, output: torch.Tensor, index: int,
+            scaling: float) -> None:
     """output[:, :r] = scaling · inputs @ A.T (what `bgmv_shrink` computes when all indices equal `index`)."""
     outputs = inputs.to(output.dtype) @ _adapter(weights, index, output.dtype).T
     output[:, : outputs.shape[1]] = scaling * outputs
 
 
-def _expand(inputs: torch.Tensor, weights: torch.Tensor, output: torch.Tensor, index: int, add_inputs: bool) -> None:
+def _expand(inputs: torch.Tensor, weights: torch.Tensor, output: torch.Tensor, index: int,
+            add_inputs: bool) -> None:
     """output (+)= inputs @ B.T on the common width (`bgmv_expand` with one index, its row rule kept)."""
     outputs = inputs.to(output.dtype) @ _adapter(weights, index, output.dtype).T
     limit = 1 if outputs.shape[0] == 1 and output.shape[0] != 1 else output.shape[0]
@@ -95,7 +97,8 @@ def _fast(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def sgmv_shrink(inputs, weights, output, starts, lengths, indices, batches, max_length, tokens, scaling):
         index = single_index(indices[: lengths.numel()][lengths > 0])
         if index is None:
-            return original(inputs, weights, output, starts, lengths, indices, batches, max_length, tokens, scaling)
+            return original(inputs, weights, output, starts, lengths, indices, batches, max_length, tokens,
+                            scaling)
         _shrink(inputs, weights, output, index, scaling)
 
     def sgmv_expand(inputs, weights, output, starts, lengths, indices, batches, max_length, tokens,
@@ -120,7 +123,8 @@ def _fast(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> bool:
-    """Put the fast path in front of the CPU wrapper's LoRA ops; True when they are (now or already) in place."""
+    """Put the fast path in front of the CPU wrapper's LoRA ops; True when they are
+    (now or already) in place."""
     try:
         from vllm.lora.punica_wrapper import punica_cpu
     except ImportError:

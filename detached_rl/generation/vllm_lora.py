@@ -1,4 +1,5 @@
-"""LoRA "keep" mode for `VLLMBackend`: the engine serves the plain base weights and one vLLM adapter per version.
+"""LoRA "keep" mode for `VLLMBackend`: the engine serves the plain base weights and one vLLM adapter per
+version.
 
 The trainer's LoRA model state-dict keys split in two (`KeepModeLayout`): the adapter's A and B of each
 adapted Linear, and everything else, the base, which the engine loads under the plain HF names
@@ -61,7 +62,8 @@ def _refuse(what: str) -> ValueError:
 
 @dataclass(frozen=True)
 class KeepModeLayout:
-    """How a LoRA model's state-dict keys split into the engine's plain base weights and a peft-format adapter."""
+    """How a LoRA model's state-dict keys split into the engine's plain base weights
+    and a peft-format adapter."""
 
     plain_names: dict[str, str]  # trainer key -> HF name the engine loads (every key but the adapter's)
     adapter_names: dict[str, str]  # trainer key of an A or B -> peft adapter key
@@ -126,8 +128,8 @@ def _peft_adapters(model: nn.Module, key_of: dict[int, str]) -> tuple[dict[str, 
         if not isinstance(module, PeftLinear):
             raise _refuse(f"LoRA on a {type(module).__name__} (module {module_name!r})")
         if list(module.active_adapters) != [name] or module.merged or name in module.lora_variant:
-            raise _refuse(f"module {module_name!r}: active adapters {module.active_adapters}, merged={module.merged}, "
-                          f"variants {sorted(module.lora_variant)}")
+            raise _refuse(f"module {module_name!r}: active adapters {module.active_adapters}, "
+                          f"merged={module.merged}, variants {sorted(module.lora_variant)}")
         for part in ("lora_A", "lora_B"):
             tensor = getattr(module, part)[name].weight
             adapters[key_of[id(tensor)]] = f"{module_name}.{part}.weight"
@@ -135,7 +137,8 @@ def _peft_adapters(model: nn.Module, key_of: dict[int, str]) -> tuple[dict[str, 
 
 
 def _loralib_adapters(model: nn.Module, key_of: dict[int, str]) -> dict[str, str]:
-    """trainer key -> peft adapter key of a loralib model keep mode can serve (plain `loralib.Linear` only)."""
+    """trainer key -> peft adapter key of a loralib model keep mode can serve
+    (plain `loralib.Linear` only)."""
     adapters: dict[str, str] = {}
     for module_name, module in model.named_modules():
         if not isinstance(module, loralib.LoRALayer):
@@ -145,7 +148,8 @@ def _loralib_adapters(model: nn.Module, key_of: dict[int, str]) -> dict[str, str
         if not isinstance(module, loralib.Linear):
             raise _refuse(f"loralib {type(module).__name__} (module {module_name!r})")
         if module.fan_in_fan_out or module.merged:
-            raise _refuse(f"module {module_name!r} with fan_in_fan_out={module.fan_in_fan_out}, merged={module.merged}")
+            raise _refuse(f"module {module_name!r} with fan_in_fan_out={module.fan_in_fan_out}, "
+                          f"merged={module.merged}")
         for part in ("lora_A", "lora_B"):
             adapters[key_of[id(getattr(module, part))]] = f"{PEFT_PREFIX}{module_name}.{part}.weight"
     return adapters
@@ -160,10 +164,12 @@ class _Adapter:
 
 
 class VLLMLoraSink:
-    """A `WeightSink` serving a LoRA policy in keep mode: base weights in the engine, one adapter per version."""
+    """A `WeightSink` serving a LoRA policy in keep mode: base weights in the
+    engine, one adapter per version."""
 
     def __init__(self, model: nn.Module, layout: KeepModeLayout, llm: Any,
-                 reload: Callable[[Iterator[tuple[str, Tensor]]], None], root: str, versions_kept: int) -> None:
+                 reload: Callable[[Iterator[tuple[str, Tensor]]], None], root: str,
+                 versions_kept: int) -> None:
         if versions_kept < 1:
             raise ValueError(f"lora_versions_kept must be >= 1, got {versions_kept}")
         self.mirror = ModuleWeightSink(model)
@@ -175,7 +181,8 @@ class VLLMLoraSink:
         self.reloads = 0
         self._kept: dict[int, _Adapter] = {}  # adapter id -> adapter, oldest registration first
         self._current: _Adapter | None = None
-        self._served: dict[str, Tensor] = {}  # the current adapter's A/B (trainer keys), to undo a failed commit
+        # the current adapter's A/B (trainer keys), to undo a failed commit
+        self._served: dict[str, Tensor] = {}
         self._serial = itertools.count()
         os.makedirs(root, exist_ok=True)
 
@@ -192,7 +199,8 @@ class VLLMLoraSink:
         self.mirror.write(tensors)
 
     def check_update(self, kind: str, metadata: Mapping[str, Any]) -> None:
-        """Refuse an update whose adapter config (metadata["lora"]) is not this adapter's, or a LoRA one without it."""
+        """Refuse an update whose adapter config (metadata["lora"]) is not this
+        adapter's, or a LoRA one without it."""
         check_lora_update(self.spec.config, kind, metadata, "vLLM LoRA adapter")
 
     @property
@@ -208,12 +216,14 @@ class VLLMLoraSink:
         return list(self._kept)
 
     def start(self, version: int = 0) -> None:
-        """Load the mirror's base into the engine and register its adapter as `version` (once, at start-up)."""
+        """Load the mirror's base into the engine and register its adapter as
+        `version` (once, at start-up)."""
         self.push_base()
         self._switch(version, reload_base=False)
 
     def commit(self, update: SinkCommit) -> None:
-        """Register the written adapter as `update.version` (reloading the base if any base key was written)."""
+        """Register the written adapter as `update.version` (reloading the base if
+        any base key was written)."""
         reload_base = update.kind == "full" or any(key not in self.spec.adapter_names for key in update.keys)
         self._switch(update.version, reload_base)
 
@@ -232,7 +242,8 @@ class VLLMLoraSink:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def _switch(self, version: int, reload_base: bool) -> None:
-        """Register the mirror's adapter as `version` (then reload the base); serve it only if all succeeded."""
+        """Register the mirror's adapter as `version` (then reload the base);
+        serve it only if all succeeded."""
         try:
             adapter, replaced = self._register(version)
             if reload_base:
@@ -276,7 +287,8 @@ class VLLMLoraSink:
         adapter_id = version + 1
         if adapter_id < 1:
             raise ValueError(f"VLLMLoraSink: version {version} has no adapter id (versions start at 0)")
-        name = f"v{version}-{next(self._serial)}"  # unique: vLLM's prefix cache keys blocks by adapter name and path
+        # unique: vLLM's prefix cache keys blocks by adapter name and path
+        name = f"v{version}-{next(self._serial)}"
         path = os.path.join(self.root, name)
         state = self.mirror.state()
         tensors = {peft_key: state[key].detach().to("cpu").contiguous().clone()
@@ -288,7 +300,8 @@ class VLLMLoraSink:
                 json.dump(self.spec.adapter_config, file)
             replaced = self._kept.get(adapter_id)
             request = LoRARequest(name, adapter_id, path)
-            loading = LoRARequest(name, adapter_id, path, load_inplace=True) if replaced is not None else request
+            loading = LoRARequest(name, adapter_id, path,
+                                  load_inplace=True) if replaced is not None else request
             if not self.llm.llm_engine.add_lora(loading):
                 raise RuntimeError(f"vLLM did not add adapter {adapter_id} ({path})")
         except Exception:

@@ -45,7 +45,8 @@ _COUNTERS = (
 # Longest single wait, so that `should_stop()` is noticed soon even during a long backoff.
 _POLL_SECONDS = 0.1
 
-# Sends one attempt to the named trainer; raises (rather than returning a failed future) when nothing was sent.
+# Sends one attempt to the named trainer; raises (rather than returning a failed
+# future) when nothing was sent.
 Submit = Callable[[str, list[Experience]], "Future[AppendResult]"]
 
 
@@ -170,7 +171,8 @@ class ExperiencePusher:
 
     @property
     def oldest_useful_version(self) -> int | None:
-        """The latest acknowledgement's oldest useful policy version for the next batch (None: no bound known)."""
+        """The latest acknowledgement's oldest useful policy version for the next
+        batch (None: no bound known)."""
         with self._lock:
             return None if self._latest_ack is None else self._state[self._latest_ack].oldest_useful_version
 

@@ -1,4 +1,5 @@
-"""Actor: a causal-LM policy that encodes prompts and recomputes log-probs (a generation backend generates)."""
+"""Actor: a causal-LM policy that encodes prompts and recomputes log-probs (a
+generation backend generates)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
 def reference_sampling(sampling: SamplingConfig | None) -> SamplingConfig | None:
     """The distribution reference log-probs are scored on: `sampling`'s temperature, the full vocabulary.
 
-    One convention (docs/algorithms-and-rewards.md, "KL to the reference"): behaviour log-probs, and the trainer's
-    recomputation for the PPO ratio, come from the processed distribution (temperature, top-k, top-p); reference
-    log-probs, wherever they are computed (maker, reference scorer, GRPO trainer), come from the temperature-scaled
-    full distribution. The reference's own top-k/top-p would give -inf to a sampled token outside it (its top-k is
-    not the policy's); over the full vocabulary every token the policy can sample has a finite log-prob, and the KL
-    estimates KL(sampling policy || reference).
+    One convention (docs/algorithms-and-rewards.md, "KL to the reference"): behaviour log-probs, and the
+    trainer's recomputation for the PPO ratio, come from the processed distribution (temperature, top-k,
+    top-p); reference log-probs, wherever they are computed (maker, reference scorer, GRPO trainer), come from
+    the temperature-scaled full distribution. The reference's own top-k/top-p would give -inf to a sampled
+    token outside it (its top-k is not the policy's); over the full vocabulary every token the policy can
+    sample has a finite log-prob, and the KL estimates KL(sampling policy || reference).
     """
     if sampling is None or (sampling.top_k == 0 and sampling.top_p == 1.0):
         return sampling
@@ -61,7 +62,8 @@ class Actor(nn.Module):
         self.tokenizer = tokenizer
 
     def encode_prompts(self, prompts: Sequence[Prompt], chat: bool = True) -> list[torch.Tensor]:
-        """Token ids of each prompt: strings and message lists go through the chat template when there is one."""
+        """Token ids of each prompt: strings and message lists go through the chat
+        template when there is one."""
         encoded = []
         for prompt in prompts:
             if isinstance(prompt, torch.Tensor):

@@ -22,7 +22,8 @@ MERGED_DIR = "merged"
 
 
 def save_adapter(model: nn.Module, directory: str | Path) -> Path:
-    """The adapter of a LoRA model: peft's `save_pretrained` format; loralib: safetensors + lora_config.json."""
+    """The adapter of a LoRA model: peft's `save_pretrained` format; loralib:
+    safetensors + lora_config.json."""
     directory = Path(directory)
     backend = lora_backend(model)
     if backend is None:
@@ -31,7 +32,8 @@ def save_adapter(model: nn.Module, directory: str | Path) -> Path:
     if backend == "peft":
         model.save_pretrained(directory, safe_serialization=True)
     else:
-        save_file({k: v.contiguous() for k, v in lora_state_dict(model).items()}, directory / "lora_model.safetensors")
+        save_file({k: v.contiguous() for k, v in lora_state_dict(model).items()},
+                  directory / "lora_model.safetensors")
         (directory / "lora_config.json").write_text(json.dumps(lora_config_dict(model), indent=2))
     return directory
 

@@ -119,7 +119,8 @@ def smollm2_dir(cache: Path | None = None) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".SmolLM2-", dir=target.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, local_files_only=True)
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, local_files_only=True)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF,
+                                                          local_files_only=True)
         # transformers marks GGUF-loaded models as quantized and refuses to save them, although
         # the weights are already dequantised: rebuild a plain model from the config.
         config_dict = gguf_model.config.to_dict()
@@ -264,7 +265,8 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
         return tiny_tokenizer()
     if Path(spec).is_dir():
         return ensure_pad_token(AutoTokenizer.from_pretrained(spec, local_files_only=True))
-    raise ValueError(f"model spec {spec!r} is neither 'smollm2', 'tiny[-<model_type>]' nor an existing model directory")
+    raise ValueError(f"model spec {spec!r} is neither 'smollm2', 'tiny[-<model_type>]' nor an existing "
+                     "model directory")
 
 
 @contextlib.contextmanager

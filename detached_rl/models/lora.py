@@ -18,7 +18,8 @@ from detached_rl.models.lora_backend import SETTINGS_ATTR, lora_backend, model_b
 from detached_rl.models.lora_config import check_lora_config, check_lora_update, lora_config_dict
 from detached_rl.models.scalar_heads import Critic, RewardModel
 
-# The LoRA API in one place: detection (`lora_backend`) and the config dict and its checks (`lora_config`) too.
+# The LoRA API in one place: detection (`lora_backend`) and the config dict and its
+# checks (`lora_config`) too.
 __all__ = [
     "LoraSettings",
     "apply_lora",
@@ -136,8 +137,9 @@ def _matching_modules(model: nn.Module, targets: tuple[str, ...]) -> dict[str, n
 def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """Add LoRA to `model` (modified in place) and leave only the adapters trainable; return the LoRA model.
 
-    `model` is a causal LM (a policy), a transformer body without an LM head (a critic's backbone), or a `Critic` /
-    `RewardModel`, whose backbone gets the adapters (its scalar head stays trainable) and which is returned itself.
+    `model` is a causal LM (a policy), a transformer body without an LM head (a critic's backbone), or a
+    `Critic` / `RewardModel`, whose backbone gets the adapters (its scalar head stays trainable) and which is
+    returned itself.
     """
     if lora_backend(model) is not None:
         raise ValueError("model already has LoRA modules")
@@ -179,8 +181,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
 
 
 def _peft_task_type(model: nn.Module) -> peft.TaskType:
-    """CAUSAL_LM for a model that generates; FEATURE_EXTRACTION for a body without an LM head (a critic's backbone),
-    which peft's causal-LM wrapper cannot take (it needs `prepare_inputs_for_generation`)."""
+    """CAUSAL_LM for a model that generates; FEATURE_EXTRACTION for a body without an LM head (a critic's
+    backbone), which peft's causal-LM wrapper cannot take (it needs `prepare_inputs_for_generation`)."""
     generates = callable(getattr(model, "prepare_inputs_for_generation", None))
     return peft.TaskType.CAUSAL_LM if generates else peft.TaskType.FEATURE_EXTRACTION
 

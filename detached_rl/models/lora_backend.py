@@ -35,7 +35,8 @@ def _lora_holder(model: nn.Module, attribute: str) -> nn.Module:
 
 
 def loralib_settings(model: nn.Module) -> LoraSettings | None:
-    """The resolved settings `apply_lora` kept on a loralib model (or its backbone); None for peft or no LoRA."""
+    """The resolved settings `apply_lora` kept on a loralib model (or its
+    backbone); None for peft or no LoRA."""
     return getattr(_lora_holder(model, SETTINGS_ATTR), SETTINGS_ATTR, None)
 
 

@@ -1,4 +1,5 @@
-"""A LoRA model's configuration as a JSON dict, and the check that a weight update's adapter config fits it."""
+"""A LoRA model's configuration as a JSON dict, and the check that a weight
+update's adapter config fits it."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def lora_config_dict(model: nn.Module) -> dict[str, Any]:
     }
 
 
-# The `lora_config_dict` fields an update's adapter config must match: they fix what B·A means (the backend only names
-# the implementation; a different one shows up as unknown keys anyway).
+# The `lora_config_dict` fields an update's adapter config must match: they fix what B·A means (the backend
+# only names the implementation; a different one shows up as unknown keys anyway).
 CHECKED_LORA_FIELDS = ("r", "alpha", "scaling", "target_modules", "fan_in_fan_out", "bias", "modules_to_save")
 
 
@@ -64,11 +65,14 @@ def check_lora_config(expected: Mapping[str, Any], sent: Any, where: str) -> Non
         else:
             same = mine == theirs
         if not same:
-            raise ValueError(f"{where}: LoRA {field} is {sent[field]!r} in the update, {expected.get(field)!r} here")
+            raise ValueError(f"{where}: LoRA {field} is {sent[field]!r} in the update, "
+                             f"{expected.get(field)!r} here")
 
 
-def check_lora_update(expected: Mapping[str, Any], kind: str, metadata: Mapping[str, Any], where: str) -> None:
-    """Check an update's `metadata["lora"]` against `expected`; a "lora" update must carry it, a full one may."""
+def check_lora_update(expected: Mapping[str, Any], kind: str, metadata: Mapping[str, Any],
+                      where: str) -> None:
+    """Check an update's `metadata["lora"]` against `expected`; a "lora" update
+    must carry it, a full one may."""
     sent = metadata.get("lora")
     if sent is None:
         if kind == "lora":

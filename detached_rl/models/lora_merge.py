@@ -34,8 +34,8 @@ __all__ = [
     "cast_base_fingerprints", "dtype_name", "lowest_precision_dtype", "sent_base_fingerprint",
 ]
 
-# Common cast targets of makers (`MakerConfig.weight_cast_dtype`): a LoRA trainer puts its base fingerprint cast
-# to each of them in every update's metadata, so all its ranks agree on what a casting maker must hold.
+# Common cast targets of makers (`MakerConfig.weight_cast_dtype`): a LoRA trainer puts its base fingerprint
+# cast to each of them in every update's metadata, so all its ranks agree on what a casting maker must hold.
 CAST_FINGERPRINT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -218,7 +218,8 @@ def _unload_loralib(model: nn.Module) -> nn.Module:
 
 
 def base_keys(model: nn.Module) -> list[str]:
-    """State-dict keys of the frozen base: every tensor that is not a trainable parameter of the LoRA model."""
+    """State-dict keys of the frozen base: every tensor that is not a trainable
+    parameter of the LoRA model."""
     if isinstance(model, LoraMergeTarget):
         return list(model._base_keys)
     if lora_backend(model) is None:
@@ -231,7 +232,8 @@ def base_keys(model: nn.Module) -> list[str]:
 
 
 def base_fingerprint(model: nn.Module, cast_dtype: torch.dtype | None = None) -> str:
-    """Fingerprint of the `base_keys` tensors (LoRA model or target): exact, or cast (see `base_state_fingerprint`)."""
+    """Fingerprint of the `base_keys` tensors (LoRA model or target): exact, or cast (see
+    `base_state_fingerprint`)."""
     return base_state_fingerprint(model.state_dict(), base_keys(model), cast_dtype)
 
 
@@ -240,10 +242,10 @@ def base_state_fingerprint(state: Mapping[str, Tensor], keys: Iterable[str],
     """sha256 over names, shapes, dtypes and xxh3 checksums of `state[key]` for `keys`.
 
     Without `cast_dtype`: over the bytes as they are (a hex digest). With it: every floating tensor is cast to
-    `cast_dtype` first, and the result is "<dtype>:<digest>" (e.g. "bfloat16:9f3c..."). A maker that stores its
-    weights in bf16 cannot reproduce its trainer's fp32 bytes, but both sides can cast to bf16 and agree: the
-    maker's bytes after a full update are exactly the trainer's cast to its dtype (`Tensor.to` rounds the same way
-    everywhere), and a maker that loaded the same checkpoint in bf16 holds them too.
+    `cast_dtype` first, and the result is "<dtype>:<digest>" (e.g. "bfloat16:9f3c..."). A maker that stores
+    its weights in bf16 cannot reproduce its trainer's fp32 bytes, but both sides can cast to bf16 and agree:
+    the maker's bytes after a full update are exactly the trainer's cast to its dtype (`Tensor.to` rounds the
+    same way everywhere), and a maker that loaded the same checkpoint in bf16 holds them too.
     """
     keys = list(keys)
     if cast_dtype is None:
@@ -261,7 +263,8 @@ def base_state_fingerprint(state: Mapping[str, Tensor], keys: Iterable[str],
 
 def cast_base_fingerprints(model: nn.Module, dtypes: Iterable[torch.dtype] = CAST_FINGERPRINT_DTYPES
                            ) -> dict[str, str]:
-    """dtype name -> `base_fingerprint(model, dtype)` for each of `dtypes` (what a LoRA trainer's updates carry)."""
+    """dtype name -> `base_fingerprint(model, dtype)` for each of `dtypes` (what a
+    LoRA trainer's updates carry)."""
     state = model.state_dict()
     keys = base_keys(model)
     floating = {state[key].dtype for key in keys if state[key].is_floating_point()}
@@ -277,24 +280,28 @@ def cast_base_fingerprints(model: nn.Module, dtypes: Iterable[torch.dtype] = CAS
 
 
 def fingerprint_cast_dtype(fingerprint: str) -> torch.dtype | None:
-    """The dtype a base fingerprint was cast to ("bfloat16:<digest>" -> torch.bfloat16); None for an exact one."""
+    """The dtype a base fingerprint was cast to ("bfloat16:<digest>" ->
+    torch.bfloat16); None for an exact one."""
     name, separator, _ = fingerprint.rpartition(":")
     if not separator:
         return None
     dtype = parse_dtype(name)
     if dtype is None or not dtype.is_floating_point:
-        raise ValueError(f"base fingerprint {fingerprint[:48]!r} names {name!r}, which is not a floating torch dtype")
+        raise ValueError(f"base fingerprint {fingerprint[:48]!r} names {name!r}, which is not a "
+                         "floating torch dtype")
     return dtype
 
 
 def lowest_precision_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
-    """The floating dtype of `dtypes` with the coarsest precision (largest eps: bf16 before fp16 before fp32)."""
+    """The floating dtype of `dtypes` with the coarsest precision (largest eps:
+    bf16 before fp16 before fp32)."""
     floating = {dtype for dtype in dtypes if dtype.is_floating_point}
     return max(floating, key=lambda d: (torch.finfo(d).eps, -d.itemsize), default=None)
 
 
 def sent_base_fingerprint(metadata: Mapping[str, Any], cast_dtype: torch.dtype | None) -> str | None:
-    """The base fingerprint a LoRA update's `metadata` carries for a maker that fingerprints cast to `cast_dtype`."""
+    """The base fingerprint a LoRA update's `metadata` carries for a maker that
+    fingerprints cast to `cast_dtype`."""
     if cast_dtype is None:
         return metadata.get("base_fingerprint")
     return dict(metadata.get("base_fingerprints") or {}).get(dtype_name(cast_dtype))

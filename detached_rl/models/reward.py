@@ -62,7 +62,8 @@ def decode_batch(
 
 
 class FunctionReward:
-    """Turns a plain Python reward function of (prompt text, response text, **metadata) into a `RewardScorer`."""
+    """Turns a plain Python reward function of (prompt text, response text,
+    **metadata) into a `RewardScorer`."""
 
     def __init__(self, fn: RewardFunction, tokenizer: PreTrainedTokenizerBase) -> None:
         self.fn = fn
@@ -75,23 +76,27 @@ class FunctionReward:
         response_mask: torch.Tensor,
         metadata: list[dict[str, Any]] | None = None,
     ) -> tuple[torch.Tensor, list[dict[str, float]]]:
-        """Rewards [B] and, per sample, the components the function reported (empty when it returns a float)."""
+        """Rewards [B] and, per sample, the components the function reported
+        (empty when it returns a float)."""
         prompts, responses = decode_batch(self.tokenizer, sequences, attention_mask, response_mask)
         metadata = metadata or [{} for _ in prompts]
         if len(metadata) != len(prompts):
-            raise ValueError(f"FunctionReward: metadata has {len(metadata)} entries for {len(prompts)} sequences")
+            raise ValueError(f"FunctionReward: metadata has {len(metadata)} entries for "
+                             f"{len(prompts)} sequences")
         rewards, components = [], []
         for prompt, response, meta in zip(prompts, responses, metadata, strict=True):
             result = self.fn(prompt, response, **meta)
             if isinstance(result, Mapping):
                 if "reward" not in result:
-                    raise ValueError(f"reward function returned a dict without a 'reward' key: {dict(result)}")
+                    raise ValueError("reward function returned a dict without a 'reward' key: "
+                                     f"{dict(result)}")
                 parts = {key: float(value) for key, value in result.items() if key != "reward"}
                 value = float(result["reward"])
             else:
                 parts, value = {}, float(result)
             if not math.isfinite(value):
-                raise ValueError(f"reward function returned a non-finite reward {value} for response {response!r}")
+                raise ValueError(f"reward function returned a non-finite reward {value} for response "
+                                 f"{response!r}")
             rewards.append(value)
             components.append(parts)
         return torch.tensor(rewards, dtype=torch.float32, device=sequences.device), components
@@ -140,5 +145,6 @@ class RetokenizingRewardModel:
         )
         device = next(self.model.parameters()).device
         with torch.no_grad():
-            rewards = self.model(to_device(encoded["input_ids"], device), to_device(encoded["attention_mask"], device))
+            rewards = self.model(to_device(encoded["input_ids"], device),
+                                 to_device(encoded["attention_mask"], device))
         return rewards.float().to(sequences.device)

@@ -23,7 +23,8 @@ def _hidden_size(backbone: nn.Module) -> int:
 
 
 class _ScalarHeadModel(nn.Module):
-    def __init__(self, backbone: PreTrainedModel, head: nn.Linear | None = None, deterministic: bool = True) -> None:
+    def __init__(self, backbone: PreTrainedModel, head: nn.Linear | None = None,
+                 deterministic: bool = True) -> None:
         super().__init__()
         self.backbone = disable_dropout(backbone) if deterministic else backbone
         hidden = _hidden_size(backbone)
@@ -81,7 +82,8 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class RewardModel(_ScalarHeadModel):
-    """Sequence scorer: a backbone (causal LM or encoder such as BERT) with a scalar head read at the last token."""
+    """Sequence scorer: a backbone (causal LM or encoder such as BERT) with a scalar
+    head read at the last token."""
 
     def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """One reward per sequence [B]: the head at the last real token."""

@@ -67,7 +67,8 @@ def normalise_answer(text: str) -> str:
 
 
 def answers_match(predicted: str, answer: object, tolerance: float = 1e-6) -> bool:
-    """Numerically equal (relative and absolute `tolerance`) when both are numbers, else equal after normalising."""
+    """Numerically equal (relative and absolute `tolerance`) when both are numbers,
+    else equal after normalising."""
     gold = str(answer)
     predicted_value, gold_value = as_number(predicted), as_number(gold)
     if predicted_value is not None and gold_value is not None:
@@ -173,7 +174,8 @@ _MATH_VERIFY = MathVerifyWorker()
 
 
 def last_boxed(text: str) -> str | None:
-    """The contents of the last \\boxed{…} (nested and escaped braces allowed), or None if absent or unclosed."""
+    """The contents of the last \\boxed{…} (nested and escaped braces allowed), or
+    None if absent or unclosed."""
     starts = [match.end() for match in _BOXED.finditer(text)]
     if not starts:
         return None
@@ -207,7 +209,8 @@ def math_equal_or_none(predicted: str, answer: str, timeout_s: float = 3.0) -> b
 
 
 def math_equal(predicted: str, answer: str, timeout_s: float = 3.0) -> bool:
-    """`math_equal_or_none`, a down worker counting as not equal (whitespace-insensitive strings still match)."""
+    """`math_equal_or_none`, a down worker counting as not equal
+    (whitespace-insensitive strings still match)."""
     return bool(math_equal_or_none(predicted, answer, timeout_s))
 
 
@@ -249,12 +252,14 @@ def last_python_block(response: str) -> str | None:
     return None
 
 
-def _run_test(program: str, test: str | Mapping[str, str], timeout_s: float, memory_mb: int) -> tuple[bool, bool]:
+def _run_test(program: str, test: str | Mapping[str, str], timeout_s: float,
+              memory_mb: int) -> tuple[bool, bool]:
     """(passed, timed out) for one test of `program` (`detached_rl.rewards.grading`)."""
     if isinstance(test, str):
         verdict = run_assert_test(program, test, timeout_s=timeout_s, memory_mb=memory_mb)
     else:
-        verdict = run_io_test(program, test.get("input", ""), test["output"], timeout_s=timeout_s, memory_mb=memory_mb)
+        verdict = run_io_test(program, test.get("input", ""), test["output"], timeout_s=timeout_s,
+                              memory_mb=memory_mb)
     return verdict.passed, verdict.timed_out
 
 
@@ -264,7 +269,8 @@ def _check_tests(tests: Sequence[str | Mapping[str, str]]) -> None:
         raise ValueError(f"code_reward: tests must be a non-empty list, got {tests!r}")
     for test in tests:
         if not isinstance(test, str) and not (isinstance(test, Mapping) and "output" in test):
-            raise ValueError(f"code_reward: a test is an assert string or {{'input', 'output'}} dict, got {test!r}")
+            raise ValueError(f"code_reward: a test is an assert string or {{'input', 'output'}} dict, "
+                             f"got {test!r}")
 
 
 def code_reward(

@@ -114,14 +114,16 @@ def _serve(requests, answers, source):
         body = header and read_exactly(int.from_bytes(header, "big"))
         if not body:
             return
-        request = ast.literal_eval(NonFinite().visit(ast.parse(body.decode("utf-8", "surrogatepass"), mode="eval")))
+        tree = ast.parse(body.decode("utf-8", "surrogatepass"), mode="eval")
+        request = ast.literal_eval(NonFinite().visit(tree))
         try:
             if request[0] == "get":
                 if request[1] not in namespace:
                     raise NameError(f"name {request[1]!r} is not defined")
                 result = namespace[request[1]]
             elif request[0] == "call":
-                result = decode(request[1])(*map(decode, request[2]), **{k: decode(v) for k, v in request[3].items()})
+                keywords = {k: decode(v) for k, v in request[3].items()}
+                result = decode(request[1])(*map(decode, request[2]), **keywords)
             elif request[0] == "getattr":
                 result = getattr(decode(request[1]), request[2])
             else:
@@ -234,7 +236,8 @@ def _encode(value):
         return ("h", object.__getattribute__(value, "_handle"))
     if _is_literal(value):
         return ("v", value)
-    raise TypeError(f"cannot pass a {type(value).__name__} to the solution: only literals and its own objects")
+    raise TypeError(f"cannot pass a {type(value).__name__} to the solution: only literals and its own "
+                    "objects")
 
 
 def _exchange(request):
@@ -336,7 +339,8 @@ def normalise_output(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
 
 
-def run_io_test(program: str, stdin: str, expected: str, *, timeout_s: float = 5.0, memory_mb: int = 256) -> Verdict:
+def run_io_test(program: str, stdin: str, expected: str, *, timeout_s: float = 5.0,
+                memory_mb: int = 256) -> Verdict:
     """Run `program` with `stdin`; passes on exit status 0 and stdout equal to `expected` (normalised)."""
     result = sandbox.run_python(program, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb)
     passed = result.ok and normalise_output(result.stdout) == normalise_output(expected)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 SANDBOX_UID = 65534  # "nobody": owns no file on the host and holds no capability
 WORKDIR = "/tmp"  # the private tmpfs the code starts in (also HOME and the tempfile directory)
 _SYSTEM_DIRS = ("/usr",)
-_ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # symlinks into /usr on merged-usr systems
+# symlinks into /usr on merged-usr systems
+_ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _HELPERS = ("/usr/bin/prlimit", "/usr/bin/setpriv")  # util-linux; exec'd inside the sandbox
 
 # Denied outright (EPERM): debugging other processes, namespace and mount changes, kernel keyrings, BPF,
@@ -115,7 +116,8 @@ def check_helpers() -> None:
 
 @functools.cache
 def seccomp_program(allow_processes: bool) -> bytes:
-    """The seccomp filter as a BPF program (default allow, the calls above denied), for `bwrap --seccomp FD`."""
+    """The seccomp filter as a BPF program (default allow, the calls above
+    denied), for `bwrap --seccomp FD`."""
     try:
         import pyseccomp as seccomp
     except (ImportError, OSError, RuntimeError) as error:
@@ -123,7 +125,8 @@ def seccomp_program(allow_processes: bool) -> bytes:
             f"sandbox: libseccomp is unavailable ({error}); install pyseccomp and libseccomp2"
         ) from error
     deny = seccomp.ERRNO(errno.EPERM)
-    rules = seccomp.SyscallFilter(seccomp.ALLOW)  # x32 and foreign-arch calls are killed (libseccomp's default)
+    # x32 and foreign-arch calls are killed (libseccomp's default)
+    rules = seccomp.SyscallFilter(seccomp.ALLOW)
 
     def add(action: int, name: str, *args: object) -> None:
         if seccomp.resolve_syscall(seccomp.Arch.NATIVE, name) < 0:
@@ -163,7 +166,8 @@ def _read_all(fd: int) -> bytes:
 
 
 def _mount_arguments(prefix: str) -> list[str]:
-    """Read-only binds of /usr, the root symlinks and the interpreter prefix; nothing of /etc, /home or /root."""
+    """Read-only binds of /usr, the root symlinks and the interpreter prefix;
+    nothing of /etc, /home or /root."""
     argv: list[str] = []
     for directory in _SYSTEM_DIRS:
         argv += ["--ro-bind", directory, directory]
@@ -182,24 +186,28 @@ def _mount_arguments(prefix: str) -> list[str]:
 
 
 def bwrap_argv(limits: Limits, seccomp_fd: int, info_fd: int, command: Sequence[str]) -> list[str]:
-    """The full argv: bwrap with its namespaces and mounts, then prlimit (and setpriv as root), then `command`."""
+    """The full argv: bwrap with its namespaces and mounts, then prlimit (and
+    setpriv as root), then `command`."""
     _, prefix = interpreter()
     argv = [find_bwrap()]
     if running_as_root():
         # no user namespace: uid 65534 must be the host's nobody, not root mapped into a namespace
         argv += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup"]
-        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
+        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add",
+                 "CAP_SETPCAP"]
     else:
         argv += ["--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
                  "--disable-userns", "--assert-userns-disabled"]
     argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv",
              "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORKDIR, "--setenv", "LANG", "C.UTF-8",
-             "--setenv", "MALLOC_ARENA_MAX", "2"]  # glibc reserves 64 MiB per thread arena: threads would hit RLIMIT_AS
+             # glibc reserves 64 MiB per thread arena: threads would hit RLIMIT_AS
+             "--setenv", "MALLOC_ARENA_MAX", "2"]
     argv += _mount_arguments(prefix)
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "01777", "--size", str(limits.tmp_bytes), "--tmpfs", WORKDIR, "--chdir", WORKDIR,
              "--seccomp", str(seccomp_fd), "--info-fd", str(info_fd), "--"]
-    argv += ["/usr/bin/prlimit", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",  # SIGXCPU first, SIGKILL a second later
+    # SIGXCPU first, SIGKILL a second later
+    argv += ["/usr/bin/prlimit", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
              f"--as={limits.memory_bytes}", f"--fsize={limits.file_bytes}", f"--nofile={limits.nofile}",
              f"--nproc={limits.nproc}", "--core=0", "--"]
     if running_as_root():

@@ -61,7 +61,9 @@ class MathVerifyWorker:
         self._lock = threading.Lock()
         self._process: subprocess.Popen[str] | None = None
         self._stderr: IO[str] | None = None
-        self._installed = importlib.util.find_spec("math_verify") is not None if installed is None else installed
+        if installed is None:
+            installed = importlib.util.find_spec("math_verify") is not None
+        self._installed = installed
         self._down_until = 0.0
         self.failed_starts = 0
         self.timeouts = 0
@@ -75,7 +77,8 @@ class MathVerifyWorker:
 
     def _start(self) -> bool:
         """Start the worker; False (logged, retried after `retry_after_s`) if it does not come up."""
-        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as long as the worker, closed in close()
+        # Lives as long as the worker; closed in close().
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-c", self._code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -91,8 +94,9 @@ class MathVerifyWorker:
         self.close()
         self.failed_starts += 1
         self._down_until = time.monotonic() + self.retry_after_s
-        logger.warning("math-verify worker did not start (%d failed starts; retrying in %.0f s); boxed answers are "
-                       "compared as strings meanwhile and counted in the reward's verifier_unavailable: %s",
+        logger.warning("math-verify worker did not start (%d failed starts; retrying in %.0f s); boxed "
+                       "answers are compared as strings meanwhile and counted in the reward's "
+                       "verifier_unavailable: %s",
                        self.failed_starts, self.retry_after_s, detail or "no output")
         return False
 
@@ -117,7 +121,8 @@ class MathVerifyWorker:
             self._stderr = None
 
     def equal(self, predicted: str, answer: str, timeout_s: float) -> bool | None:
-        """Whether math-verify deems them equivalent (an overrun counts as not); None when its worker is down."""
+        """Whether math-verify deems them equivalent (an overrun counts as not);
+        None when its worker is down."""
         if not self._installed:
             raise MathVerifyUnavailable("the boxed reward needs math-verify, which is not installed "
                                         "(pip install math-verify==0.9.0, a dependency of detached-rl)")
@@ -126,9 +131,11 @@ class MathVerifyWorker:
                 return None
             assert self._process is not None and self._process.stdin is not None
             try:
-                self._process.stdin.write(json.dumps([answer, predicted, max(1, math.ceil(timeout_s))]) + "\n")
+                self._process.stdin.write(json.dumps([answer, predicted, max(1, math.ceil(timeout_s))])
+                                          + "\n")
                 self._process.stdin.flush()
-                reply = self._readline(3 * timeout_s + 1)  # two parses and a comparison, each with its own timeout
+                # two parses and a comparison, each with its own timeout
+                reply = self._readline(3 * timeout_s + 1)
             except (OSError, ValueError):
                 reply = None
             if not reply:

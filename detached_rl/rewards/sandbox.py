@@ -1,4 +1,5 @@
-"""Run untrusted Python (e.g. model-written solutions) in an OS-level sandbox; docs/sandbox.md has the details.
+"""Run untrusted Python (e.g. model-written solutions) in an OS-level sandbox; docs/sandbox.md has the
+details.
 
 What holds, from strongest to weakest layer:
 
@@ -120,7 +121,8 @@ class SandboxedProcess:
     def __init__(self, code: str, limits: isolation.Limits, *, args: Sequence[str] = (),
                  pass_fds: Sequence[int] = (), capture: bool = True, audit_hook: bool = True) -> None:
         python, _ = isolation.interpreter()
-        command = [python, "-I", "-S", "-B", "-c", prelude(not limits.allow_processes, audit_hook), code, *args]
+        command = [python, "-I", "-S", "-B", "-c", prelude(not limits.allow_processes, audit_hook), code,
+                   *args]
         seccomp_fd = os.memfd_create("detached_rl_seccomp")
         info_read, info_write = os.pipe()
         self._pidfd: int | None = None
@@ -150,7 +152,8 @@ class SandboxedProcess:
             os.close(info_read)
 
     def _open_init(self, info_read: int) -> int | None:
-        """A pidfd on the sandbox's PID 1 (from bwrap's --info-fd); raises SandboxUnavailable if bwrap failed."""
+        """A pidfd on the sandbox's PID 1 (from bwrap's --info-fd); raises
+        SandboxUnavailable if bwrap failed."""
         data = b""
         deadline = time.monotonic() + _SETUP_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -164,7 +167,8 @@ class SandboxedProcess:
         except (ValueError, KeyError, TypeError):
             self.proc.kill()
             _, stderr = self.proc.communicate(timeout=_REAP_TIMEOUT_S)
-            message = (stderr or b"").decode("utf-8", "replace").strip() or f"exit status {self.proc.returncode}"
+            message = (stderr or b"").decode("utf-8", "replace").strip()
+            message = message or f"exit status {self.proc.returncode}"
             raise SandboxUnavailable(f"sandbox: bubblewrap could not set up the sandbox: {message}") from None
         try:
             pidfd = os.pidfd_open(child_pid)
@@ -178,7 +182,8 @@ class SandboxedProcess:
             return None
         return pidfd
 
-    def communicate(self, stdin: bytes, deadline: float, max_output_bytes: int) -> tuple[bytes, bytes, str | None]:
+    def communicate(self, stdin: bytes, deadline: float,
+                    max_output_bytes: int) -> tuple[bytes, bytes, str | None]:
         """Feed stdin and collect output until both streams close; also waits for the exit. Reason or None."""
         stdout, stderr, reason = communicate(self.proc, stdin, deadline, max_output_bytes)
         if reason is None and not self.wait(deadline):
@@ -223,7 +228,8 @@ _verified = False
 
 
 def ensure_available() -> None:
-    """Check once that the isolation can be set up here and holds; raises SandboxUnavailable naming what lacks."""
+    """Check once that the isolation can be set up here and holds; raises
+    SandboxUnavailable naming what lacks."""
     global _verified
     with _availability_lock:
         if _verified:

@@ -1,4 +1,5 @@
-"""The sandbox's pipes and exit codes: feed stdin, collect bounded output until a deadline, read why it ended."""
+"""The sandbox's pipes and exit codes: feed stdin, collect bounded output until a
+deadline, read why it ended."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What runs inside the sandboxed interpreter besides the untrusted code: the audit-hook prelude and the probe.
+"""What runs inside the sandboxed interpreter besides the untrusted code: the audit-hook prelude and the
+probe.
 
 The prelude is the sandbox's second layer (a Python audit hook behind the OS confinement, see
 `detached_rl.rewards.sandbox`); the probe is what the first call runs to see its own confinement.
@@ -96,7 +97,8 @@ exec(compile(_source, "solution.py", "exec"), {{"__name__": "__main__", "__built
 PROBE = """\
 fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
 print(fields["Uid"].split()[0], fields["Gid"].split()[0], fields["Groups"].strip() or "-",
-      fields["CapEff"].strip(), fields["CapBnd"].strip(), fields["NoNewPrivs"].strip(), fields["Seccomp"].strip())
+      fields["CapEff"].strip(), fields["CapBnd"].strip(), fields["NoNewPrivs"].strip(),
+      fields["Seccomp"].strip())
 """
 
 

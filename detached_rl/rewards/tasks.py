@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 SPLITS = ("train", "test")
 HELD_OUT_FRACTION = 0.2
-ANSWER_INSTRUCTION = "Show the calculation, then give the final answer on the last line as 'Answer: <number>'."
+ANSWER_INSTRUCTION = ("Show the calculation, then give the final answer on the last line as "
+                      "'Answer: <number>'.")
 # The system message of `word_problems`: the instruction and one worked example of the format.
 WORD_PROBLEM_SYSTEM = (
     f"Solve the math word problem. {ANSWER_INSTRUCTION}\n"
@@ -69,7 +70,8 @@ def _draw(pool: list, count: int, rng: random.Random) -> list:
     return [pool[rng.randrange(len(pool))] for _ in range(count)]
 
 
-def addition_problems(count: int, seed: int = 0, low: int = 1, high: int = 20, split: str = "train") -> list[Problem]:
+def addition_problems(count: int, seed: int = 0, low: int = 1, high: int = 20,
+                      split: str = "train") -> list[Problem]:
     """`count` problems "What is a + b?"; train and held-out splits never share a pair (a, b)."""
     _check(count, split)
     pool = _split_pool([(a, b) for a in range(low, high + 1) for b in range(low, high + 1)], split)
@@ -99,10 +101,12 @@ OPERATIONS: dict[str, tuple[tuple[str, ...], Callable[[int, int], int]]] = {
 }
 
 
-def word_problems(count: int, seed: int = 0, low: int = 2, high: int = 12, split: str = "train") -> list[Problem]:
+def word_problems(count: int, seed: int = 0, low: int = 2, high: int = 12,
+                  split: str = "train") -> list[Problem]:
     """`count` one-step addition/subtraction word problems (system + user messages) with their answers."""
     _check(count, split)
-    combinations = [(op, a, b) for op in OPERATIONS for a in range(low, high + 1) for b in range(low, high + 1)
+    combinations = [(op, a, b) for op in OPERATIONS for a in range(low, high + 1)
+                    for b in range(low, high + 1)
                     if op == "+" or a > b]
     pool = _split_pool(combinations, split)
     rng = random.Random(seed)

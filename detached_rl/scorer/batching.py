@@ -1,4 +1,5 @@
-"""`RequestBatcher`: requests from many threads (one per maker call) merged into batches for one worker thread."""
+"""`RequestBatcher`: requests from many threads (one per maker call) merged into
+batches for one worker thread."""
 
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ class ScorerGroupConfig:
                 raise ValueError(f"ScorerGroupConfig.{name} must be an int >= 1, got {value!r}")
         if isinstance(self.num_gpus_per_node, bool) or not isinstance(self.num_gpus_per_node, int) \
                 or self.num_gpus_per_node < 0:
-            raise ValueError(f"ScorerGroupConfig.num_gpus_per_node must be an int >= 0, got {self.num_gpus_per_node!r}")
+            raise ValueError("ScorerGroupConfig.num_gpus_per_node must be an int >= 0, got "
+                             f"{self.num_gpus_per_node!r}")
         if not self.num_cpus_per_worker >= 0 or (self.num_cpus_per_worker == 0 and self.num_gpus_per_node == 0
                                                  and not self.resources):
             raise ValueError(f"ScorerGroupConfig.num_cpus_per_worker must be > 0 for CPU workers, got "

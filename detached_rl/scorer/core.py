@@ -80,8 +80,8 @@ class Scorer:
             while self.receiver.version < version:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"critic scorer holds weights v{self.receiver.version}; a request needs "
-                                       f"v{version} and no update came within {timeout:.0f} s")
+                    raise TimeoutError(f"critic scorer holds weights v{self.receiver.version}; a "
+                                       f"request needs v{version} and no update came within {timeout:.0f} s")
                 self.version_changed.wait(min(remaining, 1.0))
 
     def answer(self, requests: Sequence[ScoreRequest]) -> list[ScoreAnswer]:
@@ -91,7 +91,8 @@ class Scorer:
         start = time.perf_counter()
         merged = merge_requests(requests)
         self.wait_for_version(merged.min_version, self.weight_timeout_s)
-        batch = [to_device(t, self.device) for t in (merged.sequences, merged.attention_mask, merged.response_mask)]
+        batch = [to_device(t, self.device)
+                 for t in (merged.sequences, merged.attention_mask, merged.response_mask)]
         with self.lock, torch.no_grad():
             version = self.version
             rewards, components, token_scores = self._forward(*batch, merged.metadata)
@@ -118,14 +119,17 @@ class Scorer:
         return answers
 
     def _forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                 metadata: list[dict[str, Any]]) -> tuple[torch.Tensor | None, list | None, torch.Tensor | None]:
+                 metadata: list[dict[str, Any]]) -> tuple[torch.Tensor | None, list | None,
+                                                          torch.Tensor | None]:
         if self.role == "reward":
             if hasattr(self.model, "score_detailed"):
-                rewards, components = self.model.score_detailed(sequences, attention_mask, response_mask, metadata)
+                rewards, components = self.model.score_detailed(sequences, attention_mask, response_mask,
+                                                                metadata)
                 return rewards, components, None
             return self.model.score(sequences, attention_mask, response_mask, metadata), None, None
         if self.role == "reference":
-            # The temperature-scaled full distribution (`reference_sampling`): finite for every sampleable token.
+            # The temperature-scaled full distribution (`reference_sampling`): finite
+            # for every sampleable token.
             return None, None, self.model.log_probs(sequences, attention_mask, response_mask,
                                                     reference_sampling(self.sampling))
         return None, None, self.model(sequences, attention_mask, response_mask)

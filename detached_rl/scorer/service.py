@@ -1,4 +1,5 @@
-"""What a maker sends its batches to: the `ScoringService` protocol, and `LocalScoring` over in-process scorers.
+"""What a maker sends its batches to: the `ScoringService` protocol, and `LocalScoring` over in-process
+scorers.
 
 A maker whose roles are served by remote scorer groups talks to `detached_rl.actors.scorer.RemoteScoring`;
 tests and one-process runs use `LocalScoring`.
@@ -28,7 +29,8 @@ class ScoringService(Protocol):
         ...
 
     def submit(self, request: ScoreRequest, roles: frozenset[str] | None = None) -> PendingScores:
-        """Ask every role (or `roles`) at once, without waiting; the returned function collects the answers."""
+        """Ask every role (or `roles`) at once, without waiting; the returned
+        function collects the answers."""
         ...
 
 

@@ -26,10 +26,12 @@ DISTRIBUTED_STRATEGIES = tuple(name for name in STRATEGIES if name != "naive")
 
 
 def check_strategy_name(value: Any, where: str = "strategy") -> str:
-    """`value` when it names a strategy; else TypeError (not a str) or ValueError (unknown), naming `where`."""
+    """`value` when it names a strategy; else TypeError (not a str) or ValueError
+    (unknown), naming `where`."""
     if not isinstance(value, str):
-        hint = (" (a callable that builds a strategy, such as coati's strategy_fn, is not taken here: pass the "
-                "strategy's name; the trainer builds it in its own process)") if callable(value) else ""
+        hint = (" (a callable that builds a strategy, such as coati's strategy_fn, is not taken "
+                "here: pass the strategy's name; the trainer builds it in its "
+                "own process)") if callable(value) else ""
         shown = repr(value)[:120]
         raise TypeError(f"{where} must be a strategy name, one of {sorted(STRATEGIES)}; got a "
                         f"{type(value).__name__}, {shown}{hint}")
@@ -39,12 +41,13 @@ def check_strategy_name(value: Any, where: str = "strategy") -> str:
 
 
 def check_strategy(value: Any, where: str = "strategy") -> Strategy:
-    """`value` when it is a `Strategy` instance; else TypeError naming `where` (a name or a factory is refused)."""
+    """`value` when it is a `Strategy` instance; else TypeError naming `where` (a
+    name or a factory is refused)."""
     if not isinstance(value, Strategy):
         hint = " (call make_strategy(name) for one by name)" if isinstance(value, str) else \
             " (call the factory and pass what it returns)" if callable(value) else ""
-        raise TypeError(f"{where} must be a detached_rl Strategy instance (NaiveStrategy, DDPStrategy, ...); got "
-                        f"{type(value).__name__}{hint}")
+        raise TypeError(f"{where} must be a detached_rl Strategy instance (NaiveStrategy, "
+                        f"DDPStrategy, ...); got {type(value).__name__}{hint}")
     return value
 
 
@@ -54,7 +57,8 @@ def make_strategy(name: str, **kwargs) -> Strategy:
 
 
 __all__ = [
-    "CPU_STRATEGIES", "DISTRIBUTED_STRATEGIES", "STRATEGIES", "ColossalAIDDPStrategy", "ColossalAIGeminiStrategy",
+    "CPU_STRATEGIES", "DISTRIBUTED_STRATEGIES", "STRATEGIES", "ColossalAIDDPStrategy",
+    "ColossalAIGeminiStrategy",
     "ColossalAIZero2Strategy", "DDPStrategy", "NaiveStrategy", "Strategy", "StrategyUnavailableError",
     "check_strategy", "check_strategy_name", "colossalai_available", "default_device", "make_strategy",
 ]

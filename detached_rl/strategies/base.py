@@ -16,14 +16,16 @@ from detached_rl.strategies.optim import OptimizerConfig, build_optimizer
 
 
 class Strategy(ABC):
-    """One way to train a model (one process, DDP, ColossalAI ...). Logic that does not depend on it lives elsewhere."""
+    """One way to train a model (one process, DDP, ColossalAI ...). Logic that does not
+    depend on it lives elsewhere."""
 
     name: str = "base"
     # True when ranks hold shards of the weights (ZeRO, Gemini): gathering them is a collective
     # every rank joins, and only rank 0 pushes weight updates to makers.
     shards_weights: bool = False
     # False when the strategy takes one backward per optimizer step: gradients cannot be accumulated over
-    # micro-batches, so a learner must back-propagate each mini-batch at once (micro_batch_size >= mini-batch).
+    # micro-batches, so a learner must back-propagate each mini-batch at once
+    # (micro_batch_size >= mini-batch).
     supports_gradient_accumulation: bool = True
 
     @property
@@ -62,7 +64,8 @@ class Strategy(ABC):
     def prepare_training(
         self, model: nn.Module, config: OptimizerConfig | None = None
     ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-        """Prepare a trainable model with its optimizer and schedule; returns (model to call, optimizer, schedule).
+        """Prepare a trainable model with its optimizer and schedule; returns (model to call, optimizer,
+        schedule).
 
         Strategies that must see model and optimizer together (ColossalAI's `Booster.boost`) override this.
         """
@@ -71,7 +74,8 @@ class Strategy(ABC):
         return model, optimizer, scheduler
 
     def gradient_share(self, local_count: float) -> float:
-        """Factor for this rank's loss so that averaging gradients over ranks gives the mean over all ranks' data.
+        """Factor for this rank's loss so that averaging gradients over ranks gives the mean over all ranks'
+        data.
 
         A rank's loss is a mean over its `local_count` tokens (or sequences); data-parallel wrappers
         average gradients over ranks, which equals the mean over all data only when every rank holds
@@ -131,20 +135,23 @@ class Strategy(ABC):
         return model
 
     def load_weights(self, model: nn.Module, state: dict[str, torch.Tensor], optimizer: Any = None) -> None:
-        """Load a state dict (as `unwrap(model).state_dict()` gave it) into `model` (what `prepare_model` returned);
-        `optimizer` is the model's, for strategies that keep their own copy of the weights (master weights)."""
+        """Load a state dict (as `unwrap(model).state_dict()` gave it) into `model` (what `prepare_model`
+        returned); `optimizer` is the model's, for strategies that keep their own copy of
+        the weights (master weights)."""
         self.unwrap(model).load_state_dict(state)
 
     def named_tensors(
         self, model: nn.Module, prefix: str = "", only_trainable: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of the full state dict of the part of `model` under `prefix` (prefix removed), in order.
+        """(name, tensor) of the full state dict of the part of `model` under `prefix` (prefix removed), in
+        order.
 
         `model` is what `prepare_model` returned. Sharded strategies gather one shard at a time
         (a collective: every rank iterates) and yield tensors on rank 0 only.
         """
         plain = self.unwrap(model)
-        trainable = {name for name, p in plain.named_parameters() if p.requires_grad} if only_trainable else None
+        trainable = {name for name, p in plain.named_parameters()
+                     if p.requires_grad} if only_trainable else None
         for name, tensor in plain.state_dict().items():
             if not name.startswith(prefix) or (trainable is not None and name not in trainable):
                 continue
@@ -153,7 +160,8 @@ class Strategy(ABC):
     def iter_state_dict(
         self, model: nn.Module, chunk_bytes: int = 64 * 2**20, only_trainable: bool = False
     ) -> Iterator[dict[str, torch.Tensor]]:
-        """The full state dict in chunks of at most `chunk_bytes` (a tensor larger than that is its own chunk)."""
+        """The full state dict in chunks of at most `chunk_bytes` (a tensor larger
+        than that is its own chunk)."""
         chunk: dict[str, torch.Tensor] = {}
         size = 0
         for name, tensor in self.named_tensors(model, only_trainable=only_trainable):
@@ -170,7 +178,8 @@ class Strategy(ABC):
         self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         extra: dict[str, Any] | None = None,
     ) -> Path:
-        """Write model, optimizer and `extra` atomically as safetensors + JSON: a crash mid-save keeps the old one."""
+        """Write model, optimizer and `extra` atomically as safetensors + JSON: a crash
+        mid-save keeps the old one."""
         state = {"model": self.unwrap(model).state_dict(), "extra": extra or {},
                  "optimizer": optimizer.state_dict() if optimizer is not None else None}
         return save_atomic(state, path)

@@ -51,8 +51,8 @@ def colossalai_available() -> bool:
 
 def _import_colossalai(strategy: str) -> Any:
     if not colossalai_available():
-        raise StrategyUnavailableError(f"strategy {strategy!r} needs the colossalai package, which is not installed; "
-                                       f"{INSTALL_HINT}. Without it, use 'naive' or 'ddp'.")
+        raise StrategyUnavailableError(f"strategy {strategy!r} needs the colossalai package, which is "
+                                       f"not installed; {INSTALL_HINT}. Without it, use 'naive' or 'ddp'.")
     with warnings.catch_warnings():  # optional kernels (apex, tensornvme, bitsandbytes CPU) it will not use
         warnings.simplefilter("ignore")
         import colossalai.booster
@@ -61,7 +61,8 @@ def _import_colossalai(strategy: str) -> Any:
 
 
 class BackwardsPerStep:
-    """Counts backward passes per optimizer since its last step, and refuses a second one where `allowed` is False.
+    """Counts backward passes per optimizer since its last step, and refuses a second one where `allowed` is
+    False.
 
     Turns what a plugin without gradient accumulation would do with a second micro-batch (Gemini: an
     AssertionError deep in its chunk bookkeeping, or gradients written over the weights) into an error
@@ -75,14 +76,15 @@ class BackwardsPerStep:
         self._counts: dict[int, int] = {}
 
     def backward(self, optimizer: Any) -> None:
-        """Record one backward pass for `optimizer`; raise ValueError if it is a second one and that is not allowed."""
+        """Record one backward pass for `optimizer`; raise ValueError if it is a second
+        one and that is not allowed."""
         count = self._counts.get(id(optimizer), 0) + 1
         if count > 1 and not self.allowed:
             raise ValueError(
-                f"strategy {self.strategy!r} takes one backward pass per optimizer step (no gradient accumulation), "
-                f"but a second micro-batch was back-propagated before the step: set the learner's micro_batch_size "
-                f"(PPOConfig.micro_batch_size / GRPOConfig.micro_batch_size) to at least its mini-batch size, "
-                f"or {self.how_to_allow}"
+                f"strategy {self.strategy!r} takes one backward pass per optimizer step (no gradient "
+                "accumulation), but a second micro-batch was back-propagated before the step: set "
+                "the learner's micro_batch_size (PPOConfig.micro_batch_size / GRPOConfig.micro_batch_size) "
+                f"to at least its mini-batch size, or {self.how_to_allow}"
             )
         self._counts[id(optimizer)] = count
 
@@ -91,8 +93,10 @@ class BackwardsPerStep:
         self._counts.pop(id(optimizer), None)
 
 
-def gemini_plugin_options(precision: str, max_grad_norm: float | None, options: Mapping[str, Any]) -> dict[str, Any]:
-    """`GeminiPlugin` keyword arguments: ours, with gradient accumulation on, then the user's `plugin_options`.
+def gemini_plugin_options(precision: str, max_grad_norm: float | None,
+                          options: Mapping[str, Any]) -> dict[str, Any]:
+    """`GeminiPlugin` keyword arguments: ours, with gradient accumulation on, then the user's
+    `plugin_options`.
 
     With `enable_gradient_accumulation` GeminiDDP keeps gradients in chunks of their own and adds each
     backward pass to them until the optimizer steps; without it, it writes gradients over the bf16
@@ -112,13 +116,14 @@ class ColossalAIStrategy(DDPStrategy):
     name = "colossalai"
     needs_cuda = False
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, backend: str | None = None,
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
+                 backend: str | None = None,
                  timeout_s: float = 300.0, device: torch.device | str | None = None,
                  plugin_options: dict[str, Any] | None = None) -> None:
         if self.needs_cuda and not torch.cuda.is_available():
             raise StrategyUnavailableError(
-                f"strategy {self.name!r} needs CUDA GPUs ({self._needs_cuda_because}) and this machine has none; "
-                f"on CPU use one of {', '.join(CPU_STRATEGIES)}"
+                f"strategy {self.name!r} needs CUDA GPUs ({self._needs_cuda_because}) and this "
+                f"machine has none; on CPU use one of {', '.join(CPU_STRATEGIES)}"
             )
         _import_colossalai(self.name)
         super().__init__(rank, world_size, master_addr, master_port, backend, timeout_s, device)
@@ -154,7 +159,8 @@ class ColossalAIStrategy(DDPStrategy):
     def prepare_training(
         self, model: nn.Module, config: OptimizerConfig | None = None
     ) -> tuple[nn.Module, Any, torch.optim.lr_scheduler.LRScheduler]:
-        """Boost the model with its optimizer and schedule; returns the wrapped model, optimizer and schedule."""
+        """Boost the model with its optimizer and schedule; returns the wrapped
+        model, optimizer and schedule."""
         config = config or OptimizerConfig()
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -167,10 +173,12 @@ class ColossalAIStrategy(DDPStrategy):
 
     def create_optimizer(self, model: nn.Module, config: OptimizerConfig | None = None) -> tuple[Any, Any]:
         """Refused: a Booster must see model and optimizer together; use `prepare_training`."""
-        raise NotImplementedError(f"strategy {self.name!r} boosts model and optimizer together: use prepare_training")
+        raise NotImplementedError(f"strategy {self.name!r} boosts model and optimizer together: use "
+                                  "prepare_training")
 
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any) -> None:
-        """Back-propagate as `Booster.backward` does: through the plugin's optimizer (it may scale or shard)."""
+        """Back-propagate as `Booster.backward` does: through the plugin's
+        optimizer (it may scale or shard)."""
         optimizer.backward(loss)
 
     def optimizer_step(self, optimizer: Any, model: nn.Module, max_grad_norm: float | None = None) -> float:
@@ -179,7 +187,8 @@ class ColossalAIStrategy(DDPStrategy):
         if max_grad_norm is not None and params:
             norm = float(optimizer.clip_grad_by_norm(max_grad_norm))
         else:
-            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
+            norms = [p.grad.norm() for p in params]
+            norm = float(torch.linalg.vector_norm(torch.stack(norms))) if params else 0.0
         optimizer.step()
         optimizer.zero_grad()
         return norm
@@ -223,12 +232,14 @@ class _ShardedColossalAIStrategy(ColossalAIStrategy):
     def __init__(self, *args: Any, precision: str = "bf16", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.precision = precision
-        self._backwards = BackwardsPerStep(self.name, self.supports_gradient_accumulation, self._how_to_accumulate)
+        self._backwards = BackwardsPerStep(self.name, self.supports_gradient_accumulation,
+                                           self._how_to_accumulate)
 
     _how_to_accumulate = ""
 
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any) -> None:
-        """Back-propagate through the plugin's optimizer; a second pass before the step only where it accumulates."""
+        """Back-propagate through the plugin's optimizer; a second pass before the step
+        only where it accumulates."""
         self._backwards.backward(optimizer)
         optimizer.backward(loss)
 
@@ -239,7 +250,8 @@ class _ShardedColossalAIStrategy(ColossalAIStrategy):
                           weight_decay=config.weight_decay, adamw_mode=True)
 
     def optimizer_step(self, optimizer: Any, model: nn.Module, max_grad_norm: float | None = None) -> float:
-        """Step (the plugin clips to the optimizer config's norm) and zero gradients; returns the norm if known."""
+        """Step (the plugin clips to the optimizer config's norm) and zero gradients;
+        returns the norm if known."""
         optimizer.step()
         norm = optimizer.get_grad_norm() if hasattr(optimizer, "get_grad_norm") else None
         optimizer.zero_grad()
@@ -261,7 +273,8 @@ class ColossalAIZero2Strategy(_ShardedColossalAIStrategy):
     def _plugin(self, max_grad_norm: float | None) -> Any:
         from colossalai.booster.plugin import LowLevelZeroPlugin
 
-        options = {"stage": 2, "precision": self.precision, "max_norm": max_grad_norm or 0.0, **self.plugin_options}
+        options = {"stage": 2, "precision": self.precision, "max_norm": max_grad_norm or 0.0,
+                   **self.plugin_options}
         return LowLevelZeroPlugin(**options)
 
     def load_weights(self, model: nn.Module, state: dict[str, torch.Tensor], optimizer: Any = None) -> None:
@@ -274,7 +287,8 @@ class ColossalAIZero2Strategy(_ShardedColossalAIStrategy):
     def named_tensors(
         self, model: nn.Module, prefix: str = "", only_trainable: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The module's working weights (bf16(master) after each step), once any all-gather still in flight landed.
+        """The module's working weights (bf16(master) after each step), once any all-gather still in flight
+        landed.
 
         With `plugin_options={"overlap_allgather": True}` the optimizer step only starts the all-gathers of
         the updated weights; the plugin's own checkpoint code waits for them first, and so does this.
@@ -285,7 +299,8 @@ class ColossalAIZero2Strategy(_ShardedColossalAIStrategy):
 
 
 class ColossalAIGeminiStrategy(_ShardedColossalAIStrategy):
-    """ColossalAI `GeminiPlugin`: parameters, gradients and optimizer states in chunks sharded over ranks (CUDA)."""
+    """ColossalAI `GeminiPlugin`: parameters, gradients and optimizer states in chunks
+    sharded over ranks (CUDA)."""
 
     name = "colossalai_gemini"
     _needs_cuda_because = "GeminiPlugin manages parameter chunks in GPU memory"
@@ -295,7 +310,8 @@ class ColossalAIGeminiStrategy(_ShardedColossalAIStrategy):
     @property
     def supports_gradient_accumulation(self) -> bool:
         """True unless `plugin_options` turn Gemini's gradient accumulation off."""
-        return bool(gemini_plugin_options(self.precision, None, self.plugin_options)["enable_gradient_accumulation"])
+        return bool(gemini_plugin_options(self.precision, None,
+                                          self.plugin_options)["enable_gradient_accumulation"])
 
     def _plugin(self, max_grad_norm: float | None) -> Any:
         from colossalai.booster.plugin import GeminiPlugin
@@ -305,12 +321,15 @@ class ColossalAIGeminiStrategy(_ShardedColossalAIStrategy):
     def named_tensors(
         self, model: nn.Module, prefix: str = "", only_trainable: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Gather the parameters chunk by chunk (`state_dict_shard`, a collective); tensors arrive on rank 0 only."""
+        """Gather the parameters chunk by chunk (`state_dict_shard`, a collective);
+        tensors arrive on rank 0 only."""
         plain = self.unwrap(model)
-        if not hasattr(model, "state_dict_shard"):  # a frozen model was not boosted: it is whole on every rank
+        # a frozen model was not boosted: it is whole on every rank
+        if not hasattr(model, "state_dict_shard"):
             yield from super().named_tensors(model, prefix, only_trainable)
             return
-        trainable = {name for name, p in plain.named_parameters() if p.requires_grad} if only_trainable else None
+        trainable = {name for name, p in plain.named_parameters()
+                     if p.requires_grad} if only_trainable else None
         for shard, _ in model.state_dict_shard(max_shard_size=64, only_rank_0=True):
             for name, tensor in shard.items():
                 if name.startswith(prefix) and (trainable is None or name in trainable):

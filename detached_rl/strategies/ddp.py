@@ -46,7 +46,8 @@ def node_address() -> str:
 def listen_on(address: str, port: int) -> socket.socket:
     """A TCP socket listening on `address`:`port` only (not on every interface)."""
     try:
-        family, kind, protocol, _, socket_address = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+        family, kind, protocol, _, socket_address = socket.getaddrinfo(address, port,
+                                                                       type=socket.SOCK_STREAM)[0]
         listener = socket.socket(family, kind, protocol)
     except OSError as error:
         raise RuntimeError(f"DDPStrategy.master_addr {address!r} does not resolve: {error}") from error
@@ -89,7 +90,8 @@ class DDPStrategy(Strategy):
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"DDPStrategy.rank must be an int in [0, {world_size}), got {rank!r}")
         if not isinstance(master_addr, str) or not master_addr.strip():
-            raise ValueError(f"DDPStrategy.master_addr must be a non-empty host name or address, got {master_addr!r}")
+            raise ValueError("DDPStrategy.master_addr must be a non-empty host name or address, got "
+                             f"{master_addr!r}")
         if isinstance(master_port, bool) or not isinstance(master_port, int) or not 0 < master_port < 65536:
             raise ValueError(f"DDPStrategy.master_port must be an int in [1, 65535], got {master_port!r}")
         if backend is None:
@@ -283,7 +285,8 @@ class DDPStrategy(Strategy):
         dist.all_reduce(check, op=dist.ReduceOp.MAX)
         highest, minus_lowest = check.tolist()
         if highest != -minus_lowest:
-            raise ValueError(f"reduce_metrics: ranks passed different metric keys (rank {self._rank} has {keys})")
+            raise ValueError("reduce_metrics: ranks passed different metric keys (rank "
+                             f"{self._rank} has {keys})")
         values = [float(metrics[k]) if _is_sum(k) else float(metrics[k]) * weight for k in keys]
         totals = torch.tensor([*values, weight], dtype=torch.float64, device=self.collective_device)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)

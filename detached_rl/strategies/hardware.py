@@ -94,8 +94,8 @@ GPU_SPECS: tuple[tuple[str, DeviceSpec], ...] = (
     (r"L40\b", _spec("L40", 90.5, 90.5, 181, 181, 864, "NVIDIA L40 GPU data sheet")),
     (r"\bL4\b", _spec("L4", 30.3, 60, 121, 121, 300, "NVIDIA L4 Tensor Core GPU data sheet")),
     (r"\bA10\b", _spec("A10", 31.2, 62.5, 125, 125, 600, "NVIDIA A10 Tensor Core GPU data sheet")),
-    # GeForce tensor cores run FP16/BF16 with FP32 accumulation (what PyTorch uses) at half the FP16-accumulate
-    # rate that the marketing figure quotes.
+    # GeForce tensor cores run FP16/BF16 with FP32 accumulation (what PyTorch uses) at half the
+    # FP16-accumulate rate that the marketing figure quotes.
     (r"RTX 4090", _spec("GeForce RTX 4090", 82.6, 82.6, 165.2, 165.2, 1008,
                         "NVIDIA Ada Lovelace architecture whitepaper, appendix table (RTX 4090)")),
     (r"RTX 3090", _spec("GeForce RTX 3090", 35.6, 35.6, 71, 71, 936,
@@ -177,7 +177,8 @@ def _best_rate(device: torch.device, work: float, step: Callable[[], object]) ->
     return best
 
 
-def measure_matmul_flops(device: str | torch.device, dtype: str = "float32", size: int | None = None) -> float:
+def measure_matmul_flops(device: str | torch.device, dtype: str = "float32",
+                         size: int | None = None) -> float:
     """Measured square-matmul throughput (FLOP/s) of `device` in `dtype` (best of a few timed trials)."""
     device = _normalise(device)
     size = size or MEASURE_SIZE.get(device.type, MEASURE_SIZE["cpu"])
@@ -250,4 +251,5 @@ def _cached_bandwidth(device: str) -> Peak:
     spec = lookup_gpu(device_name(torch_device)) if torch_device.type == "cuda" else None
     if spec is not None:
         return Peak(spec.memory_bandwidth, f"table: {spec.source}")
-    return Peak(measure_copy_bandwidth(torch_device), f"measured: 256 MiB device copy, best of {MEASURE_TRIALS} trials")
+    return Peak(measure_copy_bandwidth(torch_device),
+                f"measured: 256 MiB device copy, best of {MEASURE_TRIALS} trials")

@@ -10,7 +10,9 @@ from detached_rl.strategies.base import Strategy
 
 def default_device() -> torch.device:
     """The first accelerator if present, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class NaiveStrategy(Strategy):
