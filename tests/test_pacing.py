@@ -31,14 +31,14 @@ from detached_rl.core.replay_buffer import ReplayBuffer
 from detached_rl.maker.experience_maker import MakerConfig
 from detached_rl.maker.loop import STALL_UPDATES, MakerLoop
 from detached_rl.models import SamplingConfig
-from detached_rl.trainer.config import (
+from detached_rl.trainer.config import TrainerConfig
+from detached_rl.trainer.core import TrainerCore
+from detached_rl.trainer.staleness import (
     GenerationLedger,
-    TrainerConfig,
     fresh_samples,
     oldest_useful_version,
     paced_version,
 )
-from detached_rl.trainer.core import TrainerCore
 
 from .helpers import make_experience, naive_strategy, tiny_actor_critic
 

@@ -35,6 +35,7 @@ from detached_rl.core.buffer_door import (
 from detached_rl.core.buffer_stats import describe, summary
 from detached_rl.core.experience import Experience
 from detached_rl.core.experience_checks import DEFAULT_MAX_ABS_REWARD
+from detached_rl.trainer.staleness import is_stale
 
 # The door's names, importable from here too: the buffer raises the error, the maker
 # and trainer read the rest.
@@ -389,9 +390,7 @@ class ReplayBuffer:
             self._seen_ids.popitem(last=False)
 
     def _too_stale(self, policy_version: int, current_version: int | None) -> bool:
-        if self.max_staleness is None or current_version is None:
-            return False
-        return current_version - policy_version > self.max_staleness
+        return is_stale(policy_version, current_version, self.max_staleness)
 
     def _drop_stale(self, current_version: int | None) -> None:
         if self.max_staleness is None or current_version is None:

@@ -41,8 +41,9 @@ from detached_rl.models.lora_merge import (
     fingerprint_cast_dtype,
 )
 from detached_rl.strategies import check_strategy
-from detached_rl.trainer.config import GenerationLedger, TrainerConfig
+from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.resume import merge_buffer_states
+from detached_rl.trainer.staleness import GenerationLedger
 from detached_rl.trainer.weight_push import WeightPushQueue
 
 logger = logging.getLogger(__name__)
