@@ -4,8 +4,8 @@
 learner (any `Learner`: `PPOLearner`, `GRPOLearner`) decides what a step does and which models makers
 mirror; the trainer uses nothing of it beyond the `Learner` protocol.
 Transport is injected: `put` stores a weight chunk once and returns a reference (`ray.put`
-in the actor), `send_update` delivers an update to a list of makers and returns per-maker
-results, so the whole loop runs in unit tests without Ray.
+in the actor), and updates go out through a `WeightPushQueue` over a `send(maker, update) -> Future`
+(`trainer.weight_delivery` owns the makers and the pushes), so the whole loop runs in unit tests without Ray.
 
 Versions: `policy_version` counts completed training steps; the weights after step k are
 version k. Makers receive versions at sync points (every `update_steps` steps and at the
@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +32,12 @@ from detached_rl.algorithms.metrics import SKIPPED_STEPS, skipped_steps_key
 from detached_rl.algorithms.step_guard import SKIP_REASONS
 from detached_rl.core.checkpoint import CheckpointError, load_state, rng_state, save_atomic, set_rng_state
 from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
-from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate, build_weight_update, state_fingerprint
-from detached_rl.models.lora import lora_backend, lora_config_dict
-from detached_rl.models.lora_merge import (
-    base_fingerprint,
-    cast_base_fingerprints,
-    dtype_name,
-    fingerprint_cast_dtype,
-)
+from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate
 from detached_rl.strategies import check_strategy
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.resume import merge_buffer_states
 from detached_rl.trainer.staleness import GenerationLedger
+from detached_rl.trainer.weight_delivery import SendUpdate, WeightDelivery
 from detached_rl.trainer.weight_push import WeightPushQueue
 
 logger = logging.getLogger(__name__)
@@ -54,10 +48,6 @@ DYNAMIC_SAMPLING_DROPPED = "dynamic_sampling/dropped_fraction"
 
 class TrainingStopped(Exception):
     """`stop()` was called while `fit` waited for data."""
-
-# Delivers an update to the named makers and returns each one's result (an `ApplyResult` or the error).
-SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any]]
-
 
 def info_means(experiences: list[Any]) -> dict[str, float]:
     """Batch means of the numeric `info` entries every sample carries (reward components, "finished"), as "info/<key>"."""
@@ -84,33 +74,6 @@ def _finite_mean(values: list[int | float]) -> float | None:
         return None
     scale = max(abs(v) for v in floats) or 1.0  # scaled: a sum of values near float's limit would overflow
     return math.fsum(v / scale for v in floats) / len(floats) * scale
-
-
-def models_synced_in_full(models: Mapping[str, torch.nn.Module]) -> dict[str, int]:
-    """Synced models without LoRA that have trainable parameters, with the bytes of those parameters: what every
-    LoRA-only update carries whole (a frozen model without LoRA carries nothing after the first full update)."""
-    out = {}
-    for name, model in models.items():
-        if lora_backend(model) is not None:
-            continue
-        size = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        if size:
-            out[name] = size
-    return out
-
-
-def bytes_per_model(update: WeightUpdate) -> dict[str, int]:
-    """Bytes an update carries for each synced model (tied aliases counted once), by model name."""
-    sizes: dict[str, int] = {}
-    for spec in update.manifest.tensors:
-        model = spec.name.partition("/")[0]
-        sizes[model] = sizes.get(model, 0) + (spec.nbytes if spec.alias_of is None else 0)
-    return sizes
-
-
-def _discard(chunk: Any) -> None:
-    """A `put` that keeps nothing (ranks that do not push)."""
-    return None
 
 
 class TrainerCore:
@@ -147,43 +110,22 @@ class TrainerCore:
         self.skip_reasons: Counter[str] = Counter()
         self.last_skip: str | None = None
         self.history: deque[dict[str, float]] = deque(maxlen=self.config.metrics_history)
-        self.makers: set[str] = set()
-        self.registered_versions: dict[str, int] = {}
-        self.latest_update: WeightUpdate | None = None
-        self.fingerprints: dict[int, str] = {}
-        self.base_fingerprint: str | None = None
-        # dtype name -> the base's fingerprint cast to it, for makers that cast weights (bf16/fp16 makers). Every
-        # update carries these, so a maker registered with any rank can check a LoRA update from rank 0.
-        self.cast_base_fingerprints: dict[str, str] = {}
-        self._base_fingerprint_lock = threading.Lock()
-        if self.config.weight_sync == "lora":
-            actor_model = self.strategy.unwrap(learner.actor).model
-            if lora_backend(actor_model) is None:
-                raise ValueError("TrainerConfig.weight_sync='lora' needs a LoRA policy (see detached_rl.models.apply_lora)")
-            self.base_fingerprint = base_fingerprint(actor_model)
-            self.cast_base_fingerprints = cast_base_fingerprints(actor_model)
-        # Synced models without LoRA that training changes (a trained critic): LoRA-only updates carry them whole.
-        self.synced_in_full = models_synced_in_full(self.synced_models()) if self.config.weight_sync == "lora" else {}
-        for model_name, size in self.synced_in_full.items():
-            logger.warning("trainer %s: weight_sync='lora' but the %s has no LoRA; every update carries its trainable "
-                           "tensors in full (%d bytes; see weight_sync/bytes/%s). Give it LoRA (apply_lora) or "
-                           "freeze it to ship less.", name, model_name, size, model_name)
         # Held while the weights change (a training step) and while they are snapshotted for an update.
         self.weights_lock = threading.Lock()
         # Held by a push and while a resume swaps the buffer: no push is acknowledged into a buffer being replaced.
         self._push_lock = threading.Lock()
         self._stop = threading.Event()
-        self._push_queue: WeightPushQueue | None = None  # the latest `fit`'s, when the shell gives one
-        # Held while a maker registers and while a resume replaces the update makers start from, so a maker
-        # registering during a resume gets the update before or after it, and the resume then reaches it.
-        self._registration_lock = threading.Lock()
         self._started = time.monotonic()
         self.samples_trained = 0
         self._step_in_progress = False  # a batch has left the buffer and its step has not advanced the version yet
         self._update_steps = 1  # `fit`'s: makers only ever receive versions that are multiples of it
         # The batches acknowledgements told makers to generate next, counted by later ones (paces the makers).
         self._generation = GenerationLedger(self.config.train_batch_size, self.config.max_staleness or 0)
-        self._weight_errors: dict[str, str] = {}  # maker -> its failed weight update, as `last_error` says
+        self.delivery = WeightDelivery(self)
+        for model_name, size in self.delivery.synced_in_full.items():
+            logger.warning("trainer %s: weight_sync='lora' but the %s has no LoRA; every update carries its trainable "
+                           "tensors in full (%d bytes; see weight_sync/bytes/%s). Give it LoRA (apply_lora) or "
+                           "freeze it to ship less.", name, model_name, size, model_name)
 
     # ---------------------------------------------------------------- experience in
     def push_experience(self, experiences: list[Any]) -> AppendResult:
@@ -220,56 +162,58 @@ class TrainerCore:
         fraction = min(sum(dropped) / len(dropped), 0.75) if dropped else 0.0
         return math.ceil(self.config.train_batch_size / (1.0 - fraction))
 
-    # ---------------------------------------------------------------- weights out
+    # ---------------------------------------------------------------- weights out (`WeightDelivery`)
+    @property
+    def makers(self) -> set[str]:
+        """Every maker registered with this rank."""
+        return self.delivery.makers
+
+    @property
+    def registered_versions(self) -> dict[str, int]:
+        """Maker -> the version its registration gave it."""
+        return self.delivery.registered_versions
+
+    @property
+    def latest_update(self) -> WeightUpdate | None:
+        """The newest update built (what makers registering now start from)."""
+        return self.delivery.latest_update
+
+    @property
+    def fingerprints(self) -> dict[int, str]:
+        """Version -> weights fingerprint of each update built (with `record_weights_fingerprint`)."""
+        return self.delivery.fingerprints
+
+    @property
+    def base_fingerprint(self) -> str | None:
+        """The LoRA base's fingerprint (LoRA sync only)."""
+        return self.delivery.base_fingerprint
+
+    @property
+    def cast_base_fingerprints(self) -> dict[str, str]:
+        """dtype name -> the LoRA base's fingerprint cast to it."""
+        return self.delivery.cast_base_fingerprints
+
+    @property
+    def synced_in_full(self) -> dict[str, int]:
+        """Synced models without LoRA that every LoRA-only update carries whole, with their bytes."""
+        return self.delivery.synced_in_full
+
     def synced_models(self) -> dict[str, torch.nn.Module]:
         """The models makers mirror (PPO: policy and critic; GRPO: the policy)."""
-        return self.learner.synced_models()
+        return self.delivery.synced_models()
 
     def synced_state(self, trainable_only: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """State dicts of the synced models; with `trainable_only`, just what training changes (LoRA)."""
-        return {name: dict(tensors) for name, tensors in self._synced_tensors(trainable_only).items()}
-
-    def _synced_tensors(self, trainable_only: bool) -> dict[str, Iterator[tuple[str, torch.Tensor]]]:
-        """(name, tensor) streams of the synced models, gathered by the strategy shard by shard."""
-        return {
-            name: self.strategy.named_tensors(model, prefix, only_trainable=trainable_only)
-            for name, (model, prefix) in self.learner.synced_sources().items()
-        }
+        return {name: dict(tensors) for name, tensors in self.delivery.synced_tensors(trainable_only).items()}
 
     @property
     def pushes_weights(self) -> bool:
         """False on ranks other than 0 of a strategy that shards the weights (rank 0 pushes for all)."""
-        return not self.strategy.shards_weights or self.strategy.is_rank_zero
+        return self.delivery.pushes_weights
 
     def build_update(self, put: Put, kind: str | None = None) -> tuple[WeightUpdate, SendStats]:
         """Snapshot the current weights into an update ("full", or "lora": trainable tensors only)."""
-        kind = kind or ("lora" if self.config.weight_sync == "lora" and self.latest_update is not None else "full")
-        update, stats = self._build(put, kind)
-        self.latest_update = update
-        return update, stats
-
-    def _build(self, put: Put, kind: str) -> tuple[WeightUpdate, SendStats]:
-        metadata: dict[str, Any] = {"trainer_run": self.run_id}
-        if self.base_fingerprint is not None:
-            with self._base_fingerprint_lock:
-                cast = dict(self.cast_base_fingerprints)
-            metadata.update({"base_fingerprint": self.base_fingerprint, "base_fingerprints": cast,
-                             "lora": lora_config_dict(self.synced_models()["actor"])})
-        # `put` copies each chunk (ray.put serialises it), so the lock covers the snapshot only.
-        with self.weights_lock:
-            tensors = self._synced_tensors(trainable_only=kind == "lora")
-            if not self.pushes_weights:
-                for stream in tensors.values():  # take part in the gather; rank 0 builds the update
-                    for _ in stream:
-                        pass
-                put = _discard
-            update, stats = build_weight_update(
-                tensors, self.policy_version, put,
-                chunk_bytes=self.config.weight_chunk_bytes, kind=kind, metadata=metadata,
-            )
-            if self.config.record_weights_fingerprint:
-                self.fingerprints[self.policy_version] = state_fingerprint(self.synced_state())
-        return update, stats
+        return self.delivery.build_update(put, kind)
 
     def register_maker(self, name: str, base_fingerprint: str | None = None, put: Put | None = None
                        ) -> WeightUpdate | None:
@@ -279,147 +223,38 @@ class TrainerCore:
         casts weights, equal after casting both bases to its dtype) gets the latest LoRA-only update;
         any other maker gets a full update of the current weights.
         """
-        with self._registration_lock:
-            return self._register(name, base_fingerprint, put)
-
-    def _register(self, name: str, base_fingerprint: str | None, put: Put | None) -> WeightUpdate | None:
-        self.makers.add(name)
-        self._forget_weight_error(name)
-        latest = self.latest_update
-        # What the maker will hold once it took the answer (for the lag `status` reports; pushes raise it).
-        self.registered_versions[name] = -1 if latest is None else latest.manifest.version
-        if self._push_queue is not None:
-            self._push_queue.forget(name)  # a maker registering again (restarted) holds what this answer gives it
-        if latest is None or latest.manifest.kind == "full":
-            return latest
-        if base_fingerprint is not None and base_fingerprint == self.base_fingerprint_like(base_fingerprint):
-            return self._with_cast_base_fingerprints(latest)
-        if put is None:
-            raise ValueError("register_maker: this maker needs a full update but no `put` was given")
-        if self.strategy.shards_weights:
-            # Gathering sharded weights is a collective all ranks must join; one RPC cannot start it.
-            raise ValueError(
-                f"maker {name!r} holds other base weights (fingerprint {base_fingerprint}) than trainer "
-                f"{self.name!r} ({self.base_fingerprint}), which shards its weights (strategy "
-                f"{self.strategy.name!r}) and sends LoRA-only updates; start the maker from the trainer's base model"
-            )
-        return self._build(put, "full")[0]
+        return self.delivery.register(name, base_fingerprint, put)
 
     def base_fingerprint_like(self, fingerprint: str) -> str | None:
         """This trainer's base fingerprint in the form of a maker's: exact, or cast to the dtype it names."""
-        dtype = fingerprint_cast_dtype(fingerprint)
-        if dtype is None or self.base_fingerprint is None:
-            return self.base_fingerprint
-        with self._base_fingerprint_lock:
-            key = dtype_name(dtype)
-            if key not in self.cast_base_fingerprints:  # a dtype beyond the common ones (fp64 ...): once, on demand
-                model = self.strategy.unwrap(self.learner.actor).model
-                self.cast_base_fingerprints[key] = base_fingerprint(model, dtype)
-            return self.cast_base_fingerprints[key]
-
-    def _with_cast_base_fingerprints(self, update: WeightUpdate) -> WeightUpdate:
-        """`update` with this trainer's current cast base fingerprints in its metadata (same chunks)."""
-        metadata = update.manifest.metadata
-        if "base_fingerprint" not in metadata:
-            return update
-        with self._base_fingerprint_lock:
-            cast = dict(self.cast_base_fingerprints)
-        if metadata.get("base_fingerprints") == cast:
-            return update
-        manifest = dataclasses.replace(update.manifest, metadata={**metadata, "base_fingerprints": cast})
-        return WeightUpdate(manifest, update.chunk_refs)
+        return self.delivery.base_fingerprint_like(fingerprint)
 
     def makers_of_this_rank(self) -> list[str]:
         """This rank's share of every maker registered with any rank (same answer on every rank)."""
-        every = sorted({m for names in self.strategy.all_gather_object(sorted(self.makers)) for m in names})
-        if self.strategy.shards_weights:  # only rank 0 holds a whole update
-            return every if self.strategy.is_rank_zero else []
-        return every[self.strategy.rank :: self.strategy.world_size]
+        return self.delivery.makers_of_this_rank()
 
     def sync_weights(self, put: Put, send_update: SendUpdate | WeightPushQueue) -> dict[str, float]:
-        """Build an update of the current weights and deliver it to this rank's makers.
+        """Build an update of the current weights and offer it to this rank's makers through the push queue.
 
-        With a `WeightPushQueue` the update is offered to every maker and the step goes on: each
-        maker acknowledges once it has verified it (and swaps it in between two of its batches), a
-        maker still busy with the previous one gets this one next. Without `overlap_weight_push`, the
-        step then waits (up to `weight_push_timeout_s`) for those acknowledgements. A plain
-        `send_update` function delivers synchronously.
+        The update is offered to every maker and the step goes on: each maker acknowledges once it has
+        verified it (and swaps it in between two of its batches), a maker still busy with the previous one
+        gets this one next. Without `overlap_weight_push`, the step then waits (up to `weight_push_timeout_s`)
+        for those acknowledgements. A plain `send_update` function is wrapped into a queue (`push_queue_over`).
         """
-        if isinstance(send_update, WeightPushQueue):
-            return self._offer_weights(put, send_update)
-        update, stats = self.build_update(put)
-        makers = self.makers_of_this_rank()
-        start = time.perf_counter()
-        results = self._record_results(send_update(update, makers) if makers else {})
-        return self._sync_metrics(update, stats, time.perf_counter() - start, results)
-
-    def _offer_weights(self, put: Put, queue: WeightPushQueue) -> dict[str, float]:
-        self._push_queue = queue
-        update, stats = self.build_update(put)
-        makers = self.makers_of_this_rank()
-        start = time.perf_counter()
-        queue.offer(update, makers)
-        if not self.config.overlap_weight_push:
-            queue.wait(self.config.weight_push_timeout_s, makers)
-        push_seconds = time.perf_counter() - start
-        metrics = self._sync_metrics(update, stats, push_seconds, self._record_results(queue.take_results()))
-        lag = queue.lag(update.manifest.version, makers, self.registered_versions)
-        behind = self.makers_behind(lag)
-        metrics.update({"weight_sync/superseded": float(queue.superseded),
-                        "weight_sync/max_maker_lag": float(max(lag.values(), default=0)),
-                        "weight_sync/makers_behind": float(len(behind))})
-        return metrics
+        return self.delivery.sync(put, send_update)
 
     def makers_behind(self, lag: Mapping[str, int]) -> dict[str, int]:
         """Makers whose newest acknowledged weights trail by more than `max_staleness` versions (none without one)."""
-        bound = self.config.max_staleness
-        return {} if bound is None else {maker: behind for maker, behind in lag.items() if behind > bound}
-
-    def _sync_metrics(self, update: WeightUpdate, stats: SendStats, push_seconds: float,
-                      results: Mapping[str, Any]) -> dict[str, float]:
-        failed = sum(isinstance(r, BaseException) for r in results.values())
-        # Per model, every synced model named (0 when a LoRA-only update carries none of it, e.g. a frozen critic).
-        per_model = {f"weight_sync/bytes/{model}": 0.0 for model in self.synced_models()}
-        per_model.update({f"weight_sync/bytes/{model}": float(size) for model, size in bytes_per_model(update).items()})
-        return {
-            **per_model,
-            "time/weight_sync": stats.seconds + push_seconds,
-            "weight_sync/version": float(update.manifest.version),
-            "weight_sync/bytes": float(stats.bytes),
-            "weight_sync/chunks": float(stats.chunks),
-            "weight_sync/build_s": stats.seconds,
-            "weight_sync/push_s": push_seconds,
-            "weight_sync/makers_updated": float(len(results) - failed),  # overlapped: acknowledged since the last push
-            "weight_sync/makers_failed": float(failed),
-        }
+        return self.delivery.makers_behind(lag)
 
     def finish_weight_push(self) -> Mapping[str, Any]:
         """Wait for weight updates still in flight; each maker's latest result ({} if none)."""
-        queue = self._push_queue
-        if queue is None:  # pushes by a plain `send_update` were delivered when made
-            return {}
-        queue.wait(self.config.weight_push_timeout_s)
-        return self._record_results(queue.take_results())
+        return self.delivery.finish()
 
-    def _record_results(self, results: Mapping[str, Any]) -> Mapping[str, Any]:
-        failures = {name: result for name, result in results.items() if isinstance(result, BaseException)}
-        for name, error in failures.items():
-            if isinstance(error, LookupError):  # no actor by that name any more: stop paying for it
-                self.makers.discard(name)
-                if self._push_queue is not None:
-                    self._push_queue.forget(name)
-        if failures:
-            self._weight_errors = {name: f"weight update to {name}: {error}"
-                                   for name, error in failures.items()}
-            self.last_error = "; ".join(self._weight_errors.values())
-        return results
-
-    def _forget_weight_error(self, maker: str) -> None:
-        """Stop showing `maker`'s failed weight update: a maker registering under that name (a replacement)
-        holds what its registration gives it."""
-        shown = "; ".join(self._weight_errors.values())
-        if self._weight_errors.pop(maker, None) is not None and self.last_error == shown:
-            self.last_error = "; ".join(self._weight_errors.values()) or None
+    def offer_resumed_weights(self, send_update: SendUpdate | WeightPushQueue) -> None:
+        """Send the weights a resume loaded to every maker registered so far (they started from the version
+        this trainer had before loading, which its training has left behind)."""
+        self.delivery.offer_resumed(send_update)
 
     # ---------------------------------------------------------------- training
     def wait_for_batch(self) -> None:
@@ -543,26 +378,14 @@ class TrainerCore:
                 self.policy_version, self.samples_trained = state["policy_version"], state["samples_trained"]
             set_rng_state(state["rng"])
         if put is not None:
-            with self._registration_lock:  # the first update after a resume is full
+            with self.delivery.registration_lock:  # the first update after a resume is full
                 self.build_update(put, "full")
-
-    def offer_resumed_weights(self, send_update: SendUpdate | WeightPushQueue) -> None:
-        """Send the weights a resume loaded to every maker registered so far (they started from the version
-        this trainer had before loading, which its training has left behind)."""
-        update, makers = self.latest_update, self.makers_of_this_rank()
-        if update is None or not makers:
-            return
-        if isinstance(send_update, WeightPushQueue):
-            self._push_queue = send_update
-            send_update.offer(update, makers)
-        else:
-            self._record_results(send_update(update, makers))
 
     def fit(
         self,
         total_steps: int,
         put: Put,
-        send_update: SendUpdate,
+        send_update: SendUpdate | WeightPushQueue,
         update_steps: int = 1,
         train_epochs: int | None = None,
         stop_makers: Callable[[list[str]], None] | None = None,
@@ -641,13 +464,5 @@ class TrainerCore:
             "skip_reasons": dict(self.skip_reasons),
             "last_skip": self.last_skip,
             "last_error": self.last_error,
-            **self._push_status(),
+            **self.delivery.status(),
         }
-
-    def _push_status(self) -> dict[str, Any]:
-        """Weight-push counters and the makers that trail by more than `max_staleness` versions (not waited for)."""
-        queue = self._push_queue
-        if queue is None:
-            return {"weight_push": None, "makers_behind": {}}
-        lag = queue.lag(self.policy_version, queue.acked.keys() | set(self.makers), self.registered_versions)
-        return {"weight_push": dict(queue.stats()), "makers_behind": self.makers_behind(lag)}
