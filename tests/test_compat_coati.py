@@ -178,6 +178,19 @@ class Recorder:
         return lambda *args: self.calls.append((hook, *[a for a in args if isinstance(a, int)]))
 
 
+def test_an_actors_request_is_read_from_its_ray_options() -> None:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from detached_rl.compat.placement import PlacementCheckedActorClass, actor_request
+
+    assert actor_request({"num_gpus": 1, "max_concurrency": 2}) == {"GPU": 1.0}
+    assert actor_request({"num_cpus": 2, "resources": {"node:a": 0.5}, "memory": 1e9}) == {
+        "CPU": 2.0, "node:a": 0.5, "memory": 1e9}
+    assert actor_request({"num_gpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(None)}) is None
+    checked = PlacementCheckedActorClass(object(), "coati trainer").options(name="t", num_gpus=1).options(num_cpus=2)
+    assert checked.given == {"name": "t", "num_gpus": 1, "num_cpus": 2} and checked.role == "coati trainer"
+
+
 def test_coati_fit_rounds_rerun_batches_and_push_at_round_ends() -> None:
     """coati's fit(total_steps=4, update_steps=2, train_epochs=2): 2 rounds x (2 fresh + 2 re-run batches)."""
     actor, critic = trainer_models()
@@ -291,6 +304,23 @@ def test_seed_004_example_as_written(gpu_cluster, unit_trainer, tmp_path) -> Non
     AutoModelForCausalLM.from_pretrained(tmp_path / "actor_checkpoint")
     for handle in [trainer, *makers]:
         ray.kill(handle)
+
+
+def test_a_request_the_cluster_can_never_place_is_refused_at_once(gpu_cluster) -> None:
+    """coati's usage example asks num_gpus=1 per actor: on a cluster without that many GPUs Ray would leave the
+    actor pending and `sync_models_to_remote_makers` would never return; here `.remote()` refuses at once."""
+    from detached_rl.compat.coati import DetachedPPOTrainer, ExperienceMakerHolder
+    from detached_rl.core.resources import UnplaceableError
+
+    with pytest.raises(UnplaceableError, match=r"^coati trainer too_big asks for 5 GPU; the cluster has 4$"):
+        DetachedPPOTrainer.options(name="too_big", num_gpus=5).remote(
+            experience_maker_holder_name_list=[], strategy_fn=my_strategy, model_fn=trainer_models)
+    with pytest.raises(UnplaceableError, match=r"^coati maker too_big asks for 9 CPU; the cluster has 8$"):
+        ExperienceMakerHolder.options(num_gpus=1).options(name="too_big", num_cpus=9).remote(
+            detached_trainer_name_list=["trainer_0"], strategy_fn=my_strategy, model_fn=maker_models)
+    with pytest.raises(UnplaceableError, match="asks for 1 bogus; the cluster has 0"):
+        DetachedPPOTrainer.options(resources={"bogus": 1}).remote([], my_strategy, trainer_models)
+    assert "too_big" not in {actor["name"] for actor in gpu_cluster.util.list_named_actors(all_namespaces=True)}
 
 
 def test_buffer_methods_and_training_step(gpu_cluster, unit_trainer) -> None:

@@ -374,6 +374,31 @@ def test_open_instruct_driver_loop_steps_saves_and_resumes(ray_cluster, base_mod
         group.stop()
 
 
+@pytest.mark.ray
+def test_learner_requests_the_cluster_can_never_place_are_refused_before_any_rank_starts(ray_cluster):
+    from detached_rl.core.resources import UnplaceableError
+
+    args, stream, vllm = ExperimentConfig(num_training_steps=1), StreamingDataLoaderConfig(), VLLMConfig()
+    with pytest.raises(UnplaceableError, match=r"^learner gpu_learner_0 asks for 1 GPU; the cluster has 0$"):
+        ModelGroup(None, PolicyTrainerRayProcess, [1], False, args, stream, vllm, name="gpu_learner",
+                   namespace=NAMESPACE, num_gpus_per_actor=1)
+    with pytest.raises(UnplaceableError, match=r"ask for 9 CPU together; the cluster has 8$"):
+        ModelGroup(None, PolicyTrainerRayProcess, [3], False, args, stream, vllm, name="wide_learner",
+                   namespace=NAMESPACE, num_cpus_per_actor=3)
+    with pytest.raises(UnplaceableError, match=r"^learner lone asks for 1 GPU; the cluster has 0$"):
+        PolicyTrainerRayProcess.options(name="lone", namespace=NAMESPACE, num_gpus=1).remote(
+            1, 0, 0, None, None, args, stream, vllm, None, None)
+    group = ray_cluster.util.placement_group([{"CPU": 1, "GPU": 1}])  # pending forever on this cluster
+    try:
+        with pytest.raises(UnplaceableError, match=r"^placement group bundle 0 asks for 1 GPU; the cluster has 0$"):
+            ModelGroup(group, PolicyTrainerRayProcess, [1], False, args, stream, vllm, name="pg_learner",
+                       namespace=NAMESPACE)
+    finally:
+        ray_cluster.util.remove_placement_group(group)
+    named = {actor["name"] for actor in ray_cluster.util.list_named_actors(all_namespaces=True)}
+    assert not named & {"gpu_learner_0", "wide_learner_0", "lone", "pg_learner_0"}
+
+
 #: A driver as a user writes it from the seeds: a plain `ray.init()` (anonymous namespace), positional calls.
 PLAIN_DRIVER = """
 import functools, json, sys, time

@@ -19,6 +19,7 @@ from detached_rl.compat.coati.settings import (
     sampling_from_generate_kwargs,
     set_dist_env,
 )
+from detached_rl.compat.placement import PlacementCheckedActorClass
 from detached_rl.core.prompts import PromptItem
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.strategies import Strategy
@@ -159,5 +160,7 @@ class CoatiMakerHolder(_MakerShell):
         return {"sampling": dataclasses.replace(self.base_sampling, max_new_tokens=1), "kl_coef": self.kl_coef}
 
 
-ExperienceMakerHolder = ray.remote(concurrency_groups={"experience_io": 1, "model_io": 1, "compute": 1})(
-    CoatiMakerHolder)
+#: The Ray actor class; `.remote()` refuses at once a request the cluster can never place.
+ExperienceMakerHolder = PlacementCheckedActorClass(
+    ray.remote(concurrency_groups={"experience_io": 1, "model_io": 1, "compute": 1})(CoatiMakerHolder),
+    "coati maker")

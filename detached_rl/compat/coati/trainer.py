@@ -18,6 +18,7 @@ from detached_rl.compat.coati.peers import _actor_name, _names, _namespace
 from detached_rl.compat.coati.rounds import CoatiRounds, CoatiTrainerCore
 from detached_rl.compat.coati.saving import save_critic, save_model
 from detached_rl.compat.coati.settings import COATI_METRICS, build_strategy, set_dist_env, trainer_settings
+from detached_rl.compat.placement import PlacementCheckedActorClass
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.strategies import Strategy
 
@@ -181,4 +182,6 @@ class CoatiPPOTrainer(PPOTrainerShell):
         return self._core().push_experience(list(items))
 
 
-DetachedPPOTrainer = ray.remote(concurrency_groups=TRAINER_GROUPS)(CoatiPPOTrainer)
+#: The Ray actor class; `.remote()` refuses at once a request the cluster can never place.
+DetachedPPOTrainer = PlacementCheckedActorClass(
+    ray.remote(concurrency_groups=TRAINER_GROUPS)(CoatiPPOTrainer), "coati trainer")

@@ -8,7 +8,9 @@ from typing import Any
 
 import ray
 
+from detached_rl.actors.launch import check_placeable
 from detached_rl.actors.transport import get_all, resolve_namespace
+from detached_rl.compat.placement import actor_request, check_bundles_placeable
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,12 @@ class ModelGroup:
         self.namespace = resolve_namespace(namespace)
         self.names = [f"{name}_{rank}" for rank in range(world_size)]
         self.pg = pg
+        # Refused at once, before any rank starts, what the cluster can never place (else from_pretrained hangs).
+        if pg is None:
+            request = actor_request({"num_cpus": num_cpus_per_actor, "num_gpus": num_gpus_per_actor}) or {}
+            check_placeable({f"learner {rank_name}": request for rank_name in self.names if request})
+        else:
+            check_bundles_placeable("placement group", list(pg.bundle_specs))
 
         def create(rank: int, master: Any) -> Any:
             options: dict[str, Any] = {"name": self.names[rank], "namespace": self.namespace,

@@ -39,6 +39,7 @@ from detached_rl.compat.open_instruct.learner import (
     open_instruct_step_metrics,
     polyak_update_ref_policy,
 )
+from detached_rl.compat.placement import PlacementCheckedActorClass
 from detached_rl.core.checkpoint import has_checkpoint, load_state, save_atomic
 from detached_rl.models.export import save_merged
 from detached_rl.strategies import NaiveStrategy, Strategy
@@ -297,5 +298,7 @@ def _not_loaded() -> Any:
     raise RuntimeError("the learner's model is loaded by from_pretrained")
 
 
-#: The learner rank as a Ray actor class (`.options(...)` as usual; `ModelGroup` creates the ranks).
-PolicyTrainerRayProcess = ray.remote(concurrency_groups=TRAINER_GROUPS)(PolicyTrainerProcess)
+#: The learner rank as a Ray actor class (`.options(...)` as usual; `ModelGroup` creates the ranks); `.remote()`
+#: refuses at once a request the cluster can never place.
+PolicyTrainerRayProcess = PlacementCheckedActorClass(
+    ray.remote(concurrency_groups=TRAINER_GROUPS)(PolicyTrainerProcess), "learner")
