@@ -4,6 +4,7 @@ ColossalChat-format JSONL trains through `launch_distributed` on a local Ray clu
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -128,6 +129,42 @@ def test_launch_arguments_map_onto_makers_trainer_group_and_grpo(tmp_path, colos
     assert config.task.reward == "boxed" and config.namespace == "ns"
 
 
+def test_the_reference_pages_reinforce_plus_plus_is_colossalchats_reinforce_ppb(tmp_path, colossalchat_jsonl):
+    for algo in ("REINFORCE++", "REINFORCE_PPB"):
+        config = config_of(launch_arguments(tmp_path, "tiny-llama", colossalchat_jsonl,
+                                            core_algo="REINFORCE++", grpo_config={"algo": algo}))
+        assert config.grpo.algorithm == "reinforce_pp_baseline"
+    with pytest.raises(ValueError, match="differs from core_algo"):
+        config_of(launch_arguments(tmp_path, "tiny-llama", colossalchat_jsonl, core_algo="REINFORCE++",
+                                   grpo_config={"algo": "DAPO"}))
+
+
+def test_launch_distributed_starts_a_ray_sized_to_its_job(tmp_path, colossalchat_jsonl, monkeypatch):
+    """On 2 cores, 2 producers and 2 consumer ranks ask for 4 CPU slots: the Ray it starts has them."""
+    import ray
+
+    from detached_rl.cli import jobs
+    from detached_rl.cli.ppo_on_ray import cpu_slots
+
+    class Started(Exception):
+        """Stands in for the rest of the run."""
+
+    started: dict = {}
+
+    def init_local_ray(namespace: str, **options) -> None:
+        started.update(options, namespace=namespace)
+        raise Started
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(jobs, "init_local_ray", init_local_ray)
+    arguments = launch_arguments(tmp_path, "tiny-llama", colossalchat_jsonl, num_consumer_procs=2)
+    with pytest.raises(Started):
+        launch_distributed(**arguments, name="sized")
+    assert cpu_slots(config_of(arguments), arguments["num_producers"]) == 4
+    assert started["num_cpus"] == 4 and started["namespace"] == "sized"
+
+
 def test_the_system_prompt_reaches_the_makers_prompt_file(tmp_path, colossalchat_jsonl):
     config = config_of(launch_arguments(tmp_path, "tiny-llama", colossalchat_jsonl))
     assert config.trainer.max_staleness == 1 and config.maker.num_gpus == 0
@@ -188,8 +225,9 @@ def test_a_colossalchat_jsonl_trains_through_launch_distributed(ray_cluster, tmp
     # 4 prompts, rounds of 2 producers x 1 prompt: 2 rounds of 1 step (train_batch_size 2 x 1 consumer), each
     # step 2 prompts x 2 generations in two optimizer steps (train_minibatch_size 1).
     assert (result["steps"], result["policy_version"]) == (2, 2)
+    assert result["saved"] == str(tmp_path / "model" / "modeling-episode-0-step-2")  # it loads itself
     saved = AutoModelForCausalLM.from_pretrained(result["saved"])
-    assert saved.config.model_type == "llama" and "modeling-episode-0-step-2" in result["saved"]
+    assert saved.config.model_type == "llama"
     assert (tmp_path / "model" / "checkpoint" / "rank_0").is_dir()
     logged = [json.loads(line) for line in (tmp_path / "model" / "metrics.jsonl").read_text().splitlines()]
     assert len(logged) == len(result["metrics"]) == 2

@@ -172,6 +172,7 @@ def test_a_pt_save_path_gets_a_state_dict_and_a_directory_gets_from_pretrained_f
     import torch
     from transformers import AutoModelForCausalLM
 
+    from detached_rl.models import LoraSettings, apply_lora
     from detached_rl.models.export import policy_files
 
     model, tokenizer = tiny_lm("gpt2", device="cpu")
@@ -181,9 +182,14 @@ def test_a_pt_save_path_gets_a_state_dict_and_a_directory_gets_from_pretrained_f
     fresh, _ = tiny_lm("gpt2", seed=1, device="cpu")
     fresh.load_state_dict(state)
     assert all(torch.equal(state[key], value) for key, value in model.state_dict().items())
+    # --save_path DIR: DIR itself loads with from_pretrained (a LoRA adapter, if any, in DIR/adapter).
     directory = save_policy(files, tmp_path / "actor")
-    assert directory == tmp_path / "actor" / "merged"
-    assert AutoModelForCausalLM.from_pretrained(directory).config.model_type == "gpt2"
+    assert directory == tmp_path / "actor" and not (directory / "merged").exists()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "actor").config.model_type == "gpt2"
+    with_adapter = policy_files(apply_lora(model, LoraSettings(r=2, alpha=4)), tokenizer)
+    lora = save_policy(with_adapter, tmp_path / "lora")
+    assert AutoModelForCausalLM.from_pretrained(lora).config.model_type == "gpt2"
+    assert (lora / "adapter" / "adapter_config.json").is_file()
 
 
 def test_optimizer_states_are_written_beside_the_policy_from_the_trainer_checkpoint(tmp_path):

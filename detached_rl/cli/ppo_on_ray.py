@@ -275,15 +275,16 @@ def train_detached(config: RunConfig, name: str, steps: int, num_makers: int, ti
 
 
 def save_policy(files: dict[str, bytes], save_path: str | os.PathLike[str]) -> Path:
-    """Write the trainer's policy files: a `.pt` path gets the merged model's torch state dict (which
-    `model.load_state_dict(torch.load(path))` reads), any other path a directory; returns what `from_pretrained`
-    or `torch.load` reads."""
+    """Write the trainer's policy files so that `save_path` itself loads; returns `save_path`."""
     from detached_rl.models.export import MERGED_DIR, write_files
 
     save_path = Path(save_path)
     if save_path.suffix != ".pt":
-        write_files(files, save_path)
-        return save_path / MERGED_DIR if (save_path / MERGED_DIR).is_dir() else save_path
+        # A directory `from_pretrained(save_path)` reads: the merged model at its top, a LoRA adapter (if the
+        # policy has one) in its `adapter/`. A `.pt` path: the merged model's state dict (below).
+        merged = f"{MERGED_DIR}/"
+        write_files({name.removeprefix(merged): data for name, data in files.items()}, save_path)
+        return save_path
     import torch
     from transformers import AutoModelForCausalLM
 

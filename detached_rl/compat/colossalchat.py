@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 #: ColossalChat's `core_algo` -> `grpo.algorithm` ("Simple", its SFT-like consumer, has no counterpart).
-ALGORITHMS = {"GRPO": "grpo", "DAPO": "dapo", "RLOO": "rloo", "REINFORCE_PPB": "reinforce_pp_baseline"}
+#: "REINFORCE++" is the reference page's spelling of REINFORCE_PPB (ColossalChat's REINFORCE++ baseline).
+ALGORITHMS = {"GRPO": "grpo", "DAPO": "dapo", "RLOO": "rloo", "REINFORCE_PPB": "reinforce_pp_baseline",
+              "REINFORCE++": "reinforce_pp_baseline"}
 
 #: ColossalChat's `grpo_config["loss_variation"]` -> `grpo.loss_agg`.
 LOSS_VARIATIONS = {"sample_level": "seq-mean-token-mean", "token_level": "token-mean"}
@@ -187,7 +189,7 @@ def run_config_of(
     unknown = sorted(set(grpo_config) - set(GRPO_KEYS) - set(IGNORED_GRPO_KEYS))
     if unknown:
         raise ValueError(f"grpo_config: unknown key(s) {unknown}")
-    if grpo_config.get("algo", core_algo) != core_algo:
+    if ALGORITHMS.get(grpo_config.get("algo", core_algo)) != ALGORITHMS[core_algo]:
         raise ValueError(f"grpo_config['algo'] {grpo_config['algo']!r} differs from core_algo {core_algo!r}")
     if train_batch_size % train_minibatch_size:
         raise ValueError(f"train_batch_size {train_batch_size} must be a multiple of train_minibatch_size "
@@ -327,16 +329,10 @@ def launch_distributed(
     update_steps = round_prompts // (train_batch_size * dp_size)
     steps = num_episodes * rounds_per_episode * update_steps
 
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        from detached_rl.cli.jobs import init_local_ray
+    save_root = Path(save_dir).resolve()
 
-        init_local_ray(name, include_dashboard=False, log_to_driver=False)
-    try:
-        if use_gpus is None:
-            use_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        save_root = Path(save_dir).resolve()
-        config = run_config_of(
+    def config_for(namespace: str, gpus: bool) -> Any:
+        return run_config_of(
             num_producers=num_producers, num_proc_per_producer=num_proc_per_producer,
             num_consumer_procs=num_consumer_procs, inference_batch_size=inference_batch_size,
             train_batch_size=train_batch_size, train_minibatch_size=train_minibatch_size,
@@ -344,8 +340,21 @@ def launch_distributed(
             generate_config=generate_config, train_model_config=train_model_config, grpo_config=grpo_config,
             plugin_config=plugin_config, tokenizer_config=tokenizer_config, inference_backend=inference_backend,
             num_generations=num_generations, core_algo=core_algo, n_behind=n_behind, update_steps=update_steps,
-            save_dir=save_root, namespace=ray.get_runtime_context().namespace, name=name, use_gpus=use_gpus,
-            overrides=overrides)
+            save_dir=save_root, namespace=namespace, name=name, use_gpus=gpus, overrides=overrides)
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        from detached_rl.cli.jobs import init_local_ray
+        from detached_rl.cli.ppo_on_ray import cpu_slots
+
+        # Sized to the job, as ppo-on-ray sizes its Ray: a logical CPU slot for every actor it starts.
+        slots = cpu_slots(config_for(name, bool(use_gpus)), num_producers)
+        init_local_ray(name, include_dashboard=False, log_to_driver=False,
+                       num_cpus=max(os.cpu_count() or 1, slots))
+    try:
+        if use_gpus is None:
+            use_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        config = config_for(ray.get_runtime_context().namespace, use_gpus)
         result = train_detached(config, name, steps, num_producers, timeout, update_steps=update_steps,
                                 checkpoint_every=save_interval, checkpoint_dir=str(save_root / "checkpoint"))
     finally:
