@@ -188,7 +188,7 @@ def measure_weight_sync(args, device: torch.device, learner: GRPOLearner, actor:
         update, sent = build_weight_update({"actor": state}, version, put)
         weight_bytes = sent.bytes  # tied weights (an lm_head aliasing the embedding) travel once
         built = time.perf_counter()
-        receiver.apply(update, store.__getitem__, timeout=600)
+        receiver.receive(update, store.__getitem__, timeout=600)
         synchronize(device)
         build_s.append(built - start)
         apply_s.append(time.perf_counter() - built)

@@ -60,7 +60,7 @@ class Maker:
 
     def apply(self, update) -> float:
         start = time.perf_counter()
-        self.receiver.apply(update, lambda ref: fetch_chunk(ref, timeout=300))
+        self.receiver.receive(update, lambda ref: fetch_chunk(ref, timeout=300))
         return time.perf_counter() - start
 
 

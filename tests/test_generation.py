@@ -100,7 +100,7 @@ def test_a_full_update_through_the_sink_changes_exactly_what_generation_uses(mod
     store = ObjectStore()
     update, _ = build_weight_update({"actor": trained}, 1, store.put, chunk_bytes=60_000)
     receiver = WeightReceiver({"actor": backend.weight_sink}, mode=mode)
-    assert receiver.apply(update, store.fetch).applied and receiver.version == 1
+    assert receiver.receive(update, store.fetch).applied and receiver.version == 1
     after = greedy(backend)
     assert_same_generation(after, greedy(fresh_backend(trained)))
     assert any(not torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
@@ -120,7 +120,7 @@ def test_a_lora_update_through_the_sink_changes_exactly_what_generation_uses(lor
     sink = backend.weight_sink
     receiver = WeightReceiver({"actor": sink})
     receiver.after_swap = lambda names: commits.append(names)
-    assert receiver.apply(update, store.fetch).applied
+    assert receiver.receive(update, store.fetch).applied
     assert commits == [{f"actor/{key}" for key in adapter}]
     after = greedy(backend)
     # merge mode computes with W0 + s·B·A, the LoRA model with W0·x + s·B·(A·x): equal up to rounding.
@@ -149,7 +149,7 @@ def test_a_refused_update_leaves_the_sink_weights_untouched(mode, lora_mode, cor
     chunk[name].view(-1)[0] += 1.0
     receiver = WeightReceiver({"actor": sink}, mode=mode)
     with pytest.raises(WeightUpdateError, match="checksum mismatch"):
-        receiver.apply(update, store.fetch)
+        receiver.receive(update, store.fetch)
     assert receiver.version == 0 and receiver.consistent
     state_after = sink.state()
     assert all(torch.equal(state_after[key], tensor) for key, tensor in state_before.items())

@@ -154,10 +154,10 @@ def test_a_maker_with_a_slightly_different_base_is_not_taken_for_the_trainer():
     trainer, store = make_trainer()
     maker = casting_maker("maker_0", "bfloat16")
     # One base weight off by a few bf16 steps: the cast fingerprints differ.
-    key = next(k for k in maker._base_keys if k.endswith("q_proj.base_layer.weight"))
+    key = next(k for k in sorted(maker.base_check.keys) if k.endswith("q_proj.base_layer.weight"))
     with torch.no_grad():
         maker.backend.weight_sink.state()[key][0, 0] += 0.05
-    maker._base_fingerprint_cache = None  # the base changed outside the receiver: fingerprint it again
+    maker.base_check.refresh_fingerprint()  # the base changed outside the receiver: fingerprint it again
     assert maker.base_fingerprint != trainer.cast_base_fingerprints["bfloat16"]
     train_and_sync(trainer, store, [synced_maker(trainer, store, "maker_1", "bfloat16")])
     assert trainer.register_maker("maker_0", maker.base_fingerprint, store.put).manifest.kind == "full"

@@ -78,12 +78,12 @@ def test_the_receiver_refuses_a_lora_update_for_another_config_before_fetching(l
         update, _ = build_weight_update({"actor": lora_state_dict(trainer)}, 1, store.put, kind="lora",
                                         metadata=metadata)
         with pytest.raises(WeightUpdateError, match=rf"^v1: model 'actor': .*{message}"):
-            receiver.apply(update, fetch)
+            receiver.receive(update, fetch)
     assert fetched == [] and receiver.version == 0 and receiver.consistent
     assert all(torch.equal(sink.state()[key], tensor) for key, tensor in before.items())
     update, _ = build_weight_update({"actor": lora_state_dict(trainer)}, 1, store.put, kind="lora",
                                     metadata={"lora": config})
-    assert receiver.apply(update, fetch).applied and receiver.version == 1
+    assert receiver.receive(update, fetch).applied and receiver.version == 1
 
 
 def test_sinks_without_the_hook_and_models_the_update_does_not_name_are_not_asked():
@@ -99,7 +99,7 @@ def test_sinks_without_the_hook_and_models_the_update_does_not_name_are_not_aske
     receiver = WeightReceiver({"actor": Recording(policy), "critic": plain})
     store = ObjectStore()
     update, _ = build_weight_update({"critic": plain.state_dict()}, 1, store.put, kind="lora")
-    assert receiver.apply(update, store.fetch).applied and checked == []
+    assert receiver.receive(update, store.fetch).applied and checked == []
 
 
 def lora_keys(model):

@@ -153,12 +153,12 @@ def test_weight_receiver_lora_updates_with_after_swap() -> None:
         return len(chunks) - 1
 
     update, _ = build_weight_update({"actor": trainer.model.state_dict()}, 1, put, chunk_bytes=50_000)
-    receiver.apply(update, chunks.__getitem__)
+    receiver.receive(update, chunks.__getitem__)
     assert max_diff(target, trainer.model) <= 1e-5
     for version in range(2, 5):
         trainer.step()
         update, _ = build_weight_update({"actor": lora_state_dict(trainer.model)}, version, put, kind="lora")
-        assert receiver.apply(update, chunks.__getitem__).applied
+        assert receiver.receive(update, chunks.__getitem__).applied
         assert max_diff(target, trainer.model) <= 1e-5
     assert receiver.fingerprint == receiver.refresh_fingerprint()
 

@@ -1,5 +1,6 @@
 """LoRA-only weight updates: exact (set, not add) in keep and merge modes, for peft and loralib."""
 
+import functools
 import logging
 import pickle
 
@@ -8,9 +9,11 @@ import torch
 
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.prompts import CyclingPrompts
-from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update
+from detached_rl.core.weight_sink import ModuleWeightSink
+from detached_rl.core.weight_sync import OffTrainerError, WeightUpdateError, build_weight_update
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
 from detached_rl.models import Actor, Critic, LoraSettings, SamplingConfig, apply_lora
+from detached_rl.models.base_fingerprint import BaseCheckedSink, base_fingerprint, base_keys
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
@@ -89,12 +92,50 @@ def test_lora_update_is_refused_when_the_base_differs():
                                MakerConfig(experience_batch_size=8, sampling=SAMPLING),
                                strategy=naive_strategy())
     before = logits_of(stranger.backend.model)
-    with pytest.raises(WeightUpdateError, match="base fingerprint mismatch"):
+    with pytest.raises(OffTrainerError, match="model 'actor': base fingerprint mismatch"):
         stranger.apply_weight_update(lora_update, store.fetch)
     assert stranger.policy_version == -1 and torch.equal(before, logits_of(stranger.backend.model))
+    assert "base fingerprint mismatch" in stranger.resync_reason  # registering again fixes it
     # Registration knows: a matching base gets the LoRA update, any other base a full one.
     assert trainer.register_maker("maker_0", maker.base_fingerprint, store.put) is lora_update
     assert trainer.register_maker("maker_1", stranger.base_fingerprint, store.put).manifest.kind == "full"
+
+
+def test_a_lora_update_behind_a_waiting_full_one_is_checked_against_that_full_ones_base():
+    trainer, maker, store = make_lora_pair("peft", "keep")  # the maker's base differs from the trainer's
+    push = functools.partial(maker.apply_weight_update, fetch=store.fetch, swap="at_safe_point")
+    with maker.generation_lock:  # mid-batch: the registration's full update waits for the safe point
+        assert push(trainer.register_maker("maker_0", maker.base_fingerprint, store.put)).staged
+    assert maker.receiver.pending_version == 0 and maker.base_fingerprint != trainer.base_fingerprint
+    trainer.policy_version += 1  # a training step (what it trains does not matter here)
+    lora_update, _ = trainer.build_update(store.put)
+    assert lora_update.manifest.kind == "lora"
+    # The receiver swaps the waiting full update in first, then checks the LoRA update against that base.
+    result = push(lora_update)
+    assert result.applied and maker.policy_version == 1 and maker.receiver.pending_version is None
+    assert maker.base_fingerprint == trainer.base_fingerprint and maker.receiver.swapped == 2
+    assert torch.equal(logits_of(maker.backend.model), logits_of(trainer.learner.actor.model))
+
+
+def test_the_base_check_is_the_policy_sinks_and_fingerprints_again_only_after_a_base_write():
+    model = lora_actor_critic("peft", seed=0)[0].model
+    inner = ModuleWeightSink(model)
+    sink = BaseCheckedSink(inner, base_keys(model))
+    assert sink.fingerprint == base_fingerprint(model) and sink.cast_dtype is None
+    sink.check_update("lora", {"base_fingerprint": base_fingerprint(model)})
+    sink.check_update("full", {"base_fingerprint": "another"})  # a full update brings its own base
+    with pytest.raises(OffTrainerError, match="base fingerprint mismatch"):
+        sink.check_update("lora", {"base_fingerprint": "another"})
+    adapter = next(key for key in sink.layout() if "lora_A" in key)
+    base = next(key for key in sorted(sink.keys) if key.endswith("q_proj.base_layer.weight"))
+    cached = sink.fingerprint
+    sink.write({adapter: torch.ones_like(inner.state()[adapter])})
+    assert sink.fingerprint is cached  # adapters are no part of the base: nothing to fingerprint again
+    sink.write({base: inner.state()[base] + 1})
+    assert sink.fingerprint != cached and sink.fingerprint == base_fingerprint(model)
+    # A casting maker fingerprints its base cast to its coarsest stored dtype, as its trainer does.
+    assert BaseCheckedSink(inner, base_keys(model), casts=True).fingerprint == base_fingerprint(
+        model, torch.float32)
 
 
 def test_rank_mismatch_is_refused_with_the_key_named():

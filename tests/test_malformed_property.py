@@ -167,8 +167,7 @@ def receivers():
     lora = apply_lora(tiny_causal_lm("llama", seed=1)[0], LoraSettings(r=4, alpha=8)).to(lane_device())
     out = {}
     for kind, model in (("full", full), ("lora", lora)):
-        receiver = WeightReceiver({"actor": model}, version=CURRENT_VERSION)
-        receiver.trainer_run = "run-a"
+        receiver = WeightReceiver({"actor": model}, version=CURRENT_VERSION, trainer_run="run-a")
         out[kind] = receiver
     return out
 
@@ -263,7 +262,7 @@ def test_malformed_weight_update_is_refused_whole_and_the_maker_keeps_its_versio
         return store.fetch(ref)
 
     with pytest.raises(WeightUpdateError) as refused:
-        receiver.apply(update, fetch, timeout=30)
+        receiver.receive(update, fetch, timeout=30)
     assert str(refused.value)
     assert receiver.version == CURRENT_VERSION and receiver.consistent
     assert state_fingerprint({"actor": receiver.models["actor"].state_dict()}) == fingerprint

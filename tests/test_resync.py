@@ -80,7 +80,8 @@ class Wiring:
         return self.pushes.submit(self.trainer.push_experience, experiences)
 
     def send(self, name: str, update: WeightUpdate) -> Future:
-        return self.model_io.submit(self.maker.receive_weight_update, update, self.store.fetch)
+        return self.model_io.submit(self.maker.apply_weight_update, update, self.store.fetch,
+                                    swap="at_safe_point")
 
     def start(self) -> None:
         pusher = ExperiencePusher(self.submit, ["trainer_0"], max_in_flight=1, should_stop=self.stop.is_set)

@@ -131,13 +131,13 @@ def test_lora_updates_between_training_steps_serve_what_the_trainer_computes(set
     sink = backend.lora_sink
     # The first update is full (version 0 again: adapter id 1 is replaced in place, after the new one loaded).
     trainer.step()
-    assert receiver.apply(trainer.update(0, "full"), trainer.store.fetch).applied
+    assert receiver.receive(trainer.update(0, "full"), trainer.store.fetch).applied
     assert sink.adapter_ids == [1] and len(adapter_dirs(sink)) == 1
     outputs = [assert_serves(backend, trainer.model, prompts)]
     reloads = sink.reloads
     for version in range(1, 6):
         trainer.step()
-        result = receiver.apply(trainer.update(version), trainer.store.fetch)
+        result = receiver.receive(trainer.update(version), trainer.store.fetch)
         assert result.applied and receiver.version == version
         outputs.append(assert_serves(backend, trainer.model, prompts))
         kept = list(range(max(0, version - KEPT + 1) + 1, version + 2))
@@ -153,7 +153,7 @@ def test_lora_updates_between_training_steps_serve_what_the_trainer_computes(set
         for name, tensor in trainer.model.named_parameters():
             if "base_layer" in name or "embed_tokens" in name:
                 tensor.add_(0.05 * torch.randn_like(tensor))
-    assert receiver.apply(trainer.update(6, "full"), trainer.store.fetch).applied
+    assert receiver.receive(trainer.update(6, "full"), trainer.store.fetch).applied
     assert sink.reloads == reloads + 1 and sink.adapter_ids == [6, 7]
     assert assert_serves(backend, trainer.model, prompts) != outputs[-1]
 
@@ -196,11 +196,11 @@ def test_a_refused_update_leaves_the_previous_version_serving(setup, what):
     trainer.step()  # the update would change the outputs
     update, message = corrupt(trainer, version + 1, what)
     with pytest.raises(WeightUpdateError, match=message):
-        receiver.apply(update, trainer.store.fetch)
+        receiver.receive(update, trainer.store.fetch)
     assert receiver.version == version and receiver.consistent and sink.adapter_ids == ids
     assert greedy(backend, prompts) == before and receiver.refresh_fingerprint() == fingerprint
     # ... and the next good update still applies.
-    assert receiver.apply(trainer.update(version + 1), trainer.store.fetch).applied
+    assert receiver.receive(trainer.update(version + 1), trainer.store.fetch).applied
     after = greedy(backend, prompts)
     assert after != before and after == greedy(HFGenerationBackend(trainer.model, backend.pad_token_id,
                                                                    backend.eos_token_ids), prompts)
@@ -218,7 +218,7 @@ def test_an_adapter_that_cannot_be_registered_leaves_the_engine_on_the_previous_
     try:
         trainer.step()
         with pytest.raises(WeightUpdateError, match="swap failed"):
-            receiver.apply(trainer.update(version + 1), trainer.store.fetch)
+            receiver.receive(trainer.update(version + 1), trainer.store.fetch)
     finally:
         sink.root = root
         os.remove(blocker)
@@ -229,7 +229,7 @@ def test_an_adapter_that_cannot_be_registered_leaves_the_engine_on_the_previous_
     # The sink put everything back (SinkUnchanged): the receiver still serves the previous version, and the
     # next LoRA update applies.
     assert receiver.consistent and receiver.servable_version == version
-    assert receiver.apply(trainer.update(version + 1), trainer.store.fetch).applied and receiver.consistent
+    assert receiver.receive(trainer.update(version + 1), trainer.store.fetch).applied and receiver.consistent
     assert_serves(backend, trainer.model, prompts)
 
 
@@ -257,10 +257,10 @@ def test_merge_mode_still_serves_lora_policies(setup):
         receiver = WeightReceiver({"actor": backend.weight_sink}, version=0)
         prompts = [torch.tensor(tokenizer(text)["input_ids"]) for text in PROMPTS]
         trainer.step()
-        assert receiver.apply(trainer.update(1), trainer.store.fetch).applied
+        assert receiver.receive(trainer.update(1), trainer.store.fetch).applied
         assert_serves(backend, trainer.model, prompts)
         with pytest.raises(WeightUpdateError, match="LoRA alpha is 8"):
-            receiver.apply(trainer.update(2, lora={**lora_config_dict(model), "alpha": 8}),
-                           trainer.store.fetch)
+            receiver.receive(trainer.update(2, lora={**lora_config_dict(model), "alpha": 8}),
+                             trainer.store.fetch)
     finally:
         backend.close()

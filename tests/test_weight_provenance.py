@@ -75,7 +75,7 @@ def bound():
     """A maker's receiver that took version 3 of trainer run "run-a"."""
     store, maker = ObjectStore(), tiny_llama(seed=1)
     receiver = WeightReceiver({"actor": maker}, version=-1)
-    assert receiver.apply(full(store, tiny_llama(seed=2), 3), store.fetch).applied
+    assert receiver.receive(full(store, tiny_llama(seed=2), 3), store.fetch).applied
     assert (receiver.version, receiver.trainer_run) == (3, "run-a")
     return store, maker, receiver
 
@@ -85,16 +85,17 @@ def test_an_update_of_another_trainer_run_is_refused_until_an_explicit_reset(bou
     before = state_snapshot(maker)
     for run in ("run-b", None):  # another run, or none named
         with pytest.raises(WeightUpdateError, match=f"trainer_run {run!r} is not the trainer run"):
-            receiver.apply(full(store, tiny_llama(seed=3), 4, run=run), store.fetch)
+            receiver.receive(full(store, tiny_llama(seed=3), 4, run=run), store.fetch)
         assert unchanged(maker, before) and (receiver.version, receiver.trainer_run) == (3, "run-a")
     # A trainer resumed from its step-2 checkpoint (a new run): the maker registers with it again.
     resumed = tiny_llama(seed=3)
-    assert receiver.apply(full(store, resumed, 2, run="run-b"), store.fetch, reset=True).applied
+    assert receiver.receive(full(store, resumed, 2, run="run-b"), store.fetch, reset=True).applied
     assert (receiver.version,
             receiver.trainer_run) == (2, "run-b") and unchanged(maker, state_snapshot(resumed))
     with pytest.raises(WeightUpdateError, match="trainer_run 'run-a'"):
-        receiver.apply(full(store, tiny_llama(seed=2), 5), store.fetch)  # the old run is now the foreign one
-    assert receiver.apply(full(store, tiny_llama(seed=4), 3, run="run-b"), store.fetch).applied
+        # The old run is now the foreign one.
+        receiver.receive(full(store, tiny_llama(seed=2), 5), store.fetch)
+    assert receiver.receive(full(store, tiny_llama(seed=4), 3, run="run-b"), store.fetch).applied
     assert (receiver.version, receiver.trainer_run) == (3, "run-b")
 
 
@@ -103,7 +104,7 @@ def test_registering_with_a_trainer_that_has_no_weights_yet_follows_its_run_from
     # The maker met a trainer resumed under the same name before it had loaded its checkpoint: registration
     # offered nothing, only the new run's id. Its first update (a full one, at the
     # checkpoint's step) is the reset.
-    receiver.registered_runs.update({"run-b", "run-x"})
+    receiver.expect_runs(["run-b", "run-x"])
     with pytest.raises(WeightUpdateError, match="trainer_run 'run-c'"):
         receiver.receive(full(store, tiny_llama(seed=3), 2, run="run-c"), store.fetch)
     resumed = tiny_llama(seed=3)
@@ -122,15 +123,15 @@ def test_a_far_future_version_is_refused_and_the_real_next_update_still_applies(
     store, maker, receiver = bound
     before = state_snapshot(maker)
     with pytest.raises(WeightUpdateError, match=r"version 1000000000 .*max_version_jump 1000"):
-        receiver.apply(full(store, tiny_llama(seed=3), 10**9), store.fetch)
+        receiver.receive(full(store, tiny_llama(seed=3), 10**9), store.fetch)
     assert unchanged(maker, before) and receiver.version == 3
     nxt = tiny_llama(seed=4)
-    assert receiver.apply(full(store, nxt, 4), store.fetch).applied
+    assert receiver.receive(full(store, nxt, 4), store.fetch).applied
     assert receiver.version == 4 and unchanged(maker, state_snapshot(nxt))
     # the bound itself is allowed
-    assert receiver.apply(full(store, tiny_llama(seed=5), 4 + 1000), store.fetch).applied
+    assert receiver.receive(full(store, tiny_llama(seed=5), 4 + 1000), store.fetch).applied
     # An explicit reset may go anywhere.
-    assert receiver.apply(full(store, tiny_llama(seed=6), 10**9), store.fetch, reset=True).applied
+    assert receiver.receive(full(store, tiny_llama(seed=6), 10**9), store.fetch, reset=True).applied
     assert receiver.version == 10**9
 
 
@@ -138,23 +139,23 @@ def test_rollbacks_are_refused_from_any_run_without_a_reset(bound):
     store, maker, receiver = bound
     before = state_snapshot(maker)
     with pytest.raises(WeightUpdateError, match="stale version 2 < current 3"):
-        receiver.apply(full(store, tiny_llama(seed=3), 2), store.fetch)
+        receiver.receive(full(store, tiny_llama(seed=3), 2), store.fetch)
     with pytest.raises(WeightUpdateError, match="trainer_run 'run-b'"):
-        receiver.apply(full(store, tiny_llama(seed=3), 2, run="run-b"), store.fetch)
+        receiver.receive(full(store, tiny_llama(seed=3), 2, run="run-b"), store.fetch)
     assert unchanged(maker, before) and (receiver.version, receiver.trainer_run) == (3, "run-a")
-    assert receiver.apply(full(store, tiny_llama(seed=3), 2), store.fetch, reset=True).applied
+    assert receiver.receive(full(store, tiny_llama(seed=3), 2), store.fetch, reset=True).applied
     assert receiver.version == 2
 
 
 def test_a_lora_update_of_a_new_run_needs_its_full_update_first_even_as_a_reset():
     store, maker = ObjectStore(), lora_llama(seed=1)
     receiver = WeightReceiver({"actor": maker})
-    assert receiver.apply(full(store, lora_llama(seed=2), 1), store.fetch).applied
+    assert receiver.receive(full(store, lora_llama(seed=2), 1), store.fetch).applied
     adapter = {key: p.detach() for key, p in lora_llama(seed=3).named_parameters() if p.requires_grad}
     update = build_weight_update({"actor": adapter}, 1, store.put, kind="lora",
                                  metadata={"trainer_run": "run-b"})[0]
     with pytest.raises(WeightUpdateError, match="new trainer run 'run-b'.*needs a full update first"):
-        receiver.apply(update, store.fetch, reset=True)
+        receiver.receive(update, store.fetch, reset=True)
 
 
 @pytest.mark.parametrize("mode", ["staged", "in_place"])
@@ -167,7 +168,7 @@ def test_a_full_update_with_nan_or_inf_is_refused_and_nothing_changes(bound, mod
     # in place, an earlier chunk could be written first
     assert update.manifest.tensors[0].name != f"actor/{Q_PROJ}"
     with pytest.raises(WeightUpdateError, match=f"'actor/{Q_PROJ}' holds NaN or Inf"):
-        receiver.apply(update, store.fetch)
+        receiver.receive(update, store.fetch)
     assert (receiver.version, receiver.trainer_run) == (3, "run-a")
     assert all(torch.isfinite(tensor).all() for tensor in maker.state_dict().values())
     if mode == "staged":
@@ -182,7 +183,7 @@ def test_a_full_update_poisoned_in_its_first_chunk_leaves_the_weights_as_they_we
     clean = full(store, tiny_llama(seed=3), 4)
     update = poisoned(clean, store, clean.manifest.tensors[0].name, float("nan"))
     with pytest.raises(WeightUpdateError, match="holds NaN or Inf"):
-        receiver.apply(update, store.fetch)
+        receiver.receive(update, store.fetch)
     assert unchanged(maker, before) and receiver.consistent and receiver.version == 3
 
 
@@ -190,14 +191,14 @@ def test_a_full_update_poisoned_in_its_first_chunk_leaves_the_weights_as_they_we
 def test_a_lora_update_with_nan_is_refused_and_the_adapter_is_kept(mode):
     store, maker = ObjectStore(), lora_llama(seed=1)
     receiver = WeightReceiver({"actor": maker}, mode=mode, version=-1)
-    assert receiver.apply(full(store, lora_llama(seed=2), 1), store.fetch).applied
+    assert receiver.receive(full(store, lora_llama(seed=2), 1), store.fetch).applied
     before = state_snapshot(maker)
     adapter = {key: p.detach() for key, p in lora_llama(seed=3).named_parameters() if p.requires_grad}
     update = build_weight_update({"actor": adapter}, 2, store.put, kind="lora",
                                  metadata={"trainer_run": "run-a"})[0]
     name = next(spec.name for spec in update.manifest.tensors if "lora_B" in spec.name)
     with pytest.raises(WeightUpdateError, match=f"{name!r} holds NaN or Inf"):
-        receiver.apply(poisoned(update, store, name, float("nan")), store.fetch)
+        receiver.receive(poisoned(update, store, name, float("nan")), store.fetch)
     assert unchanged(maker, before) and receiver.version == 1 and receiver.consistent
 
 
@@ -207,7 +208,7 @@ def test_a_value_the_cast_dtype_cannot_hold_is_refused():
     before = state_snapshot(maker)
     update = poisoned(full(store, tiny_llama(seed=2), 1), store, f"actor/{Q_PROJ}", 1e6)  # finite in float32
     with pytest.raises(WeightUpdateError, match="holds NaN or Inf or values beyond torch.float16"):
-        receiver.apply(update, store.fetch)
+        receiver.receive(update, store.fetch)
     assert unchanged(maker, before) and receiver.version == 0
 
 
@@ -225,8 +226,8 @@ def test_nan_is_found_in_float8_bfloat16_and_complex_tensors(name):
     receiver = WeightReceiver({"actor": maker})
     update = build_weight_update({"actor": Buffers(1.0).state_dict()}, 1, store.put)[0]
     with pytest.raises(WeightUpdateError, match=f"'actor/{name}' holds NaN"):
-        receiver.apply(poisoned(update, store, f"actor/{name}", float("nan")), store.fetch)
-    assert receiver.apply(build_weight_update({"actor": Buffers(1.0).state_dict()}, 1, store.put)[0],
+        receiver.receive(poisoned(update, store, f"actor/{name}", float("nan")), store.fetch)
+    assert receiver.receive(build_weight_update({"actor": Buffers(1.0).state_dict()}, 1, store.put)[0],
                           store.fetch).applied
 
 
@@ -238,10 +239,10 @@ def test_a_failed_in_place_reset_binds_to_the_new_run_whose_full_update_repairs_
     lost = update.chunk_refs[2]
     del store.objects[lost]
     with pytest.raises(WeightUpdateError, match="chunk 2"):
-        receiver.apply(update, store.fetch, reset=True)
+        receiver.receive(update, store.fetch, reset=True)
     assert not receiver.consistent and receiver.trainer_run == "run-b"
     # The resumed trainer's next push (an older version than the half-written weights carry) repairs them.
-    assert receiver.apply(full(store, resumed, 2, run="run-b"), store.fetch).applied
+    assert receiver.receive(full(store, resumed, 2, run="run-b"), store.fetch).applied
     assert receiver.consistent and receiver.version == 2 and unchanged(maker, state_snapshot(resumed))
 
 
@@ -288,7 +289,7 @@ def test_a_version_that_is_not_a_non_negative_integer_is_refused(bound, version)
 def test_a_finite_but_absurd_tensor_with_valid_checksums_is_refused_and_the_next_update_applies(mode):
     store, maker = ObjectStore(), tiny_llama(seed=1)
     receiver = WeightReceiver({"actor": maker}, version=-1, mode=mode)
-    assert receiver.apply(full(store, tiny_llama(seed=2), 3), store.fetch).applied
+    assert receiver.receive(full(store, tiny_llama(seed=2), 3), store.fetch).applied
     before = state_snapshot(maker)
     trained = tiny_llama(seed=2)
     with torch.no_grad():  # what an optimizer step does: a small change
@@ -302,13 +303,13 @@ def test_a_finite_but_absurd_tensor_with_valid_checksums_is_refused_and_the_next
         receiver.receive(forged(4), store.fetch)
     assert unchanged(maker, before) and receiver.version == 3
     assert receiver.consistent == (mode == "staged")  # in place, the chunks before it were written
-    assert receiver.apply(full(store, trained, 4), store.fetch).applied  # the real step goes through
+    assert receiver.receive(full(store, trained, 4), store.fetch).applied  # the real step goes through
     assert unchanged(maker, state_snapshot(trained))
     # An explicit reset (registering with a trainer) takes any weights, and None lifts the bound.
-    assert receiver.apply(forged(5), store.fetch, reset=True).applied
+    assert receiver.receive(forged(5), store.fetch, reset=True).applied
     unbounded = WeightReceiver({"actor": tiny_llama(seed=1)}, version=-1, max_weight_change=None)
-    assert unbounded.apply(full(store, tiny_llama(seed=2), 3), store.fetch).applied
-    assert unbounded.apply(forged(4), store.fetch).applied
+    assert unbounded.receive(full(store, tiny_llama(seed=2), 3), store.fetch).applied
+    assert unbounded.receive(forged(4), store.fetch).applied
 
 
 def test_a_lora_b_matrix_that_starts_at_zero_may_move():
@@ -318,16 +319,16 @@ def test_a_lora_b_matrix_that_starts_at_zero_may_move():
             if "lora_B" in name:
                 parameter.zero_()
     receiver = WeightReceiver({"actor": lora_llama(seed=2)}, version=-1)
-    assert receiver.apply(full(store, maker, 0), store.fetch).applied
+    assert receiver.receive(full(store, maker, 0), store.fetch).applied
     trained = lora_llama(seed=1)
     with torch.no_grad():
         for name, parameter in trained.named_parameters():
             if "lora_B" in name:
                 parameter.copy_(torch.full_like(parameter, 3e-3))  # 10 Adam steps at lr 3e-4
-    assert receiver.apply(full(store, trained, 1), store.fetch).applied
+    assert receiver.receive(full(store, trained, 1), store.fetch).applied
     with torch.no_grad():
         for name, parameter in trained.named_parameters():
             if "lora_B" in name:
                 parameter.fill_(1.0)  # no optimizer step goes from 3e-3 to 1 (relative change 100)
     with pytest.raises(WeightUpdateError, match="lora_B.* would change by"):
-        receiver.apply(full(store, trained, 2), store.fetch)
+        receiver.receive(full(store, trained, 2), store.fetch)

@@ -98,7 +98,7 @@ def test_full_update_round_trip_over_several_chunks(trainer, maker) -> None:
     assert not torch.equal(logits(trainer), logits(maker))
 
     receiver = WeightReceiver({"actor": maker})
-    result = receiver.apply(update, store.fetch)
+    result = receiver.receive(update, store.fetch)
     assert result.applied and result.version == receiver.version == receiver.servable_version == 1
     assert (result.bytes, result.chunks) == (manifest.total_bytes, manifest.num_chunks)
     assert result.swap_seconds <= result.seconds and receiver.last_error is None
@@ -107,13 +107,32 @@ def test_full_update_round_trip_over_several_chunks(trainer, maker) -> None:
     assert receiver.fingerprint == state_fingerprint({"actor": trainer.state_dict()})
 
 
+def test_the_receiver_has_one_way_in_and_one_safe_point(trainer, maker) -> None:
+    public = {name for name, value in vars(WeightReceiver).items()
+              if callable(value) and not name.startswith("_")}
+    assert public == {"receive", "serving", "expect_runs", "refresh_fingerprint"}
+    store = Store()
+    update, _ = build_weight_update({"actor": trainer.state_dict()}, 1, store.put, chunk_bytes=CHUNK)
+    receiver = WeightReceiver({"actor": maker})
+    with pytest.raises(ValueError, match="swap must be one of"):
+        receiver.receive(update, store.fetch, swap="later")
+    assert store.fetches == {} and receiver.version == 0
+    # Staged for the safe point while a batch holds the lock; `serving` swaps it in before the next batch.
+    with receiver.lock:
+        assert receiver.receive(update, store.fetch, swap="at_safe_point").staged
+    assert receiver.version == 0 and receiver.pending_version == 1
+    with receiver.serving() as version:
+        assert version == 1 and receiver.pending_version is None
+    assert_state_equal(maker, trainer.state_dict())
+
+
 def test_each_chunk_put_once_for_three_receivers(trainer) -> None:
     store = Store()
     update, _ = build_weight_update({"actor": trainer.state_dict()}, 1, store.put, chunk_bytes=CHUNK)
     assert store.puts == update.manifest.num_chunks
     makers = [tiny_llama(seed) for seed in (2, 3, 4)]
     for maker in makers:
-        WeightReceiver({"actor": maker}).apply(update, store.fetch)
+        WeightReceiver({"actor": maker}).receive(update, store.fetch)
         assert_state_equal(maker, trainer.state_dict())
     assert store.puts == update.manifest.num_chunks
     assert store.fetches == {ref: 3 for ref in update.chunk_refs}
@@ -147,7 +166,7 @@ def test_tied_weights_travel_once() -> None:
     assert (alias.name, alias.alias_of) == ("actor/lm_head.weight", "actor/transformer.wte.weight")
     assert stats.bytes == sum(spec.nbytes for spec in update.manifest.tensors if not spec.alias_of)
     assert all(alias.name not in chunk for chunk in store.chunks.values())
-    WeightReceiver({"actor": maker}).apply(update, store.fetch)
+    WeightReceiver({"actor": maker}).receive(update, store.fetch)
     assert_state_equal(maker, trainer.state_dict())
     assert torch.equal(logits(trainer), logits(maker))
 
@@ -157,12 +176,12 @@ def test_same_version_is_noop_and_older_version_refused(trainer, maker) -> None:
     receiver = WeightReceiver({"actor": maker}, version=5)
     same, _ = build_weight_update({"actor": trainer.state_dict()}, 5, store.put, chunk_bytes=CHUNK)
     before = state_snapshot(maker)
-    result = receiver.apply(same, store.fetch)
+    result = receiver.receive(same, store.fetch)
     assert (result.applied, result.reason, receiver.version) == (False, "same version", 5)
     assert not store.fetches
     older, _ = build_weight_update({"actor": trainer.state_dict()}, 4, store.put, chunk_bytes=CHUNK)
     with pytest.raises(WeightUpdateError, match="stale version 4 < current 5") as error:
-        receiver.apply(older, store.fetch)
+        receiver.receive(older, store.fetch)
     assert receiver.last_error is error.value and error.value.reason == str(error.value)
     assert isinstance(error.value, ValueError)
     assert_state_equal(maker, before)
@@ -258,7 +277,7 @@ def test_bad_chunk_refused(trainer, maker, damage, mode) -> None:
     else:
         receiver = WeightReceiver({"actor": maker}, mode="in_place")
         with pytest.raises(WeightUpdateError, match=message):
-            receiver.apply(update, store.fetch)
+            receiver.receive(update, store.fetch)
         assert receiver.version == 0
 
 
@@ -279,7 +298,7 @@ def _assert_refused(maker, update, fetch, message: str, timeout: float | None = 
     receiver = WeightReceiver({"actor": maker})
     before, fingerprint = state_snapshot(maker), receiver.fingerprint
     with pytest.raises(WeightUpdateError, match=message) as error:
-        receiver.apply(update, fetch, timeout=timeout)
+        receiver.receive(update, fetch, timeout=timeout)
     assert receiver.last_error is error.value
     assert_state_equal(maker, before)
     assert (receiver.version, receiver.consistent, receiver.fingerprint) == (0, True, fingerprint)
@@ -291,9 +310,9 @@ def test_cast_dtype_float32_to_bfloat16(trainer) -> None:
     store = Store()
     update, _ = build_weight_update({"actor": trainer.state_dict()}, 1, store.put, chunk_bytes=CHUNK)
     with pytest.raises(WeightUpdateError, match=r"dtype mismatch .*\(no cast_dtype set\)"):
-        WeightReceiver({"actor": maker}).apply(update, store.fetch)
+        WeightReceiver({"actor": maker}).receive(update, store.fetch)
     receiver = WeightReceiver({"actor": maker}, cast_dtype=torch.bfloat16)
-    assert receiver.apply(update, store.fetch).applied
+    assert receiver.receive(update, store.fetch).applied
     assert_state_equal(maker, {key: t.to(torch.bfloat16) for key, t in trainer.state_dict().items()})
     assert receiver.fingerprint == state_fingerprint({"actor": maker.state_dict()})
 
@@ -309,21 +328,21 @@ def test_multi_model_update_and_partial_lora_kind() -> None:
     states = {name: model.state_dict() for name, model in trainer_models.items()}
     update, _ = build_weight_update(states, 1, store.put, chunk_bytes=CHUNK)
     receiver = WeightReceiver(maker_models)
-    receiver.apply(update, store.fetch)
+    receiver.receive(update, store.fetch)
     for name in states:
         assert_state_equal(maker_models[name], states[name])
     assert receiver.fingerprint == state_fingerprint(states)
 
     # A "lora"-kind update may carry a subset of keys; the rest stays as it is.
     with torch.no_grad():
-        trainer_models["critic"].head.weight.add_(1.0)
+        trainer_models["critic"].head.weight.add_(0.01)  # a step's worth (within max_weight_change)
     head = {"critic": {"head.weight": trainer_models["critic"].head.weight}}
     partial, _ = build_weight_update(head, 2, store.put, kind="lora", metadata={"r": 4})
     assert partial.manifest.metadata == {"r": 4} and partial.manifest.num_chunks == 1
     full_subset, _ = build_weight_update(head, 2, store.put, kind="full")
     with pytest.raises(WeightUpdateError, match="full update lacks key 'critic/"):
-        receiver.apply(full_subset, store.fetch)
-    receiver.apply(partial, store.fetch)
+        receiver.receive(full_subset, store.fetch)
+    receiver.receive(partial, store.fetch)
     assert receiver.version == 2
     assert_state_equal(maker_models["critic"], trainer_models["critic"].state_dict())
     assert receiver.fingerprint == state_fingerprint(
@@ -341,7 +360,7 @@ def test_in_place_applies_and_failing_chunk_marks_inconsistent(trainer, maker) -
         return store.fetch(ref)
 
     update, _ = build_weight_update({"actor": trainer.state_dict()}, 1, store.put, chunk_bytes=CHUNK)
-    result = receiver.apply(update, fetch)
+    result = receiver.receive(update, fetch)
     assert result.applied and result.swap_seconds == result.fetch_seconds
     assert_state_equal(maker, trainer.state_dict())
     assert receiver.fingerprint == state_fingerprint({"actor": trainer.state_dict()})
@@ -352,7 +371,7 @@ def test_in_place_applies_and_failing_chunk_marks_inconsistent(trainer, maker) -
     update, _ = build_weight_update({"actor": trainer.state_dict()}, 2, store.put, chunk_bytes=CHUNK)
     lost = store.chunks.pop(update.chunk_refs[2])
     with pytest.raises(WeightUpdateError, match="chunk 2 .*KeyError"):
-        receiver.apply(update, fetch)
+        receiver.receive(update, fetch)
     assert not receiver.consistent and receiver.version == 1
     with pytest.raises(WeightUpdateError, match="half-updated"):
         receiver.servable_version  # noqa: B018
@@ -364,7 +383,7 @@ def test_in_place_applies_and_failing_chunk_marks_inconsistent(trainer, maker) -
     assert receiver.fingerprint == state_fingerprint({"actor": maker.state_dict()})
 
     store.chunks[update.chunk_refs[2]] = lost  # a retry of the same version goes through
-    assert receiver.apply(update, fetch).applied
+    assert receiver.receive(update, fetch).applied
     assert receiver.consistent and receiver.servable_version == 2
     assert_state_equal(maker, trainer.state_dict())
 
@@ -382,7 +401,7 @@ def test_staged_fetch_runs_without_the_lock(trainer, maker) -> None:
         assert go_on.wait(5)
         return store.fetch(ref)
 
-    worker = threading.Thread(target=lambda: results.append(receiver.apply(update, blocking_fetch)))
+    worker = threading.Thread(target=lambda: results.append(receiver.receive(update, blocking_fetch)))
     worker.start()
     assert in_fetch.wait(5)
     # A generation batch can run while the update is being fetched.
@@ -402,7 +421,7 @@ def test_generation_holding_the_lock_delays_only_the_swap(trainer, maker) -> Non
     before = state_snapshot(maker)
     results = []
     with lock:  # a generation batch in progress
-        worker = threading.Thread(target=lambda: results.append(receiver.apply(update, store.fetch)))
+        worker = threading.Thread(target=lambda: results.append(receiver.receive(update, store.fetch)))
         worker.start()
         deadline = time.monotonic() + 5
         while sum(store.fetches.values()) < update.manifest.num_chunks and time.monotonic() < deadline:
@@ -425,7 +444,7 @@ def test_lock_wait_counts_against_timeout(trainer, maker) -> None:
     receiver = WeightReceiver({"actor": maker}, lock=lock)
     before = state_snapshot(maker)
     with lock, pytest.raises(WeightUpdateError, match="v1: timed out waiting for the generation lock"):
-        receiver.apply(update, store.fetch, timeout=0.2)
+        receiver.receive(update, store.fetch, timeout=0.2)
     assert_state_equal(maker, before)
     assert receiver.version == 0
 
@@ -436,14 +455,14 @@ def test_fingerprint_changes_iff_weights_change(trainer, maker) -> None:
     initial = receiver.fingerprint
     assert initial == state_fingerprint({"actor": maker.state_dict()})
     assert initial != state_fingerprint({"actor": trainer.state_dict()})
-    receiver.apply(build_weight_update({"actor": trainer.state_dict()}, 1, store.put)[0], store.fetch)
+    receiver.receive(build_weight_update({"actor": trainer.state_dict()}, 1, store.put)[0], store.fetch)
     after_v1 = receiver.fingerprint
     assert after_v1 != initial
-    receiver.apply(build_weight_update({"actor": trainer.state_dict()}, 2, store.put)[0], store.fetch)
+    receiver.receive(build_weight_update({"actor": trainer.state_dict()}, 2, store.put)[0], store.fetch)
     assert receiver.version == 2 and receiver.fingerprint == after_v1  # same weights, same fingerprint
     with torch.no_grad():
         trainer.state_dict()[Q_PROJ][0, 0] += 1.0
-    receiver.apply(build_weight_update({"actor": trainer.state_dict()}, 3, store.put)[0], store.fetch)
+    receiver.receive(build_weight_update({"actor": trainer.state_dict()}, 3, store.put)[0], store.fetch)
     assert receiver.fingerprint not in (after_v1, initial)
     assert receiver.fingerprint == state_fingerprint({"actor": trainer.state_dict()})
     # Weights changed behind the receiver's back show up after a refresh.
@@ -478,7 +497,7 @@ def test_after_swap_hook_runs_under_the_lock_with_the_written_names():
         return len(store) - 1
 
     update, _ = build_weight_update({"actor": trainer_model.state_dict()}, 1, put, chunk_bytes=20_000)
-    receiver.apply(update, store.__getitem__)
+    receiver.receive(update, store.__getitem__)
     assert len(calls) == 1 and calls[0][0] is True
     assert calls[0][1] == {f"actor/{k}" for k in trainer_model.state_dict()}
 
@@ -489,27 +508,28 @@ def test_a_resumed_trainer_run_may_roll_makers_back_with_a_full_update_as_a_rese
     first_run = tiny_llama(seed=2)
     update, _ = build_weight_update({"actor": first_run.state_dict()}, 5, store.put,
                                     metadata={"trainer_run": "a"})
-    receiver.apply(update, store.fetch)
+    receiver.receive(update, store.fetch)
     assert (receiver.version, receiver.trainer_run) == (5, "a")
 
     stale, _ = build_weight_update({"actor": first_run.state_dict()}, 3, store.put,
                                    metadata={"trainer_run": "a"})
     with pytest.raises(WeightUpdateError, match="stale version 3 < current 5"):
-        receiver.apply(stale, store.fetch)
+        receiver.receive(stale, store.fetch)
     resumed = tiny_llama(seed=3)  # resumed from its step-3 checkpoint in a new process
     lora_like, _ = build_weight_update({"actor": {Q_PROJ: resumed.state_dict()[Q_PROJ]}}, 3, store.put,
                                        kind="lora",
                                        metadata={"trainer_run": "b"})
     with pytest.raises(WeightUpdateError, match="trainer_run 'b' is not the trainer run"):
-        receiver.apply(lora_like, store.fetch)  # a push: only a reset (registering again) may change the run
+        # A push: only a reset (registering again) may change the run.
+        receiver.receive(lora_like, store.fetch)
     with pytest.raises(WeightUpdateError, match="new trainer run 'b'.*needs a full update first"):
-        receiver.apply(lora_like, store.fetch, reset=True)
+        receiver.receive(lora_like, store.fetch, reset=True)
     assert (receiver.version, receiver.trainer_run) == (5, "a")
     assert_state_equal(maker, first_run.state_dict())
 
     rollback, _ = build_weight_update({"actor": resumed.state_dict()}, 3, store.put,
                                       metadata={"trainer_run": "b"})
-    assert receiver.apply(rollback, store.fetch, reset=True).applied
+    assert receiver.receive(rollback, store.fetch, reset=True).applied
     assert (receiver.version, receiver.trainer_run) == (3, "b")
     assert_state_equal(maker, resumed.state_dict())
 

@@ -101,7 +101,7 @@ class ExperienceMakerHolder:
     def _expect_runs(self, handles: list[Any]) -> None:
         """Registered with these trainers, which had no weights yet: follow their runs from their first update."""
         runs = get_all([h.trainer_run.remote() for h in handles], timeout=self.core.config.weight_timeout_s)
-        self.core.receiver.registered_runs.update(runs)
+        self.core.expect_runs(runs)
 
     def _connect(self) -> None:
         self._attach_trainers()
@@ -196,7 +196,8 @@ class ExperienceMakerHolder:
     def apply_weight_update(self, update: WeightUpdate) -> ApplyResult:
         """Pull and verify a versioned weight update and acknowledge it; it is swapped in between two generation
         batches (at once when none is being generated), so the trainer never waits for a batch to end."""
-        return self.core.receive_weight_update(update, ray_fetch(self.core.config.weight_timeout_s))
+        return self.core.apply_weight_update(update, ray_fetch(self.core.config.weight_timeout_s),
+                                             swap="at_safe_point")
 
     @ray.method(concurrency_group="experience_io")
     def save_state(self, path: str) -> str:

@@ -106,7 +106,7 @@ def fetch_chunk(ref: Any, timeout: float) -> dict[str, torch.Tensor]:
 
 
 def ray_fetch(timeout: float) -> Callable[[Any], dict[str, torch.Tensor]]:
-    """A chunk fetcher for `WeightReceiver.apply`: `fetch_chunk` with `timeout`."""
+    """A chunk fetcher for `WeightReceiver.receive`: `fetch_chunk` with `timeout`."""
     return lambda ref: fetch_chunk(ref, timeout)
 
 

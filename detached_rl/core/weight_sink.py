@@ -6,12 +6,14 @@ An inference engine owns its weights: a generation backend brings its own sink (
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+
+from detached_rl.core.weight_sync import WeightManifest
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,7 @@ class SinkCommit:
 
 
 class SinkUnchanged(RuntimeError):
-    """Raised by `WeightSink.write`/`commit` that failed but put back all it had changed: it serves the
-    previous version.
+    """Raised by a `WeightSink.write`/`commit` that failed but put back what it changed (old version serves).
 
     The `WeightReceiver` then refuses the update without marking the model half-written.
     """
@@ -59,7 +60,8 @@ class WeightSink(Protocol):
     field for an update it cannot take although its tensors fit `layout` (e.g. a LoRA update
     whose `metadata["lora"]` has another alpha). The receiver calls it, for each model the update
     names, after checking the manifest and before fetching or writing anything, and refuses the
-    update with the error.
+    update with the error (a `WeightUpdateError` keeps its type: `OffTrainerError` says registering
+    again fixes it, as `detached_rl.models.base_fingerprint.BaseCheckedSink` raises for another base).
     """
 
     def layout(self) -> Mapping[str, TensorLayout]:
@@ -111,3 +113,19 @@ class ModuleWeightSink:
 
     def commit(self, update: SinkCommit) -> None:
         """Nothing to do: the module computes with the written tensors."""
+
+
+def commit_update(sinks: Mapping[str, WeightSink], manifest: WeightManifest) -> None:
+    """Tell each sink the update names that its part of it (the keys written to it) is written."""
+    keys: dict[str, set[str]] = {}
+    for spec in manifest.tensors:
+        model_name, _, key = spec.name.partition("/")
+        keys.setdefault(model_name, set()).add(key)
+    for model_name, written in keys.items():
+        sinks[model_name].commit(
+            SinkCommit(manifest.version, manifest.kind, frozenset(written), manifest.metadata))
+
+
+def left_unchanged(error: Exception, models: Set[str]) -> bool:
+    """True when the one model an update named put all back (`SinkUnchanged`): nothing is half-written."""
+    return isinstance(error, SinkUnchanged) and len(models) == 1

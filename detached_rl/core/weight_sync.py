@@ -37,7 +37,7 @@ TensorEntry = tuple[tuple[int, ...], str, int]
 
 
 class NonFiniteWeightsError(ValueError):
-    """The trainer refused to build an update: a tensor (named in the message and `tensor`) holds NaN or inf."""
+    """The trainer refused to build an update: a tensor (named in the message and `tensor`) holds NaN/inf."""
 
     def __init__(self, tensor: str, message: str) -> None:
         super().__init__(message)
@@ -130,10 +130,10 @@ class SendStats:
 
 @dataclass(frozen=True)
 class ApplyResult:
-    """Outcome of `WeightReceiver.apply` / `receive`; `swap_seconds` is how long the generation lock was held.
+    """Outcome of `WeightReceiver.receive`; `swap_seconds` is how long the generation lock was held.
 
     `staged`: received and verified, waiting for the next safe point between two generation batches
-    (`WeightReceiver.receive` acknowledges then; `applied` is False until the swap).
+    (`receive(..., swap="at_safe_point")` acknowledges then; `applied` is False until the swap).
     """
 
     applied: bool
@@ -291,7 +291,8 @@ def fingerprint_of_entries(entries: Mapping[str, TensorEntry]) -> str:
 def state_fingerprint(models: Mapping[str, Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]]) -> str:
     """One sha256 hex digest over the qualified names, shapes, dtypes and checksums of all tensors.
 
-    A model's tensors may come as a lazy stream of (key, tensor) pairs: each is checksummed and dropped in turn.
+    A model's tensors may come as a lazy stream of (key, tensor) pairs: each is checksummed and dropped in
+    turn.
     """
     return fingerprint_of_entries(tensor_entries(models))
 
@@ -303,5 +304,6 @@ def parse_dtype(name: str) -> torch.dtype | None:
 
 __all__ = [
     "ApplyResult", "NonFiniteWeightsError", "SendStats", "TensorSpec", "WeightManifest", "WeightUpdate",
-    "WeightUpdateError", "build_weight_update", "count_nonfinite", "restrict_update", "state_fingerprint", "tensor_checksum",
+    "WeightUpdateError", "build_weight_update", "count_nonfinite", "restrict_update", "state_fingerprint",
+    "tensor_checksum",
 ]

@@ -14,7 +14,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,25 +30,14 @@ from detached_rl.core.weight_receiver import (
     DEFAULT_MAX_WEIGHT_CHANGE,
     WeightReceiver,
 )
-from detached_rl.core.weight_sync import (
-    ApplyResult,
-    Fetch,
-    OffTrainerError,
-    WeightUpdate,
-    restrict_update,
-)
+from detached_rl.core.weight_sync import ApplyResult, Fetch, OffTrainerError, WeightUpdate, restrict_update
 from detached_rl.generation.base import LORA_MODES, GenerationBackend
 from detached_rl.generation.registry import GENERATION_BACKENDS, build_generation_backend
 from detached_rl.generation.vllm_config import VLLMConfig, vllm_config_with
 from detached_rl.maker.pusher import PUSH_POLICIES
 from detached_rl.models.actor import Actor, reference_sampling
+from detached_rl.models.base_fingerprint import BaseCheckedSink, base_keys
 from detached_rl.models.lora import lora_backend
-from detached_rl.models.lora_merge import (
-    base_keys,
-    base_state_fingerprint,
-    lowest_precision_dtype,
-    sent_base_fingerprint,
-)
 from detached_rl.models.reward import RewardScorer
 from detached_rl.models.scalar_heads import Critic
 from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest
@@ -117,16 +106,19 @@ class MakerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"MakerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.push_policy not in PUSH_POLICIES:
-            raise ValueError(f"MakerConfig.push_policy must be one of {PUSH_POLICIES}, got {self.push_policy!r}")
+            raise ValueError(
+                f"MakerConfig.push_policy must be one of {PUSH_POLICIES}, got {self.push_policy!r}")
         if self.weight_sync_mode not in ("staged", "in_place"):
-            raise ValueError(f"MakerConfig.weight_sync_mode must be 'staged' or 'in_place', got {self.weight_sync_mode!r}")
+            raise ValueError(
+                f"MakerConfig.weight_sync_mode must be 'staged' or 'in_place', got {self.weight_sync_mode!r}")
         if self.lora_mode not in LORA_MODES:
             raise ValueError(f"MakerConfig.lora_mode must be one of {LORA_MODES}, got {self.lora_mode!r}")
         if self.backend not in GENERATION_BACKENDS:
             raise ValueError(
                 f"MakerConfig.backend must be one of {sorted(GENERATION_BACKENDS)}, got {self.backend!r}")
         if self.backend in ("vllm", "auto"):
-            vllm_config_with(self.vllm, self.backend_options)  # unknown or bad options are refused here, by name
+            # Unknown or bad options are refused here, by name.
+            vllm_config_with(self.vllm, self.backend_options)
         check_resources(self.resources, "MakerConfig.resources")
         check_amount(self.num_gpus, "MakerConfig.num_gpus", gpu=True)
         check_amount(self.num_cpus, "MakerConfig.num_cpus")
@@ -143,7 +135,7 @@ class MakerConfig:
             raise ValueError(f"MakerConfig.weight_cast_dtype {self.weight_cast_dtype!r} is not a torch dtype")
 
     def backend_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the backend's factory: `backend_options`, for vLLM laid over the `vllm` section."""
+        """Keyword arguments of the backend's factory: `backend_options` (vLLM: over the `vllm` section)."""
         if self.backend in ("vllm", "auto"):
             return dataclasses.asdict(vllm_config_with(self.vllm, self.backend_options))
         return dict(self.backend_options)
@@ -151,7 +143,8 @@ class MakerConfig:
     @property
     def scorers(self) -> dict[str, str]:
         """Role -> scorer group name, for the roles served by scorer groups instead of local models."""
-        named = {"reward": self.reward_scorer, "reference": self.reference_scorer, "critic": self.critic_scorer}
+        named = {"reward": self.reward_scorer, "reference": self.reference_scorer,
+                 "critic": self.critic_scorer}
         return {role: name for role, name in named.items() if name}
 
 
@@ -190,7 +183,8 @@ class ExperienceMaker:
         self.name = name
         self.config = config or MakerConfig()
         self.sampling = self.config.sampling or SamplingConfig()  # how responses are sampled
-        self.strategy = NaiveStrategy() if strategy is None else check_strategy(strategy, f"maker {name!r}: strategy")
+        self.strategy = (NaiveStrategy() if strategy is None
+                         else check_strategy(strategy, f"maker {name!r}: strategy"))
         # Roles `scoring` serves replace the local models of those roles.
         self.scoring = scoring
         remote = scoring.roles if scoring is not None else frozenset()
@@ -202,41 +196,43 @@ class ExperienceMaker:
         self.critic = models.critic.to(device).eval() if models.critic is not None else None
         self.reference = models.reference.to(device).eval() if models.reference is not None else None
         # A reward model scores the batch where it is generated; a reward function runs on the host anyway.
-        self.reward = models.reward.to(device).eval() if isinstance(models.reward, torch.nn.Module) else models.reward
+        reward = models.reward
+        self.reward = reward.to(device).eval() if isinstance(reward, torch.nn.Module) else reward
         self.prompts = prompts
         self.generation_lock = threading.Lock()
         self.remote_roles = remote
         is_lora = lora_backend(actor.model) is not None
         if self.config.lora_mode == "merge" and not is_lora:
-            raise ValueError("MakerConfig.lora_mode='merge' needs the factory's policy to carry a LoRA adapter")
+            raise ValueError(
+                "MakerConfig.lora_mode='merge' needs the factory's policy to carry a LoRA adapter")
         self.tokenizer = actor.tokenizer
         # The policy is served by the backend (merge mode: a plain copy the backend re-merges on updates).
         self.backend: GenerationBackend = build_generation_backend(
             self.config.backend, actor, lora_mode=self.config.lora_mode, options=self.config.backend_kwargs()
         )
-        # Keys of the frozen base weights (trainer naming), which a LoRA update must have been computed against.
-        self._base_keys = base_keys(actor.model) if is_lora else None
-        synced: dict[str, Any] = {"actor": self.backend.weight_sink}
+        cast = getattr(torch, self.config.weight_cast_dtype) if self.config.weight_cast_dtype else None
+        # A LoRA policy's sink refuses LoRA updates computed against another base than the one it serves
+        # (a maker that casts weights fingerprints its base cast to its coarsest stored dtype, as its
+        # trainer does).
+        self.base_check: BaseCheckedSink | None = None
+        if is_lora:
+            self.base_check = BaseCheckedSink(self.backend.weight_sink, base_keys(actor.model),
+                                              casts=cast is not None)
+        synced: dict[str, Any] = {"actor": self.base_check or self.backend.weight_sink}
         if self.critic is not None:
             synced["critic"] = self.critic
-        cast = getattr(torch, self.config.weight_cast_dtype) if self.config.weight_cast_dtype else None
         self.receiver = WeightReceiver(
-            synced, cast_dtype=cast, mode=self.config.weight_sync_mode, lock=self.generation_lock, version=NOT_SYNCED,
-            max_version_jump=self.config.max_version_jump, max_weight_change=self.config.max_weight_change,
+            synced, cast_dtype=cast, mode=self.config.weight_sync_mode, lock=self.generation_lock,
+            version=NOT_SYNCED, max_version_jump=self.config.max_version_jump,
+            max_weight_change=self.config.max_weight_change,
         )
-        # A maker that casts incoming weights cannot hold its trainer's bytes: it fingerprints its base cast to its
-        # coarsest stored dtype, and the trainer compares its own base cast the same way (`base_state_fingerprint`).
-        self._fingerprint_dtype: torch.dtype | None = None
-        if self._base_keys is not None and cast is not None:
-            layout = self.backend.weight_sink.layout()
-            self._fingerprint_dtype = lowest_precision_dtype(layout[key].dtype for key in self._base_keys)
-        self._base_fingerprint_cache: tuple[int | None, str | None] | None = None
         self.batches = 0
         self.samples_made = 0
         self.tokens_made = 0
         self.generate_seconds = 0.0
         self.last_error: str | None = None
-        # Why this maker should register with its trainers again (an update showed it off their weights), or None.
+        # Why this maker should register with its trainers again (an update showed it off their weights),
+        # or None.
         self.resync_reason: str | None = None
 
     @property
@@ -249,57 +245,37 @@ class ExperienceMaker:
         """True once the maker holds a complete version received from a trainer."""
         return self.receiver.version > NOT_SYNCED and self.receiver.consistent
 
-    def _base_fingerprint(self) -> str | None:
-        """`base_fingerprint` of the served policy's base weights (None for a policy without LoRA)."""
-        if self._base_keys is None:
-            return None
-        return base_state_fingerprint(self.backend.weight_sink.state(), self._base_keys, self._fingerprint_dtype)
+    @property
+    def base_fingerprint(self) -> str | None:
+        """Fingerprint of the served policy's base weights (None without LoRA), what registration reports."""
+        return None if self.base_check is None else self.base_check.fingerprint
 
-    def apply_weight_update(self, update: WeightUpdate, fetch: Fetch, reset: bool = False) -> ApplyResult:
-        """Apply a versioned weight update and swap it in before returning (see `WeightReceiver.apply`,
-        `reset` too); refused updates change nothing."""
-        return self._take(update, fetch, reset, wait_for_swap=True)
+    def expect_runs(self, runs: Iterable[str | None]) -> None:
+        """Registered with trainers of these runs that had no weights yet: their first update is a reset."""
+        self.receiver.expect_runs(runs)
 
-    def receive_weight_update(self, update: WeightUpdate, fetch: Fetch) -> ApplyResult:
-        """Verify a trainer's update and acknowledge it; it is swapped in at the next safe point between
-        two batches, or at once when no batch is being generated (`WeightReceiver.receive`)."""
-        return self._take(update, fetch, reset=False, wait_for_swap=False)
+    def apply_weight_update(self, update: WeightUpdate, fetch: Fetch, *, reset: bool = False,
+                            swap: str = "now") -> ApplyResult:
+        """The maker's one weight intake: a trainer's push, a registration's answer (`reset=True`), a test's.
 
-    def _take(self, update: WeightUpdate, fetch: Fetch, reset: bool, wait_for_swap: bool) -> ApplyResult:
+        Takes the parts of `update` this maker holds (a critic served by scorers takes its own) and hands
+        them to `WeightReceiver.receive` (see it for `reset` and `swap`: the actor's pushes use
+        "at_safe_point", so a trainer never waits for a batch). Refused updates change nothing and are
+        recorded in `last_error`; one that shows this maker off its trainers' weights (`OffTrainerError`)
+        outside a registration sets `resync_reason`.
+        """
         if "critic" in self.remote_roles:
             # The trainer's updates carry its critic too; the critic scorers take that part themselves.
             held = {spec.name.partition("/")[0] for spec in update.manifest.tensors} - {"critic"}
             update, fetch = restrict_update(update, held, fetch)
-        manifest = update.manifest
-        receiver = self.receiver
         try:
-            if manifest.kind == "lora" and receiver.pending_kind == "full":
-                receiver.flush(self.config.weight_timeout_s)  # the LoRA update is checked against that base
-            if manifest.kind == "lora" and manifest.version > receiver.version:
-                expected = sent_base_fingerprint(manifest.metadata, self._fingerprint_dtype)
-                if expected != self.base_fingerprint:
-                    raise OffTrainerError(
-                        f"v{manifest.version}: base fingerprint mismatch: the LoRA update is for base weights "
-                        f"{str(expected)[:24]}, this maker holds {str(self.base_fingerprint)[:24]}; "
-                        "it needs a full update first"
-                    )
-            take = receiver.apply if wait_for_swap else receiver.receive
-            return take(update, fetch, timeout=self.config.weight_timeout_s, reset=reset)
+            return self.receiver.receive(update, fetch, timeout=self.config.weight_timeout_s, reset=reset,
+                                         swap=swap)
         except Exception as error:
-            self.last_error = f"weight update v{manifest.version}: {error}"
+            self.last_error = f"weight update v{update.manifest.version}: {error}"
             if isinstance(error, OffTrainerError) and not reset:
                 self.resync_reason = self.last_error
             raise
-
-    @property
-    def base_fingerprint(self) -> str | None:
-        """`base_fingerprint` of the served policy's base weights, as of the last full update swapped in."""
-        if self._base_keys is None:
-            return None
-        key = self.receiver.last_full_version
-        if self._base_fingerprint_cache is None or self._base_fingerprint_cache[0] != key:
-            self._base_fingerprint_cache = (key, self._base_fingerprint())
-        return self._base_fingerprint_cache[1]
 
     def make_experience(self) -> list[Experience]:
         """Generate, score and package one batch (experience_batch_size prompts x group_size responses)."""
@@ -309,7 +285,8 @@ class ExperienceMaker:
         items = self.prompts.next_batch(config.experience_batch_size)
         metadata = [item.metadata for item in items for _ in range(config.group_size)]
         start = time.perf_counter()
-        # A verified update waiting for a safe point is swapped in before and after the batch, never during it.
+        # A verified update waiting for a safe point is swapped in before and after the batch, never
+        # during it.
         with self.receiver.serving() as version, torch.no_grad():
             fingerprint = self.receiver.fingerprint if config.record_weights_fingerprint else None
             prompts = [item.prompt for item in items for _ in range(config.group_size)]
@@ -321,7 +298,8 @@ class ExperienceMaker:
             pending = self._submit_remote(batch, metadata, version)
             args = (batch.sequences, batch.attention_mask, batch.response_mask)
             values = self.critic(*args).cpu() if self.critic is not None else None
-            # Reference log-probs: the temperature-scaled full distribution, finite for every sampleable token.
+            # Reference log-probs: the temperature-scaled full distribution, finite for every sampleable
+            # token.
             ref = self.reference.log_probs(*args, reference_sampling(self.sampling)).cpu() \
                 if self.reference is not None else None
         remote = pending(config.scorer_timeout_s * config.scorer_attempts) if pending is not None else {}
@@ -386,7 +364,7 @@ class ExperienceMaker:
 
     def _score(self, batch: Any, metadata: list[dict[str, Any]], answer: ScoreAnswer | None = None
                ) -> tuple[torch.Tensor, list[dict[str, float]]]:
-        """Rewards [B] of a batch and, per sample, the components the scorer reports (empty if it reports none)."""
+        """Rewards [B] of a batch and, per sample, the components its scorer reports (empty if none)."""
         if answer is None and self.reward is None:
             pending = self._submit_remote(batch, metadata, NOT_SYNCED, frozenset({"reward"}))
             answer = pending(self.config.scorer_timeout_s * self.config.scorer_attempts)["reward"]
@@ -420,8 +398,8 @@ class ExperienceMaker:
             _, batch = self._collate_output(out)
             rewards, components = self._score(batch, [item.metadata for item in chunk])
             texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-            for item, text, reward, parts, ids in zip(chunk, texts, rewards.tolist(), components, out.response_ids,
-                                                       strict=True):
+            for item, text, reward, parts, ids in zip(chunk, texts, rewards.tolist(), components,
+                                                       out.response_ids, strict=True):
                 results.append({"prompt": prompt_text(item.prompt),
                                 "response": text, "reward": float(reward), **parts,
                                 "response_length": len(ids), "policy_version": version})
@@ -450,6 +428,7 @@ class ExperienceMaker:
 
     def status(self) -> dict[str, Any]:
         """Counters for `detached-rl status` (cheap; safe to call while a batch is generated)."""
+        receiver = self.receiver
         return {
             "name": self.name,
             "role": "maker",
@@ -461,9 +440,10 @@ class ExperienceMaker:
             "tokens_made": self.tokens_made,
             "tokens_per_s": self.tokens_made / self.generate_seconds if self.generate_seconds else 0.0,
             "samples_per_s": self.samples_made / self.generate_seconds if self.generate_seconds else 0.0,
-            "last_error": self.last_error or (str(self.receiver.last_error) if self.receiver.last_error else None),
-            # Updates acknowledged, swapped in, and dropped for a newer one before their swap; the one waiting.
-            "weight_updates": {"received": self.receiver.received, "swapped": self.receiver.swapped,
-                               "superseded": self.receiver.superseded, "swap_failures": self.receiver.swap_failures,
-                               "pending_version": self.receiver.pending_version},
+            "last_error": self.last_error or (str(receiver.last_error) if receiver.last_error else None),
+            # Updates acknowledged, swapped in, and dropped for a newer one before their swap; the one
+            # waiting.
+            "weight_updates": {"received": receiver.received, "swapped": receiver.swapped,
+                               "superseded": receiver.superseded, "swap_failures": receiver.swap_failures,
+                               "pending_version": receiver.pending_version},
         }

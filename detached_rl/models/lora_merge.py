@@ -15,7 +15,6 @@ LoRA A and B, and an untied `original_module`, unused but part of a full update)
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,17 +25,25 @@ from peft.tuners.lora import LoraLayer as PeftLoraLayer
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from detached_rl.core.weight_sync import parse_dtype, state_fingerprint
+# Base fingerprints live in `base_fingerprint`; their names stay importable from here.
+from detached_rl.models.base_fingerprint import (
+    CAST_FINGERPRINT_DTYPES,
+    base_fingerprint,
+    base_keys,
+    base_state_fingerprint,
+    cast_base_fingerprints,
+    dtype_name,
+    fingerprint_cast_dtype,
+    lowest_precision_dtype,
+    sent_base_fingerprint,
+)
 from detached_rl.models.lora import lora_backend, lora_config_dict
 
 __all__ = [
-    "LoraMergeTarget", "base_fingerprint", "base_keys", "base_state_fingerprint", "fingerprint_cast_dtype",
-    "cast_base_fingerprints", "dtype_name", "lowest_precision_dtype", "sent_base_fingerprint",
+    "CAST_FINGERPRINT_DTYPES", "LoraMergeTarget", "base_fingerprint", "base_keys", "base_state_fingerprint",
+    "cast_base_fingerprints", "dtype_name", "fingerprint_cast_dtype", "lowest_precision_dtype",
+    "sent_base_fingerprint",
 ]
-
-# Common cast targets of makers (`MakerConfig.weight_cast_dtype`): a LoRA trainer puts its base fingerprint
-# cast to each of them in every update's metadata, so all its ranks agree on what a casting maker must hold.
-CAST_FINGERPRINT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,7 @@ class LoraMergeTarget(nn.Module):
         # LoRA-model key -> key in super().state_dict(): "model.<plain key>" or a kept buffer's name.
         self._sources = sources
         self._adapted = adapted
-        self._base_keys = base
+        self.frozen_base_keys = tuple(base)  # the LoRA model's `base_keys` (what `base_keys(self)` returns)
         self._config = config
 
     @classmethod
@@ -215,98 +222,3 @@ def _unload_loralib(model: nn.Module) -> nn.Module:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, plain)
     return model
-
-
-def base_keys(model: nn.Module) -> list[str]:
-    """State-dict keys of the frozen base: every tensor that is not a trainable
-    parameter of the LoRA model."""
-    if isinstance(model, LoraMergeTarget):
-        return list(model._base_keys)
-    if lora_backend(model) is None:
-        raise ValueError("model has no LoRA modules")
-    return [
-        key
-        for key, tensor in model.state_dict(keep_vars=True).items()
-        if not (isinstance(tensor, nn.Parameter) and tensor.requires_grad)
-    ]
-
-
-def base_fingerprint(model: nn.Module, cast_dtype: torch.dtype | None = None) -> str:
-    """Fingerprint of the `base_keys` tensors (LoRA model or target): exact, or cast (see
-    `base_state_fingerprint`)."""
-    return base_state_fingerprint(model.state_dict(), base_keys(model), cast_dtype)
-
-
-def base_state_fingerprint(state: Mapping[str, Tensor], keys: Iterable[str],
-                           cast_dtype: torch.dtype | None = None) -> str:
-    """sha256 over names, shapes, dtypes and xxh3 checksums of `state[key]` for `keys`.
-
-    Without `cast_dtype`: over the bytes as they are (a hex digest). With it: every floating tensor is cast to
-    `cast_dtype` first, and the result is "<dtype>:<digest>" (e.g. "bfloat16:9f3c..."). A maker that stores
-    its weights in bf16 cannot reproduce its trainer's fp32 bytes, but both sides can cast to bf16 and agree:
-    the maker's bytes after a full update are exactly the trainer's cast to its dtype (`Tensor.to` rounds the
-    same way everywhere), and a maker that loaded the same checkpoint in bf16 holds them too.
-    """
-    keys = list(keys)
-    if cast_dtype is None:
-        return state_fingerprint({"base": {key: state[key] for key in keys}})
-    if not cast_dtype.is_floating_point:
-        raise ValueError(f"cast_dtype must be a floating dtype, got {cast_dtype}")
-
-    def cast() -> Iterator[tuple[str, Tensor]]:  # one cast copy alive at a time
-        for key in keys:
-            tensor = state[key]
-            yield key, tensor.to(cast_dtype) if tensor.is_floating_point() else tensor
-
-    return f"{dtype_name(cast_dtype)}:{state_fingerprint({'base': cast()})}"
-
-
-def cast_base_fingerprints(model: nn.Module, dtypes: Iterable[torch.dtype] = CAST_FINGERPRINT_DTYPES
-                           ) -> dict[str, str]:
-    """dtype name -> `base_fingerprint(model, dtype)` for each of `dtypes` (what a
-    LoRA trainer's updates carry)."""
-    state = model.state_dict()
-    keys = base_keys(model)
-    floating = {state[key].dtype for key in keys if state[key].is_floating_point()}
-    exact = None
-    out = {}
-    for dtype in dtypes:
-        if floating <= {dtype}:  # the cast changes nothing: the exact digest, named
-            exact = exact or state_fingerprint({"base": {key: state[key] for key in keys}})
-            out[dtype_name(dtype)] = f"{dtype_name(dtype)}:{exact}"
-        else:
-            out[dtype_name(dtype)] = base_state_fingerprint(state, keys, dtype)
-    return out
-
-
-def fingerprint_cast_dtype(fingerprint: str) -> torch.dtype | None:
-    """The dtype a base fingerprint was cast to ("bfloat16:<digest>" ->
-    torch.bfloat16); None for an exact one."""
-    name, separator, _ = fingerprint.rpartition(":")
-    if not separator:
-        return None
-    dtype = parse_dtype(name)
-    if dtype is None or not dtype.is_floating_point:
-        raise ValueError(f"base fingerprint {fingerprint[:48]!r} names {name!r}, which is not a "
-                         "floating torch dtype")
-    return dtype
-
-
-def lowest_precision_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
-    """The floating dtype of `dtypes` with the coarsest precision (largest eps:
-    bf16 before fp16 before fp32)."""
-    floating = {dtype for dtype in dtypes if dtype.is_floating_point}
-    return max(floating, key=lambda d: (torch.finfo(d).eps, -d.itemsize), default=None)
-
-
-def sent_base_fingerprint(metadata: Mapping[str, Any], cast_dtype: torch.dtype | None) -> str | None:
-    """The base fingerprint a LoRA update's `metadata` carries for a maker that
-    fingerprints cast to `cast_dtype`."""
-    if cast_dtype is None:
-        return metadata.get("base_fingerprint")
-    return dict(metadata.get("base_fingerprints") or {}).get(dtype_name(cast_dtype))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16" (the key of a cast base fingerprint)."""
-    return str(dtype).removeprefix("torch.")

@@ -61,12 +61,12 @@ class Scorer:
     def apply_weight_update(self, update: WeightUpdate, fetch: Fetch, reset: bool = False) -> ApplyResult:
         """Critic: take the `critic/` tensors of a trainer's update (refused as a whole on any error).
 
-        `reset`: the update answers this scorer's registration (see `WeightReceiver.apply`).
+        `reset`: the update answers this scorer's registration (see `WeightReceiver.receive`).
         """
         if self.receiver is None:
             raise ValueError(f"a {self.role!r} scorer holds no trained weights; it takes no weight updates")
         restricted, fetch_critic = restrict_update(update, ["critic"], fetch)
-        result = self.receiver.apply(restricted, fetch_critic, timeout=self.weight_timeout_s, reset=reset)
+        result = self.receiver.receive(restricted, fetch_critic, timeout=self.weight_timeout_s, reset=reset)
         with self.version_changed:
             self.version_changed.notify_all()
         return result

@@ -1,0 +1,57 @@
+"""Where a maker's weights may come from: one trainer run, forward by bounded steps, unless reset.
+
+A `WeightReceiver` follows one trainer run (the `trainer_run` of the first update it takes with a run
+id). Updates of that run move it forward by at most `max_version_jump` versions; another run, a
+rollback or a bigger jump is taken only as an explicit reset (what a maker does when it registers
+with its trainers). These refusals are `OffTrainerError`s: registering again fixes them.
+"""
+
+from __future__ import annotations
+
+from detached_rl.core.weight_sync import OffTrainerError, WeightManifest, WeightUpdateError
+
+# Trainers push every `update_steps` steps; a push that skips more versions than this is no push of theirs.
+DEFAULT_MAX_VERSION_JUMP = 1000
+
+
+def check_version(version: object) -> int:
+    """`version` if it is a non-negative integer; `WeightUpdateError` otherwise."""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise WeightUpdateError(f"version must be a non-negative integer, got {version!r}")
+    return version
+
+
+def check_provenance(manifest: WeightManifest, *, reset: bool, followed: str | None, newest: int,
+                     waiting: bool, dirty: bool, max_version_jump: int) -> bool:
+    """Refuse an update from another trainer run, a rollback or a jump (unless `reset`); True: nothing to do.
+
+    `followed` and `newest` are the run and version of the newest update received: the one `waiting` for a
+    safe point, else the one served. `dirty`: a failed in-place update left some model half-written.
+    """
+    version, run = manifest.version, manifest.metadata.get("trainer_run")
+    v = f"v{version}"
+    other_run = followed is not None and run != followed
+    if other_run and not reset:
+        raise OffTrainerError(
+            f"{v}: trainer_run {run!r} is not the trainer run this maker follows ({followed!r}); "
+            "only an explicit reset (registering with the trainer again) changes it"
+        )
+    if other_run and manifest.kind != "full":
+        # A LoRA update assumes the adapter and base it was computed against: a new run starts with a full
+        # one.
+        raise OffTrainerError(f"{v}: a {manifest.kind} update from a new trainer run {run!r} "
+                              f"(this maker follows {followed!r}) needs a full update first")
+    if version == newest and not dirty and not other_run:
+        return True
+    if reset or (dirty and manifest.kind == "full"):
+        return False  # half-written models serve nothing: any full update of the run may repair them
+    if version < newest:
+        what = "received" if waiting else "current"
+        raise OffTrainerError(f"stale version {version} < {what} {newest} "
+                              "(a rollback needs an explicit reset)")
+    if newest >= 0 and version - newest > max_version_jump:
+        raise OffTrainerError(
+            f"{v}: version {version} jumps {version - newest} beyond current {newest} "
+            f"(max_version_jump {max_version_jump}); a jump that large needs an explicit reset"
+        )
+    return False
