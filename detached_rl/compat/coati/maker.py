@@ -151,8 +151,7 @@ class CoatiMakerHolder(_MakerShell):
     @ray.method(concurrency_group="model_io")
     def register_with_trainers(self) -> int:
         """Take the trainers' current weights (what a coati trainer's `sync_models_to_remote_makers` sent)."""
-        self._attach_trainers()
-        return self.core.policy_version
+        return self.sync()  # the shell's public re-registration, run here in this method's concurrency group
 
     @ray.method(concurrency_group="experience_io")
     def coati_settings(self) -> dict[str, Any]:
