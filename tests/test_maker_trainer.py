@@ -3,7 +3,7 @@
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -47,8 +47,27 @@ def make_pair(batch_size=4, group_size=1, record=True, maker_seed=7, **trainer_k
     return maker, trainer, store
 
 
-def deliver(maker, store):
-    return lambda update, makers: {name: maker.apply_weight_update(update, store.fetch) for name in makers}
+def done(result=None, error=None):
+    """A future already settled, as a fake transport's acknowledgement."""
+    future = Future()
+    future.set_result(result) if error is None else future.set_exception(error)
+    return future
+
+
+def deliver(maker, store, gone=()):
+    """The push queue over a fake `send`: `maker` applies each update at once; makers in `gone` are no actors."""
+
+    def send(name, update):
+        if name in gone:
+            raise LookupError(f"no maker named {name!r}")
+        return done(maker.apply_weight_update(update, store.fetch))
+
+    return WeightPushQueue(send, timeout=60)
+
+
+def nowhere():
+    """A push queue whose makers acknowledge without doing anything."""
+    return WeightPushQueue(lambda name, update: done(), timeout=60)
 
 
 def test_maker_generates_only_after_receiving_the_trainer_weights():
@@ -160,7 +179,7 @@ def test_overlapped_weight_push_is_acknowledged_by_the_end_of_fit():
 
     def send(name, update):
         sent.append(update.manifest.version)
-        return model_io.submit(maker.apply_weight_update, update, store.fetch, swap="at_safe_point")
+        return model_io.submit(maker.receive_weight_update, update, store.fetch)
 
     for _ in range(6):  # 3 steps of 8 samples, pushes of 4
         trainer.push_experience(maker.make_experience())
@@ -252,10 +271,10 @@ def test_stop_while_waiting_for_data_ends_the_run_cleanly_and_bad_arguments_fail
     _, trainer, store = make_pair()
     stopped = []
     threading.Timer(0.3, trainer.stop).start()
-    summary = trainer.fit(5, store.put, lambda u, m: {}, stop_makers=stopped.extend)
+    summary = trainer.fit(5, store.put, nowhere(), stop_makers=stopped.extend)
     assert trainer.state == "stopped" and summary["policy_version"] == 0 and trainer.last_error is None
     with pytest.raises(ValueError, match="update_steps"):
-        trainer.fit(5, store.put, lambda u, m: {}, update_steps=0)
+        trainer.fit(5, store.put, nowhere(), update_steps=0)
     assert trainer.state == "failed" and "update_steps" in trainer.last_error
 
 
@@ -266,16 +285,34 @@ def test_gone_makers_are_forgotten_and_a_resume_keeps_live_pushes(tmp_path):
     for _ in range(2):
         trainer.push_experience(maker.make_experience())
     trainer.train_step()
-    trainer.sync_weights(store.put, lambda u, makers: {m: LookupError(m) if m == "maker_gone" else
-                                                       maker.apply_weight_update(u, store.fetch)
-                                                       for m in makers})
-    assert trainer.makers == {"maker_0"}
+    trainer.sync_weights(store.put, deliver(maker, store, gone={"maker_gone"}))
+    assert trainer.makers == {"maker_0"} and "no maker named 'maker_gone'" in trainer.last_error
     trainer.save_checkpoint(tmp_path / "ckpt")
     live = maker.make_experience()
     trainer.push_experience(live)  # acknowledged after the checkpoint, before the resume
     trainer.load_checkpoint(tmp_path / "ckpt", store.put)
     assert {e.id for e in live} <= {e.id for e in trainer.buffer.experiences()}
     assert trainer.buffer.stats()["accounting_ok"]
+
+
+def test_a_plain_send_update_is_wrapped_into_the_push_queue_once():
+    maker, trainer, store = make_pair()
+    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    calls = []
+
+    def send_update(update, makers):  # what a layer may still pass: one call per maker, through the queue
+        calls.append(list(makers))
+        return {name: maker.apply_weight_update(update, store.fetch) for name in makers}
+
+    for _ in range(2):
+        for _ in range(2):  # a step's 8 samples
+            trainer.push_experience(maker.make_experience())
+        trainer.train_step()
+        metrics = trainer.sync_weights(store.put, send_update)
+        assert metrics["weight_sync/makers_updated"] == 1 and maker.policy_version == trainer.policy_version
+    queue = trainer.delivery.queue
+    assert calls == [["maker_0"], ["maker_0"]] and queue is not None and queue.sent == 2
+    assert trainer.status()["weight_push"]["acked"] == {"maker_0": 2}
 
 
 def test_evaluate_grades_greedy_answers_and_leaves_counters_and_cursor_alone():
