@@ -179,7 +179,7 @@ def test_overlapped_weight_push_is_acknowledged_by_the_end_of_fit():
 
     def send(name, update):
         sent.append(update.manifest.version)
-        return model_io.submit(maker.receive_weight_update, update, store.fetch)
+        return model_io.submit(maker.apply_weight_update, update, store.fetch, swap="at_safe_point")
 
     for _ in range(6):  # 3 steps of 8 samples, pushes of 4
         trainer.push_experience(maker.make_experience())
