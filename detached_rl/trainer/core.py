@@ -34,6 +34,7 @@ from detached_rl.core.checkpoint import CheckpointError, load_state, rng_state, 
 from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
 from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate
 from detached_rl.strategies import check_strategy
+from detached_rl.trainer.batches import TrainingStopped, next_batch, wait_for_batch
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.resume import merge_buffer_states
 from detached_rl.trainer.staleness import GenerationLedger
@@ -45,9 +46,6 @@ logger = logging.getLogger(__name__)
 # than `train_batch_size` samples from the buffer, which pacing the makers counts (`_samples_per_step`).
 DYNAMIC_SAMPLING_DROPPED = "dynamic_sampling/dropped_fraction"
 
-
-class TrainingStopped(Exception):
-    """`stop()` was called while `fit` waited for data."""
 
 def info_means(experiences: list[Any]) -> dict[str, float]:
     """Batch means of the numeric `info` entries every sample carries (reward components, "finished"), as "info/<key>"."""
@@ -259,58 +257,11 @@ class TrainerCore:
     # ---------------------------------------------------------------- training
     def wait_for_batch(self) -> None:
         """Block until every rank holds a full batch; all ranks give up together when one times out."""
-        size = self.config.train_batch_size
-        deadline = time.monotonic() + self.config.batch_timeout_s
-        while True:
-            available = self.buffer.wait_for(size, self.policy_version, timeout=min(0.5, self.config.batch_timeout_s))
-            if self.strategy.all_true(available >= size):
-                return
-            if not self.strategy.all_true(not self._stop.is_set()):
-                raise TrainingStopped(f"trainer {self.name!r} was asked to stop")
-            if not self.strategy.all_true(time.monotonic() < deadline):
-                raise TimeoutError(
-                    f"trainer {self.name!r} (rank {self.strategy.rank}): no full batch of {size} samples on every "
-                    f"rank within {self.config.batch_timeout_s:.0f} s (this rank holds {available}); "
-                    "are the makers running and pushing here?"
-                )
-
-    def _sample_waiting(self, count: int) -> list[Any]:
-        """`count` samples from this rank's buffer, waiting up to `batch_timeout_s` (no collectives)."""
-        deadline = time.monotonic() + self.config.batch_timeout_s
-        while True:
-            samples = self.buffer.sample(count, current_version=self.policy_version, timeout=0.5)
-            if samples:
-                return samples
-            if self._stop.is_set():
-                raise TrainingStopped(f"trainer {self.name!r} was asked to stop")
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"trainer {self.name!r} (rank {self.strategy.rank}): fewer than {count} samples arrived within "
-                    f"{self.config.batch_timeout_s:.0f} s (buffer holds {len(self.buffer)}); are the makers running?"
-                )
+        wait_for_batch(self)
 
     def next_batch(self) -> tuple[list[Any], dict[str, float]]:
         """The next training batch: learner-defined (e.g. whole groups, dynamic sampling) or plain FIFO."""
-        if not self.learner.assembles_batches:
-            self.wait_for_batch()
-            return self.buffer.sample(self.config.train_batch_size, current_version=self.policy_version), {}
-        # Assembled per rank without collectives; then every rank learns whether all got a full
-        # batch, so no rank enters the gradient all-reduce alone.
-        size, error = self.config.train_batch_size, None
-        try:
-            experiences, stats = self.learner.make_batch(self._sample_waiting, size)
-        except (TimeoutError, TrainingStopped) as caught:
-            experiences, stats, error = [], {}, caught
-        if not self.strategy.all_true(len(experiences) == size):
-            if error is not None:
-                raise error
-            if not experiences:
-                raise RuntimeError(
-                    f"trainer {self.name!r}: dynamic sampling found no group with different rewards in "
-                    f"{self.learner.max_sampling_rounds} draws; the task is too easy or too hard for the policy"
-                )
-            raise RuntimeError(f"trainer {self.name!r}: a rank could not assemble a full batch of {size} samples")
-        return experiences, stats
+        return next_batch(self)
 
     def train_step(self) -> dict[str, float]:
         """Sample a batch, train on it, advance the version; returns metrics reduced across ranks.
@@ -441,6 +392,11 @@ class TrainerCore:
     def stop(self) -> None:
         """Ask a running `fit` to end after the current step."""
         self._stop.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether `stop()` asked the running `fit` to end."""
+        return self._stop.is_set()
 
     def status(self) -> dict[str, Any]:
         """Counters for `detached-rl status`."""

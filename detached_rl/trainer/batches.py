@@ -1,0 +1,70 @@
+"""How a trainer waits for its next batch: every rank together, or per rank where the learner assembles it."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from detached_rl.trainer.core import TrainerCore
+
+
+class TrainingStopped(Exception):
+    """`stop()` was called while `fit` waited for data."""
+
+
+def wait_for_batch(core: TrainerCore) -> None:
+    """Block until every rank holds a full batch; all ranks give up together when one times out."""
+    size = core.config.train_batch_size
+    deadline = time.monotonic() + core.config.batch_timeout_s
+    while True:
+        available = core.buffer.wait_for(size, core.policy_version, timeout=min(0.5, core.config.batch_timeout_s))
+        if core.strategy.all_true(available >= size):
+            return
+        if not core.strategy.all_true(not core.stop_requested):
+            raise TrainingStopped(f"trainer {core.name!r} was asked to stop")
+        if not core.strategy.all_true(time.monotonic() < deadline):
+            raise TimeoutError(
+                f"trainer {core.name!r} (rank {core.strategy.rank}): no full batch of {size} samples on every "
+                f"rank within {core.config.batch_timeout_s:.0f} s (this rank holds {available}); "
+                "are the makers running and pushing here?"
+            )
+
+def sample_waiting(core: TrainerCore, count: int) -> list[Any]:
+    """`count` samples from this rank's buffer, waiting up to `batch_timeout_s` (no collectives)."""
+    deadline = time.monotonic() + core.config.batch_timeout_s
+    while True:
+        samples = core.buffer.sample(count, current_version=core.policy_version, timeout=0.5)
+        if samples:
+            return samples
+        if core.stop_requested:
+            raise TrainingStopped(f"trainer {core.name!r} was asked to stop")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"trainer {core.name!r} (rank {core.strategy.rank}): fewer than {count} samples arrived within "
+                f"{core.config.batch_timeout_s:.0f} s (buffer holds {len(core.buffer)}); are the makers running?"
+            )
+
+def next_batch(core: TrainerCore) -> tuple[list[Any], dict[str, float]]:
+    """The next training batch: learner-defined (e.g. whole groups, dynamic sampling) or plain FIFO."""
+    if not core.learner.assembles_batches:
+        core.wait_for_batch()
+        return core.buffer.sample(core.config.train_batch_size, current_version=core.policy_version), {}
+    # Assembled per rank without collectives; then every rank learns whether all got a full
+    # batch, so no rank enters the gradient all-reduce alone.
+    size, error = core.config.train_batch_size, None
+    try:
+        experiences, stats = core.learner.make_batch(functools.partial(sample_waiting, core), size)
+    except (TimeoutError, TrainingStopped) as caught:
+        experiences, stats, error = [], {}, caught
+    if not core.strategy.all_true(len(experiences) == size):
+        if error is not None:
+            raise error
+        if not experiences:
+            raise RuntimeError(
+                f"trainer {core.name!r}: dynamic sampling found no group with different rewards in "
+                f"{core.learner.max_sampling_rounds} draws; the task is too easy or too hard for the policy"
+            )
+        raise RuntimeError(f"trainer {core.name!r}: a rank could not assemble a full batch of {size} samples")
+    return experiences, stats
