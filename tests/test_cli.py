@@ -236,3 +236,18 @@ def test_an_actor_that_failed_to_start_is_reported_with_its_constructor_error():
                            "\x1b[39m (pid=1)\n  File \"x.py\", line 6, in __init__\nValueError: unknown model_type 'x'")
     assert actor_death_reason(error) == "its constructor raised ValueError: unknown model_type 'x'"
     assert actor_death_reason(RuntimeError("The actor died unexpectedly.\nmore")) == "The actor died unexpectedly."
+
+
+def test_cli_and_config_modules_hold_one_job_each_in_at_most_450_lines():
+    from pathlib import Path
+
+    import detached_rl
+
+    package = Path(detached_rl.__file__).parent
+    sizes = {str(path.relative_to(package)): len(path.read_text().splitlines())
+             for folder in ("cli", "config") for path in (package / folder).glob("*.py")}
+    assert {name: lines for name, lines in sizes.items() if lines > 450} == {}
+    from detached_rl.cli import jobs, run  # the split modules' public names stay where callers import them
+
+    assert {"connect", "init_local_ray", "status_of", "export", "start_trainer", "stop"} <= set(dir(jobs))
+    assert {"run_job", "run_config", "JobRunner", "RunError", "run_gpus", "DEFAULT_RUN_CONFIG"} <= set(dir(run))

@@ -16,7 +16,8 @@ from detached_rl.cli.reporting import (
     read_metrics,
     side_by_side,
 )
-from detached_rl.cli.run import DEFAULT_RUN_CONFIG, JobRunner, run_config, split_evenly
+from detached_rl.cli.run import DEFAULT_RUN_CONFIG, run_config, split_evenly
+from detached_rl.cli.run_report import progress_line
 from detached_rl.config import ConfigError, load_config
 from detached_rl.models import LoraSettings, apply_lora, load_causal_lm
 from detached_rl.models.export import policy_files, save_adapter, save_merged, write_files
@@ -188,12 +189,12 @@ def ppo_metrics_row():
 
 def test_the_progress_line_shows_kl_for_a_ppo_run(ppo_metrics_row):
     status, versions = {"samples_trained": 8}, {"m0": 1, "m1": 1}
-    line = JobRunner._postfix(ppo_metrics_row, status, 2.0, versions)
+    line = progress_line(ppo_metrics_row, status, 2.0, versions)
     assert f"KL {ppo_metrics_row['loss/kl_avg']:.4f}" in line and ppo_metrics_row["loss/kl_avg"] > 0
     assert "4.00 samples/s" in line and "makers m0:v1 m1:v1" in line
     # A row written before the rename (PPO's old "loss/kl") still shows its KL; a row without any says so.
-    assert "KL 0.1250" in JobRunner._postfix({"reward/mean": 0.5, "loss/kl": 0.125}, status, 2.0, versions)
-    assert "KL n/a" in JobRunner._postfix({"reward/mean": 0.5}, status, 2.0, versions)
+    assert "KL 0.1250" in progress_line({"reward/mean": 0.5, "loss/kl": 0.125}, status, 2.0, versions)
+    assert "KL n/a" in progress_line({"reward/mean": 0.5}, status, 2.0, versions)
 
 
 def test_the_plot_draws_kl_for_a_ppo_run(ppo_metrics_row, tmp_path):

@@ -15,12 +15,10 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from detached_rl import __version__
 from detached_rl.cli.arguments import (
     OneLineParser,
-    check_config_integers,
     config_file,
     finite_float,
     non_negative_float,
@@ -28,9 +26,14 @@ from detached_rl.cli.arguments import (
     positive_float,
     positive_int,
 )
+from detached_rl.cli.command_config import (
+    command_config,
+    refuse_missing_checkpoint,
+    refuse_unloadable_models,
+    run_command_config,
+)
 
-if TYPE_CHECKING:
-    from detached_rl.config import RunConfig
+_config, _run_config = command_config, run_command_config  # the names callers and tests import from here
 
 EXIT_ERROR = 2
 MAKER_ATTACH_TIMEOUT_S = 120.0  # ExperienceMakerHolder's attach_timeout_s, which `detached-rl maker` leaves as it is
@@ -52,47 +55,12 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _run_config(args: argparse.Namespace) -> RunConfig:
-    """The `run` command's config: the defaults (every command's), `--config`, `--set` and the flags."""
-    from detached_rl.cli.run import run_config
-
-    overrides = list(args.set or [])
-    if args.namespace:
-        overrides.append(f"namespace={args.namespace}")
-    if args.output:
-        overrides.append(f"run.output_dir={args.output}")
-    if args.no_progress:
-        overrides.append("run.progress=false")
-    if args.gpus is not None:
-        overrides.append(f"run.gpus={args.gpus}")
-    if args.backend is not None:
-        overrides.append(f"maker.backend={args.backend}")
-    config = run_config(args.config, overrides, steps=args.steps, makers=args.makers, model=args.model,
-                        task=args.task, name=args.name)
-    check_config_integers(config)
-    return config
-
-
-def _refuse_unloadable_models(config: RunConfig, local: bool = True) -> None:
-    """Fail before anything starts when a model spec of the config names nothing loadable (`local`: on this machine;
-    else only the specs that name no directory, `smollm2` and `tiny[-<model_type>]`, are checked)."""
-    from detached_rl.models.loaders import model_spec_problem
-
-    for key in ("policy", "critic", "reward_model"):
-        spec = getattr(config.model, key)
-        if spec is None or not local and not (spec == "smollm2" or spec.startswith("tiny")):
-            continue
-        problem = model_spec_problem(spec)
-        if problem:
-            raise ValueError(f"model.{key}: {problem}")
-
-
 def _run(args: argparse.Namespace) -> int:
     from detached_rl.cli.run import RunInterrupted, run_job
 
-    config = _run_config(args)
+    config = run_command_config(args)
     # A joined cluster's nodes may hold model directories this machine does not.
-    _refuse_unloadable_models(config, local=not args.address)
+    refuse_unloadable_models(config, local=not args.address)
     try:
         run_job(config, address=args.address)
     except RunInterrupted as error:
@@ -108,24 +76,6 @@ def _ppo_on_ray(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace):
-    from detached_rl.config import load_config
-
-    overrides = list(args.set or [])
-    for flag, key in (("world_size", "trainer_group.world_size"), ("strategy", "trainer_group.strategy"),
-                      ("placement", "trainer_group.placement_strategy"),
-                      ("num_gpus_per_rank", "trainer_group.num_gpus_per_rank"), ("num_gpus", "maker.num_gpus"),
-                      ("backend", "maker.backend")):
-        if getattr(args, flag, None) is not None:
-            overrides.append(f"{key}={getattr(args, flag)}")
-    if getattr(args, "namespace", None):
-        overrides.append(f"namespace={args.namespace}")
-    config = load_config(args.config, overrides)
-    check_config_integers(config)
-    _refuse_unloadable_models(config, local=False)  # the actors may run on other nodes
-    return config
-
-
 def _namespace(args: argparse.Namespace) -> str:
     from detached_rl.config import RunConfig
 
@@ -135,9 +85,9 @@ def _namespace(args: argparse.Namespace) -> str:
 def _trainer(args: argparse.Namespace) -> int:
     from detached_rl.cli import jobs
 
-    config = _config(args)
+    config = command_config(args)
     if args.resume_from:
-        _refuse_missing_checkpoint(args.resume_from, config.trainer_group.world_size)
+        refuse_missing_checkpoint(args.resume_from, config.trainer_group.world_size)
     checkpointing = {"checkpoint_every": args.checkpoint_every,
                      "checkpoint_dir": str(Path(args.checkpoint_dir).resolve()) if args.checkpoint_dir else None,
                      "resume_from": str(Path(args.resume_from).resolve()) if args.resume_from else None}
@@ -152,23 +102,10 @@ def _trainer(args: argparse.Namespace) -> int:
     return _follow(names[0], config.namespace) if args.wait else 0
 
 
-def _refuse_missing_checkpoint(directory: str, world_size: int) -> None:
-    """Fail before anything starts unless `directory` holds a checkpoint of each of `world_size` ranks."""
-    from detached_rl.core.checkpoint import has_checkpoint
-
-    path = Path(directory)
-    if not path.is_dir():
-        raise ValueError(f"--resume-from {directory!r}: no such directory")
-    missing = [f"rank_{rank}" for rank in range(world_size) if not has_checkpoint(path / f"rank_{rank}")]
-    if missing:
-        raise ValueError(f"--resume-from {directory!r}: not a checkpoint of this trainer (no {', '.join(missing)} "
-                         "checkpoint in it; give the --checkpoint-dir of an earlier trainer)")
-
-
 def _maker(args: argparse.Namespace) -> int:
     from detached_rl.cli import jobs
 
-    config = _config(args)
+    config = command_config(args)
     trainers = [t.strip() for t in (args.trainers or "").split(",") if t.strip()]
     if not trainers:
         raise ValueError(f"--trainers {args.trainers!r}: no trainer names (comma-separated, e.g. trainer_0,trainer_1)")
@@ -200,7 +137,7 @@ def _missing_trainers(trainers: Sequence[str], namespace: str) -> list[str]:
 def _scorers(args: argparse.Namespace) -> int:
     from detached_rl.cli import jobs
 
-    config = _config(args)
+    config = command_config(args)
     if not config.maker.scorers:
         raise ValueError("no scorer groups configured: set maker.reward_scorer, maker.reference_scorer or "
                          "maker.critic_scorer (the group names makers will use)")

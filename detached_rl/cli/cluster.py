@@ -1,0 +1,140 @@
+"""Joining a Ray cluster, or starting an embedded one bound to 127.0.0.1: what CLI commands do first."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+
+class JobError(RuntimeError):
+    """A cluster command failed for a reason the user can act on (the message says which)."""
+
+
+def check_reachable(address: str, timeout: float = 3.0) -> None:
+    """Fail fast with a clear message when a `host:port` or `ray://host:port` address does not answer."""
+    if address in ("auto", "local") or "://" in address and not address.startswith("ray://"):
+        return
+    host_port = address.removeprefix("ray://")
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise JobError(f"address {address!r} is not host:port, ray://host:port or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as error:
+        raise JobError(f"cannot reach a Ray cluster at {address} ({error.strerror or error})") from None
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+CONNECT_TIMEOUT_VARIABLE = "DETACHED_RL_CONNECT_TIMEOUT_S"
+DEFAULT_CONNECT_TIMEOUT = 120.0
+
+
+def connect_timeout() -> float:
+    """Seconds `connect` may take to join a cluster: `$DETACHED_RL_CONNECT_TIMEOUT_S`, else 120."""
+    raw = os.environ.get(CONNECT_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_CONNECT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise JobError(f"{CONNECT_TIMEOUT_VARIABLE}={raw!r}: must be a positive number of seconds")
+    return seconds
+
+
+def connect(address: str | None, namespace: str, timeout: float | None = None) -> None:
+    """Join a running Ray cluster (default: `$RAY_ADDRESS`, else `auto`) in `namespace`.
+
+    Never waits forever: an address that does not answer fails at once, and if joining takes
+    longer than `timeout` (default: `connect_timeout()`) the process exits with a one-line error
+    (Ray retries internally without a bound, in native code that cannot be interrupted). A Ray
+    client join starts a server process on the head node, which on a loaded machine can take
+    minutes: raise `$DETACHED_RL_CONNECT_TIMEOUT_S` there.
+    """
+    timeout = connect_timeout() if timeout is None else timeout
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise JobError(f"connect timeout must be a positive number of seconds, got {timeout!r}")
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    check_reachable(address)
+    host = address.removeprefix("ray://").rpartition(":")[0]
+    if host in LOOPBACK_HOSTS:
+        # Otherwise Ray replaces a loopback address by the machine's external one, where a cluster
+        # bound to loopback does not listen. Read when ray is imported, so set it first.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # RAY_AUTH_MODE is the user's: with token auth on (RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or
+    # ~/.ray/auth_token), Ray reads the token itself when this process joins.
+    import ray
+
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(timeout):
+            print(f"detached-rl: error: could not join the Ray cluster at {address} within {timeout:.0f} s "
+                  f"(a busy machine may need more: set {CONNECT_TIMEOUT_VARIABLE}; with token auth on, check "
+                  "RAY_AUTH_TOKEN)", file=sys.stderr, flush=True)
+            os._exit(2)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        for attempt in range(3):
+            try:
+                ray.init(address=address, namespace=namespace, log_to_driver=False,
+                         logging_level=logging.ERROR)
+                break
+            except ConnectionError as error:
+                # A busy head node can be slow to start the per-client server: try again before giving up.
+                client_slow = address.startswith("ray://") and "Initialization failure" in str(error)
+                if not client_slow or attempt == 2:
+                    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                    hint = ("start one with `ray start --head`, or pass --address; with token auth on, "
+                            "RAY_AUTH_MODE=token and the cluster's RAY_AUTH_TOKEN (or ~/.ray/auth_token)")
+                    raise JobError(f"cannot connect to a Ray cluster at {address!r}: {first} ({hint})") \
+                        from None
+                time.sleep(2.0)
+    finally:
+        done.set()
+
+
+LOCAL_HOST = "127.0.0.1"
+LOCAL_CLUSTER_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def init_local_ray(namespace: str, **options: Any) -> None:
+    """Start an embedded single-node Ray bound to 127.0.0.1 (nothing listens on other interfaces).
+
+    RAY_AUTH_MODE is left as the user set it; unset, Ray 2.60 turns token auth on for a new local
+    cluster and keeps its token in ~/.ray/auth_token. For a real multi-node cluster, start it with
+    `ray start --head --node-ip-address=<private address>` on a trusted network and token auth
+    (docs/operations.md#security).
+    """
+    # Ray replaces a loopback node address by the machine's external one unless this is "0"; every GCS,
+    # raylet, agent and worker socket then binds to that address or to all interfaces. The processes Ray
+    # starts read the variable; this one read it when it first imported ray, which may have been before now.
+    os.environ[LOCAL_CLUSTER_VARIABLE] = "0"
+    import ray
+    from ray._private import ray_constants
+
+    if hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):  # the value taken at import, read at each call
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    options.setdefault("dashboard_host", LOCAL_HOST)
+    ray.init(address="local", namespace=namespace, _node_ip_address=LOCAL_HOST, **options)
+    node_ip = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node_ip).is_loopback:
+        ray.shutdown()
+        raise JobError(f"the embedded Ray cluster took node address {node_ip}, not 127.0.0.1; refusing "
+                       f"to run a cluster reachable from the network (is {LOCAL_CLUSTER_VARIABLE} honoured "
+                       "by this Ray?)")
+
+
+def first_line(value: Any) -> str:
+    """The first line of `value`'s text (empty for none)."""
+    text = str(value).strip()
+    return text.splitlines()[0] if text else ""

@@ -1,0 +1,83 @@
+"""The config each CLI command builds from its arguments, and the inputs refused before anything starts.
+
+Every command starts from the same defaults (`RunConfig`'s, the main job's) and lays `--config`,
+`--set` and its own flags over them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from detached_rl.cli.arguments import check_config_integers
+
+if TYPE_CHECKING:
+    from detached_rl.config import RunConfig
+
+
+def run_command_config(args: argparse.Namespace) -> RunConfig:
+    """The `run` command's config: the defaults (every command's), `--config`, `--set` and the flags."""
+    from detached_rl.cli.run import run_config
+
+    overrides = list(args.set or [])
+    if args.namespace:
+        overrides.append(f"namespace={args.namespace}")
+    if args.output:
+        overrides.append(f"run.output_dir={args.output}")
+    if args.no_progress:
+        overrides.append("run.progress=false")
+    if args.gpus is not None:
+        overrides.append(f"run.gpus={args.gpus}")
+    if args.backend is not None:
+        overrides.append(f"maker.backend={args.backend}")
+    config = run_config(args.config, overrides, steps=args.steps, makers=args.makers, model=args.model,
+                        task=args.task, name=args.name)
+    check_config_integers(config)
+    return config
+
+
+def refuse_unloadable_models(config: RunConfig, local: bool = True) -> None:
+    """Fail before anything starts when a model spec of the config names nothing loadable (`local`: on this machine;
+    else only the specs that name no directory, `smollm2` and `tiny[-<model_type>]`, are checked)."""
+    from detached_rl.models.loaders import model_spec_problem
+
+    for key in ("policy", "critic", "reward_model"):
+        spec = getattr(config.model, key)
+        if spec is None or not local and not (spec == "smollm2" or spec.startswith("tiny")):
+            continue
+        problem = model_spec_problem(spec)
+        if problem:
+            raise ValueError(f"model.{key}: {problem}")
+
+
+def command_config(args: argparse.Namespace) -> RunConfig:
+    """The config of `trainer`, `maker`, `scorers`: the defaults, `--config`, `--set` and the flags."""
+    from detached_rl.config import load_config
+
+    overrides = list(args.set or [])
+    for flag, key in (("world_size", "trainer_group.world_size"), ("strategy", "trainer_group.strategy"),
+                      ("placement", "trainer_group.placement_strategy"),
+                      ("num_gpus_per_rank", "trainer_group.num_gpus_per_rank"), ("num_gpus", "maker.num_gpus"),
+                      ("backend", "maker.backend")):
+        if getattr(args, flag, None) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
+    if getattr(args, "namespace", None):
+        overrides.append(f"namespace={args.namespace}")
+    config = load_config(args.config, overrides)
+    check_config_integers(config)
+    refuse_unloadable_models(config, local=False)  # the actors may run on other nodes
+    return config
+
+
+def refuse_missing_checkpoint(directory: str, world_size: int) -> None:
+    """Fail before anything starts unless `directory` holds a checkpoint of each of `world_size` ranks."""
+    from detached_rl.core.checkpoint import has_checkpoint
+
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"--resume-from {directory!r}: no such directory")
+    missing = [f"rank_{rank}" for rank in range(world_size) if not has_checkpoint(path / f"rank_{rank}")]
+    if missing:
+        raise ValueError(f"--resume-from {directory!r}: not a checkpoint of this trainer (no {', '.join(missing)} "
+                         "checkpoint in it; give the --checkpoint-dir of an earlier trainer)")
