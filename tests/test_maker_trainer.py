@@ -12,12 +12,12 @@ from detached_rl import Experience
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.replay_buffer import RejectedPushError
+from detached_rl.core.staleness import oldest_useful_version
 from detached_rl.core.weight_sync import WeightUpdateError, state_fingerprint
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.models import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
-from detached_rl.trainer.staleness import oldest_useful_version
 from detached_rl.trainer.weight_push import WeightPushQueue
 
 from .helpers import (

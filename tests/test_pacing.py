@@ -28,17 +28,17 @@ import torch
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.experience import Experience
 from detached_rl.core.replay_buffer import ReplayBuffer
-from detached_rl.maker.experience_maker import MakerConfig
-from detached_rl.maker.loop import STALL_UPDATES, MakerLoop
-from detached_rl.models import SamplingConfig
-from detached_rl.trainer.config import TrainerConfig
-from detached_rl.trainer.core import TrainerCore
-from detached_rl.trainer.staleness import (
+from detached_rl.core.staleness import (
     GenerationLedger,
     fresh_samples,
     oldest_useful_version,
     paced_version,
 )
+from detached_rl.maker.experience_maker import MakerConfig
+from detached_rl.maker.loop import STALL_UPDATES, MakerLoop
+from detached_rl.models import SamplingConfig
+from detached_rl.trainer.config import TrainerConfig
+from detached_rl.trainer.core import TrainerCore
 
 from .helpers import make_experience, naive_strategy, tiny_actor_critic
 

@@ -35,7 +35,7 @@ from detached_rl.core.buffer_door import (
 from detached_rl.core.buffer_stats import describe, summary
 from detached_rl.core.experience import Experience
 from detached_rl.core.experience_checks import DEFAULT_MAX_ABS_REWARD
-from detached_rl.trainer.staleness import is_stale
+from detached_rl.core.staleness import is_stale
 
 # The door's names, importable from here too: the buffer raises the error, the maker
 # and trainer read the rest.

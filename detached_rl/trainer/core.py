@@ -32,12 +32,12 @@ from detached_rl.algorithms.metrics import SKIPPED_STEPS, skipped_steps_key
 from detached_rl.algorithms.step_guard import SKIP_REASONS
 from detached_rl.core.checkpoint import CheckpointError, load_state, rng_state, save_atomic, set_rng_state
 from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
+from detached_rl.core.staleness import GenerationLedger
 from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate
 from detached_rl.strategies import check_strategy
 from detached_rl.trainer.batches import TrainingStopped, next_batch, wait_for_batch
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.resume import merge_buffer_states
-from detached_rl.trainer.staleness import GenerationLedger
 from detached_rl.trainer.weight_delivery import SendUpdate, WeightDelivery
 from detached_rl.trainer.weight_push import WeightPushQueue
 
