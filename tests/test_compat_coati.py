@@ -186,8 +186,10 @@ def test_an_actors_request_is_read_from_its_ray_options() -> None:
     assert actor_request({"num_gpus": 1, "max_concurrency": 2}) == {"GPU": 1.0}
     assert actor_request({"num_cpus": 2, "resources": {"node:a": 0.5}, "memory": 1e9}) == {
         "CPU": 2.0, "node:a": 0.5, "memory": 1e9}
-    assert actor_request({"num_gpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(None)}) is None
-    checked = PlacementCheckedActorClass(object(), "coati trainer").options(name="t", num_gpus=1).options(num_cpus=2)
+    in_group = PlacementGroupSchedulingStrategy(None)
+    assert actor_request({"num_gpus": 1, "scheduling_strategy": in_group}) is None
+    checked = PlacementCheckedActorClass(object(), "coati trainer").options(name="t", num_gpus=1)
+    checked = checked.options(num_cpus=2)
     assert checked.given == {"name": "t", "num_gpus": 1, "num_cpus": 2} and checked.role == "coati trainer"
 
 
@@ -307,8 +309,8 @@ def test_seed_004_example_as_written(gpu_cluster, unit_trainer, tmp_path) -> Non
 
 
 def test_a_request_the_cluster_can_never_place_is_refused_at_once(gpu_cluster) -> None:
-    """coati's usage example asks num_gpus=1 per actor: on a cluster without that many GPUs Ray would leave the
-    actor pending and `sync_models_to_remote_makers` would never return; here `.remote()` refuses at once."""
+    """coati's usage example asks num_gpus=1 per actor: on a cluster without that many GPUs Ray would leave
+    the actor pending and `sync_models_to_remote_makers` would never return; `.remote()` refuses at once."""
     from detached_rl.compat.coati import DetachedPPOTrainer, ExperienceMakerHolder
     from detached_rl.core.resources import UnplaceableError
 
@@ -320,7 +322,8 @@ def test_a_request_the_cluster_can_never_place_is_refused_at_once(gpu_cluster) -
             detached_trainer_name_list=["trainer_0"], strategy_fn=my_strategy, model_fn=maker_models)
     with pytest.raises(UnplaceableError, match="asks for 1 bogus; the cluster has 0"):
         DetachedPPOTrainer.options(resources={"bogus": 1}).remote([], my_strategy, trainer_models)
-    assert "too_big" not in {actor["name"] for actor in gpu_cluster.util.list_named_actors(all_namespaces=True)}
+    named = {actor["name"] for actor in gpu_cluster.util.list_named_actors(all_namespaces=True)}
+    assert "too_big" not in named
 
 
 def test_buffer_methods_and_training_step(gpu_cluster, unit_trainer) -> None:

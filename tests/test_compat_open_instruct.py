@@ -390,7 +390,8 @@ def test_learner_requests_the_cluster_can_never_place_are_refused_before_any_ran
             1, 0, 0, None, None, args, stream, vllm, None, None)
     group = ray_cluster.util.placement_group([{"CPU": 1, "GPU": 1}])  # pending forever on this cluster
     try:
-        with pytest.raises(UnplaceableError, match=r"^placement group bundle 0 asks for 1 GPU; the cluster has 0$"):
+        with pytest.raises(UnplaceableError,
+                           match=r"^placement group bundle 0 asks for 1 GPU; the cluster has 0$"):
             ModelGroup(group, PolicyTrainerRayProcess, [1], False, args, stream, vllm, name="pg_learner",
                        namespace=NAMESPACE)
     finally:

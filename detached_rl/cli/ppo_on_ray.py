@@ -41,14 +41,15 @@ if TYPE_CHECKING:  # the CLI builds its parser from here: keep torch out of `det
     from detached_rl.config import RunConfig
 
 ARCHITECTURE_SHORTHANDS = ("gpt2", "bloom", "opt", "llama")
-#: Where `--need_optim_ckpt` puts the actor optimizer's state of rank <r>, beside the saved policy (the ancestor's name).
+#: Where `--need_optim_ckpt` puts the actor optimizer's state of rank <r>, beside the saved policy (the
+#: ancestor's name).
 OPTIMIZER_FILE = "actor_optim_checkpoint_prompts_{rank}.pt"
 #: The trainer's resumable checkpoint `--need_optim_ckpt` keeps beside the saved policy: `<save_path>` + this.
 CHECKPOINT_SUFFIX = ".trainer_checkpoint"
 
 
 def truth_value(text: str) -> bool:
-    """An argparse type: true/false, yes/no, 1/0, on/off (the ancestor's `type=bool` took any text as true)."""
+    """An argparse type: true/false, yes/no, 1/0, on/off (the ancestor's `type=bool` took any text)."""
     lowered = text.strip().lower()
     if lowered in ("true", "yes", "1", "on"):
         return True
@@ -58,15 +59,16 @@ def truth_value(text: str) -> bool:
 
 
 def prompt_path(value: str) -> Path:
-    """The local file a `--prompt_csv(_url)` value names: a path or a `file://` URL (nothing is downloaded)."""
+    """The local file a `--prompt_csv(_url)` value names: a path or a `file://` URL (nothing downloads)."""
     parsed = urlparse(value)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"--prompt_csv_url: {value!r} names a file on host {parsed.netloc!r}; give a local path")
+            raise ValueError(f"--prompt_csv_url: {value!r} names a file on host {parsed.netloc!r}; "
+                             "give a local path")
         return Path(unquote(parsed.path))
     if len(parsed.scheme) > 1:  # one letter is a Windows drive, not a scheme
-        raise ValueError(f"--prompt_csv_url: {value!r} is a {parsed.scheme} URL and nothing is downloaded: fetch the "
-                         "file first and give its local path or a file:// URL")
+        raise ValueError(f"--prompt_csv_url: {value!r} is a {parsed.scheme} URL and nothing is downloaded: "
+                         "fetch the file first and give its local path or a file:// URL")
     return Path(value)
 
 
@@ -76,53 +78,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     def flag(name: str, **kwargs: Any) -> None:
         parser.add_argument(f"--{name}", *([f"--{name.replace('_', '-')}"] if "_" in name else []), **kwargs)
 
-    parser.add_argument("--prompt_csv", "--prompt-csv", "--prompt_csv_url", "--prompt-csv-url", dest="prompt_csv",
-                        required=True, help="prompt file: CSV with a 'prompt' column and an optional 'answer' "
-                                            "column (also .jsonl/.json with the same keys, or ColossalChat's "
-                                            "'messages'/'gt_answer' lines); a local path or a file:// URL "
-                                            "(--prompt_csv_url, the ancestor's name; nothing is downloaded)")
-    flag("model", default="llama", help="model architecture: a Hugging Face model_type (gpt2, bloom, opt and llama "
-                                        "are the ancestor's shorthands) for a tiny random model of that type, or "
-                                        "'smollm2' for the packaged SmolLM2-135M-Instruct (default llama)")
-    flag("pretrain", default=None, help="model to start from (overrides --model): a local Hugging Face model "
-                                        "directory or the packaged 'smollm2'; hub names are not downloaded")
+    parser.add_argument("--prompt_csv", "--prompt-csv", "--prompt_csv_url", "--prompt-csv-url",
+                        dest="prompt_csv", required=True,
+                        help="prompt file: CSV with a 'prompt' column and an optional 'answer' "
+                             "column (also .jsonl/.json with the same keys, or ColossalChat's "
+                             "'messages'/'gt_answer' lines); a local path or a file:// URL "
+                             "(--prompt_csv_url, the ancestor's name; nothing is downloaded)")
+    flag("model", default="llama",
+         help="model architecture: a Hugging Face model_type (gpt2, bloom, opt and llama "
+              "are the ancestor's shorthands) for a tiny random model of that type, or "
+              "'smollm2' for the packaged SmolLM2-135M-Instruct (default llama)")
+    flag("pretrain", default=None,
+         help="model to start from (overrides --model): a local Hugging Face model "
+              "directory or the packaged 'smollm2'; hub names are not downloaded")
     flag("strategy", default="naive", choices=("naive", "ddp", "colossalai_ddp", "colossalai_zero2",
                                                 "colossalai_gemini"),
-         help="how the actor (trainer) group trains (default naive; ddp/colossalai_ddp for several ranks on CPU; "
-              "colossalai_zero2/gemini need CUDA)")
-    flag("save_path", default="ppo_on_ray_actor", help="where the trained policy is saved: a path ending in .pt "
-                                                       "gets a torch state dict (the ancestor's format), any other "
-                                                       "a from_pretrained directory (default ppo_on_ray_actor)")
+         help="how the actor (trainer) group trains (default naive; ddp/colossalai_ddp for several ranks "
+              "on CPU; colossalai_zero2/gemini need CUDA)")
+    flag("save_path", default="ppo_on_ray_actor",
+         help="where the trained policy is saved: a path ending in .pt "
+              "gets a torch state dict (the ancestor's format), any other "
+              "a from_pretrained directory (default ppo_on_ray_actor)")
     flag("need_optim_ckpt", type=truth_value, nargs="?", const=True, default=False,
-         help="also save the actor optimizer's state beside the policy (actor_optim_checkpoint_prompts_<rank>.pt) "
-              f"and the trainer's resumable checkpoint (<save_path>{CHECKPOINT_SUFFIX}); takes true/false or no "
-              "value (default false)")
+         help="also save the actor optimizer's state beside the policy "
+              "(actor_optim_checkpoint_prompts_<rank>.pt) "
+              f"and the trainer's resumable checkpoint (<save_path>{CHECKPOINT_SUFFIX}); takes true/false "
+              "or no value (default false)")
     flag("num_episodes", type=positive_int, default=1, help="episodes (default 1)")
     flag("max_timesteps", type=positive_int, default=4, help="experience batches per episode (default 4)")
-    flag("update_timesteps", type=positive_int, default=2, help="experience batches per training step (default 2)")
+    flag("update_timesteps", type=positive_int, default=2,
+         help="experience batches per training step (default 2)")
     flag("train_epochs", type=positive_int, default=1, help="passes over each training batch (default 1)")
-    flag("experience_batch_size", type=positive_int, default=4, help="prompts per experience batch (default 4)")
+    flag("experience_batch_size", type=positive_int, default=4,
+         help="prompts per experience batch (default 4)")
     flag("train_batch_size", type=positive_int, default=None,
-         help="samples per optimizer step (ppo.mini_batch_size), at most update_timesteps x experience_batch_size "
-              "(default: that whole training batch, one optimizer step per pass)")
+         help="samples per optimizer step (ppo.mini_batch_size), at most update_timesteps x "
+              "experience_batch_size (default: that whole training batch, one optimizer step per pass)")
     flag("num_makers", type=positive_int, default=1, help="experience makers that generate (default 1)")
-    flag("num_actor_nodes", type=positive_int, default=1, help="nodes of the actor (trainer) group (default 1)")
-    flag("num_critic_nodes", type=positive_int, default=1, help="nodes of the critic scorer group (default 1)")
-    flag("num_initial_nodes", type=positive_int, default=1, help="nodes of the initial (reference) scorer group (default 1)")
-    flag("num_reward_nodes", type=positive_int, default=1, help="nodes of the reward scorer group (default 1)")
-    flag("num_gpus_per_node", type=non_negative_int, default=0, help="GPUs per node of every group: a rank or worker per GPU "
-                                                        "(a naive trainer takes one), and each maker takes one; "
-                                                        "0 runs on CPU, one worker per node (default 0)")
-    flag("reward", default=None, help="reward: 'model' (a reward model on the policy's architecture, or on "
-                                      "--reward_pretrain) or a reward function name (numeric_answer, answer_line, "
-                                      "boxed, ...); default: numeric_answer when the prompt file has answers, "
-                                      "else model")
-    flag("reward_pretrain", default=None, help="local directory of the reward model's backbone (with --reward model)")
+    flag("num_actor_nodes", type=positive_int, default=1,
+         help="nodes of the actor (trainer) group (default 1)")
+    flag("num_critic_nodes", type=positive_int, default=1,
+         help="nodes of the critic scorer group (default 1)")
+    flag("num_initial_nodes", type=positive_int, default=1,
+         help="nodes of the initial (reference) scorer group (default 1)")
+    flag("num_reward_nodes", type=positive_int, default=1,
+         help="nodes of the reward scorer group (default 1)")
+    flag("num_gpus_per_node", type=non_negative_int, default=0,
+         help="GPUs per node of every group: a rank or worker per GPU "
+              "(a naive trainer takes one), and each maker takes one; "
+              "0 runs on CPU, one worker per node (default 0)")
+    flag("reward", default=None,
+         help="reward: 'model' (a reward model on the policy's architecture, or on "
+              "--reward_pretrain) or a reward function name (numeric_answer, answer_line, "
+              "boxed, ...); default: numeric_answer when the prompt file has answers, "
+              "else model")
+    flag("reward_pretrain", default=None,
+         help="local directory of the reward model's backbone (with --reward model)")
     flag("max_new_tokens", type=positive_int, default=16, help="response length limit (default 16)")
-    flag("lr", type=positive_float, default=None, help="learning rate of the actor (default: ppo.actor_optimizer.lr, 1e-5)")
-    flag("seed", type=non_negative_int, default=0, help="seed of the models and the makers' sampling (default 0)")
+    flag("lr", type=positive_float, default=None,
+         help="learning rate of the actor (default: ppo.actor_optimizer.lr, 1e-5)")
+    flag("seed", type=non_negative_int, default=0,
+         help="seed of the models and the makers' sampling (default 0)")
     flag("name", default="ppo", help="actor-name prefix (default ppo)")
-    flag("timeout", type=positive_float, default=3600.0, help="give up after this many seconds (default 3600)")
+    flag("timeout", type=positive_float, default=3600.0,
+         help="give up after this many seconds (default 3600)")
 
 
 def launcher_config(args: argparse.Namespace) -> RunConfig:
@@ -136,12 +155,12 @@ def launcher_config(args: argparse.Namespace) -> RunConfig:
         raise ValueError(f"--num_gpus_per_node must be >= 0, got {args.num_gpus_per_node}")
     batches = args.num_episodes * args.max_timesteps
     if batches < args.update_timesteps:
-        raise ValueError(f"--update_timesteps {args.update_timesteps} is more than the run's {batches} experience "
-                         "batches (num_episodes x max_timesteps): no training step would happen")
+        raise ValueError(f"--update_timesteps {args.update_timesteps} is more than the run's {batches} "
+                         "experience batches (num_episodes x max_timesteps): no training step would happen")
     train_batch = args.update_timesteps * args.experience_batch_size
     if args.train_batch_size is not None and args.train_batch_size > train_batch:
-        raise ValueError(f"--train_batch_size {args.train_batch_size} is more than the {train_batch} samples of a "
-                         "training step (update_timesteps x experience_batch_size)")
+        raise ValueError(f"--train_batch_size {args.train_batch_size} is more than the {train_batch} samples "
+                         "of a training step (update_timesteps x experience_batch_size)")
     from detached_rl.config import load_config
     from detached_rl.models.loaders import model_spec_problem
 
@@ -176,7 +195,8 @@ def launcher_config(args: argparse.Namespace) -> RunConfig:
         f"trainer.train_batch_size={train_batch}", f"trainer.buffer_max_samples={max(1024, 4 * train_batch)}",
         f"trainer_group.strategy={args.strategy}",
         # A naive trainer is one process: one GPU (on one node); a distributed group has a rank per GPU.
-        f"trainer_group.world_size={args.num_actor_nodes * (1 if args.strategy == 'naive' else max(1, gpus))}",
+        "trainer_group.world_size="
+        f"{args.num_actor_nodes * (1 if args.strategy == 'naive' else max(1, gpus))}",
         f"trainer_group.num_gpus_per_rank={1 if gpus else 0}",
         f"maker.num_gpus={1 if gpus else 0}",
     ]
@@ -226,10 +246,12 @@ def launch_requests_of(config: RunConfig, name: str, makers: list[str]) -> dict[
 
 
 def train_detached(config: RunConfig, name: str, steps: int, num_makers: int, timeout: float,
-                   echo: Callable[[str], None] = print, update_steps: int = 1, **fit_options: Any) -> dict[str, Any]:
-    """On the connected cluster: start the trainer (group) `<name>-trainer`, the scorer groups `config.maker` names and
-    `num_makers` makers `<name>-maker-<i>`; wait until the trainer trained `steps` steps (pushing weights every
-    `update_steps`; `fit_options` go to its `fit`); return its status, per-step metrics and policy files.
+                   echo: Callable[[str], None] = print, update_steps: int = 1,
+                   **fit_options: Any) -> dict[str, Any]:
+    """On the connected cluster: start the trainer (group) `<name>-trainer`, the scorer groups `config.maker`
+    names and `num_makers` makers `<name>-maker-<i>`; wait until the trainer trained `steps` steps (pushing
+    weights every `update_steps`; `fit_options` go to its `fit`); return its status, per-step metrics and
+    policy files.
 
     A run the cluster can never place is refused before any actor starts; each start and the whole run take at
     most `timeout` s. Every actor started is removed at the end, also on errors.
@@ -251,10 +273,11 @@ def train_detached(config: RunConfig, name: str, steps: int, num_makers: int, ti
     started: list[str] = []
     try:
         jobs.check_placeable(launch_requests_of(config, name, makers))  # before any actor starts
-        trainers = jobs.start_trainer(config, f"{name}-trainer", steps, update_steps, timeout=left(), **fit_options)
+        trainers = jobs.start_trainer(config, f"{name}-trainer", steps, update_steps, timeout=left(),
+                                      **fit_options)
         started += trainers
-        echo(f"actor group: {', '.join(trainers)} ({config.trainer_group.strategy}); {steps} training steps of "
-             f"{config.trainer.train_batch_size} samples")
+        echo(f"actor group: {', '.join(trainers)} ({config.trainer_group.strategy}); {steps} training steps "
+             f"of {config.trainer.train_batch_size} samples")
         if config.maker.scorers:
             scorers = jobs.start_scorers(config, trainers, timeout=left())
             started += scorers
@@ -298,14 +321,15 @@ def save_policy(files: dict[str, bytes], save_path: str | os.PathLike[str]) -> P
 
 
 def checkpoint_dir_of(save_path: str | os.PathLike[str]) -> Path:
-    """Where `--need_optim_ckpt` has the trainer keep its resumable checkpoint: `<save_path>` + CHECKPOINT_SUFFIX."""
+    """Where `--need_optim_ckpt` keeps the trainer's checkpoint: `<save_path>` + CHECKPOINT_SUFFIX."""
     save_path = Path(save_path).resolve()
     return save_path.with_name(save_path.name + CHECKPOINT_SUFFIX)
 
 
-def save_optimizer_states(checkpoint_dir: str | os.PathLike[str], save_path: str | os.PathLike[str]) -> list[Path]:
-    """Write each rank's actor optimizer state from the trainer checkpoint `checkpoint_dir` as a torch file beside
-    `save_path` (`OPTIMIZER_FILE`); returns the files."""
+def save_optimizer_states(checkpoint_dir: str | os.PathLike[str],
+                          save_path: str | os.PathLike[str]) -> list[Path]:
+    """Write each rank's actor optimizer state from the trainer checkpoint `checkpoint_dir` as a torch file
+    beside `save_path` (`OPTIMIZER_FILE`); returns the files."""
     import torch
 
     from detached_rl.core.checkpoint import load_state
@@ -313,8 +337,8 @@ def save_optimizer_states(checkpoint_dir: str | os.PathLike[str], save_path: str
     checkpoint_dir = Path(checkpoint_dir)
     ranks = sorted(checkpoint_dir.glob("rank_*"), key=lambda path: int(path.name.partition("_")[2]))
     if not ranks:
-        raise FileNotFoundError(f"--need_optim_ckpt: no trainer checkpoint under {checkpoint_dir} (on a cluster of "
-                                "several machines it is on the trainer's node)")
+        raise FileNotFoundError(f"--need_optim_ckpt: no trainer checkpoint under {checkpoint_dir} (on a "
+                                "cluster of several machines it is on the trainer's node)")
     written = []
     for rank_dir in ranks:
         state = load_state(rank_dir)
@@ -351,9 +375,9 @@ def launch(args: argparse.Namespace, echo: Callable[[str], None] = print) -> dic
         saved = save_policy(result["files"], args.save_path)
         optimizer_files = (save_optimizer_states(checkpoint_dir_of(args.save_path), args.save_path)
                            if args.need_optim_ckpt else [])
-        echo(f"done: {status['steps']} steps, policy v{status['policy_version']}, {time.monotonic() - start:.1f} s; "
-             f"policy saved to {saved}" + (f"; optimizer state in {', '.join(map(str, optimizer_files))}"
-                                           if optimizer_files else ""))
+        echo(f"done: {status['steps']} steps, policy v{status['policy_version']}, "
+             f"{time.monotonic() - start:.1f} s; policy saved to {saved}"
+             + (f"; optimizer state in {', '.join(map(str, optimizer_files))}" if optimizer_files else ""))
         return {"steps": status["steps"], "policy_version": status["policy_version"], "saved": str(saved),
                 "optimizer_files": [str(path) for path in optimizer_files], "actors": result["actors"],
                 "seconds": time.monotonic() - start}
@@ -369,13 +393,15 @@ def _wait_for_trainers(trainers: list[str], namespace: str, deadline: float, ech
     while True:
         rows = [jobs.status_of(name, namespace) for name in trainers]
         first = rows[0]
-        line = f"step {first.get('steps', 0)}  version {first.get('policy_version')}  state {first.get('state')}"
+        line = (f"step {first.get('steps', 0)}  version {first.get('policy_version')}  "
+                f"state {first.get('state')}")
         if line != last:
             echo(line)
             last = line
         failed = [row for row in rows if row.get("state") in ("failed", "dead", "stopped")]
         if failed:
-            raise jobs.JobError(f"trainer {failed[0]['name']!r} {failed[0]['state']}: {failed[0].get('last_error')}")
+            raise jobs.JobError(f"trainer {failed[0]['name']!r} {failed[0]['state']}: "
+                                f"{failed[0].get('last_error')}")
         if all(row.get("state") == "done" for row in rows):
             return first
         if time.monotonic() > deadline:

@@ -1,5 +1,5 @@
-"""Migration paths from the systems detached-rl replaces: their class names, keyword signatures and metric names,
-thin over this project's own actors (whose names stay the primary, documented API).
+"""Migration paths from the systems detached-rl replaces: their class names, keyword signatures and metric
+names, thin over this project's own actors (whose names stay the primary, documented API).
 
 * `detached_rl.compat.coati`: ColossalChat's `coati/ray` — `DetachedPPOTrainer`, `ExperienceMakerHolder`
   (docs/coming-from-coati.md).

@@ -1,5 +1,5 @@
-"""Coming from ColossalChat's distributed GRPO (`coati.distributed.launch.launch_distributed`): its entry point,
-prompt data and metric names over this project's trainer group and experience makers.
+"""Coming from ColossalChat's distributed GRPO (`coati.distributed.launch.launch_distributed`): its entry
+point, prompt data and metric names over this project's trainer group and experience makers.
 
 `launch_distributed` takes ColossalChat's arguments and runs them on the real parts: producers become
 experience makers (`<name>-maker-<i>`, one prompt shard each), the consumer processes a trainer
@@ -31,12 +31,13 @@ BACKENDS = {"transformers": "hf", "vllm": "vllm"}
 
 #: grpo_config keys read here; the others it may hold (below) have no counterpart and are ignored.
 GRPO_KEYS = ("algo", "lr", "beta", "clip_eps_low", "clip_eps_high", "loss_variation", "train_microbatch_size",
-             "reward_fn_type", "max_new_tokens", "dynamic_batching", "soft_over_length_punishment", "cache_length")
+             "reward_fn_type", "max_new_tokens", "dynamic_batching", "soft_over_length_punishment",
+             "cache_length")
 IGNORED_GRPO_KEYS = ("max_length", "response_format_tags", "filter_range", "skip_threshold",
                      "filter_truncated_response", "code_verifier_api_url", "temperature_annealing")
 
-#: ColossalChat's metric name -> ours (`detached_rl.algorithms.metrics` and the learner's batch metrics). The four
-#: computed by `colossalchat_metrics` instead are in DERIVED_METRICS.
+#: ColossalChat's metric name -> ours (`detached_rl.algorithms.metrics` and the learner's batch metrics). The
+#: four computed by `colossalchat_metrics` instead are in DERIVED_METRICS.
 METRIC_ALIASES: dict[str, str] = {
     "metrics/reward": "reward/raw_mean",
     "metrics/response_length": "response_length/mean",
@@ -74,12 +75,12 @@ def prompt_count(path: str | os.PathLike[str]) -> int:
 
 
 def data_parallel_size(num_consumer_procs: int, plugin_config: Mapping[str, Any]) -> int:
-    """Consumer ranks that hold a whole model: all of them (tensor, pipeline, expert and sequence parallelism are
-    refused, naming the key)."""
+    """Consumer ranks that hold a whole model: all of them (tensor, pipeline, expert and sequence parallelism
+    are refused, naming the key)."""
     for key in ("tp_size", "pp_size", "ep_size", "sp_size"):
         if int(plugin_config.get(key, 1)) != 1:
-            raise ValueError(f"plugin_config[{key!r}] = {plugin_config[key]!r}: only data parallelism is supported "
-                             "(trainer_group: one model replica per rank)")
+            raise ValueError(f"plugin_config[{key!r}] = {plugin_config[key]!r}: only data parallelism is "
+                             "supported (trainer_group: one model replica per rank)")
     return num_consumer_procs
 
 
@@ -110,8 +111,8 @@ def _model_path(inference_model_config: Mapping[str, Any], train_model_config: M
     for where, config in (("inference_model_config", inference_model_config), ("train_model_config",
                                                                                   train_model_config)):
         if config.get("checkpoint_path") is not None:
-            raise ValueError(f"{where}['checkpoint_path']: loading a ColossalAI checkpoint is not supported; give "
-                             "the model as a Hugging Face directory in 'path'")
+            raise ValueError(f"{where}['checkpoint_path']: loading a ColossalAI checkpoint is not supported; "
+                             "give the model as a Hugging Face directory in 'path'")
     from detached_rl.models.loaders import model_spec_problem
 
     problem = model_spec_problem(str(paths["train_model_config"]))
@@ -201,8 +202,10 @@ def run_config_of(
                             "kl_coef": 0.0, "loss_agg": None, "micro_batch_size": 8, "autocast_dtype": None,
                             "mini_batch_size": train_minibatch_size * num_generations}
     for theirs, ours in (("beta", "kl_coef"), ("clip_eps_low", "clip_low"), ("clip_eps_high", "clip_high"),
-                         ("train_microbatch_size", "micro_batch_size"), ("dynamic_batching", "dynamic_sampling"),
-                         ("soft_over_length_punishment", "overlong_shaping"), ("cache_length", "overlong_buffer")):
+                         ("train_microbatch_size", "micro_batch_size"),
+                         ("dynamic_batching", "dynamic_sampling"),
+                         ("soft_over_length_punishment", "overlong_shaping"),
+                         ("cache_length", "overlong_buffer")):
         if grpo_config.get(theirs) is not None:
             grpo[ours] = grpo_config[theirs]
     if "lr" in grpo_config:
@@ -226,11 +229,14 @@ def run_config_of(
                      "top_k": 0 if top_k is None or top_k < 0 else int(top_k)},  # their -1/None: no top-k
         "maker": {"experience_batch_size": inference_batch_size, "group_size": num_generations,
                   "max_pushes_in_flight": 2, "wait_for_ack": False,
-                  "backend": BACKENDS[inference_backend], "num_gpus": num_proc_per_producer if use_gpus else 0},
-        # A sample made by the weights of round r may be trained n_behind rounds later, anywhere in that round.
+                  "backend": BACKENDS[inference_backend],
+                  "num_gpus": num_proc_per_producer if use_gpus else 0},
+        # A sample made by the weights of round r may be trained n_behind rounds later, anywhere in that
+        # round.
         "trainer": {"train_batch_size": samples_per_rank, "max_staleness": (n_behind + 1) * update_steps - 1,
                     "weight_sync": "full", "overlap_weight_push": False,
-                    "buffer_max_samples": max(1024, 2 * inference_batch_size * num_producers * num_generations)},
+                    "buffer_max_samples": max(1024,
+                                              2 * inference_batch_size * num_producers * num_generations)},
         "trainer_group": {"world_size": num_consumer_procs, "strategy": trainer_strategy(num_consumer_procs,
                                                                                          plugin_config),
                           "num_gpus_per_rank": 1 if use_gpus else 0},
@@ -283,33 +289,36 @@ def launch_distributed(
     overrides: Sequence[str] = (),
     timeout: float = 3600.0,
 ) -> dict[str, Any]:
-    """Train with GRPO (or `core_algo`) as ColossalChat's `launch_distributed` would, on this project's actors.
+    """Train with GRPO (or `core_algo`) as ColossalChat's `launch_distributed` would, on our actors.
 
     The steps follow ColossalChat: an episode is `num_samples // (inference_batch_size x num_producers)`
-    rounds; each round, every producer makes `inference_batch_size` prompts x `num_generations`
-    responses and the consumers train `round prompts / (train_batch_size x num_consumer_procs)` steps,
-    then push weights. A trainer checkpoint (resumable) goes to `<save_dir>/checkpoint` every
-    `save_interval` steps and at the end, the final policy to `<save_dir>/modeling-episode-<e>-step-<s>`
-    (`from_pretrained` format), the metrics to `<save_dir>/metrics.jsonl`. Ray must be initialised (else a
-    local cluster is started); actors use its namespace. `master_addr`, `master_port`, `project_name`,
-    the profiling and rollout-logging arguments have no counterpart and are ignored; evaluation is
-    refused. Keyword-only extras: `name` (actor-name prefix), `use_gpus` (default: when the cluster has
-    GPUs), `overrides` (RunConfig KEY=VALUE), `timeout` (s, the whole run). Returns steps, policy
-    version, saved path and the per-step metrics under ColossalChat's names and ours.
+    rounds; each round, every producer makes `inference_batch_size` prompts x `num_generations` responses and
+    the consumers train `round prompts / (train_batch_size x num_consumer_procs)` steps, then push weights. A
+    trainer checkpoint (resumable) goes to `<save_dir>/checkpoint` every `save_interval` steps and at the end,
+    the final policy to `<save_dir>/modeling-episode-<e>-step-<s>` (`from_pretrained` format), the metrics to
+    `<save_dir>/metrics.jsonl`. Ray must be initialised (else a local cluster sized to the job is started);
+    actors use its namespace. `master_addr`, `master_port`, `project_name`, the profiling and rollout-logging
+    arguments have no counterpart and are ignored; evaluation is refused. Keyword-only extras: `name`
+    (actor-name prefix), `use_gpus` (default: when the cluster has GPUs), `overrides` (RunConfig KEY=VALUE),
+    `timeout` (s, the whole run). Returns steps, policy version, saved path and the per-step metrics under
+    ColossalChat's names and ours.
     """
     import ray
 
     from detached_rl.cli.ppo_on_ray import save_policy, train_detached
 
-    del master_addr, master_port, project_name, log_rollout_interval, rollout_save_dir, enable_profiling  # no role
+    # No role here:
+    del master_addr, master_port, project_name, log_rollout_interval, rollout_save_dir, enable_profiling
     del eval_interval, eval_save_dir, eval_generation_config  # evaluation is refused below
     if eval_dataset_config:
-        raise ValueError("eval_dataset_config: evaluation during training is not supported; evaluate the saved model")
+        raise ValueError("eval_dataset_config: evaluation during training is not supported; evaluate the "
+                         "saved model")
     for label, value in (("num_producers", num_producers), ("num_proc_per_producer", num_proc_per_producer),
                          ("num_consumer_procs", num_consumer_procs), ("num_episodes", num_episodes),
                          ("inference_batch_size", inference_batch_size),
                          ("inference_microbatch_size", inference_microbatch_size),
-                         ("train_batch_size", train_batch_size), ("train_minibatch_size", train_minibatch_size),
+                         ("train_batch_size", train_batch_size),
+                         ("train_minibatch_size", train_minibatch_size),
                          ("num_generations", num_generations), ("save_interval", save_interval)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{label} must be an int >= 1, got {value!r}")
@@ -338,9 +347,10 @@ def launch_distributed(
             train_batch_size=train_batch_size, train_minibatch_size=train_minibatch_size,
             train_dataset_config=train_dataset_config, inference_model_config=inference_model_config,
             generate_config=generate_config, train_model_config=train_model_config, grpo_config=grpo_config,
-            plugin_config=plugin_config, tokenizer_config=tokenizer_config, inference_backend=inference_backend,
-            num_generations=num_generations, core_algo=core_algo, n_behind=n_behind, update_steps=update_steps,
-            save_dir=save_root, namespace=namespace, name=name, use_gpus=gpus, overrides=overrides)
+            plugin_config=plugin_config, tokenizer_config=tokenizer_config,
+            inference_backend=inference_backend, num_generations=num_generations, core_algo=core_algo,
+            n_behind=n_behind, update_steps=update_steps, save_dir=save_root, namespace=namespace, name=name,
+            use_gpus=gpus, overrides=overrides)
 
     started_ray = not ray.is_initialized()
     if started_ray:

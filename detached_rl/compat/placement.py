@@ -1,4 +1,4 @@
-"""The migration layers' actor classes refuse at once a request the cluster can never place (as ppo-on-ray)."""
+"""The migration layers' actor classes refuse at once what the cluster can never place (as ppo-on-ray)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def check_bundles_placeable(label: str, bundles: list[Mapping[str, float]]) -> N
 
 
 class PlacementCheckedActorClass:
-    """A Ray actor class whose `.remote()` and `.options(...).remote()` first refuse an unplaceable request."""
+    """A Ray actor class whose `.remote()` and `.options(...).remote()` refuse an unplaceable request."""
 
     def __init__(self, actor_class: Any, role: str, options: Mapping[str, Any] | None = None) -> None:
         self.actor_class = actor_class

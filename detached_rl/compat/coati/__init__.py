@@ -1,12 +1,12 @@
-"""Coming from ColossalChat's `coati/ray`: `DetachedPPOTrainer` and `ExperienceMakerHolder` with coati's keyword
-signatures and methods, thin over this project's trainer and maker actors (docs/coming-from-coati.md).
+"""Coming from ColossalChat's `coati/ray`: `DetachedPPOTrainer` and `ExperienceMakerHolder` with coati's
+keyword signatures and methods, thin over this project's trainer and maker actors (docs/coming-from-coati.md).
 
 The factories return this project's objects: `strategy_fn() -> Strategy` (`detached_rl.strategies`, or
 `get_strategy_from_args(name)` here, which reads the `env_info` coati sets), the trainer's `model_fn() ->
 (Actor, Critic)` and the maker's `model_fn() -> (Actor, Critic, reward model or reward function, initial
 model)`. Create them the coati way: `DetachedPPOTrainer.options(name=..., num_gpus=..., max_concurrency=...)
-.remote(...)`. Training, generation, pushes and weight updates are the real `TrainerCore`, `ExperienceMaker` and
-`MakerLoop`; this module only translates arguments, batches and the meaning of `fit`.
+.remote(...)`. Training, generation, pushes and weight updates are the real `TrainerCore`, `ExperienceMaker`
+and `MakerLoop`; this module only translates arguments, batches and the meaning of `fit`.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class Callbacks:
 
 
 class PerformanceEvaluator:
-    """`eval_performance=True`: times batches and logs their count and mean duration when the loop or fit ends."""
+    """`eval_performance=True`: times batches; logs their count and mean time when the loop or fit ends."""
 
     def __init__(self, role: str) -> None:
         self.role = role

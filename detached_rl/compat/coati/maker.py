@@ -1,4 +1,4 @@
-"""coati's `ExperienceMakerHolder`: dataloader prompts, `workingloop` and its signature over the maker shell."""
+"""coati's `ExperienceMakerHolder`: dataloader prompts, `workingloop`, its signature over the maker shell."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class DataloaderPrompts:
         self.on_batch = on_batch
 
     def next_batch(self, count: int) -> list[PromptItem]:
-        """The next dataloader batch as prompts (`count` is the dataloader's batch size, not this argument)."""
+        """The next dataloader batch as prompts (`count`: the dataloader's batch size, not this argument)."""
         try:
             batch = next(self.batches)
         except StopIteration:
@@ -112,8 +112,10 @@ class CoatiMakerHolder(_MakerShell):
         self.performance = PerformanceEvaluator("maker") if eval_performance else None
         self.callbacks = Callbacks([*callbacks, *([self.performance] if self.performance else [])])
         config = dataclasses.replace(maker_config or MakerConfig(), sampling=sampling)
-        super().__init__(_actor_name("maker"), _names(detached_trainer_name_list, "detached_trainer_name_list"),
-                         lambda: maker_models(model_fn, kl_coef, update_lora_weights), _NoDataloader(), config, _namespace(namespace),
+        super().__init__(_actor_name("maker"),
+                         _names(detached_trainer_name_list, "detached_trainer_name_list"),
+                         lambda: maker_models(model_fn, kl_coef, update_lora_weights), _NoDataloader(),
+                         config, _namespace(namespace),
                          strategy_factory=lambda: strategy, resume_on_restart=False)
         self.base_sampling = self.core.sampling
         self.core.make_experience = self._make_experience  # the loop's batches pass coati's callbacks
@@ -133,7 +135,8 @@ class CoatiMakerHolder(_MakerShell):
         if width is None:
             tokenizer = self.core.tokenizer
             width = max(len(p) if not isinstance(p, str) else len(tokenizer(p)["input_ids"]) for p in prompts)
-        self.core.sampling = dataclasses.replace(self.base_sampling, max_new_tokens=max(1, self.max_length - width))
+        self.core.sampling = dataclasses.replace(self.base_sampling,
+                                                 max_new_tokens=max(1, self.max_length - width))
 
     @ray.method(concurrency_group="compute")
     def workingloop(self, dataloader_fn: Callable[[], Iterable[Any]], num_epochs: int = 1, num_steps: int = 0
@@ -156,7 +159,8 @@ class CoatiMakerHolder(_MakerShell):
     @ray.method(concurrency_group="experience_io")
     def coati_settings(self) -> dict[str, Any]:
         """What coati set on the maker only and the trainer trains with: sampling and the KL coefficient."""
-        return {"sampling": dataclasses.replace(self.base_sampling, max_new_tokens=1), "kl_coef": self.kl_coef}
+        return {"sampling": dataclasses.replace(self.base_sampling, max_new_tokens=1),
+                "kl_coef": self.kl_coef}
 
 
 #: The Ray actor class; `.remote()` refuses at once a request the cluster can never place.

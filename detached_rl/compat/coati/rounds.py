@@ -12,11 +12,12 @@ from detached_rl.trainer.core import TrainerCore
 
 
 class CoatiRounds:
-    """coati's `fit`: rounds of `update_steps` fresh batches, then `train_epochs - 1` shuffled re-runs over them."""
+    """coati's `fit`: rounds of `update_steps` fresh batches, then `train_epochs - 1` shuffled re-runs."""
 
     def __init__(self, update_steps: int, train_epochs: int, seed: int = 0) -> None:
         if update_steps < 1 or train_epochs < 1:
-            raise ValueError(f"update_steps and train_epochs must be >= 1, got {update_steps}, {train_epochs}")
+            raise ValueError(f"update_steps and train_epochs must be >= 1, got {update_steps}, "
+                             f"{train_epochs}")
         self.update_steps, self.train_epochs = update_steps, train_epochs
         self.step = 0
         self.recorded: list[Any] = []
@@ -34,7 +35,7 @@ class CoatiRounds:
         return self.step // self.steps_per_round, within // self.update_steps, within % self.update_steps
 
     def next_batch(self, fresh: Callable[[], Any]) -> Any:
-        """The next step's batch: fresh (and kept) in a round's first epoch, else a kept one in shuffled order."""
+        """The next step's batch: fresh (and kept) in a round's first epoch, else a kept one, shuffled."""
         _, epoch, index = self.position()
         if epoch == 0:
             if index == 0:
@@ -56,8 +57,8 @@ class CoatiRounds:
 
 
 class CoatiTrainerCore(TrainerCore):
-    """`TrainerCore` whose batches follow `CoatiRounds` during a coati `fit` (or one given to `training_step`),
-    pushing weights only at round ends and calling coati's callbacks."""
+    """`TrainerCore` whose batches follow `CoatiRounds` during a coati `fit` (or one given to
+    `training_step`), pushing weights only at round ends and calling coati's callbacks."""
 
     def __init__(self, *args: Any, callbacks: Callbacks | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

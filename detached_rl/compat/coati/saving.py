@@ -15,7 +15,7 @@ STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin")
 
 
 def save_model(model: torch.nn.Module, tokenizer: Any, path: str | os.PathLike) -> Path:
-    """`model` (LoRA merged) as a `from_pretrained` directory, or for a `.pt`/`.pth`/`.bin` path a state dict."""
+    """`model` (LoRA merged) as a `from_pretrained` directory, or a state dict for a `.pt`/`.pth`/`.bin`."""
     path = Path(path)
     if path.suffix in STATE_DICT_SUFFIXES:
         plain = merged_model(model) if lora_backend(model) is not None else model
@@ -37,5 +37,6 @@ def save_critic(critic: torch.nn.Module, path: str | os.PathLike) -> Path:
         torch.save({key: value.detach().cpu() for key, value in critic.state_dict().items()}, path)
         return path
     save_merged(critic.backbone, None, path)
-    torch.save({key: value.detach().cpu() for key, value in critic.head.state_dict().items()}, path / VALUE_HEAD_FILE)
+    torch.save({key: value.detach().cpu() for key, value in critic.head.state_dict().items()},
+               path / VALUE_HEAD_FILE)
     return path

@@ -1,4 +1,4 @@
-"""coati's arguments translated: env_info, strategies, trainer settings, generate kwargs, prompt batches, models."""
+"""coati's arguments translated: env_info, strategies, trainer settings, generate kwargs, batches, models."""
 
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ SAMPLING_KWARGS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p
 # Accepted and without effect here: the generation backend sets these itself.
 IGNORED_GENERATE_KWARGS = ("use_cache", "prepare_inputs_fn", "update_model_kwargs_fn", "pad_token_id",
                            "early_stopping", "num_beams")
-COATI_ENV = {"rank": "RANK", "local_rank": "LOCAL_RANK", "world_size": "WORLD_SIZE", "master_port": "MASTER_PORT",
-             "master_addr": "MASTER_ADDR"}
+COATI_ENV = {"rank": "RANK", "local_rank": "LOCAL_RANK", "world_size": "WORLD_SIZE",
+             "master_port": "MASTER_PORT", "master_addr": "MASTER_ADDR"}
 
 
 def set_dist_env(env_info: Mapping[str, str]) -> None:
-    """Export coati's `env_info` (rank, local_rank, world_size, master_port, master_addr) as torch's variables."""
+    """Export coati's `env_info` (rank, local_rank, world_size, master_port, master_addr) for torch."""
     missing = [key for key in COATI_ENV if key not in env_info]
     if missing:
         raise ValueError(f"env_info lacks field(s) {missing}")
@@ -55,7 +55,8 @@ def get_strategy_from_args(strategy: str, **options: Any) -> Strategy:
         place = dict(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                      master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]))
     except KeyError as missing:
-        raise ValueError(f"strategy {strategy!r} needs env_info (environment variable {missing} is unset)") from None
+        raise ValueError(f"strategy {strategy!r} needs env_info (environment variable {missing} is "
+                         "unset)") from None
     if actor_device() == "cpu" and options.get("backend", "gloo") == "gloo":
         options = {"backend": "gloo", "device": "cpu", **options}
     return STRATEGIES[name](**place, **options)
@@ -72,10 +73,12 @@ def get_receivers_per_sender(sender_idx: int, num_senders: int, num_receivers: i
 def build_strategy(strategy_fn: Callable[[], Strategy]) -> Strategy:
     """Call coati's `strategy_fn`; refuses (naming the argument) anything that does not give a `Strategy`."""
     if not callable(strategy_fn):
-        raise TypeError(f"strategy_fn must be a function returning a Strategy, got {type(strategy_fn).__name__}")
+        raise TypeError(f"strategy_fn must be a function returning a Strategy, got "
+                        f"{type(strategy_fn).__name__}")
     strategy = strategy_fn()
     if not isinstance(strategy, Strategy):
-        raise TypeError(f"strategy_fn must return a detached_rl.strategies.Strategy, got {type(strategy).__name__}")
+        raise TypeError(f"strategy_fn must return a detached_rl.strategies.Strategy, got "
+                        f"{type(strategy).__name__}")
     return strategy
 
 
@@ -90,14 +93,15 @@ def trainer_settings(train_batch_size: int = 8, buffer_limit: int = 0, eps_clip:
     if buffer_limit < 0:
         raise ValueError(f"buffer_limit must be >= 0 (0: unlimited), got {buffer_limit}")
     buffer = {"buffer_max_samples": buffer_limit * train_batch_size} if buffer_limit else {}
-    config = TrainerConfig(train_batch_size=train_batch_size, weight_sync="lora" if update_lora_weights else "full",
-                           **buffer)
-    ppo = dataclasses.replace(algorithm or PPOConfig(), clip_low=eps_clip, clip_high=None, value_clip=value_clip)
+    config = TrainerConfig(train_batch_size=train_batch_size,
+                           weight_sync="lora" if update_lora_weights else "full", **buffer)
+    ppo = dataclasses.replace(algorithm or PPOConfig(), clip_low=eps_clip, clip_high=None,
+                              value_clip=value_clip)
     return config, ppo
 
 
 def sampling_from_generate_kwargs(generate_kwargs: Mapping[str, Any]) -> tuple[SamplingConfig, int | None]:
-    """A maker's `**generate_kwargs` as a `SamplingConfig`, and coati's `max_length` (prompt + response) if given.
+    """A maker's `**generate_kwargs` as a `SamplingConfig`, and coati's `max_length` (prompt + response).
 
     Unknown arguments are refused by name; `IGNORED_GENERATE_KWARGS` are accepted and have no effect.
     """
@@ -115,7 +119,8 @@ def sampling_from_generate_kwargs(generate_kwargs: Mapping[str, Any]) -> tuple[S
     if eos is not None:
         values["stop_token_ids"] = tuple(eos) if isinstance(eos, Sequence) else (int(eos),)
     max_length = generate_kwargs.get("max_length")
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
+                                   or max_length < 2):
         raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
     return SamplingConfig(**values), max_length
 
@@ -123,8 +128,8 @@ def sampling_from_generate_kwargs(generate_kwargs: Mapping[str, Any]) -> tuple[S
 def batch_prompts(batch: Any, pad_token_id: int | None) -> tuple[list[Any], int | None]:
     """One dataloader batch as prompts (token-id lists or texts) and its padded width (None for texts).
 
-    A batch is a dict of `input_ids` (and `attention_mask`), an id tensor [B, L] or [L] (padding is where the ids
-    equal `pad_token_id`, as coati's generate took it), a str, or a sequence of strs or prompt items.
+    A batch is a dict of `input_ids` (and `attention_mask`), an id tensor [B, L] or [L] (padding is where the
+    ids equal `pad_token_id`, as coati's generate took it), a str, or a sequence of strs or prompt items.
     """
     if isinstance(batch, str):
         return [batch], None
@@ -137,7 +142,8 @@ def batch_prompts(batch: Any, pad_token_id: int | None) -> tuple[list[Any], int 
     elif isinstance(batch, Sequence):
         return [item if isinstance(item, str) else as_prompt_item(item).prompt for item in batch], None
     else:
-        raise TypeError(f"unsupported batch type {type(batch).__name__} (a dict of input_ids, a tensor or strs)")
+        raise TypeError(f"unsupported batch type {type(batch).__name__} (a dict of input_ids, a tensor or "
+                        "strs)")
     if ids.is_floating_point() or ids.dim() not in (1, 2):
         raise ValueError(f"input_ids must be integer ids [B, L] or [L], got {ids.dtype} {tuple(ids.shape)}")
     ids = ids.cpu().reshape(-1, ids.shape[-1])
@@ -163,7 +169,8 @@ def coati_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
 
 def maker_models(model_fn: Callable[[], tuple], kl_coef: float, lora: bool = False) -> MakerModels:
     """coati's maker `model_fn() -> (actor, critic, reward model or reward function, initial model)` as
-    `MakerModels` (no reference model when `kl_coef` is 0); with `lora` the actor must carry a LoRA adapter."""
+    `MakerModels` (no reference model when `kl_coef` is 0); with `lora` the actor must carry a LoRA
+    adapter."""
     built = model_fn()
     if not isinstance(built, tuple | list) or len(built) != 4:
         raise ValueError("model_fn must return (actor, critic, reward_model, initial_model)")
@@ -173,6 +180,7 @@ def maker_models(model_fn: Callable[[], tuple], kl_coef: float, lora: bool = Fal
                          "(detached_rl.models.apply_lora with the same settings) to take LoRA-only updates")
     if not hasattr(reward, "score") and not hasattr(reward, "score_detailed"):
         if not callable(reward):
-            raise TypeError(f"model_fn's reward_model must be a reward model or function, got {type(reward).__name__}")
+            raise TypeError(f"model_fn's reward_model must be a reward model or function, got "
+                            f"{type(reward).__name__}")
         reward = FunctionReward(reward, actor.tokenizer)
     return MakerModels(actor=actor, critic=critic, reward=reward, reference=initial if kl_coef > 0 else None)

@@ -57,8 +57,8 @@ class CoatiPPOTrainer(PPOTrainerShell):
         # Explicit settings win over what the makers use (`_adopt_maker_settings`).
         self._explicit = {"sampling": sampling is not None,
                           "kl_coef": algorithm is not None and algorithm.kl_coef != PPOConfig().kl_coef}
-        config, ppo = trainer_settings(train_batch_size, buffer_limit, eps_clip, value_clip, update_lora_weights,
-                                       algorithm)
+        config, ppo = trainer_settings(train_batch_size, buffer_limit, eps_clip, value_clip,
+                                       update_lora_weights, algorithm)
         super().__init__(_actor_name("trainer"), model_fn, config, ppo, _namespace(namespace),
                          rank=self._strategy.rank, world_size=self._strategy.world_size,
                          strategy=self._strategy.name, sampling=sampling)
@@ -78,7 +78,8 @@ class CoatiPPOTrainer(PPOTrainerShell):
         settings = []
         for name in self.maker_names:
             try:
-                settings.append(ray.get(attach(name, self.namespace, 60.0).coati_settings.remote(), timeout=60.0))
+                settings.append(ray.get(attach(name, self.namespace, 60.0).coati_settings.remote(),
+                                        timeout=60.0))
             except AttributeError:  # not a coati maker: it states nothing
                 continue
         learner = self._core().learner
@@ -106,7 +107,8 @@ class CoatiPPOTrainer(PPOTrainerShell):
             return
         core = self._core()
         update, _ = core.build_update(put_chunk)
-        results = dispatch_weight_update(update, self.maker_names, self.namespace, self.config.weight_push_timeout_s)
+        results = dispatch_weight_update(update, self.maker_names, self.namespace,
+                                         self.config.weight_push_timeout_s)
         failed = {name: str(result) for name, result in results.items() if isinstance(result, BaseException)}
         if failed:
             raise RuntimeError(f"weight update v{update.manifest.version} failed on makers {failed}")
@@ -121,8 +123,8 @@ class CoatiPPOTrainer(PPOTrainerShell):
 
     @ray.method(concurrency_group="compute")
     def fit(self, total_steps: int, update_steps: int, train_epochs: int = 1) -> dict[str, Any]:
-        """coati's fit: `total_steps // update_steps` rounds of `update_steps` buffer batches, each round re-run
-        `train_epochs - 1` more times in shuffled order, then the weights pushed to the makers."""
+        """coati's fit: `total_steps // update_steps` rounds of `update_steps` buffer batches, each round
+        re-run `train_epochs - 1` more times in shuffled order, then the weights pushed to the makers."""
         core = self._core()
         rounds = CoatiRounds(update_steps, train_epochs, seed=core.policy_version)
         count = (total_steps // update_steps) * rounds.steps_per_round

@@ -1,4 +1,4 @@
-"""open-instruct's configs (the fields this layer reads) and their translation into this project's settings."""
+"""open-instruct's configs (the fields this layer reads) and their translation into this project's."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class ExperimentConfig:
 
 @dataclass
 class ModelConfig:
-    """open-instruct's `ModelConfig`: the policy to load (a local Hugging Face directory, "tiny[-<type>]", "smollm2")."""
+    """open-instruct's `ModelConfig`: the policy (a local Hugging Face directory, tiny[-<type>], smollm2)."""
 
     model_name_or_path: str = "tiny"
     model_revision: str | None = None  # accepted, unused: nothing is downloaded
@@ -71,7 +71,7 @@ class ModelConfig:
 
 @dataclass
 class StreamingDataLoaderConfig:
-    """The fields of open-instruct's `StreamingDataLoaderConfig` this layer reads (open-instruct's defaults)."""
+    """The fields of open-instruct's `StreamingDataLoaderConfig` this layer reads (with its defaults)."""
 
     num_unique_prompts_rollout: int = 16
     num_samples_per_prompt_rollout: int = 4
@@ -114,8 +114,9 @@ def sampling_from(streaming_config: Any) -> SamplingConfig:
 
 
 def maker_config_from(streaming_config: Any, vllm_config: Any = None, **overrides: Any) -> MakerConfig:
-    """A maker's config for one of `vllm_num_engines` "engines": its share of the prompts per batch, one GRPO group
-    of `num_samples_per_prompt_rollout` per prompt, the learner's sampling; `overrides` set other fields."""
+    """A maker's config for one of `vllm_num_engines` "engines": its share of the prompts per batch, one GRPO
+    group of `num_samples_per_prompt_rollout` per prompt, the learner's sampling; `overrides` set other
+    fields."""
     engines = int(_field(vllm_config, "vllm_num_engines", VLLMConfig))
     prompts = int(_stream(streaming_config, "num_unique_prompts_rollout"))
     settings = {"experience_batch_size": max(1, prompts // max(engines, 1)),
@@ -129,16 +130,17 @@ def rank_batch_size(streaming_config: Any, world_size: int) -> int:
     total = int(_stream(streaming_config, "num_unique_prompts_rollout")) * int(
         _stream(streaming_config, "num_samples_per_prompt_rollout"))
     if world_size < 1 or total % world_size:
-        raise ValueError(f"num_unique_prompts_rollout x num_samples_per_prompt_rollout = {total} must split evenly "
-                         f"over world_size {world_size} learner ranks")
+        raise ValueError(f"num_unique_prompts_rollout x num_samples_per_prompt_rollout = {total} must split "
+                         f"evenly over world_size {world_size} learner ranks")
     return total // world_size
 
 
 def trainer_config_from(args: Any, streaming_config: Any, world_size: int) -> TrainerConfig:
-    """The trainer's settings: per-rank batch, staleness bound `async_steps`, waits of `backend_timeout` minutes."""
+    """The trainer's settings: per-rank batch, staleness bound `async_steps`, waits of `backend_timeout`."""
     batch = rank_batch_size(streaming_config, world_size)
     async_steps = _stream(streaming_config, "async_steps")
-    return TrainerConfig(train_batch_size=batch, max_staleness=None if async_steps is None else int(async_steps),
+    return TrainerConfig(train_batch_size=batch,
+                         max_staleness=None if async_steps is None else int(async_steps),
                          batch_timeout_s=60.0 * float(_args(args, "backend_timeout")),
                          buffer_max_samples=max(1024, 4 * batch), stop_makers_at_end=False)
 
@@ -149,25 +151,29 @@ def _optimizer_from(args: Any) -> OptimizerConfig:
         raise ValueError(f"ExperimentConfig.lr_scheduler_type must be linear, cosine, constant or "
                          f"constant_with_warmup, got {_args(args, 'lr_scheduler_type')!r}")
     steps = _args(args, "num_training_steps")
-    total = None if steps is None else int(steps) * int(_args(args, "num_epochs")) * int(_args(args, "num_mini_batches"))
+    total = (None if steps is None
+             else int(steps) * int(_args(args, "num_epochs")) * int(_args(args, "num_mini_batches")))
     if schedule != "constant" and not total:
         raise ValueError(f"ExperimentConfig.num_training_steps is required by lr_scheduler_type {schedule!r}")
     warmup = int((total or 0) * float(_args(args, "warmup_ratio")))
-    return OptimizerConfig(lr=float(_args(args, "learning_rate")), weight_decay=float(_args(args, "weight_decay")),
+    return OptimizerConfig(lr=float(_args(args, "learning_rate")),
+                           weight_decay=float(_args(args, "weight_decay")),
                            schedule=schedule, warmup_steps=warmup, total_steps=total,
                            max_grad_norm=_args(args, "max_grad_norm"))
 
 
 def grpo_config_from(args: Any, streaming_config: Any, world_size: int) -> GRPOConfig:
-    """This project's GRPO settings for open-instruct's: DAPO-style clipped loss with token-mean aggregation."""
+    """This project's GRPO settings for open-instruct's: DAPO-style clipped loss, token-mean aggregation."""
     if _args(args, "loss_fn") != "dapo":
-        raise ValueError(f"ExperimentConfig.loss_fn {_args(args, 'loss_fn')!r} is not available here (only 'dapo')")
+        raise ValueError(f"ExperimentConfig.loss_fn {_args(args, 'loss_fn')!r} is not available here "
+                         "(only 'dapo')")
     if _args(args, "loss_denominator") != "token":
-        raise ValueError("ExperimentConfig.loss_denominator must be 'token' here (a constant denominator is not "
-                         f"available), got {_args(args, 'loss_denominator')!r}")
+        raise ValueError("ExperimentConfig.loss_denominator must be 'token' here (a constant denominator is "
+                         f"not available), got {_args(args, 'loss_denominator')!r}")
     estimator = int(_args(args, "kl_estimator"))
     if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"ExperimentConfig.kl_estimator must be one of {sorted(KL_ESTIMATORS)}, got {estimator}")
+        raise ValueError(f"ExperimentConfig.kl_estimator must be one of {sorted(KL_ESTIMATORS)}, got "
+                         f"{estimator}")
     normalization = _stream(streaming_config, "advantage_normalization_type")
     if normalization not in ADVANTAGE_NORMALIZATIONS:
         raise ValueError(f"StreamingDataLoaderConfig.advantage_normalization_type must be one of "
@@ -175,7 +181,8 @@ def grpo_config_from(args: Any, streaming_config: Any, world_size: int) -> GRPOC
     batch = rank_batch_size(streaming_config, world_size)
     mini_batches = int(_args(args, "num_mini_batches"))
     if mini_batches < 1 or batch % mini_batches:
-        raise ValueError(f"ExperimentConfig.num_mini_batches {mini_batches} must divide the per-rank batch {batch}")
+        raise ValueError(f"ExperimentConfig.num_mini_batches {mini_batches} must divide the per-rank batch "
+                         f"{batch}")
     alpha = float(_args(args, "alpha"))
     beta = float(_args(args, "beta"))
     return GRPOConfig(
@@ -201,7 +208,8 @@ def strategy_from(args: Any, world_size: int) -> str:
         return "naive"
     stage = int(_args(args, "deepspeed_stage"))
     if stage not in DEEPSPEED_STAGES:
-        raise ValueError(f"ExperimentConfig.deepspeed_stage must be one of {sorted(DEEPSPEED_STAGES)}, got {stage}")
+        raise ValueError(f"ExperimentConfig.deepspeed_stage must be one of {sorted(DEEPSPEED_STAGES)}, got "
+                         f"{stage}")
     return DEEPSPEED_STAGES[stage]
 
 

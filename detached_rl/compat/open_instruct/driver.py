@@ -23,11 +23,12 @@ from detached_rl.compat.open_instruct.keys import (
 
 logger = logging.getLogger(__name__)
 
-#: The metrics `one_training_step` averages weighted by each rank's tokens (open-instruct's set); others: plain mean.
+#: The metrics `one_training_step` averages weighted by each rank's tokens (open-instruct's set); others:
+#: plain mean.
 TOKEN_WEIGHTED_METRICS = frozenset({
     "objective/kl0_avg", "objective/kl1_avg", "objective/kl2_avg", "objective/kl3_avg", "loss/kl_avg",
-    "loss/policy_avg", "loss/total_avg", "policy/clipfrac_avg", "policy/entropy_avg", "val/ratio", "val/ratio_var",
-    "val/rho_drop_frac", "val/rho_drop_low_frac", "val/rho_drop_high_frac",
+    "loss/policy_avg", "loss/total_avg", "policy/clipfrac_avg", "policy/entropy_avg", "val/ratio",
+    "val/ratio_var", "val/rho_drop_frac", "val/rho_drop_low_frac", "val/rho_drop_high_frac",
 })
 #: The peaks `learner_mfu` divides by, summed over the ranks (FLOP/s; see `strategies.hardware.device_peak`).
 LEARNER_PEAK_FLOPS = "perf/learner_peak_flops"
@@ -43,22 +44,24 @@ def compute_token_weights(metrics_list: Sequence[Mapping[str, float]]) -> list[f
 
 
 def average_rank_metrics(metrics_list: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """The ranks' scalar metrics as one: token-weighted for `TOKEN_WEIGHTED_METRICS`, else the plain mean; a key
-    some ranks lack (a rank's staleness histogram, `info/...`) is averaged over the ranks that have it; the
-    driver-only "_" keys are left out."""
+    """The ranks' scalar metrics as one: token-weighted for `TOKEN_WEIGHTED_METRICS`, else the plain mean; a
+    key some ranks lack (a rank's staleness histogram, `info/...`) is averaged over the ranks that have it;
+    the driver-only "_" keys are left out."""
     averaged = {}
     for key in dict.fromkeys(key for metrics in metrics_list for key in metrics):
         if key.startswith("_"):
             continue
         having = [metrics for metrics in metrics_list if key in metrics]
         if key in TOKEN_WEIGHTED_METRICS:
-            averaged[key] = sum(m[key] * w for m, w in zip(having, compute_token_weights(having), strict=True))
+            averaged[key] = sum(m[key] * w
+                                for m, w in zip(having, compute_token_weights(having), strict=True))
         else:
             averaged[key] = sum(m[key] for m in having) / len(having)
     return averaged
 
 
-def learner_mfu(flops_per_token: float, sequence_tokens: float, training_time: float, peak_flops: float) -> float:
+def learner_mfu(flops_per_token: float, sequence_tokens: float, training_time: float,
+                peak_flops: float) -> float:
     """Learner MFU in percent: the step's model FLOPs per second over the ranks' summed dense matmul peaks."""
     if training_time <= 0 or peak_flops <= 0:
         return 0.0
@@ -98,7 +101,8 @@ def training_step_metrics(
         "training_step": training_step,
         names.NUM_TOTAL_TOKENS: num_total_tokens,
         names.NUM_STEP_TOKENS: step_tokens,
-        names.TOKENS_PER_SECOND_OVERALL: num_total_tokens / total_training_time if total_training_time > 0 else 0.0,
+        names.TOKENS_PER_SECOND_OVERALL: (num_total_tokens / total_training_time
+                                          if total_training_time > 0 else 0.0),
         names.TOKENS_PER_SECOND_STEP: step_tokens / step_time if step_time > 0 else 0.0,
         "time/total": step_time,
         names.TIME_TRAINING: training_time,
@@ -113,8 +117,9 @@ def training_step_metrics(
     return metrics, step_tokens
 
 
-def maybe_save_checkpoint(args: Any, training_step: int, policy_group: ModelGroup, chat_template_name: str | None,
-                          tokenizer: Any, wandb_url: str | None = None) -> float:
+def maybe_save_checkpoint(args: Any, training_step: int, policy_group: ModelGroup,
+                          chat_template_name: str | None, tokenizer: Any,
+                          wandb_url: str | None = None) -> float:
     """Every `save_freq` steps (and at step 1 with `eval_on_step_0`), `save_model` to
     `<output_dir>_checkpoints/step_<n>` on every rank; returns the seconds it took (0 when not saving)."""
     save_freq = int(_args(args, "save_freq"))
@@ -124,7 +129,8 @@ def maybe_save_checkpoint(args: Any, training_step: int, policy_group: ModelGrou
         return 0.0
     start = time.perf_counter()
     step_dir = f"{str(_args(args, 'output_dir')).rstrip('/')}_checkpoints/step_{training_step}"
-    ray.get([model.save_model.remote(step_dir, chat_template_name, tokenizer) for model in policy_group.models])
+    ray.get([model.save_model.remote(step_dir, chat_template_name, tokenizer)
+             for model in policy_group.models])
     return time.perf_counter() - start
 
 
@@ -149,8 +155,8 @@ def one_training_step(
     log_metrics: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
     """open-instruct's driver step: `step` on every rank, the Polyak reference update every
-    `ref_policy_update_freq` steps, `maybe_save_checkpoint`, the metrics aggregated and handed to `log_metrics`
-    (else logged); returns the step's tokens (prompts once, every response).
+    `ref_policy_update_freq` steps, `maybe_save_checkpoint`, the metrics aggregated and handed to
+    `log_metrics` (else logged); returns the step's tokens (prompts once, every response).
 
     The arguments come in open-instruct's order; `vllm_config` (keyword only) is accepted and unused.
     `model_dims` may give `num_params` for MFU (default: the ranks' parameter count); `actor_manager`, if
@@ -173,13 +179,15 @@ def one_training_step(
             and float(_args(args, "alpha")) > 0):
         ray.get([model.update_ref_policy.remote() for model in policy_group.models])
     training_time = time.perf_counter() - train_start
-    save_time = maybe_save_checkpoint(args, training_step, policy_group, chat_template_name, tokenizer, wandb_url)
+    save_time = maybe_save_checkpoint(args, training_step, policy_group, chat_template_name, tokenizer,
+                                      wandb_url)
     if actor_manager is not None:
         ray.get(actor_manager.report_training_step_time.remote(training_time))
     rank_metrics, rank_arrays = zip(*results, strict=True)
     metrics, step_tokens = training_step_metrics(
-        rank_metrics, rank_arrays, episode=episode, training_step=training_step, num_total_tokens=num_total_tokens,
-        step_time=time.perf_counter() - start_time, total_training_time=time.perf_counter() - training_start_time,
+        rank_metrics, rank_arrays, episode=episode, training_step=training_step,
+        num_total_tokens=num_total_tokens, step_time=time.perf_counter() - start_time,
+        total_training_time=time.perf_counter() - training_start_time,
         training_time=training_time, save_time=save_time, data_thread_metrics=data_thread_metrics,
         samples_per_prompt=int(_stream(streaming_config, "num_samples_per_prompt_rollout")),
         train_dataset_size=len(train_dataset) if train_dataset is not None else None,
@@ -188,5 +196,6 @@ def one_training_step(
     if log_metrics is not None:
         log_metrics(metrics)
     else:
-        logger.info("step %d: %s", training_step, {k: v for k, v in metrics.items() if isinstance(v, int | float)})
+        logger.info("step %d: %s", training_step,
+                    {k: v for k, v in metrics.items() if isinstance(v, int | float)})
     return step_tokens

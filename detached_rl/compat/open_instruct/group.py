@@ -21,17 +21,19 @@ def bundle_index(rank: int, num_gpus_per_node: Sequence[int]) -> int:
         if rank < count:
             return index
         rank -= count
-    raise ValueError(f"rank beyond the {sum(num_gpus_per_node)} ranks of num_gpus_per_node {list(num_gpus_per_node)}")
+    raise ValueError(f"rank beyond the {sum(num_gpus_per_node)} ranks of num_gpus_per_node "
+                     f"{list(num_gpus_per_node)}")
 
 
 class ModelGroup:
-    """open-instruct's `ModelGroup`: `sum(num_gpus_per_node)` learner ranks, named `<name>_<rank>` in `namespace`.
+    """open-instruct's `ModelGroup`: `sum(num_gpus_per_node)` learner ranks `<name>_<rank>` in `namespace`.
 
     The arguments come in open-instruct's order; `data_prep_actor_name` goes to every rank, which keeps it.
     `pg` (a placement group with one bundle per node, or None) places rank r on bundle `bundle_index(r, ...)`.
-    Each rank asks for `num_gpus_per_actor` GPUs: None means open-instruct's (1, or 0.48 with `single_gpu_mode`)
-    on a cluster with GPUs, and 0 on one without. `namespace` left out: the driver's named namespace, else
-    `detached_rl`, where makers look (`resolve_namespace`; never a plain `ray.init()`'s anonymous one).
+    Each rank asks for `num_gpus_per_actor` GPUs: None means open-instruct's (1, or 0.48 with
+    `single_gpu_mode`) on a cluster with GPUs, and 0 on one without. `namespace` left out: the driver's named
+    namespace, else `detached_rl`, where makers look (`resolve_namespace`; never a plain `ray.init()`'s
+    anonymous one).
     """
 
     def __init__(self, pg: Any, ray_process_cls: Any, num_gpus_per_node: Sequence[int], single_gpu_mode: bool,
@@ -49,7 +51,8 @@ class ModelGroup:
         self.namespace = resolve_namespace(namespace)
         self.names = [f"{name}_{rank}" for rank in range(world_size)]
         self.pg = pg
-        # Refused at once, before any rank starts, what the cluster can never place (else from_pretrained hangs).
+        # Refused at once, before any rank starts, what the cluster can never place (else from_pretrained
+        # hangs).
         if pg is None:
             request = actor_request({"num_cpus": num_cpus_per_actor, "num_gpus": num_gpus_per_actor}) or {}
             check_placeable({f"learner {rank_name}": request for rank_name in self.names if request})

@@ -1,4 +1,4 @@
-"""The learner's additions for open-instruct: ratio variance, batch lengths, Polyak update, step metric names."""
+"""The learner's additions for open-instruct: ratio variance, batch lengths, Polyak update, metric names."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from detached_rl.core.experience import Experience
 
 
 class SequenceRatioStats:
-    """Token-weighted variance over sequences of each sequence's mean ratio new / old (open-instruct's val/ratio_var)."""
+    """Token-weighted variance over sequences of each one's mean new/old ratio (open-instruct's ratio_var)."""
 
     def __init__(self) -> None:
         self.reset()
@@ -33,7 +33,8 @@ class SequenceRatioStats:
             ratio = torch.where(valid, log_ratio.exp(), torch.zeros_like(log_ratio)).double()
             tokens = valid.sum(-1).double()
             means = ratio.sum(-1) / tokens.clamp(min=1)
-            self._sums.append(torch.stack([tokens.sum(), (tokens * means).sum(), (tokens * means.square()).sum()]))
+            self._sums.append(torch.stack([tokens.sum(), (tokens * means).sum(),
+                                           (tokens * means.square()).sum()]))
 
     def variance(self) -> float:
         """The variance of what was added (0 without tokens)."""
@@ -58,7 +59,7 @@ class SequenceRatioStats:
 
 
 class ObservedGRPOLearner(GRPOLearner):
-    """`GRPOLearner` that also reports `val/ratio_var` and keeps the last batch's lengths (for the driver's tokens)."""
+    """`GRPOLearner` that also reports `val/ratio_var` and keeps the last batch's lengths (for the driver)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -66,9 +67,11 @@ class ObservedGRPOLearner(GRPOLearner):
         self.policy_loss = self.ratio_stats.observe(self.policy_loss)
         self.last_prompt_lengths: list[int] = []
         self.last_response_lengths: list[int] = []
-        self.last_sequence_tokens = 0  # prompt + response tokens of every sample (what the forward passes see)
+        # Prompt + response tokens of every sample (what the forward passes see).
+        self.last_sequence_tokens = 0
 
-    def train_step(self, experiences: list[Experience], policy_version: int | None = None) -> dict[str, float]:
+    def train_step(self, experiences: list[Experience],
+                   policy_version: int | None = None) -> dict[str, float]:
         """`GRPOLearner.train_step`, plus `val/ratio_var` (reduced across ranks with the other metrics)."""
         self.ratio_stats.reset()
         self.last_prompt_lengths, self.last_response_lengths = batch_lengths(experiences)
@@ -91,7 +94,7 @@ def batch_lengths(experiences: Sequence[Experience]) -> tuple[list[int], list[in
 
 
 def polyak_update_ref_policy(learner: GRPOLearner, alpha: float) -> bool:
-    """ref <- alpha * policy + (1 - alpha) * ref; False (nothing done) without a reference or with alpha <= 0."""
+    """ref <- alpha * policy + (1 - alpha) * ref; False (nothing done) without a reference or alpha <= 0."""
     if learner.reference is None or alpha <= 0:
         return False
     learner.update_ref_policy(alpha)
@@ -100,7 +103,8 @@ def polyak_update_ref_policy(learner: GRPOLearner, alpha: float) -> bool:
 
 def open_instruct_step_metrics(metrics: Mapping[str, float], beta: float, kl_kind: str) -> dict[str, float]:
     """A step's metrics with open-instruct's names and meanings added: `lr`, `optim/grad_norm`, the KL as
-    `objective/kl<j>_avg` and `loss/kl_avg` = beta x KL (open-instruct logs the KL term with its coefficient)."""
+    `objective/kl<j>_avg` and `loss/kl_avg` = beta x KL (open-instruct logs the KL term with its
+    coefficient)."""
     out = dict(metrics)
     for theirs, ours in names.OPEN_INSTRUCT_ALIASES.items():
         if ours in metrics:
@@ -113,7 +117,7 @@ def open_instruct_step_metrics(metrics: Mapping[str, float], beta: float, kl_kin
 
 
 def matmul_dtype(learner: GRPOLearner) -> str:
-    """The dtype the learner's matmuls run in: its autocast dtype, else the policy's bf16/fp16, else float32."""
+    """The dtype of the learner's matmuls: its autocast dtype, else the policy's bf16/fp16, else float32."""
     if learner.config.autocast_dtype is not None:
         return learner.config.autocast_dtype
     dtype = str(next(learner.policy.model.parameters()).dtype).removeprefix("torch.")

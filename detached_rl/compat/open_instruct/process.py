@@ -122,7 +122,8 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         self.data_prep_actor_name = data_prep_actor_name
         self.strategy_name = strategy or strategy_from(args, world_size)
         self.local_rank = local_rank
-        self.args, self.streaming_config, self.vllm_config, self.tokenizer = args, streaming_config, vllm_config, tokenizer
+        self.args, self.streaming_config, self.vllm_config, self.tokenizer = (args, streaming_config,
+                                                                              vllm_config, tokenizer)
         self._master: tuple[str, int] | None = None
         self._master_actor = master
         if master_addr is not None and master_port is not None:
@@ -143,9 +144,9 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         return ObservedGRPOLearner(self.model_factory(), strategy, self.algorithm, sampling=self.sampling)
 
     @ray.method(concurrency_group="compute")
-    def from_pretrained(self, args: Any, model_config: Any, beaker_config: Any = None, wandb_url: str | None = None,
-                        tokenizer: Any = None) -> StepsDone:
-        """Load the policy, build optimizer and reference, join the ranks, resume from `args.checkpoint_state_dir`.
+    def from_pretrained(self, args: Any, model_config: Any, beaker_config: Any = None,
+                        wandb_url: str | None = None, tokenizer: Any = None) -> StepsDone:
+        """Load the policy, build optimizer and reference, join ranks, resume from `checkpoint_state_dir`.
 
         Returns the optimization steps of the restored checkpoint (0 without one) as an int, as
         open-instruct's; its `checkpoint_state` is the `client_state` saved with it (None without one).
@@ -161,11 +162,13 @@ class PolicyTrainerProcess(GRPOTrainerShell):
             str(_args(args, "model_dtype")), int(_args(args, "seed")), self.tokenizer)
         if self.strategy_name == "naive":
             if self.world_size != 1:
-                raise ValueError(f"learner {self.name!r}: strategy 'naive' trains one rank, not {self.world_size}")
+                raise ValueError(f"learner {self.name!r}: strategy 'naive' trains one rank, not "
+                                 f"{self.world_size}")
             self._build(NaiveStrategy(device=actor_device()))
         else:
             address, port = self.get_master_addr_port()
-            self.join_process_group(address, port, {"timeout_s": 60.0 * float(_args(args, "backend_timeout"))})
+            self.join_process_group(address, port,
+                                    {"timeout_s": 60.0 * float(_args(args, "backend_timeout"))})
         return self._resume(_args(args, "checkpoint_state_dir"))
 
     def _resume(self, directory: str | None) -> StepsDone:
@@ -177,8 +180,9 @@ class PolicyTrainerProcess(GRPOTrainerShell):
                 logger.info("learner %s: no checkpoint state in %s, starting at step 0", self.name, directory)
             return StepsDone(0)
         if not all(every):
-            raise ValueError(f"{directory}: only ranks {[r for r, f in enumerate(every) if f]} have checkpoint "
-                             f"state; every one of the {len(every)} ranks needs its rank_<r> folder")
+            raise ValueError(f"{directory}: only ranks {[r for r, f in enumerate(every) if f]} have "
+                             f"checkpoint state; every one of the {len(every)} ranks needs its rank_<r> "
+                             "folder")
         core.load_checkpoint(directory, put_chunk)
         return StepsDone(core.policy_version, self._client_state(Path(directory), core.policy_version))
 
@@ -188,8 +192,8 @@ class PolicyTrainerProcess(GRPOTrainerShell):
             return None
         saved = load_state(path)
         if saved["policy_version"] != version:
-            logger.warning("learner %s: client state in %s is of step %s, the checkpoint of step %s; not returned",
-                           self.name, path, saved["policy_version"], version)
+            logger.warning("learner %s: client state in %s is of step %s, the checkpoint of step %s; "
+                           "not returned", self.name, path, saved["policy_version"], version)
             return None
         return saved["client_state"]
 
@@ -232,7 +236,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
 
     @ray.method(concurrency_group="compute")
     def broadcast_to_vllm(self, model_step: int | None = None) -> dict[str, float]:
-        """Push the current weights to this rank's share of the makers (call on every rank); returns sync metrics.
+        """Push the current weights to this rank's share of the makers (every rank); returns sync metrics.
 
         `model_step` is accepted for open-instruct's signature: the update carries the policy version.
         """
@@ -245,7 +249,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
 
     @ray.method(concurrency_group="compute")
     def update_ref_policy(self) -> None:
-        """Polyak update of the reference: ref <- alpha * policy + (1 - alpha) * ref (no reference: nothing)."""
+        """Polyak update of the reference: ref <- alpha * policy + (1 - alpha) * ref (none: nothing)."""
         core = self._core()
         with core.weights_lock:
             polyak_update_ref_policy(core.learner, float(_args(self.args, "alpha")))
@@ -271,9 +275,10 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         save_atomic(state, Path(checkpoint_state_dir) / f"client_state_rank_{self.rank}")
 
     @ray.method(concurrency_group="compute")
-    def save_model(self, output_dir: str, chat_template_name: str | None = None, tokenizer: Any = None) -> None:
-        """Write the policy (LoRA merged) and tokenizer as a Hugging Face directory (call on every rank; rank 0
-        writes); a directory already marked complete is left as it is."""
+    def save_model(self, output_dir: str, chat_template_name: str | None = None,
+                   tokenizer: Any = None) -> None:
+        """Write the policy (LoRA merged) and tokenizer as a Hugging Face directory (call on every rank; rank
+        0 writes); a directory already marked complete is left as it is."""
         path = Path(output_dir)
         if (path / CHECKPOINT_COMPLETE_MARKER).exists():
             logger.info("model already saved completely at %s, skipping", path)
@@ -282,7 +287,8 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         strategy = core.strategy
         with core.weights_lock:
             policy = strategy.unwrap(core.learner.actor)
-            gathered = dict(strategy.named_tensors(core.learner.actor, "model.")) if strategy.shards_weights else None
+            gathered = (dict(strategy.named_tensors(core.learner.actor, "model."))
+                        if strategy.shards_weights else None)
             if not strategy.is_rank_zero:
                 return
             tokenizer = tokenizer if tokenizer is not None else policy.tokenizer
@@ -298,7 +304,7 @@ def _not_loaded() -> Any:
     raise RuntimeError("the learner's model is loaded by from_pretrained")
 
 
-#: The learner rank as a Ray actor class (`.options(...)` as usual; `ModelGroup` creates the ranks); `.remote()`
-#: refuses at once a request the cluster can never place.
+#: The learner rank as a Ray actor class (`.options(...)` as usual; `ModelGroup` creates the ranks);
+#: `.remote()` refuses at once a request the cluster can never place.
 PolicyTrainerRayProcess = PlacementCheckedActorClass(
     ray.remote(concurrency_groups=TRAINER_GROUPS)(PolicyTrainerProcess), "learner")
