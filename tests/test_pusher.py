@@ -450,7 +450,7 @@ def test_a_timed_out_push_is_retried_on_the_same_trainer(executor):
     assert_accounted(pusher, 3)
 
 
-def test_the_latest_acknowledgement_says_how_new_the_next_batch_must_be(executor):
+def test_the_trainers_acknowledgements_say_how_new_the_next_batch_must_be(executor):
     buffers = {"t0": ReplayBuffer(), "t1": ReplayBuffer()}
     bounds = {"t0": 3, "t1": 5}
 
@@ -462,9 +462,9 @@ def test_the_latest_acknowledgement_says_how_new_the_next_batch_must_be(executor
 
     pusher = ExperiencePusher(submit, ["t0", "t1"], max_in_flight=1)
     pusher.push(batches(1)[0])
-    assert pusher.flush(timeout=5) and pusher.oldest_useful_version == 3
+    assert pusher.flush(timeout=5) and pusher.oldest_useful_version is None  # t1 has not bounded it yet
     pusher.push(batches(1)[0])  # round robin: t1 answers last
-    assert pusher.flush(timeout=5) and pusher.oldest_useful_version == 5
+    assert pusher.flush(timeout=5) and pusher.oldest_useful_version == 3  # the lower bound: good for both
     assert pusher.stats()["per_trainer"]["t0"]["oldest_useful_version"] == 3
 
 
@@ -570,3 +570,25 @@ def test_a_weight_update_error_while_registering_again_is_retried_not_rejected(e
     stats = assert_accounted(pusher, 3)
     assert stats["accepted"] == 3 and stats["dropped"]["rejected"] == 0 and stats["failed_attempts"] == 2
     assert sorted(buffer_ids(buffer)) == sorted(exp.id for exp in push)
+
+
+def test_the_fresh_weights_bound_is_the_lowest_of_every_trainers_acknowledgement():
+    from detached_rl.core.replay_buffer import AppendResult
+
+    hints = {"rank_0": 3, "rank_1": 1}
+
+    def submit(trainer, experiences):
+        future = Future()
+        future.set_result(AppendResult(accepted=len(experiences), duplicates=0, dropped_stale=0, evicted=0,
+                                       full=False, size=len(experiences), nbytes=0, current_version=0,
+                                       oldest_useful_version=hints[trainer]))
+        return future
+
+    pusher = ExperiencePusher(submit, ["rank_0", "rank_1"], policy="round_robin")
+    pusher.push(batches(1)[0])
+    pusher.flush(timeout=5)
+    # Only rank_0 answered: rank_1 (of the same group, say) may be starving for the next batch, so no wait.
+    assert pusher.oldest_useful_version is None
+    pusher.push(batches(1)[0])
+    pusher.flush(timeout=5)
+    assert pusher.oldest_useful_version == 1

@@ -171,10 +171,12 @@ class ExperiencePusher:
 
     @property
     def oldest_useful_version(self) -> int | None:
-        """The latest acknowledgement's oldest useful policy version for the next
-        batch (None: no bound known)."""
+        """The oldest policy version the next batch may come from and still be trained wherever it goes: the
+        lowest of the trainers' latest acknowledgements (None while a trainer has not bounded it: a trainer not
+        pushed to yet may be waiting for this very batch, e.g. a rank its group cannot step without)."""
         with self._lock:
-            return None if self._latest_ack is None else self._state[self._latest_ack].oldest_useful_version
+            hints = [trainer.oldest_useful_version for trainer in self._state.values()]
+        return None if any(hint is None for hint in hints) else min(hints)
 
     def _outstanding(self) -> int:
         """Pushes sent and unanswered, or waiting for a retry: both count against `max_in_flight`."""
