@@ -1,4 +1,5 @@
-"""The `ExperienceMakerHolder` actor: a named maker that attaches to its trainers, generates, pushes and takes weights.
+"""The `ExperienceMakerHolder` actor: a named maker that attaches to its trainers, generates, pushes and takes
+weights.
 
 Concurrency groups: `experience_io` (start, status, stop, save_state, load_state), `model_io`
 (apply_weight_update), `compute` (run, sync, evaluate). Each group runs in its own thread, so a
@@ -33,9 +34,15 @@ from detached_rl.strategies import NaiveStrategy, Strategy
 logger = logging.getLogger(__name__)
 
 
-@ray.remote(concurrency_groups={"experience_io": 1, "model_io": 1, "compute": 1})
-class ExperienceMakerHolder:
-    """A named experience maker: attaches to its trainers by name, generates, pushes, receives weights."""
+MAKER_GROUPS = {"experience_io": 1, "model_io": 1, "compute": 1}
+
+
+class MakerShell:
+    """A named experience maker: attaches to its trainers by name, generates, pushes, receives weights.
+
+    The plain class; `ExperienceMakerHolder` is it as a Ray actor with `MAKER_GROUPS`. Subclass this
+    (e.g. `detached_rl.compat.coati.CoatiMakerHolder`) and wrap the subclass with `ray.remote` the same way.
+    """
 
     def __init__(
         self,
@@ -51,7 +58,7 @@ class ExperienceMakerHolder:
         state_path: str | None = None,
     ) -> None:
         if not trainer_names:
-            raise ValueError("ExperienceMakerHolder: trainer_names is empty")
+            raise ValueError("maker {name!r}: trainer_names is empty")
         self.name = name
         self.trainer_names = list(trainer_names)
         if strategy_factory is not None and not callable(strategy_factory):
@@ -77,9 +84,11 @@ class ExperienceMakerHolder:
         if state_path is not None and has_checkpoint(state_path):
             self.core.load_state_dict(load_state(state_path))
         save = None if state_path is None else functools.partial(save_atomic, directory=state_path)
-        self.loop = MakerLoop(self.core, self._stop, save, resync=functools.partial(self._attach_trainers, True))
+        self.loop = MakerLoop(self.core, self._stop, save,
+                              resync=functools.partial(self._attach_trainers, True))
         self._handles_lock = threading.Lock()
-        self.restarts = ray.get_runtime_context().was_current_actor_reconstructed if ray.is_initialized() else False
+        self.restarts = (ray.get_runtime_context().was_current_actor_reconstructed if ray.is_initialized()
+                         else False)
         if self.restarts and resume_on_restart:
             # Ray restarted this actor after its process died: carry on feeding the trainers. `run`
             # re-attaches by name and pulls the trainers' current weights before it generates.
@@ -99,7 +108,8 @@ class ExperienceMakerHolder:
         self.core.last_error = None  # registered again and holding what they gave: earlier errors are over
 
     def _expect_runs(self, handles: list[Any]) -> None:
-        """Registered with these trainers, which had no weights yet: follow their runs from their first update."""
+        """Registered with these trainers, which had no weights yet: follow their runs from their first
+        update."""
         runs = get_all([h.trainer_run.remote() for h in handles], timeout=self.core.config.weight_timeout_s)
         self.core.expect_runs(runs)
 
@@ -109,7 +119,8 @@ class ExperienceMakerHolder:
             self.core.scoring.attach()  # scorer groups found before the first batch holds the generation lock
 
     def _trainer_handle(self, trainer: str) -> Any:
-        """The live handle of `trainer`; after it died, the actor now under its name, registered with afresh."""
+        """The live handle of `trainer`; after it died, the actor now under its name, registered with
+        afresh."""
         with self._handles_lock:
             handle = self._handles.get(trainer)
         if handle is not None:
@@ -118,7 +129,8 @@ class ExperienceMakerHolder:
             handle = ray.get_actor(trainer, namespace=self.namespace)
         except ValueError:
             # Said as a ConnectionError: the pusher retries any error `submit` raises (nothing was sent).
-            raise ConnectionError(f"trainer {trainer!r} is not running (waiting for it to come back)") from None
+            raise ConnectionError(
+                f"trainer {trainer!r} is not running (waiting for it to come back)") from None
         update = ray.get(handle.register_maker.remote(self.name, self.core.base_fingerprint),
                          timeout=self.core.config.weight_timeout_s)
         take_offered(self.core, [update], ray_fetch(self.core.config.weight_timeout_s))
@@ -141,7 +153,8 @@ class ExperienceMakerHolder:
                     del self._handles[trainer]
 
     def _trainers_finished(self) -> bool:
-        """True when every trainer has ended its `fit` and would have stopped this maker (it has nobody to feed)."""
+        """True when every trainer has ended its `fit` and would have stopped this maker (it has nobody to
+        feed)."""
         with self._handles_lock:
             handles = list(self._handles.values())
         states = get_all([h.status.remote() for h in handles], timeout=self.core.config.push_timeout_s)
@@ -149,7 +162,8 @@ class ExperienceMakerHolder:
 
     @ray.method(concurrency_group="compute")
     def sync(self) -> int:
-        """Register with the trainers and take the newest weights they offer; returns the policy version served.
+        """Register with the trainers and take the newest weights they offer; returns the policy version
+        served.
 
         The explicit reset of the weight protocol: the maker then follows the run of the trainer that
         offered them, even at an older version (a trainer resumed from a checkpoint) or far ahead.
@@ -159,7 +173,8 @@ class ExperienceMakerHolder:
 
     @ray.method(concurrency_group="compute")
     def evaluate(self, items: Sequence[Any], sampling: SamplingConfig | None = None) -> list[dict[str, Any]]:
-        """Answer and grade held-out prompts with the current weights (greedy unless `sampling` says otherwise)."""
+        """Answer and grade held-out prompts with the current weights (greedy unless `sampling` says
+        otherwise)."""
         return self.core.evaluate(items, sampling)
 
     @ray.method(concurrency_group="compute")
@@ -170,16 +185,19 @@ class ExperienceMakerHolder:
             config = self.core.config
             pusher = ExperiencePusher(
                 self._submit, self.trainer_names, max_in_flight=config.max_pushes_in_flight,
-                policy=config.push_policy, push_timeout=config.push_timeout_s, should_stop=self._stop.is_set,
+                policy=config.push_policy, push_timeout=config.push_timeout_s,
+                should_stop=self._stop.is_set,
             )
-            self.loop.run(pusher, num_batches, connect=self._connect, trainers_finished=self._trainers_finished)
+            self.loop.run(pusher, num_batches, connect=self._connect,
+                          trainers_finished=self._trainers_finished)
         finally:
             self._running = False
         return self.status()
 
     @ray.method(concurrency_group="experience_io")
     def start(self, num_batches: int | None = None) -> bool:
-        """Run `run` in a background thread of the actor (it outlives the caller); False if already running."""
+        """Run `run` in a background thread of the actor (it outlives the caller); False if already
+        running."""
         if self._running:
             return False
         self._running = True  # set here so a status call right after sees "running"
@@ -194,8 +212,9 @@ class ExperienceMakerHolder:
 
     @ray.method(concurrency_group="model_io")
     def apply_weight_update(self, update: WeightUpdate) -> ApplyResult:
-        """Pull and verify a versioned weight update and acknowledge it; it is swapped in between two generation
-        batches (at once when none is being generated), so the trainer never waits for a batch to end."""
+        """Pull and verify a versioned weight update and acknowledge it; it is swapped in between two
+        generation batches (at once when none is being generated), so the trainer never waits for a batch
+        to end."""
         return self.core.apply_weight_update(update, ray_fetch(self.core.config.weight_timeout_s),
                                              swap="at_safe_point")
 
@@ -231,3 +250,7 @@ class ExperienceMakerHolder:
     def stop(self) -> None:
         """Finish the current batch, flush pushes and return from `run`."""
         self._stop.set()
+
+
+#: The Ray actor class of `MakerShell`.
+ExperienceMakerHolder = ray.remote(concurrency_groups=MAKER_GROUPS)(MakerShell)

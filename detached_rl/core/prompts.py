@@ -8,10 +8,13 @@ import math
 import os
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from detached_rl.core.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -194,12 +197,21 @@ def load_prompt_file(
     ]
 
 
+class PromptBatch(list[PromptItem]):
+    """A `next_batch` answer that carries its own sampling: the maker samples this batch with `sampling`
+    instead of its own (e.g. a response length fit to these prompts' width); None: the maker's."""
+
+    def __init__(self, items: Iterable[PromptItem] = (), sampling: SamplingConfig | None = None) -> None:
+        super().__init__(items)
+        self.sampling = sampling
+
+
 @runtime_checkable
 class PromptSource(Protocol):
     """Where a maker gets its prompts."""
 
     def next_batch(self, count: int) -> list[PromptItem]:
-        """The next `count` prompts."""
+        """The next `count` prompts; a `PromptBatch` may say how to sample them."""
         ...
 
 

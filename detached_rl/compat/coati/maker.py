@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from detached_rl.actors.maker import ExperienceMakerHolder as _MakerActor
+from detached_rl.actors.maker import MAKER_GROUPS, MakerShell
 from detached_rl.compat.coati.callbacks import Callbacks, PerformanceEvaluator
 from detached_rl.compat.coati.peers import _actor_name, _names, _namespace
 from detached_rl.compat.coati.settings import (
@@ -20,30 +20,32 @@ from detached_rl.compat.coati.settings import (
     set_dist_env,
 )
 from detached_rl.compat.placement import PlacementCheckedActorClass
-from detached_rl.core.prompts import PromptItem
-from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
+from detached_rl.core.experience import Experience
+from detached_rl.core.prompts import PromptBatch, PromptItem
+from detached_rl.core.sampling import SamplingConfig
+from detached_rl.maker.experience_maker import MakerConfig
 from detached_rl.strategies import Strategy
 
 
 class DataloaderPrompts:
-    """A maker's prompt source over coati dataloader batches: each `next_batch` is the next whole batch."""
+    """A maker's prompt source over coati dataloader batches: each `next_batch` is the next whole batch,
+    sampled as `on_batch(prompts, padded width)` says (None, or no `on_batch`: as the maker samples)."""
 
     def __init__(self, batches: Iterator[Any], pad_token_id: int | None,
-                 on_batch: Callable[[list[Any], int | None], None] | None = None) -> None:
+                 on_batch: Callable[[list[Any], int | None], SamplingConfig | None] | None = None) -> None:
         self.batches = batches
         self.pad_token_id = pad_token_id
         self.on_batch = on_batch
 
-    def next_batch(self, count: int) -> list[PromptItem]:
+    def next_batch(self, count: int) -> PromptBatch:
         """The next dataloader batch as prompts (`count`: the dataloader's batch size, not this argument)."""
         try:
             batch = next(self.batches)
         except StopIteration:
             raise RuntimeError("the dataloader ran out of batches") from None
         prompts, width = batch_prompts(batch, self.pad_token_id)
-        if self.on_batch is not None:
-            self.on_batch(prompts, width)
-        return [PromptItem(prompt) for prompt in prompts]
+        sampling = self.on_batch(prompts, width) if self.on_batch is not None else None
+        return PromptBatch((PromptItem(prompt) for prompt in prompts), sampling)
 
 
 class _NoDataloader:
@@ -75,10 +77,22 @@ def dataloader_batches(dataloader_fn: Callable[[], Iterable[Any]], num_epochs: i
     return (batch for _ in range(num_epochs) for batch in dataloader), num_epochs * count
 
 
-_MakerShell = _MakerActor.__ray_actor_class__
+class _CoatiBatchHooks:
+    """coati's batch callbacks around each batch the maker makes (an `ExperienceMaker` batch callback)."""
+
+    def __init__(self, callbacks: Callbacks) -> None:
+        self.callbacks = callbacks
+
+    def on_batch_start(self) -> None:
+        self.callbacks.on_batch_start()
+        self.callbacks.on_make_experience_start()
+
+    def on_batch_end(self, experiences: list[Experience]) -> None:
+        self.callbacks.on_make_experience_end(experiences)
+        self.callbacks.on_batch_end()
 
 
-class CoatiMakerHolder(_MakerShell):
+class CoatiMakerHolder(MakerShell):
     """coati's `ExperienceMakerHolder` signature and `workingloop` over this project's maker shell."""
 
     def __init__(
@@ -118,25 +132,16 @@ class CoatiMakerHolder(_MakerShell):
                          config, _namespace(namespace),
                          strategy_factory=lambda: strategy, resume_on_restart=False)
         self.base_sampling = self.core.sampling
-        self.core.make_experience = self._make_experience  # the loop's batches pass coati's callbacks
+        self.core.add_callbacks(_CoatiBatchHooks(self.callbacks))  # the loop's batches pass coati's callbacks
 
-    def _make_experience(self) -> list[Any]:
-        self.callbacks.on_batch_start()
-        self.callbacks.on_make_experience_start()
-        experiences = ExperienceMaker.make_experience(self.core)
-        self.callbacks.on_make_experience_end(experiences)
-        self.callbacks.on_batch_end()
-        return experiences
-
-    def _fit_length(self, prompts: list[Any], width: int | None) -> None:
+    def _fit_length(self, prompts: list[Any], width: int | None) -> SamplingConfig | None:
         """coati's max_length counts the padded prompt: the responses of this batch get the rest."""
         if self.max_length is None:
-            return
+            return None
         if width is None:
             tokenizer = self.core.tokenizer
             width = max(len(p) if not isinstance(p, str) else len(tokenizer(p)["input_ids"]) for p in prompts)
-        self.core.sampling = dataclasses.replace(self.base_sampling,
-                                                 max_new_tokens=max(1, self.max_length - width))
+        return dataclasses.replace(self.base_sampling, max_new_tokens=max(1, self.max_length - width))
 
     @ray.method(concurrency_group="compute")
     def workingloop(self, dataloader_fn: Callable[[], Iterable[Any]], num_epochs: int = 1, num_steps: int = 0
@@ -145,7 +150,7 @@ class CoatiMakerHolder(_MakerShell):
         pushing to the trainers; returns the maker's status. Ends early when the trainers end their fit."""
         batches, count = dataloader_batches(dataloader_fn, num_epochs, num_steps)
         pad = self.pad_token_id if self.pad_token_id is not None else self.core.tokenizer.pad_token_id
-        self.core.prompts = DataloaderPrompts(batches, pad, self._fit_length)
+        self.core.set_prompts(DataloaderPrompts(batches, pad, self._fit_length))
         self.callbacks.on_loop_start()
         status = self.run(count)
         self.callbacks.on_loop_end()
@@ -165,5 +170,5 @@ class CoatiMakerHolder(_MakerShell):
 
 #: The Ray actor class; `.remote()` refuses at once a request the cluster can never place.
 ExperienceMakerHolder = PlacementCheckedActorClass(
-    ray.remote(concurrency_groups={"experience_io": 1, "model_io": 1, "compute": 1})(CoatiMakerHolder),
+    ray.remote(concurrency_groups=MAKER_GROUPS)(CoatiMakerHolder),
     "coati maker")
