@@ -60,7 +60,8 @@ def unacknowledged(push: dict[str, Any]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of training (default 180)")
-    parser.add_argument("--kill-every", type=float, default=20.0, help="mean seconds between kills (default 20)")
+    parser.add_argument("--kill-every", type=float, default=20.0,
+                        help="mean seconds between kills (default 20)")
     parser.add_argument("--makers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "chaos.json"))
@@ -81,7 +82,8 @@ def main() -> None:
     names = [f"chaos_maker_{i}" for i in range(args.makers)]
     makers = {
         name: ExperienceMakerHolder.options(name=name, max_restarts=-1).remote(
-            name, ["chaos_trainer"], maker_factory(config), config.prompts(i, args.makers), config.maker_config, "chaos",
+            name, ["chaos_trainer"], maker_factory(config), config.prompts(i, args.makers),
+            config.maker_config, "chaos",
             state_path=str(state_dir / name))
         for i, name in enumerate(names)
     }
@@ -113,9 +115,11 @@ def main() -> None:
                 os.kill(status["pid"], signal.SIGKILL)
                 if status.get("push"):
                     last_seen[(victim, status["pid"])] = status
-                killed.append({"maker": victim, "pid": status["pid"], "at_s": round(time.monotonic() - start, 1),
+                killed.append({"maker": victim, "pid": status["pid"],
+                               "at_s": round(time.monotonic() - start, 1),
                                "unacknowledged": unacknowledged(status["push"]) if status.get("push") else 0})
-                print(f"[{time.monotonic() - start:6.1f} s] killed {victim} (pid {status['pid']}) at step {version}",
+                print(f"[{time.monotonic() - start:6.1f} s] killed {victim} (pid {status['pid']}) at "
+                      f"step {version}",
                       flush=True)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass  # still restarting from the previous kill: try the next time
@@ -139,7 +143,8 @@ def main() -> None:
 
     pushes = [s["push"] for s in last_seen.values()]
     produced = sum(p["samples_pushed"] for p in pushes)
-    maker_dropped = {reason: sum(p["dropped"].get(reason, 0) for p in pushes) for reason in ("rejected", "failed",
+    maker_dropped = {reason: sum(p["dropped"].get(reason, 0) for p in pushes)
+                     for reason in ("rejected", "failed",
                                                                                             "stopped")}
     in_flight_at_kill = sum(k["unacknowledged"] for k in killed)
     expected_without_kills = produced - sum(maker_dropped.values()) - in_flight_at_kill
@@ -154,7 +159,8 @@ def main() -> None:
         "steps_completed": trainer_status["policy_version"], "kills": len(killed), "restarts": restarts,
         "samples": {
             "produced": produced, "received_by_trainer": buffer["received"], "trained": buffer["sampled"],
-            "in_buffer": buffer["size"], "dropped_at_trainer": buffer["dropped"], "dropped_at_makers": maker_dropped,
+            "in_buffer": buffer["size"], "dropped_at_trainer": buffer["dropped"],
+            "dropped_at_makers": maker_dropped,
             "duplicates_refused": buffer["duplicates"],
             "in_flight_at_kill": in_flight_at_kill, "in_flight_arrived": in_flight_at_kill - lost_mid_push,
             "lost_with_reason_maker_killed_mid_push": lost_mid_push,
@@ -170,7 +176,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(report, indent=2))
     samples = report["samples"]
     rows = [
-        ("steps completed", report["steps_completed"]), ("makers killed / restarted", f"{len(killed)} / {restarts}"),
+        ("steps completed", report["steps_completed"]),
+        ("makers killed / restarted", f"{len(killed)} / {restarts}"),
         ("samples produced", produced), ("received by the trainer", samples["received_by_trainer"]),
         ("trained", samples["trained"]), ("in the buffer at the end", samples["in_buffer"]),
         ("dropped at the trainer", ", ".join(f"{k} {v}" for k, v in buffer["dropped"].items())),
@@ -180,7 +187,8 @@ def main() -> None:
          f"{samples['in_flight_arrived']} / {lost_mid_push}"),
         ("lost without a reason (goal 0)", lost_unexplained), ("double counted (goal 0)", double_counted),
         ("trainer accounting identity holds", buffer["accounting_ok"]),
-        ("longest training stall", f"{report['longest_stall_s']} s (median step {report['median_step_s']} s)"),
+        ("longest training stall",
+         f"{report['longest_stall_s']} s (median step {report['median_step_s']} s)"),
     ]
     width = max(len(label) for label, _ in rows)
     print(f"\nchaos run: {args.duration:.0f} s, {args.makers} makers, a kill every ~{args.kill_every:.0f} s, "

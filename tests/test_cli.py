@@ -13,10 +13,12 @@ from .helpers import lane_device
 
 
 def test_version_and_help():
-    out = subprocess.run([sys.executable, "-m", "detached_rl.cli.main", "--version"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "detached_rl.cli.main", "--version"], capture_output=True,
+                         text=True,
                          check=True)
     assert out.stdout.strip() == f"detached-rl {detached_rl.__version__}"
-    out = subprocess.run([sys.executable, "-m", "detached_rl.cli.main", "check", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "detached_rl.cli.main", "check", "--help"],
+                         capture_output=True, text=True,
                          check=True)
     assert "--model" in out.stdout
 
@@ -54,7 +56,8 @@ def test_every_command_has_help_and_a_scorers_command_without_groups_is_refused(
         (["run", "--makers", "0"], "argument --makers: must be >= 1"),
         (["trainer", "--name", "t", "--update-steps", "0"], "argument --update-steps: must be >= 1"),
         (["trainer", "--name", "t", "--checkpoint-every", "-1"], "argument --checkpoint-every: must be >= 0"),
-        (["trainer", "--name", "t", "--num-gpus-per-rank", "inf"], "argument --num-gpus-per-rank: expected a finite"),
+        (["trainer", "--name", "t", "--num-gpus-per-rank", "inf"],
+         "argument --num-gpus-per-rank: expected a finite"),
         (["maker", "--name", "m", "--trainers", "t", "--batches", "0"], "argument --batches: must be >= 1"),
         (["inspect", "t", "--last", "-1"], "argument --last: must be >= 0"),
         (["inspect", "t", "--min-reward", "nan"], "argument --min-reward: expected a finite number"),
@@ -64,7 +67,8 @@ def test_every_command_has_help_and_a_scorers_command_without_groups_is_refused(
         (["run", "--steps", "99999999999999999999999"], "argument --steps: must be <= 1000000000"),
         (["trainer", "--name", "t", "--steps", "10000000000"], "argument --steps: must be <= 1000000000"),
         (["check", "--seed", "5000000000"], "argument --seed: must be <= 1000000000"),
-        (["ppo-on-ray", "--prompt_csv", "p.csv", "--num_episodes", "1" + "0" * 30], "argument --num_episodes/--num-episodes: must be <="),
+        (["ppo-on-ray", "--prompt_csv", "p.csv", "--num_episodes", "1" + "0" * 30],
+         "argument --num_episodes/--num-episodes: must be <="),
     ],
 )
 def test_bad_numbers_are_refused_while_parsing_in_one_line(capsys, nothing_starts, args, message):
@@ -78,7 +82,8 @@ def test_bad_numbers_are_refused_while_parsing_in_one_line(capsys, nothing_start
 def test_non_finite_config_values_are_refused_naming_the_key():
     from detached_rl.config import ConfigError, load_config
 
-    for text in ("trainer.batch_timeout_s=inf", "trainer.weight_push_timeout_s=nan", "sampling.temperature=-inf"):
+    for text in ("trainer.batch_timeout_s=inf", "trainer.weight_push_timeout_s=nan",
+                 "sampling.temperature=-inf"):
         with pytest.raises(ConfigError, match=text.split("=")[0] + ": expected a finite number"):
             load_config(None, [text])
 
@@ -86,7 +91,8 @@ def test_non_finite_config_values_are_refused_naming_the_key():
 def test_run_refuses_an_unknown_model_before_starting_anything(capsys, tmp_path):
     assert main(["run", "--model", "no-such-model", "--output", str(tmp_path)]) == 2
     line = capsys.readouterr().err.strip()
-    assert line.startswith("detached-rl: error: model.policy: 'no-such-model' is neither") and "\n" not in line
+    assert line.startswith("detached-rl: error: model.policy: "
+                           "'no-such-model' is neither") and "\n" not in line
     assert main(["run", "--model", str(tmp_path), "--output", str(tmp_path)]) == 2
     assert "without config.json" in capsys.readouterr().err
     assert not list(tmp_path.glob("*/"))  # no run directory was made
@@ -96,7 +102,8 @@ def test_status_shows_makers_behind_and_the_version_a_maker_swaps_in_next():
     from detached_rl.cli.jobs import format_status
 
     table = format_status([
-        {"name": "t", "role": "trainer", "state": "training", "policy_version": 9, "steps": 9, "buffer_size": 3,
+        {"name": "t", "role": "trainer", "state": "training", "policy_version": 9, "steps": 9,
+         "buffer_size": 3,
          "buffer_max_samples": 64, "makers_behind": {"m1": 5}},
         {"name": "m1", "role": "maker", "state": "running", "policy_version": 4, "batches": 7,
          "weight_updates": {"pending_version": 9}},
@@ -106,7 +113,8 @@ def test_status_shows_makers_behind_and_the_version_a_maker_swaps_in_next():
 
 @pytest.fixture
 def nothing_starts(monkeypatch) -> list[str]:
-    """Make starting a run, joining a cluster or starting an embedded Ray record it and fail; returns the record."""
+    """Make starting a run, joining a cluster or starting an embedded Ray record it
+    and fail; returns the record."""
     from detached_rl.cli import jobs, run
 
     started: list[str] = []
@@ -137,14 +145,17 @@ def one_error_line(capsys) -> str:
         (["run", "--set", "run.steps=99999999999999999999999"], "run.steps: must be <= 1000000000"),
         (["run", "--set", "model.lora.r=-1"], "model.lora.r: must be >= 1, got -1"),
         (["run", "--set", "maker.seed=-5"], "maker.seed: must be >= 0, got -5"),
-        (["run", "--set", "trainer.buffer_max_bytes=1152921504606846976"], "trainer.buffer_max_bytes: must be <="),
-        (["trainer", "--name", "t", "--set", "trainer.metrics_history=-1"], "trainer.metrics_history: must be >= 0"),
+        (["run", "--set", "trainer.buffer_max_bytes=1152921504606846976"],
+         "trainer.buffer_max_bytes: must be <="),
+        (["trainer", "--name", "t", "--set", "trainer.metrics_history=-1"],
+         "trainer.metrics_history: must be >= 0"),
         (["trainer", "--name", "t", "--set", "trainer.max_reuse=0"], "trainer.max_reuse: must be >= 1"),
         (["maker", "--name", "m", "--trainers", "t", "--set", "grpo.actor_optimizer.total_steps=-3"],
          "grpo.actor_optimizer.total_steps: must be >= 1"),
     ],
 )
-def test_out_of_range_config_integers_are_refused_before_anything_starts(capsys, tmp_path, nothing_starts, args,
+def test_out_of_range_config_integers_are_refused_before_anything_starts(capsys, tmp_path, nothing_starts,
+                                                                         args,
                                                                          message):
     assert main([*args, *(["--output", str(tmp_path / "runs")] if args[0] == "run" else [])]) == 2
     line = one_error_line(capsys)
@@ -159,14 +170,15 @@ def test_restarting_for_ever_is_a_valid_config_integer():
     check_config_integers(load_config(None, ["maker.max_restarts=-1", "trainer.buffer_max_bytes=8589934592"]))
 
 
-@pytest.mark.parametrize("command", [["run"], ["trainer", "--name", "t"], ["maker", "--name", "m", "--trainers", "t"]])
+@pytest.mark.parametrize("command",
+                         [["run"], ["trainer", "--name", "t"], ["maker", "--name", "m", "--trainers", "t"]])
 def test_an_unknown_tiny_model_is_refused_before_anything_starts(capsys, tmp_path, nothing_starts, command):
     extra = ["--model", "tiny-bogus", "--output", str(tmp_path / "runs")] if command == ["run"] else [
         "--set", "model.policy=tiny-bogus"]
     assert main([*command, *extra]) == 2
     line = one_error_line(capsys)
-    assert line == ("detached-rl: error: model.policy: 'tiny-bogus': 'bogus' is not a causal-LM model_type of "
-                    "transformers (e.g. tiny-llama, tiny-qwen2, tiny-gpt2)"), line
+    assert line == ("detached-rl: error: model.policy: 'tiny-bogus': 'bogus' is not a causal-LM "
+                    "model_type of transformers (e.g. tiny-llama, tiny-qwen2, tiny-gpt2)"), line
     assert nothing_starts == [] and not (tmp_path / "runs").exists()
 
 
@@ -198,7 +210,8 @@ def test_resume_from_must_hold_a_checkpoint_of_every_rank(capsys, tmp_path, noth
     assert main(["trainer", "--name", "t", "--resume-from", str(tmp_path), "--world-size", "2",
                  "--strategy", "ddp"]) == 2
     assert "(no rank_1 checkpoint in it" in one_error_line(capsys) and nothing_starts == []
-    assert main(["trainer", "--name", "t", "--resume-from", str(tmp_path)]) == 2  # one rank: on to the cluster
+    # one rank: on to the cluster
+    assert main(["trainer", "--name", "t", "--resume-from", str(tmp_path)]) == 2
     assert nothing_starts == ["connect"]
 
 
@@ -214,15 +227,15 @@ def test_a_config_that_is_a_directory_or_binary_is_refused_naming_it(capsys, tmp
         with pytest.raises(SystemExit) as exit_info:
             main([*command, "--config", str(binary)])
         assert exit_info.value.code == 2
-        assert f"argument --config: config file {str(binary)!r} is not UTF-8 text (byte 0x80 at offset 0)" in \
-            one_error_line(capsys)
+        expected = f"argument --config: config file {str(binary)!r} is not UTF-8 text (byte 0x80 at offset 0)"
+        assert expected in one_error_line(capsys)
     assert nothing_starts == [] and not (tmp_path / "runs").exists()
 
 
 def test_maker_without_trainer_names_is_refused_before_joining(capsys, nothing_starts):
     assert main(["maker", "--name", "m", "--trainers", " , "]) == 2
-    assert one_error_line(capsys) == ("detached-rl: error: --trainers ' , ': no trainer names (comma-separated, "
-                                      "e.g. trainer_0,trainer_1)")
+    assert one_error_line(capsys) == ("detached-rl: error: --trainers ' , ': no trainer names "
+                                      "(comma-separated, e.g. trainer_0,trainer_1)")
     assert nothing_starts == []
 
 
@@ -232,10 +245,12 @@ def test_an_actor_that_failed_to_start_is_reported_with_its_constructor_error():
     class CreationFailed(Exception):
         actor_init_failed = True
 
-    error = CreationFailed("The actor died because of an error raised in its creation task, \x1b[36mray::M.__init__()"
-                           "\x1b[39m (pid=1)\n  File \"x.py\", line 6, in __init__\nValueError: unknown model_type 'x'")
+    error = CreationFailed("The actor died because of an error raised in its creation task, "
+                           "\x1b[36mray::M.__init__()\x1b[39m (pid=1)\n  File \"x.py\", line 6, in "
+                           "__init__\nValueError: unknown model_type 'x'")
     assert actor_death_reason(error) == "its constructor raised ValueError: unknown model_type 'x'"
-    assert actor_death_reason(RuntimeError("The actor died unexpectedly.\nmore")) == "The actor died unexpectedly."
+    died = "The actor died unexpectedly."
+    assert actor_death_reason(RuntimeError(f"{died}\nmore")) == died
 
 
 def test_cli_and_config_modules_hold_one_job_each_in_at_most_450_lines():
@@ -250,4 +265,5 @@ def test_cli_and_config_modules_hold_one_job_each_in_at_most_450_lines():
     from detached_rl.cli import jobs, run  # the split modules' public names stay where callers import them
 
     assert {"connect", "init_local_ray", "status_of", "export", "start_trainer", "stop"} <= set(dir(jobs))
-    assert {"run_job", "run_config", "JobRunner", "RunError", "run_gpus", "DEFAULT_RUN_CONFIG"} <= set(dir(run))
+    assert {"run_job", "run_config", "JobRunner", "RunError", "run_gpus",
+            "DEFAULT_RUN_CONFIG"} <= set(dir(run))

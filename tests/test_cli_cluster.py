@@ -69,7 +69,8 @@ def cluster():
 
 
 def cli(cluster, *args, timeout=COMMAND_TIMEOUT_S, check=True):
-    result = subprocess.run([str(BIN / "detached-rl"), *args], env=cluster["env"], capture_output=True, text=True,
+    result = subprocess.run([str(BIN / "detached-rl"), *args], env=cluster["env"], capture_output=True,
+                            text=True,
                             timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"detached-rl {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
@@ -82,11 +83,13 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
     address = ["--address", cluster["address"]]
     # The maker starts first: it waits for its trainer by name.
     gpus = set_flags(gpu_overrides())  # GPU shares with --device cuda
-    out = cli(cluster, "maker", "--config", str(config), "--name", "maker_0", "--trainers", "trainer_0", *address,
+    out = cli(cluster, "maker", "--config", str(config), "--name", "maker_0", "--trainers", "trainer_0",
+              *address,
               *gpus)
     assert "maker 'maker_0' started" in out.stdout
     assert "no trainer named 'trainer_0' is running in namespace 'cli_test' yet" in out.stderr
-    out = cli(cluster, "trainer", "--config", str(config), "--name", "trainer_0", "--steps", "100000", *address,
+    out = cli(cluster, "trainer", "--config", str(config), "--name", "trainer_0", "--steps", "100000",
+              *address,
               *gpus)
     assert "trainer 'trainer_0' started" in out.stdout
 
@@ -107,12 +110,14 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
     exported = tmp_path / "buffer.jsonl"
     cli(cluster, "export", "trainer_0", str(exported), *address, "--namespace", "cli_test")
     rows = [json.loads(line) for line in exported.read_text().splitlines()]
-    assert rows and {"prompt_ids", "response_ids", "log_probs", "policy_version", "response_text"} <= set(rows[0])
+    assert rows and {"prompt_ids", "response_ids", "log_probs", "policy_version",
+                     "response_text"} <= set(rows[0])
 
     # Inspection answers while the trainer's compute group runs a long call: another driver ends the
     # background training (`start_fit` runs it in a thread of its own) and calls `fit` itself, then exits at
     # once: the call goes on in the detached actor. Its maker was stopped with the first fit, so this one
-    # trains on what is buffered and then waits for a batch (trainer.batch_timeout_s = 120 s), all in `compute`.
+    # trains on what is buffered and then waits for a batch (trainer.batch_timeout_s =
+    # 120 s), all in `compute`.
     refit = ("import ray, time; ray.init(address='{address}', namespace='cli_test', log_to_driver=False); "
              "trainer = ray.get_actor('trainer_0'); ray.get(trainer.stop.remote(), timeout=60); "
              "deadline = time.monotonic() + 60\n"
@@ -143,18 +148,22 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
     assert "no detached-rl actors" in cli(cluster, "status", *address, "--namespace", "cli_test").stdout
 
 
-PLACEMENT_GROUPS = ("import json, ray; ray.init(address='{address}', namespace='cli_test', log_to_driver=False); "
-                    "print(json.dumps({{t['name']: t['state'] for t in ray.util.placement_group_table().values()}}))")
+PLACEMENT_GROUPS = ("import json, ray; ray.init(address='{address}', namespace='cli_test', "
+                    "log_to_driver=False); print(json.dumps({{t['name']: t['state'] for t in "
+                    "ray.util.placement_group_table().values()}}))")
 
 
-def test_a_two_rank_ddp_trainer_group_from_the_cli_trains_and_stops_with_its_placement_group(cluster, tmp_path):
+def test_a_two_rank_ddp_trainer_group_from_the_cli_trains_and_stops_with_its_placement_group(
+        cluster, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(CONFIG)
     address = ["--address", cluster["address"]]
-    out = cli(cluster, "trainer", "--config", str(config), "--name", "grp", "--world-size", "2", "--strategy", "ddp",
+    out = cli(cluster, "trainer", "--config", str(config), "--name", "grp", "--world-size", "2", "--strategy",
+              "ddp",
               "--steps", "2", *address)
     assert "ranks grp_0, grp_1 (ddp, PACK" in out.stdout
-    cli(cluster, "maker", "--config", str(config), "--name", "grp_maker", "--trainers", "grp_0,grp_1", *address)
+    cli(cluster, "maker", "--config", str(config), "--name", "grp_maker", "--trainers", "grp_0,grp_1",
+        *address)
     deadline = time.monotonic() + 150
     while True:
         rows = {r["name"]: r for r in json.loads(cli(cluster, "status", "--json", *address,
@@ -184,7 +193,8 @@ def test_a_two_rank_ddp_trainer_group_from_the_cli_trains_and_stops_with_its_pla
         (["inspect", "nobody"], "no actor named 'nobody'"),
         (["trainer", "--name", "t", "--set", "trainer.train_batch_size=oops"], "trainer.train_batch_size"),
         (["maker", "--name", "m", "--trainers", "t", "--set", "maker.bogus=1"], "maker.bogus: unknown key"),
-        (["trainer", "--name", "t", "--world-size", "2"], "trainer_group.world_size: must be 1 with strategy 'naive'"),
+        (["trainer", "--name", "t", "--world-size", "2"],
+         "trainer_group.world_size: must be 1 with strategy 'naive'"),
         (["trainer", "--name", "z", "--world-size", "2", "--strategy", "colossalai_zero2", "--set",
           "model.policy=tiny"], "strategy 'colossalai_zero2' needs CUDA GPUs"),
         (["status", "--address", "127.0.0.1:1"], "cannot reach a Ray cluster at 127.0.0.1:1"),
@@ -225,11 +235,14 @@ def test_a_trainer_job_killed_and_resumed_from_its_checkpoint_trains_on_with_the
     gpus = set_flags(gpu_overrides())
     trainer_job = ["trainer", "--config", str(config), "--name", "resumed", "--checkpoint-every", "2",
                    "--checkpoint-dir", checkpoints, *address, *gpus]
-    cli(cluster, "maker", "--config", str(config), "--name", "feeder", "--trainers", "resumed", *address, *gpus)
+    cli(cluster, "maker", "--config", str(config), "--name", "feeder", "--trainers", "resumed", *address,
+        *gpus)
     cli(cluster, *trainer_job, "--steps", "100000")
-    rows = _wait_rows(cluster, lambda r: r.get("resumed", {}).get("policy_version", 0) >= 4, "4 training steps")
+    rows = _wait_rows(cluster, lambda r: r.get("resumed", {}).get("policy_version", 0) >= 4,
+                      "4 training steps")
     os.kill(rows["resumed"]["pid"], signal.SIGKILL)  # the trainer's worker process, of this test's cluster
-    _wait_rows(cluster, lambda r: r.get("resumed", {}).get("state") == "dead", "the trainer to be reported dead")
+    _wait_rows(cluster, lambda r: r.get("resumed", {}).get("state") == "dead",
+               "the trainer to be reported dead")
 
     # The same job again, resumed; the maker job that fed the first one is still running and attached.
     resumed_at = load_state(Path(checkpoints) / "rank_0")["policy_version"]

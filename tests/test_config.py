@@ -18,7 +18,8 @@ from detached_rl.config import (
 def test_defaults_work_and_sampling_is_shared():
     config = load_config()
     assert isinstance(config, RunConfig) and config.namespace == "detached_rl"
-    # One sampling, at the top: the launch code hands it to the makers (maker_config) and the trainer's learner.
+    # One sampling, at the top: the launch code hands it to the makers (maker_config)
+    # and the trainer's learner.
     assert config.maker_config.sampling is config.sampling
     assert config.maker.sampling is None and config.ppo.sampling is None and config.grpo.sampling is None
 
@@ -26,7 +27,8 @@ def test_defaults_work_and_sampling_is_shared():
 def test_yaml_file_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("namespace: exp1\nsampling: {max_new_tokens: 12, temperature: 0.7}\n"
-                    "trainer: {train_batch_size: 16}\nppo: {actor_optimizer: {lr: 1e-6, betas: [0.9, 0.95]}}\n")
+                    "trainer: {train_batch_size: 16}\nppo: {actor_optimizer: {lr: 1e-6, betas: "
+                    "[0.9, 0.95]}}\n")
     config = load_config(path, ["trainer.train_batch_size=32", "model.lora={r: 4, target_modules: [q_proj]}",
                                 "ppo.kl_coef=0.05"])
     assert config.namespace == "exp1" and config.trainer.train_batch_size == 32
@@ -67,9 +69,11 @@ def test_yaml_file_and_overrides(tmp_path):
         (["noequals"], "expected key.path=value"),
         (["trainer_group.strategy=zero9"], "trainer_group.strategy: must be one of"),
         (["trainer_group.world_size=2"], "trainer_group.world_size: must be 1 with strategy 'naive'"),
-        (["trainer_group.strategy=ddp", "trainer_group.world_size=0"], "trainer_group.world_size: must be an int >= 1"),
+        (["trainer_group.strategy=ddp", "trainer_group.world_size=0"],
+         "trainer_group.world_size: must be an int >= 1"),
         (["trainer_group.placement_strategy=RANDOM"], "trainer_group.placement_strategy: must be one of"),
-        (["trainer_group.num_cpus_per_rank=0"], "trainer_group.num_cpus_per_rank: must be > 0 when num_gpus_per_rank is 0"),
+        (["trainer_group.num_cpus_per_rank=0"],
+         "trainer_group.num_cpus_per_rank: must be > 0 when num_gpus_per_rank is 0"),
     ],
 )
 def test_bad_values_are_refused_with_the_dotted_key(overrides, message):
@@ -137,7 +141,8 @@ def test_the_run_sampling_reaches_the_trainers_learner():
 
 
 def _config_imports(path) -> set[str]:
-    """The `detached_rl.config` modules a file imports anywhere, `if TYPE_CHECKING:` blocks and functions included."""
+    """The `detached_rl.config` modules a file imports anywhere, `if TYPE_CHECKING:`
+    blocks and functions included."""
     import ast
 
     found = set()
@@ -160,7 +165,8 @@ def test_the_config_package_has_no_import_cycle_not_even_for_type_hints():
     assert "detached_rl.config.schema" in graph["detached_rl.config.factories"]
 
     def reaches(start: str, target: str, seen: frozenset = frozenset()) -> bool:
-        return any(n == target or n not in seen and reaches(n, target, seen | {n}) for n in graph.get(start, ()))
+        return any(n == target or n not in seen and reaches(n, target, seen | {n})
+                   for n in graph.get(start, ()))
 
     assert [module for module in graph if reaches(module, module)] == []
 

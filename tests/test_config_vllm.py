@@ -1,4 +1,5 @@
-"""The `maker.vllm` section: validation naming the field, YAML, overrides, the CLI flag, the engine's environment.
+"""The `maker.vllm` section: validation naming the field, YAML, overrides, the CLI flag, the engine's
+environment.
 
 None of this needs vLLM installed: the section and the backend's factory import it only to build an engine.
 """
@@ -39,7 +40,8 @@ def test_bad_values_are_refused_naming_the_field(field, value, message):
 def test_defaults_and_backend_kwargs():
     config = VLLMConfig()
     assert (config.dtype, config.kv_cache_gb, config.lora_versions_kept) == ("bfloat16", 1, None)
-    assert config.backend_kwargs()["lora_versions_kept"] == 2  # no run: the servable version and the one before
+    # no run: the servable version and the one before
+    assert config.backend_kwargs()["lora_versions_kept"] == 2
     assert VLLMConfig(lora_versions_kept=5).backend_kwargs()["lora_versions_kept"] == 5
 
 
@@ -81,7 +83,8 @@ def test_lora_versions_kept_follows_the_runs_max_staleness():
 
 
 def test_run_and_maker_commands_take_backend_and_vllm_overrides():
-    args = build_parser().parse_args(["run", "--backend", "vllm", "--model", "tiny", "--set", "maker.vllm.kv_cache_gb=2"])
+    args = build_parser().parse_args(["run", "--backend", "vllm", "--model", "tiny", "--set",
+                                      "maker.vllm.kv_cache_gb=2"])
     config = _run_config(args)
     assert config.maker.backend == "vllm" and config.maker.vllm.kv_cache_gb == 2
     # run.yaml's trainer.max_staleness 1 reaches the makers as the adapter versions a vLLM engine keeps.
@@ -110,7 +113,8 @@ def test_engine_environment_is_set_only_where_unset(monkeypatch):
 
 
 def test_head_size_of_the_tiny_models():
-    assert model_head_size(tiny_causal_lm("llama")[0]) == 16  # the default tiny llama: too small for vLLM on CPU
+    # the default tiny llama: too small for vLLM on CPU
+    assert model_head_size(tiny_causal_lm("llama")[0]) == 16
     assert model_head_size(tiny_causal_lm("llama", hidden_size=128, intermediate_size=256)[0]) == 32
 
 
@@ -120,7 +124,8 @@ def test_run_with_vllm_where_it_is_not_installed_says_how_to_install(monkeypatch
     monkeypatch.setitem(sys.modules, "vllm", None)  # `vllm` found nowhere, as where it is not installed
     assert main(["run", "--backend", "vllm", "--model", "tiny", "--no-progress"]) == 2  # before Ray starts
     error = capsys.readouterr().err
-    assert "maker.backend 'vllm' needs the vllm package" in error and "pip install 'detached-rl[vllm]'" in error
+    assert "maker.backend 'vllm' needs the vllm package" in error
+    assert "pip install 'detached-rl[vllm]'" in error
 
 
 def test_auto_backend_falls_back_to_hf_where_vllm_cannot_serve_the_policy():
@@ -148,7 +153,8 @@ def test_work_directories_of_gone_processes_are_removed(tmp_path):
 
     from detached_rl.generation.vllm import WORKDIR_PREFIX, remove_orphaned_workdirs
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True,
                           check=True)
     dead = tmp_path / f"{WORKDIR_PREFIX}{int(gone.stdout)}-abc"
     mine = tmp_path / f"{WORKDIR_PREFIX}{os.getpid()}-def"

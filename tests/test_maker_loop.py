@@ -1,5 +1,6 @@
 """MakerLoop without Ray: a real ExperiencePusher whose in-process `submit` returns futures, and either a real
-ExperienceMaker on a tiny model or, where only the loop's decisions are under test, a maker that counts batches."""
+ExperienceMaker on a tiny model or, where only the loop's decisions are under test, a
+maker that counts batches."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def executor():
 
 
 class CountingMaker:
-    """What the loop uses of an ExperienceMaker (config, version, synced, batches, state, last_error), no model."""
+    """What the loop uses of an ExperienceMaker (config, version, synced, batches,
+    state, last_error), no model."""
 
     def __init__(self, config: MakerConfig, version: int = 0, fail_at: int | None = None) -> None:
         self.config = config
@@ -72,9 +74,11 @@ class CountingMaker:
 
 
 class StandInTrainer:
-    """A trainer's receiving side: a real ReplayBuffer judged at `version`; acks carry `oldest_useful` (None: none)."""
+    """A trainer's receiving side: a real ReplayBuffer judged at `version`; acks carry
+    `oldest_useful` (None: none)."""
 
-    def __init__(self, version: int = 0, max_staleness: int | None = None, oldest_useful: int | None = None) -> None:
+    def __init__(self, version: int = 0, max_staleness: int | None = None,
+                 oldest_useful: int | None = None) -> None:
         self.buffer = ReplayBuffer(max_staleness=max_staleness)
         self.version = version
         self.oldest_useful = oldest_useful
@@ -125,7 +129,8 @@ def wait_until(condition, what: str) -> None:
 
 def real_pair(**maker_config) -> tuple[ExperienceMaker, TrainerCore, ObjectStore]:
     config = MakerConfig(**{"experience_batch_size": 4, "sampling": SAMPLING, **maker_config})
-    maker = ExperienceMaker("maker_0", tiny_maker_models(seed=7), CyclingPrompts(arithmetic_prompts()), config,
+    maker = ExperienceMaker("maker_0", tiny_maker_models(seed=7), CyclingPrompts(arithmetic_prompts()),
+                            config,
                             strategy=naive_strategy())
     actor, critic = tiny_actor_critic(seed=0)
     learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01))
@@ -178,7 +183,8 @@ def test_take_offered_applies_only_an_update_worth_taking():
 
 def offered(version: int, run: str | None = "run-a"):
     metadata = {} if run is None else {"trainer_run": run}
-    return build_weight_update({"actor": {"w": torch.zeros(2)}}, version, ObjectStore().put, metadata=metadata)[0]
+    return build_weight_update({"actor": {"w": torch.zeros(2)}}, version, ObjectStore().put,
+                               metadata=metadata)[0]
 
 
 def test_update_to_apply_takes_the_newest_newer_update_or_one_of_another_trainer_run():
@@ -214,7 +220,8 @@ def test_a_run_without_num_batches_ends_at_once_when_the_trainers_finished(execu
     stop = threading.Event()
     loop = MakerLoop(maker, stop)
     connected = []
-    made = loop.run(pusher_to(executor, StandInTrainer().push, maker.config, stop), connect=lambda: connected.append(1),
+    made = loop.run(pusher_to(executor, StandInTrainer().push, maker.config, stop),
+                    connect=lambda: connected.append(1),
                     trainers_finished=lambda: True)
     assert made == 0 and maker.batches == 0 and stop.is_set() and connected == [1]
     # With a number of batches asked for, finished trainers do not end the run.
@@ -222,8 +229,8 @@ def test_a_run_without_num_batches_ends_at_once_when_the_trainers_finished(execu
                     trainers_finished=lambda: True) == 2
 
 
-# In these three, `wait_for_ack` makes each push acknowledged before the loop reads the trainer's bound (without
-# it, the bound comes from the latest acknowledgement received, one batch later).
+# In these three, `wait_for_ack` makes each push acknowledged before the loop reads the trainer's bound
+# (without it, the bound comes from the latest acknowledgement received, one batch later).
 
 
 def test_it_waits_for_fresh_weights_when_the_trainer_needs_newer_samples(executor):
@@ -277,7 +284,8 @@ def test_wait_for_version_returns_early_on_stop():
 
 @pytest.mark.parametrize("wait_for_ack", [True, False])
 def test_wait_for_ack_holds_the_next_batch_until_the_push_is_acknowledged(wait_for_ack):
-    maker = CountingMaker(MakerConfig(experience_batch_size=2, max_pushes_in_flight=2, wait_for_ack=wait_for_ack))
+    maker = CountingMaker(MakerConfig(experience_batch_size=2, max_pushes_in_flight=2,
+                                      wait_for_ack=wait_for_ack))
     buffer = ReplayBuffer()
     pending: list[tuple[Future, list]] = []
 
@@ -341,7 +349,8 @@ def test_a_connect_failure_is_recorded_too(executor):
         raise TimeoutError("no actor named 'trainer_0'")
 
     with pytest.raises(TimeoutError):
-        MakerLoop(maker, stop).run(pusher_to(executor, StandInTrainer().push, maker.config, stop), connect=connect)
+        MakerLoop(maker, stop).run(pusher_to(executor, StandInTrainer().push, maker.config, stop),
+                                   connect=connect)
     assert maker.last_error == "TimeoutError: no actor named 'trainer_0'" and maker.batches == 0
 
 
@@ -382,7 +391,8 @@ def test_it_waits_while_not_synced_and_a_stop_ends_that_wait(executor):
     maker = CountingMaker(MakerConfig(experience_batch_size=2), version=-1)
     stop = threading.Event()
     trainer = StandInTrainer()
-    thread, outcome = run_in_thread(MakerLoop(maker, stop), pusher_to(executor, trainer.push, maker.config, stop),
+    thread, outcome = run_in_thread(MakerLoop(maker, stop),
+                                    pusher_to(executor, trainer.push, maker.config, stop),
                                     num_batches=1)
     time.sleep(0.3)
     assert thread.is_alive() and maker.batches == 0 and trainer.pushes == 0
@@ -395,4 +405,5 @@ def test_num_batches_must_not_be_negative(executor):
     maker = CountingMaker(MakerConfig())
     stop = threading.Event()
     with pytest.raises(ValueError, match="num_batches"):
-        MakerLoop(maker, stop).run(pusher_to(executor, StandInTrainer().push, maker.config, stop), num_batches=-1)
+        MakerLoop(maker, stop).run(pusher_to(executor, StandInTrainer().push, maker.config, stop),
+                                   num_batches=-1)

@@ -1,4 +1,5 @@
-"""`detached-rl run` with a trainer group: the ranks `trainer_group` asks for train, through the one launch path."""
+"""`detached-rl run` with a trainer group: the ranks `trainer_group` asks for train,
+through the one launch path."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ def finished_run(tmp_path_factory) -> tuple[Path, str, str]:
     marker = new_cluster_marker()
     output = tmp_path_factory.mktemp("runs")
     # With Ray's token auth on: the whole job (driver, GCS, raylet, every actor) runs on a token-auth cluster.
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "PYTHONPATH": str(ROOT),
            CLUSTER_MARKER: marker}
     command = [sys.executable, "-m", "detached_rl.cli.main", "run", "--model", "tiny", "--steps", str(STEPS),
                "--name", "tiny-test", "--output", str(output), "--namespace", "detached_rl_run_test",
@@ -109,7 +110,8 @@ def test_adapter_and_merged_model_load_and_agree(finished_run):
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-4, rtol=1e-4)
     config = json.loads((directory / "adapter" / "adapter_config.json").read_text())
-    assert config["r"] == 16 and set(config["target_modules"]) >= {"q_proj", "down_proj"}  # all-linear, as run.yaml says
+    # all-linear, as run.yaml says
+    assert config["r"] == 16 and set(config["target_modules"]) >= {"q_proj", "down_proj"}
 
 
 def test_leaves_no_process_behind(finished_run):

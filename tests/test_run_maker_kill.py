@@ -1,5 +1,5 @@
-"""`detached-rl run` survives a maker SIGKILL: Ray restarts the maker from inline constructor arguments, it re-attaches
-and takes the newest weights, and the run ends with its evaluation, summary and export."""
+"""`detached-rl run` survives a maker SIGKILL: Ray restarts the maker from inline constructor arguments, it
+re-attaches and takes the newest weights, and the run ends with its evaluation, summary and export."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ MAKER_PROCESS = "ray::ExperienceMakerHolder"  # the process title of a maker's w
 
 
 def test_every_maker_constructor_argument_travels_inline():
-    """Over Ray's inlining limit an argument lives in the object store, and a restarted maker dies reading it."""
+    """Over Ray's inlining limit an argument lives in the object store, and a
+    restarted maker dies reading it."""
     config = run_config(model="tiny", makers=2)
     arguments = maker_arguments(config, "m-0", ["t"], shard=(1, 2), state_path="/tmp/state")
     for name, value in arguments.items():
@@ -59,7 +60,8 @@ def test_run_survives_a_maker_killed_during_training(tmp_path):
                "--name", "kill-test", "--output", str(tmp_path), "--namespace", "detached_rl_run_kill_test",
                "--set", "task.eval_size=8", "--set", "sampling.max_new_tokens=8", "--set", "run.examples=0",
                "--set", "run.progress=false", *set_flags(gpu_overrides(run_command=True))]
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                           cwd=ROOT)
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(job.stdout), daemon=True)
     reader.start()
@@ -89,7 +91,8 @@ def test_run_survives_a_maker_killed_during_training(tmp_path):
     makers = {row["name"]: row for row in summary["makers"]}
     # The killed maker came back (exactly one restarted), re-attached and took the newest weights; none died.
     assert sorted(row["restarted"] for row in makers.values()) == [False, True], makers
-    assert all(row["state"] == "stopped" and row["policy_version"] == STEPS for row in makers.values()), makers
+    assert all(row["state"] == "stopped" and row["policy_version"] == STEPS
+               for row in makers.values()), makers
     evaluation = json.loads((directory / "eval.json").read_text())
     assert {r["policy_version"] for r in evaluation["after"]} == {STEPS}
     assert (directory / "adapter" / "adapter_config.json").is_file()

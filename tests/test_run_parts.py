@@ -1,4 +1,5 @@
-"""The pieces of `detached-rl run` that need no Ray: task, reward, config, recorder, plot, export, evaluation."""
+"""The pieces of `detached-rl run` that need no Ray: task, reward, config,
+recorder, plot, export, evaluation."""
 
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ def test_run_defaults_load_and_flags_override():
     assert config.algorithm == "grpo" and config.model.policy == "smollm2"
     assert config.trainer.weight_sync == "lora" and config.task.name == "word_problems"
     assert config.run.makers == 2 and config.model.lora.target_modules == ("all-linear",)
-    config = run_config(steps=3, makers=1, model="tiny", task="addition", name="x1", overrides=["grpo.kl_coef=0"])
+    config = run_config(steps=3, makers=1, model="tiny", task="addition", name="x1",
+                        overrides=["grpo.kl_coef=0"])
     assert (config.run.steps, config.run.makers, config.model.policy) == (3, 1, "tiny")
     assert (config.task.name, config.task.reward, config.run.name, config.grpo.kl_coef) == (
         "addition", "numeric_answer", "x1", 0.0)
@@ -170,7 +172,8 @@ def test_recorder_writes_jsonl_and_tensorboard(tmp_path):
 def test_plot_metrics_draws_a_png_even_with_missing_series(tmp_path):
     from PIL import Image
 
-    path = plot_metrics([{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.3}], tmp_path / "m.png")
+    path = plot_metrics([{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.3}],
+                        tmp_path / "m.png")
     with Image.open(path) as image:
         assert image.format == "PNG"
 
@@ -209,7 +212,8 @@ def test_the_plot_draws_kl_for_a_ppo_run(ppo_metrics_row, tmp_path):
 def test_evaluation_summary_and_side_by_side():
     before = [{"prompt": "q1", "response": "x", "correct": 0.0, "format": 0.0, "lenient": 1.0, "reward": 0.0,
                "response_length": 4}]
-    after = [{"prompt": "q1", "response": "1 + 1 = 2\nAnswer: 2", "correct": 1.0, "format": 1.0, "lenient": 1.0,
+    after = [{"prompt": "q1", "response": "1 + 1 = 2\nAnswer: 2", "correct": 1.0, "format": 1.0,
+              "lenient": 1.0,
               "reward": 1.2, "response_length": 8}]
     assert evaluation_summary(after) == {"accuracy": 1.0, "reward": 1.2, "response_length": 8.0, "count": 1.0,
                                          "format_rate": 1.0, "lenient_accuracy": 1.0}
@@ -281,7 +285,8 @@ def test_write_files_refuses_paths_outside_the_root(tmp_path):
 
 
 def test_a_run_config_file_round_trips_for_separate_jobs(tmp_path):
-    """runs/<name>/config.yaml is what `detached-rl trainer|maker --config` read to run the same job as jobs."""
+    """runs/<name>/config.yaml is what `detached-rl trainer|maker --config` read
+    to run the same job as jobs."""
     from detached_rl.config import dump_config
 
     config = run_config(model="tiny", steps=3)

@@ -79,7 +79,8 @@ def stop_tree(root: subprocess.Popen, seen: dict[int, psutil.Process]) -> None:
 def test_default_run_listens_on_loopback_only(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
-    command = [*console_script(), "run", "--model", "tiny", "--steps", "2", "--makers", "1", "--backend", "hf",
+    command = [*console_script(), "run", "--model", "tiny", "--steps", "2", "--makers", "1", "--backend",
+               "hf",
                "--no-progress", "--output", str(tmp_path / "runs"), "--set", "task.eval_size=8",
                "--set", "sampling.max_new_tokens=8"]
     log = tmp_path / "run.log"
@@ -113,7 +114,8 @@ def test_default_run_listens_on_loopback_only(tmp_path):
 
 def test_on_loopback():
     assert on_loopback("127.0.0.1") and on_loopback("127.3.2.1") and on_loopback("::ffff:127.0.0.1")
-    assert not any(on_loopback(a) for a in ("0.0.0.0", "::", "192.0.2.2", "::1", "10.0.0.1", "::ffff:10.0.0.1"))
+    assert not any(on_loopback(a)
+                   for a in ("0.0.0.0", "::", "192.0.2.2", "::1", "10.0.0.1", "::ffff:10.0.0.1"))
 
 
 def test_plain_environment_drops_what_the_suite_sets(tmp_path, monkeypatch):

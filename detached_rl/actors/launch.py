@@ -1,4 +1,5 @@
-"""The one place that creates named actors from a `RunConfig`: a trainer or trainer group, makers, scorer groups.
+"""The one place that creates named actors from a `RunConfig`: a trainer or trainer group, makers, scorer
+groups.
 
 Two kinds of launch share it. `detached=True` (the cluster commands `detached-rl trainer|maker`):
 the actors outlive the driver that creates them and ask for the config's custom resources.
@@ -34,26 +35,28 @@ from detached_rl.config.factories import maker_factory, scorer_factory, trainer_
 from detached_rl.config.schema import RunConfig
 from detached_rl.core.resources import UnplaceableError, resource_request, unplaceable
 
-# Ray's `max_direct_call_object_size` (its default): a task or actor argument whose serialised form is larger goes
-# to the object store instead of travelling inside the call.
+# Ray's `max_direct_call_object_size` (its default): a task or actor argument whose serialised form is larger
+# goes to the object store instead of travelling inside the call.
 INLINE_ARGUMENT_BYTES = 100 * 1024
 
 
 def check_inline_arguments(what: str, arguments: dict[str, Any]) -> None:
-    """Refuse (ValueError naming the argument and its size) an argument Ray would put in the object store, where a
-    restarted actor cannot find it."""
+    """Refuse (ValueError naming the argument and its size) an argument Ray would put in the object store,
+    where a restarted actor cannot find it."""
     from ray import cloudpickle
 
     for name, value in arguments.items():
         size = len(cloudpickle.dumps(value))
         if size > INLINE_ARGUMENT_BYTES:
-            raise ValueError(f"{what}: constructor argument {name!r} is {size} bytes serialised, over Ray's inlining "
-                             f"limit of {INLINE_ARGUMENT_BYTES}; it would live in the object store, from which a "
-                             "restarted actor cannot read it (pass something it can build itself)")
+            raise ValueError(f"{what}: constructor argument {name!r} is {size} bytes serialised, over "
+                             f"Ray's inlining limit of {INLINE_ARGUMENT_BYTES}; it would live in the "
+                             "object store, from which a restarted actor cannot read it (pass "
+                             "something it can build itself)")
 
 
 def prompt_factory(config: RunConfig, shard: tuple[int, int] = (0, 1)) -> Callable[[], Any]:
-    """A small picklable zero-argument factory of the prompt shard `shard` = (index, count), built where it is called.
+    """A small picklable zero-argument factory of the prompt shard `shard` = (index, count), built where it is
+    called.
 
     Checked here once (a `task.prompt_file` it cannot read, fewer prompts than shards fail now, not
     in the actor). The actor reads `task.prompt_file` itself, as it loads `model.policy`: on a cluster
@@ -68,8 +71,8 @@ def prompt_factory(config: RunConfig, shard: tuple[int, int] = (0, 1)) -> Callab
 
 
 def with_threads(threads: int, factory: Callable[[], Any], nice: int = 0) -> Any:
-    """Call `factory` after capping this process's torch threads (0: leave torch's default) and raising its nice
-    value by `nice` (lower CPU priority)."""
+    """Call `factory` after capping this process's torch threads (0: leave torch's default) and raising its
+    nice value by `nice` (lower CPU priority)."""
     if threads > 0:
         import torch
 
@@ -82,7 +85,8 @@ def with_threads(threads: int, factory: Callable[[], Any], nice: int = 0) -> Any
 def _options(name: str, config: RunConfig, detached: bool, request: dict[str, float]) -> dict[str, Any]:
     """Actor options asking Ray for `request` (CPU, GPU and, for detached actors, custom resources)."""
     custom = {key: amount for key, amount in request.items() if key not in ("CPU", "GPU")}
-    options: dict[str, Any] = {"name": name, "namespace": config.namespace, "num_cpus": request.get("CPU", 0.0),
+    options: dict[str, Any] = {"name": name, "namespace": config.namespace,
+                               "num_cpus": request.get("CPU", 0.0),
                                "num_gpus": request.get("GPU", 0.0)}
     if detached:
         options.update(lifetime="detached", resources=custom or None)
@@ -90,13 +94,16 @@ def _options(name: str, config: RunConfig, detached: bool, request: dict[str, fl
 
 
 def trainer_request(config: RunConfig, detached: bool = True) -> dict[str, float]:
-    """What one trainer rank asks Ray for (`trainer_group`: CPUs, GPUs, and custom resources when detached)."""
+    """What one trainer rank asks Ray for (`trainer_group`: CPUs, GPUs, and
+    custom resources when detached)."""
     group = config.trainer_group
-    return resource_request(group.num_cpus_per_rank, group.num_gpus_per_rank, group.resources if detached else None)
+    return resource_request(group.num_cpus_per_rank, group.num_gpus_per_rank,
+                            group.resources if detached else None)
 
 
 def maker_request(config: RunConfig, detached: bool = True) -> dict[str, float]:
-    """What one maker asks Ray for (`maker.num_cpus`, `maker.num_gpus`, and `maker.resources` when detached)."""
+    """What one maker asks Ray for (`maker.num_cpus`, `maker.num_gpus`, and
+    `maker.resources` when detached)."""
     maker = config.maker
     return resource_request(maker.num_cpus, maker.num_gpus, maker.resources if detached else None)
 
@@ -108,7 +115,8 @@ def scorer_request(config: RunConfig, role: str) -> dict[str, float]:
 
 def launch_requests(config: RunConfig, trainer: str | None = None, makers: Sequence[str] = (),
                     scorer_roles: Sequence[str] = (), detached: bool = True) -> dict[str, dict[str, float]]:
-    """Label ("maker m0", "trainer rank t_1", ...) -> resources of every actor launching these roles creates."""
+    """Label ("maker m0", "trainer rank t_1", ...) -> resources of every actor
+    launching these roles creates."""
     requests: dict[str, dict[str, float]] = {}
     if trainer is not None:
         kind = "trainer rank" if uses_trainer_group(config) else "trainer"
@@ -124,7 +132,8 @@ def launch_requests(config: RunConfig, trainer: str | None = None, makers: Seque
 
 
 def check_placeable(requests: dict[str, dict[str, float]]) -> None:
-    """Refuse at once (`UnplaceableError`, naming the role and the resources) what the cluster can never place."""
+    """Refuse at once (`UnplaceableError`, naming the role and the resources) what
+    the cluster can never place."""
     import ray
 
     reason = unplaceable(requests, ray.cluster_resources())
@@ -204,10 +213,12 @@ def launch_maker(
     """
     arguments = maker_arguments(config, name, trainers, shard, state_path, threads, nice)
     options = _options(name, config, detached, maker_request(config, detached))
-    return ExperienceMakerHolder.options(max_restarts=config.maker.max_restarts, **options).remote(**arguments)
+    return ExperienceMakerHolder.options(max_restarts=config.maker.max_restarts,
+                                         **options).remote(**arguments)
 
 
-def launch_scorer_group(config: RunConfig, role: str, trainers: Sequence[str] = (), timeout: float | None = None
+def launch_scorer_group(config: RunConfig, role: str, trainers: Sequence[str] = (),
+                        timeout: float | None = None
                         ) -> list[Any]:
     """Start the scorer group the makers' config names for `role` (`maker.<role>_scorer`), shaped by
     `config.scorers.<role>`; a critic group takes its weights from `trainers`. Its placement waits at most

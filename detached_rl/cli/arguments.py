@@ -1,5 +1,5 @@
-"""Argument types that refuse bad numbers and files while the command line is parsed, a parser that says so in one
-line, and the range check of a loaded config's integers."""
+"""Argument types that refuse bad numbers and files while the command line is parsed, a parser that says so in
+one line, and the range check of a loaded config's integers."""
 
 from __future__ import annotations
 
@@ -91,15 +91,18 @@ def config_file(text: str) -> str:
     try:
         path.read_bytes().decode("utf-8")
     except OSError as error:
-        raise argparse.ArgumentTypeError(f"config file {text!r} cannot be read ({error.strerror or error})") from None
+        raise argparse.ArgumentTypeError(f"config file {text!r} cannot be read "
+                                         f"({error.strerror or error})") from None
     except UnicodeDecodeError as error:
-        raise argparse.ArgumentTypeError(f"config file {text!r} is not UTF-8 text (byte {error.object[error.start]:#04x} "
-                                         f"at offset {error.start}); give a YAML file") from None
+        raise argparse.ArgumentTypeError(f"config file {text!r} is not UTF-8 text (byte "
+                                         f"{error.object[error.start]:#04x} at offset {error.start}); "
+                                         "give a YAML file") from None
     return text
 
 
 def check_config_integers(config: Any, path: str = "") -> None:
-    """Refuse, naming the dotted key, an integer of a loaded config outside its range (see `CONFIG_INT_MINIMUM`)."""
+    """Refuse, naming the dotted key, an integer of a loaded config outside its range
+    (see `CONFIG_INT_MINIMUM`)."""
     for item in dataclasses.fields(config):
         value = getattr(config, item.name)
         key = f"{path}.{item.name}" if path else item.name

@@ -72,7 +72,8 @@ def run_check(
                    generate_tokens_per_s=new_tokens / generate_s)
 
     experiences = [
-        Experience(prompt_ids=p, response_ids=r, log_probs=lp, reward=torch.tensor(0.0), group_id=str(i // group_size))
+        Experience(prompt_ids=p, response_ids=r, log_probs=lp, reward=torch.tensor(0.0),
+                   group_id=str(i // group_size))
         for i, (p, r, lp) in enumerate(zip(out.prompt_ids, out.response_ids, out.log_probs, strict=True))
     ]
     batch = collate(experiences, tokenizer.pad_token_id)

@@ -38,8 +38,8 @@ def run_command_config(args: argparse.Namespace) -> RunConfig:
 
 
 def refuse_unloadable_models(config: RunConfig, local: bool = True) -> None:
-    """Fail before anything starts when a model spec of the config names nothing loadable (`local`: on this machine;
-    else only the specs that name no directory, `smollm2` and `tiny[-<model_type>]`, are checked)."""
+    """Fail before anything starts when a model spec of the config names nothing loadable (`local`: on this
+    machine; else only the specs that name no directory, `smollm2` and `tiny[-<model_type>]`, are checked)."""
     from detached_rl.models.loaders import model_spec_problem
 
     for key in ("policy", "critic", "reward_model"):
@@ -58,7 +58,8 @@ def command_config(args: argparse.Namespace) -> RunConfig:
     overrides = list(args.set or [])
     for flag, key in (("world_size", "trainer_group.world_size"), ("strategy", "trainer_group.strategy"),
                       ("placement", "trainer_group.placement_strategy"),
-                      ("num_gpus_per_rank", "trainer_group.num_gpus_per_rank"), ("num_gpus", "maker.num_gpus"),
+                      ("num_gpus_per_rank", "trainer_group.num_gpus_per_rank"),
+                      ("num_gpus", "maker.num_gpus"),
                       ("backend", "maker.backend")):
         if getattr(args, flag, None) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
@@ -79,5 +80,6 @@ def refuse_missing_checkpoint(directory: str, world_size: int) -> None:
         raise ValueError(f"--resume-from {directory!r}: no such directory")
     missing = [f"rank_{rank}" for rank in range(world_size) if not has_checkpoint(path / f"rank_{rank}")]
     if missing:
-        raise ValueError(f"--resume-from {directory!r}: not a checkpoint of this trainer (no {', '.join(missing)} "
+        raise ValueError(f"--resume-from {directory!r}: not a checkpoint of this trainer (no "
+                         f"{', '.join(missing)} "
                          "checkpoint in it; give the --checkpoint-dir of an earlier trainer)")

@@ -1,4 +1,5 @@
-"""The `detached-rl` console script: run, ppo-on-ray, check, trainer, maker, scorers, status, inspect, export, stop.
+"""The `detached-rl` console script: run, ppo-on-ray, check, trainer, maker, scorers, status, inspect, export,
+stop.
 
 Every command has `--help`. Failures (bad config, unknown actor name, unreachable cluster)
 print one line on stderr and exit with status 2, never a traceback (set DETACHED_RL_DEBUG=1
@@ -36,7 +37,8 @@ from detached_rl.cli.command_config import (
 _config, _run_config = command_config, run_command_config  # the names callers and tests import from here
 
 EXIT_ERROR = 2
-MAKER_ATTACH_TIMEOUT_S = 120.0  # ExperienceMakerHolder's attach_timeout_s, which `detached-rl maker` leaves as it is
+# ExperienceMakerHolder's attach_timeout_s, which `detached-rl maker` leaves as it is
+MAKER_ATTACH_TIMEOUT_S = 120.0
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -89,14 +91,16 @@ def _trainer(args: argparse.Namespace) -> int:
     if args.resume_from:
         refuse_missing_checkpoint(args.resume_from, config.trainer_group.world_size)
     checkpointing = {"checkpoint_every": args.checkpoint_every,
-                     "checkpoint_dir": str(Path(args.checkpoint_dir).resolve()) if args.checkpoint_dir else None,
+                     "checkpoint_dir": str(Path(args.checkpoint_dir).resolve()) if args.checkpoint_dir
+                     else None,
                      "resume_from": str(Path(args.resume_from).resolve()) if args.resume_from else None}
     jobs.connect(args.address, config.namespace)
     names = jobs.start_trainer(config, args.name, args.steps, args.update_steps, **checkpointing)
     group = config.trainer_group
     if len(names) > 1 or group.strategy != "naive":
-        print(f"trainer group {args.name!r} started in namespace {config.namespace!r}: ranks {', '.join(names)} "
-              f"({group.strategy}, {group.placement_strategy}; {args.steps} steps); makers push to any of them")
+        print(f"trainer group {args.name!r} started in namespace {config.namespace!r}: ranks "
+              f"{', '.join(names)} ({group.strategy}, {group.placement_strategy}; {args.steps} steps); "
+              "makers push to any of them")
     else:
         print(f"trainer {args.name!r} started in namespace {config.namespace!r} ({args.steps} steps)")
     return _follow(names[0], config.namespace) if args.wait else 0
@@ -108,15 +112,17 @@ def _maker(args: argparse.Namespace) -> int:
     config = command_config(args)
     trainers = [t.strip() for t in (args.trainers or "").split(",") if t.strip()]
     if not trainers:
-        raise ValueError(f"--trainers {args.trainers!r}: no trainer names (comma-separated, e.g. trainer_0,trainer_1)")
+        raise ValueError(f"--trainers {args.trainers!r}: no trainer names (comma-separated, e.g. "
+                         "trainer_0,trainer_1)")
     jobs.connect(args.address, config.namespace)
     missing = _missing_trainers(trainers, config.namespace)
     jobs.start_maker(config, args.name, trainers, args.batches, args.state_dir)
     print(f"maker {args.name!r} started in namespace {config.namespace!r}, feeding {', '.join(trainers)}")
     if missing:  # jobs may start in any order, so not an error; a typo shows here at once
-        print(f"detached-rl: warning: no trainer named {', '.join(map(repr, missing))} is running in namespace "
-              f"{config.namespace!r} yet; the maker waits for it up to {MAKER_ATTACH_TIMEOUT_S:g} s, then stops with an "
-              "error (see `detached-rl status`)",
+        print(f"detached-rl: warning: no trainer named {', '.join(map(repr, missing))} is running "
+              f"in namespace {config.namespace!r} yet; the maker waits for it up to "
+              f"{MAKER_ATTACH_TIMEOUT_S:g} s, then "
+              "stops with an error (see `detached-rl status`)",
               file=sys.stderr)
     return _follow(args.name, config.namespace) if args.wait else 0
 
@@ -209,10 +215,12 @@ def _stop(args: argparse.Namespace) -> int:
 
 def _cluster_options(
     parser: argparse.ArgumentParser,
-    address_help: str = "Ray cluster: host:port, ray://host:port (Ray client) or auto (default: $RAY_ADDRESS or auto)",
+    address_help: str = "Ray cluster: host:port, ray://host:port (Ray client) or auto (default: "
+                        "$RAY_ADDRESS or auto)",
 ) -> None:
     parser.add_argument("--address", default=None, help=address_help)
-    parser.add_argument("--namespace", default=None, help="Ray namespace of the actors (default: detached_rl)")
+    parser.add_argument("--namespace", default=None,
+                        help="Ray namespace of the actors (default: detached_rl)")
 
 
 def _config_options(parser: argparse.ArgumentParser,
@@ -238,19 +246,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run", help="the main job: 1 trainer + N makers train a model, then held-out accuracy before/after",
-        description="Start (or join) a Ray cluster, train with one named trainer and N named makers, grade the "
-                    "held-out split before and after, and write runs/<name>/ (metrics, TensorBoard, plot, adapter, "
-                    "merged model). Defaults: SmolLM2-135M-Instruct + LoRA, GRPO, arithmetic word problems.")
+        description="Start (or join) a Ray cluster, train with one named trainer and N named "
+                    "makers, grade the held-out split before and after, and write runs/<name>/ (metrics, "
+                    "TensorBoard, plot, adapter, merged model). Defaults: SmolLM2-135M-Instruct + LoRA, "
+                    "GRPO, arithmetic word problems.")
     run.add_argument("--steps", type=positive_int, default=None, help="training steps (default 24)")
     run.add_argument("--makers", type=positive_int, default=None, help="experience makers (default 2)")
-    run.add_argument("--model", default=None, help="smollm2 (default) | tiny[-<model_type>] | a local model directory")
-    run.add_argument("--task", default=None, choices=("word_problems", "addition"), help="default word_problems")
-    run.add_argument("--name", default=None, help="run name: actor-name prefix and runs/<name> (default: dated)")
+    run.add_argument("--model", default=None,
+                     help="smollm2 (default) | tiny[-<model_type>] | a local model directory")
+    run.add_argument("--task", default=None, choices=("word_problems", "addition"),
+                     help="default word_problems")
+    run.add_argument("--name", default=None,
+                     help="run name: actor-name prefix and runs/<name> (default: dated)")
     run.add_argument("--output", default=None, help="parent directory of the run directory (default runs)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--gpus", default=None, choices=("auto", "manual"),
-                     help="auto (default): trainer and makers share the cluster's GPUs unless the config sets "
-                          "trainer_group.num_gpus_per_rank or maker.num_gpus; manual: only what those say")
+                     help="auto (default): trainer and makers share the cluster's GPUs unless the "
+                          "config sets trainer_group.num_gpus_per_rank or maker.num_gpus; manual: only "
+                          "what those say")
     _backend_option(run)
     _config_options(run)
     _cluster_options(run, "join this Ray cluster (host:port, ray://host:port or auto) instead of starting an "
@@ -260,45 +273,57 @@ def build_parser() -> argparse.ArgumentParser:
     ppo_on_ray = commands.add_parser(
         "ppo-on-ray", help="PPO with actor, critic, initial and reward models in separate Ray groups (the "
                            "ancestor's train_prompts_on_ray shape)",
-        description="Start the actor (trainer) group, the critic, initial (reference) and reward scorer groups and "
-                    "the makers as named actors, each group in its own placement group; train "
-                    "num_episodes x max_timesteps / update_timesteps PPO steps; save the policy; remove them all. "
-                    "Without --address it starts an embedded Ray on 127.0.0.1. Place groups on nodes with custom "
-                    "resources, e.g. --set scorers.reward.resources={reward_node: 1}.")
+        description="Start the actor (trainer) group, the critic, initial (reference) and reward "
+                    "scorer groups and the makers as named actors, each group in its own placement "
+                    "group; train num_episodes x max_timesteps / update_timesteps PPO steps; save "
+                    "the policy; remove them all. Without --address it starts an embedded Ray on "
+                    "127.0.0.1. Place groups on nodes with custom resources, e.g. --set "
+                    "scorers.reward.resources={reward_node: 1}.")
     from detached_rl.cli.ppo_on_ray import add_arguments
 
     add_arguments(ppo_on_ray)
     _config_options(ppo_on_ray, "YAML laid over what the flags set (any RunConfig key)")
-    _cluster_options(ppo_on_ray, "join this Ray cluster (host:port, ray://host:port or auto) instead of starting an "
+    _cluster_options(ppo_on_ray,
+                     "join this Ray cluster (host:port, ray://host:port or auto) instead of starting an "
                                  "embedded one on 127.0.0.1")
     ppo_on_ray.set_defaults(handler=_ppo_on_ray)
 
-    check = commands.add_parser("check", help="load a model, apply LoRA, generate, score and take one GRPO step (no Ray)",
+    check = commands.add_parser("check",
+                                help="load a model, apply LoRA, generate, score and take one GRPO "
+                                     "step (no Ray)",
                                 description="End-to-end check of the toolkit's core in one process.")
-    check.add_argument("--model", default="smollm2", help="smollm2 | tiny[-<model_type>] | a local model directory")
+    check.add_argument("--model", default="smollm2",
+                       help="smollm2 | tiny[-<model_type>] | a local model directory")
     check.add_argument("--prompts", type=positive_int, default=4, help="distinct prompts (default 4)")
     check.add_argument("--group-size", type=positive_int, default=4, help="responses per prompt (default 4)")
-    check.add_argument("--max-new-tokens", type=positive_int, default=32, help="response length limit (default 32)")
+    check.add_argument("--max-new-tokens", type=positive_int, default=32,
+                       help="response length limit (default 32)")
     check.add_argument("--seed", type=non_negative_int, default=0)
     check.set_defaults(handler=_check)
 
     trainer = commands.add_parser(
         "trainer", help="start a named detached trainer (PPO or GRPO; one rank or a data-parallel group)",
-        description="Start a named, detached trainer; it outlives this command. With --world-size N > 1 it starts "
-                    "ranks <name>_0 ... <name>_{N-1} in one placement group, forming one process group.")
+        description="Start a named, detached trainer; it outlives this command. With --world-size N > "
+                    "1 it starts ranks <name>_0 ... <name>_{N-1} in one placement group, forming one "
+                    "process group.")
     trainer.add_argument("--name", required=True, help="actor name (a group's ranks are <name>_<rank>)")
-    trainer.add_argument("--world-size", type=positive_int, default=None, help="data-parallel ranks (default 1)")
+    trainer.add_argument("--world-size", type=positive_int, default=None,
+                         help="data-parallel ranks (default 1)")
     trainer.add_argument("--strategy", default=None,
                          choices=("naive", "ddp", "colossalai_ddp", "colossalai_zero2", "colossalai_gemini"),
-                         help="how ranks train (default naive; ddp or colossalai_ddp on CPU; zero2/gemini need CUDA)")
-    trainer.add_argument("--placement", default=None, choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+                         help="how ranks train (default naive; ddp or colossalai_ddp on CPU; "
+                              "zero2/gemini need CUDA)")
+    trainer.add_argument("--placement", default=None,
+                         choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
                          help="placement-group strategy for the ranks (default PACK)")
     trainer.add_argument("--num-gpus-per-rank", type=non_negative_float, default=None,
-                         help="GPUs each rank (a naive trainer: the trainer) asks Ray for; fractions of one GPU "
-                              "allowed (default trainer_group.num_gpus_per_rank, 0)")
+                         help="GPUs each rank (a naive trainer: the trainer) asks Ray for; "
+                              "fractions of one GPU allowed (default trainer_group.num_gpus_per_rank, 0)")
     trainer.add_argument("--steps", type=positive_int, default=100, help="training steps (default 100)")
-    trainer.add_argument("--update-steps", type=positive_int, default=1, help="push weights every N steps (default 1)")
-    trainer.add_argument("--checkpoint-every", type=non_negative_int, default=0, help="save a checkpoint every N steps")
+    trainer.add_argument("--update-steps", type=positive_int, default=1,
+                         help="push weights every N steps (default 1)")
+    trainer.add_argument("--checkpoint-every", type=non_negative_int, default=0,
+                         help="save a checkpoint every N steps")
     trainer.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (one folder per rank)")
     trainer.add_argument("--resume-from", default=None, help="continue from a checkpoint directory")
     trainer.add_argument("--wait", action="store_true", help="follow the trainer until it finishes")
@@ -307,14 +332,19 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.set_defaults(handler=_trainer)
 
     maker = commands.add_parser("maker", help="start a named detached experience maker on a running cluster",
-                                description="Start a named, detached maker; it waits for its trainers by name.")
+                                description="Start a named, detached maker; it waits for its "
+                                            "trainers by name.")
     maker.add_argument("--name", required=True, help="actor name, e.g. maker_0")
-    maker.add_argument("--trainers", required=True, help="comma-separated trainer names, e.g. trainer_0,trainer_1")
-    maker.add_argument("--batches", type=positive_int, default=None, help="stop after N batches (default: until stopped)")
+    maker.add_argument("--trainers", required=True,
+                       help="comma-separated trainer names, e.g. trainer_0,trainer_1")
+    maker.add_argument("--batches", type=positive_int, default=None,
+                       help="stop after N batches (default: until stopped)")
     maker.add_argument("--num-gpus", type=non_negative_float, default=None,
-                       help="GPUs the maker asks Ray for; fractions of one GPU allowed (default maker.num_gpus, 0)")
+                       help="GPUs the maker asks Ray for; fractions of one GPU allowed (default "
+                            "maker.num_gpus, 0)")
     maker.add_argument("--state-dir", default=None,
-                       help="save the prompt cursor to <dir>/<name> after every batch; resume from it on (re)start")
+                       help="save the prompt cursor to <dir>/<name> after every batch; resume from it "
+                            "on (re)start")
     _backend_option(maker)
     maker.add_argument("--wait", action="store_true", help="follow the maker until it stops")
     _config_options(maker)
@@ -323,31 +353,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     scorers = commands.add_parser(
         "scorers", help="start the scorer groups (reward, reference, critic) the config's makers name",
-        description="Start named scorer groups that serve a role to many makers: maker.<role>_scorer names each "
-                    "group, scorers.<role> shapes and places it (num_nodes, num_gpus_per_node, resources). A critic "
-                    "group takes its weights from --trainers. Groups already running are left as they are.")
-    scorers.add_argument("--trainers", default="", help="comma-separated trainer names (needed by a critic group)")
+        description="Start named scorer groups that serve a role to many makers: "
+                    "maker.<role>_scorer names each group, scorers.<role> shapes and places it (num_nodes, "
+                    "num_gpus_per_node, resources). A critic group takes its weights from --trainers. Groups "
+                    "already running are left as they are.")
+    scorers.add_argument("--trainers", default="",
+                         help="comma-separated trainer names (needed by a critic group)")
     _config_options(scorers)
     _cluster_options(scorers)
     scorers.set_defaults(handler=_scorers)
 
-    status = commands.add_parser("status", help="every actor of the namespace: role, state, version, buffer, rate",
+    status = commands.add_parser("status",
+                                 help="every actor of the namespace: role, state, version, buffer, rate",
                                  description="One row per named actor of the namespace.")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _cluster_options(status)
     status.set_defaults(handler=_status)
 
-    inspect = commands.add_parser("inspect", help="a trainer's replay buffer: sizes, staleness, makers, rewards, samples",
-                                  description="Look into a trainer's replay buffer without stopping training.")
+    inspect = commands.add_parser("inspect",
+                                  help="a trainer's replay buffer: sizes, staleness, makers, "
+                                       "rewards, samples",
+                                  description="Look into a trainer's replay buffer without "
+                                              "stopping training.")
     inspect.add_argument("name", help="trainer name")
-    inspect.add_argument("--last", type=non_negative_int, default=5, help="newest samples to show (default 5)")
+    inspect.add_argument("--last", type=non_negative_int, default=5,
+                         help="newest samples to show (default 5)")
     inspect.add_argument("--maker", default=None, help="only samples from this maker")
-    inspect.add_argument("--min-reward", type=finite_float, default=None, help="only samples with at least this reward")
+    inspect.add_argument("--min-reward", type=finite_float, default=None,
+                         help="only samples with at least this reward")
     inspect.add_argument("--json", action="store_true", help="print JSON")
     _cluster_options(inspect)
     inspect.set_defaults(handler=_inspect)
 
-    export = commands.add_parser("export", help="write a trainer's buffer to JSONL (or .parquet with pyarrow)",
+    export = commands.add_parser("export",
+                                 help="write a trainer's buffer to JSONL (or .parquet with pyarrow)",
                                  description="Export the buffer's samples while training continues.")
     export.add_argument("name", help="trainer name")
     export.add_argument("output", help="output path (.jsonl, or .parquet when pyarrow is installed)")
@@ -355,10 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(handler=_export)
 
     stop = commands.add_parser("stop", help="drain and stop named actors (all of the namespace by default)",
-                               description="Stop makers, then trainers: finish the current batch or step, then kill.")
+                               description="Stop makers, then trainers: finish the current batch or "
+                                           "step, then kill.")
     stop.add_argument("names", nargs="*", help="actor names (default: every actor of the namespace)")
     stop.add_argument("--force", action="store_true", help="kill at once, without draining")
-    stop.add_argument("--timeout", type=positive_float, default=60.0, help="seconds to wait for each actor to drain")
+    stop.add_argument("--timeout", type=positive_float, default=60.0,
+                      help="seconds to wait for each actor to drain")
     _cluster_options(stop)
     stop.set_defaults(handler=_stop)
     return parser

@@ -38,7 +38,8 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsRecorder:
-    """Appends per-step metrics to `<directory>/metrics.jsonl` and TensorBoard events in `<directory>/tensorboard`."""
+    """Appends per-step metrics to `<directory>/metrics.jsonl` and TensorBoard events in
+    `<directory>/tensorboard`."""
 
     def __init__(self, directory: str | Path, tensorboard: bool = True) -> None:
         self.directory = Path(directory)
@@ -49,7 +50,8 @@ class MetricsRecorder:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError as error:  # a broken install (tensorboard is a dependency): JSONL only, and say so
+            # a broken install (tensorboard is a dependency): JSONL only, and say so
+            except ImportError as error:
                 logging.getLogger(__name__).warning("no TensorBoard events, metrics.jsonl only: %s", error)
                 SummaryWriter = None  # noqa: N806
             if SummaryWriter is not None:
@@ -87,7 +89,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_series(rows: Sequence[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
-    """(step, value) points of each `PLOT_PANELS` key, from the rows that carry it (under its name or an old alias)."""
+    """(step, value) points of each `PLOT_PANELS` key, from the rows that carry it (under
+    its name or an old alias)."""
     series: dict[str, list[tuple[int, float]]] = {}
     for key, _ in PLOT_PANELS:
         values = [(row["step"], metric_value(row, key)) for row in rows]

@@ -59,7 +59,8 @@ def build_actor_critic(model: ModelConfig):
 
 def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool = True,
                        remote_roles: frozenset[str] = frozenset()) -> MakerModels:
-    """A maker's policy, reward function and, for PPO, critic and reference model (none for `remote_roles`)."""
+    """A maker's policy, reward function and, for PPO, critic and reference model
+    (none for `remote_roles`)."""
     from detached_rl.models import Actor, load_causal_lm
 
     if with_critic and "critic" not in remote_roles:

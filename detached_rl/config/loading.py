@@ -1,4 +1,5 @@
-"""Turn YAML and `key.sub=value` overrides into a validated `RunConfig`; unknown keys and bad values name the dotted key."""
+"""Turn YAML and `key.sub=value` overrides into a validated `RunConfig`; unknown keys and bad
+values name the dotted key."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from detached_rl.maker.experience_maker import MakerConfig
 
 # Keys set once at the top of a RunConfig and refused inside these sections (RunConfig hands them on).
 TOP_LEVEL_ONLY: dict[type, frozenset[str]] = {
-    MakerConfig: frozenset({"sampling"}), PPOConfig: frozenset({"sampling"}), GRPOConfig: frozenset({"sampling"}),
+    MakerConfig: frozenset({"sampling"}), PPOConfig: frozenset({"sampling"}),
+    GRPOConfig: frozenset({"sampling"}),
 }
 
 
@@ -50,8 +52,10 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
         if match:
             key = f"{path}.{match.group(1)}" if path else match.group(1)
             raise ConfigError(f"{key}: {match.group(2)}") from None
-        # "maker.vllm.dtype must be ..." (a section that names its own dotted keys) -> "maker.vllm.dtype: must be ..."
-        match = re.match(rf"({re.escape(path)}\.[\w.]+)(?::)? (.*)", message, flags=re.DOTALL) if path else None
+        # "maker.vllm.dtype must be ..." (a section that names its own dotted keys) ->
+        # "maker.vllm.dtype: must be ..."
+        match = re.match(rf"({re.escape(path)}\.[\w.]+)(?::)? (.*)", message,
+                         flags=re.DOTALL) if path else None
         if match:
             raise ConfigError(f"{match.group(1)}: {match.group(2)}") from None
         raise ConfigError(f"{path or 'config'}: {message}") from None
@@ -80,7 +84,8 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         key_hint, value_hint = typing.get_args(hint)
-        return {_convert(key_hint, k, f"{path}.{k}"): _convert(value_hint, v, f"{path}.{k}") for k, v in value.items()}
+        return {_convert(key_hint, k, f"{path}.{k}"): _convert(value_hint, v, f"{path}.{k}")
+                for k, v in value.items()}
     if origin is tuple:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
@@ -89,7 +94,8 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
         if item is None:
             if len(args) != len(value):
                 raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
-            return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+            return tuple(_convert(a, v, f"{path}[{i}]")
+                         for i, (a, v) in enumerate(zip(args, value, strict=True)))
         return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if hint is bool:
         if not isinstance(value, bool):

@@ -47,7 +47,8 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    """Which models the makers and trainers build; specs are `smollm2`, `tiny[-<type>]` or a local directory."""
+    """Which models the makers and trainers build; specs are `smollm2`,
+    `tiny[-<type>]` or a local directory."""
 
     policy: str = "smollm2"
     critic: str | None = None  # None: a critic on the policy's architecture (spec `policy`)
@@ -67,7 +68,8 @@ class TaskConfig:
     eval_size: int = 64  # held-out problems for `detached-rl run`'s before/after accuracy
     seed: int = 0
     reward: str | None = None  # None: the task's own (`TASK_REWARDS`)
-    # Prompts from a file (.csv/.jsonl/.json with a `prompt` and an optional `answer` column) instead of `name`'s.
+    # Prompts from a file (.csv/.jsonl/.json with a `prompt` and an optional `answer`
+    # column) instead of `name`'s.
     prompt_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -76,7 +78,8 @@ class TaskConfig:
         if self.reward is None:
             self.reward = TASK_REWARDS[self.name]
         if self.reward not in REWARD_FUNCTIONS:
-            raise ValueError(f"TaskConfig.reward must be one of {tuple(REWARD_FUNCTIONS)}, got {self.reward!r}")
+            raise ValueError(f"TaskConfig.reward must be one of {tuple(REWARD_FUNCTIONS)}, got "
+                             f"{self.reward!r}")
         for name in ("train_size", "eval_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TaskConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -180,7 +183,8 @@ class RunConfig:
     sampling: SamplingConfig = field(default_factory=lambda: main_job_section(SamplingConfig, "sampling"))
     maker: MakerConfig = field(default_factory=lambda: main_job_section(MakerConfig, "maker"))
     trainer: TrainerConfig = field(default_factory=lambda: main_job_section(TrainerConfig, "trainer"))
-    trainer_group: TrainerGroupConfig = field(default_factory=TrainerGroupConfig)  # ranks, strategy, placement
+    # ranks, strategy, placement
+    trainer_group: TrainerGroupConfig = field(default_factory=TrainerGroupConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=lambda: main_job_section(GRPOConfig, "grpo"))
     run: RunSection = field(default_factory=RunSection)
@@ -196,8 +200,9 @@ class RunConfig:
         except ValueError as error:
             raise ValueError(f"RunConfig.grpo: {str(error).removeprefix('GRPOConfig.')}") from None
         if self.grpo.group_size is not None and self.grpo.group_size != self.maker.group_size:
-            raise ValueError(f"RunConfig.grpo.group_size {self.grpo.group_size} differs from maker.group_size "
-                             f"{self.maker.group_size} (leave it unset: the trainer takes the makers')")
+            raise ValueError(f"RunConfig.grpo.group_size {self.grpo.group_size} differs from "
+                             f"maker.group_size {self.maker.group_size} (leave it unset: the trainer takes "
+                             "the makers')")
 
     @property
     def algorithm_config(self) -> PPOConfig | GRPOConfig:
@@ -210,15 +215,16 @@ class RunConfig:
 
     @property
     def maker_config(self) -> MakerConfig:
-        """The makers' settings with the run's one `sampling` (a copy: the `maker` section carries none of its own),
-        and, unless set, the LoRA adapter versions a vLLM engine keeps: `trainer.max_staleness` + 1."""
+        """The makers' settings with the run's one `sampling` (a copy: the `maker` section carries none of its
+        own), and, unless set, the LoRA adapter versions a vLLM engine keeps: `trainer.max_staleness` + 1."""
         vllm = self.maker.vllm
         if vllm.lora_versions_kept is None and self.trainer.max_staleness is not None:
             vllm = dataclasses.replace(vllm, lora_versions_kept=self.trainer.max_staleness + 1)
         return dataclasses.replace(self.maker, sampling=self.sampling, vllm=vllm)
 
     def prompts(self, shard: int = 0, num_shards: int = 1):
-        """The training prompts as a cycling prompt source; makers take disjoint shards (`shard` of `num_shards`)."""
+        """The training prompts as a cycling prompt source; makers take disjoint shards
+        (`shard` of `num_shards`)."""
         from detached_rl.core.prompts import CyclingPrompts
         from detached_rl.rewards.tasks import make_problems
 
@@ -229,9 +235,11 @@ class RunConfig:
 
             problems = load_prompt_file(self.task.prompt_file)[shard::num_shards]
         else:
-            problems = make_problems(self.task.name, self.task.train_size, seed=self.task.seed)[shard::num_shards]
+            problems = make_problems(self.task.name, self.task.train_size,
+                                     seed=self.task.seed)[shard::num_shards]
         if not problems:
-            source = "task.prompt_file" if self.task.prompt_file is not None else f"task.train_size={self.task.train_size}"
+            source = ("task.prompt_file" if self.task.prompt_file is not None
+                      else f"task.train_size={self.task.train_size}")
             raise ValueError(f"{source} has fewer prompts than the {num_shards} prompt shards")
         return CyclingPrompts(problems, seed=self.task.seed + shard)
 

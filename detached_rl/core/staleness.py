@@ -1,4 +1,5 @@
-"""Staleness rules in one place: when a sample is too old to train, and which weights a maker's next batch needs.
+"""Staleness rules in one place: when a sample is too old to train, and which weights a maker's next batch
+needs.
 
 A sample made with weights of version v is trained at version t only if `t - v <= max_staleness`
 (`is_stale`); the replay buffer drops the rest. Pacing answers each acknowledged push with the oldest

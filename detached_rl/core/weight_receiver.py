@@ -223,7 +223,8 @@ class WeightReceiver:
 
     @contextmanager
     def serving(self) -> Iterator[int]:
-        """The one safe point: hold the generation lock for one batch; yields the version it is generated with.
+        """The one safe point: hold the generation lock for one batch; yields the version it is generated
+        with.
 
         A waiting update is swapped in before and after the batch; `WeightUpdateError` while not `consistent`.
         """

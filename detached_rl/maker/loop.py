@@ -62,7 +62,8 @@ def take_offered(maker: ExperienceMaker, offered: Sequence[WeightUpdate | None],
 
 
 class MakerLoop:
-    """Generates and pushes batches until told to stop; waits for acks and fresh weights as the config says."""
+    """Generates and pushes batches until told to stop; waits for acks and fresh
+    weights as the config says."""
 
     def __init__(
         self,
@@ -80,7 +81,8 @@ class MakerLoop:
         self.clock = clock
         self.pusher: ExperiencePusher | None = None  # the pusher of the latest `run`
         self.first_batch_version: int | None = None  # policy version of the first batch this process made
-        # Registers with the trainers again and takes their newest weights, even older ones (see `resync_now`).
+        # Registers with the trainers again and takes their newest weights, even older
+        # ones (see `resync_now`).
         self.resync = resync
         self.resyncs = 0
         # Waits for fresh weights: how many, seconds in all, and how many ended because no weights came.
@@ -154,8 +156,8 @@ class MakerLoop:
 
     def wait_or_resync(self, version: int, paced: bool = False) -> bool:
         """Wait for weights of `version` or newer; if none came within `resync_after_s`, register with the
-        trainers again (they may have moved on without this maker, as a trainer resumed from a checkpoint does)
-        and wait out the rest of `weight_timeout_s`. True if they came.
+        trainers again (they may have moved on without this maker, as a trainer resumed from a checkpoint
+        does) and wait out the rest of `weight_timeout_s`. True if they came.
 
         `paced`: the wait an acknowledgement asks for, which may span several versions: its timeouts count
         from the newest weights seen, and it ends when weight updates stop coming (`stalled`).
@@ -193,12 +195,13 @@ class MakerLoop:
             logger.warning("maker %s: %s", self.maker.name, self.maker.last_error)
 
     def _check_not_ahead(self, pusher: ExperiencePusher, rejected_seen: int) -> int:
-        """Ask for a resync when a trainer refused samples as newer than its weights (this maker serves weights
-        its trainers never sent); returns the pusher's count of rejected samples."""
+        """Ask for a resync when a trainer refused samples as newer than its weights (this maker serves
+        weights its trainers never sent); returns the pusher's count of rejected samples."""
         stats = pusher.stats()
         rejected = stats["dropped"].get("rejected", 0)
         if rejected > rejected_seen and NEWER_THAN_TRAINER in (stats["last_error"] or ""):
-            self.maker.resync_reason = f"serves v{self.maker.policy_version}, ahead of its trainers: {stats['last_error']}"
+            self.maker.resync_reason = (f"serves v{self.maker.policy_version}, ahead of its trainers: "
+                                        f"{stats['last_error']}")
         return rejected
 
     def wait_for_version(self, version: int, timeout: float, paced: bool = False) -> bool:

@@ -172,8 +172,8 @@ class ExperiencePusher:
     @property
     def oldest_useful_version(self) -> int | None:
         """The oldest policy version the next batch may come from and still be trained wherever it goes: the
-        lowest of the trainers' latest acknowledgements (None while a trainer has not bounded it: a trainer not
-        pushed to yet may be waiting for this very batch, e.g. a rank its group cannot step without)."""
+        lowest of the trainers' latest acknowledgements (None while a trainer has not bounded it: a trainer
+        not pushed to yet may be waiting for this very batch, e.g. a rank its group cannot step without)."""
         with self._lock:
             hints = [trainer.oldest_useful_version for trainer in self._state.values()]
         return None if any(hint is None for hint in hints) else min(hints)

@@ -1,4 +1,5 @@
-"""The trainer's settings: `TrainerConfig` (one trainer) and `TrainerGroupConfig` (ranks, strategy, placement)."""
+"""The trainer's settings: `TrainerConfig` (one trainer) and `TrainerGroupConfig`
+(ranks, strategy, placement)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class TrainerConfig:
     max_reuse: int = 1
     buffer_overflow: str = "refuse"
     weight_chunk_bytes: int = 64 * 2**20
-    weight_sync: str = "full"  # "lora": send only trainable tensors (LoRA adapters) after the first full update
+    # "lora": send only trainable tensors (LoRA adapters) after the first full update
+    weight_sync: str = "full"
     weight_push_timeout_s: float = 300.0
     batch_timeout_s: float = 300.0  # how long `fit` waits for a full batch before failing
     stop_makers_at_end: bool = True
@@ -45,7 +47,8 @@ class TrainerConfig:
                 f"{self.buffer_max_samples}: a batch could never be sampled"
             )
         if self.weight_sync not in WEIGHT_SYNC_KINDS:
-            raise ValueError(f"TrainerConfig.weight_sync must be one of {WEIGHT_SYNC_KINDS}, got {self.weight_sync!r}")
+            raise ValueError(f"TrainerConfig.weight_sync must be one of {WEIGHT_SYNC_KINDS}, got "
+                             f"{self.weight_sync!r}")
         for name in ("weight_push_timeout_s", "batch_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainerConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -54,18 +57,21 @@ class TrainerConfig:
 
 @dataclass
 class TrainerGroupConfig:
-    """How many trainer ranks, trained with which strategy, placed how (one Ray placement-group bundle per rank)."""
+    """How many trainer ranks, trained with which strategy, placed how (one Ray
+    placement-group bundle per rank)."""
 
     strategy: str = "naive"  # naive | ddp | colossalai_ddp | colossalai_zero2 | colossalai_gemini
     world_size: int = 1
     placement_strategy: str = "PACK"  # PACK: ranks on as few nodes as fit; SPREAD: over as many as possible
-    # What each rank asks Ray for; a naive trainer is a 1-rank group and asks for these too. Fractions of a GPU
-    # are allowed (0.5: the trainer shares a GPU with makers); a rank with no GPU keeps its models on the CPU.
+    # What each rank asks Ray for; a naive trainer is a 1-rank group and asks for these too. Fractions of a
+    # GPU are allowed (0.5: the trainer shares a GPU with makers); a rank with no GPU
+    # keeps its models on the CPU.
     num_cpus_per_rank: float = 1.0
     num_gpus_per_rank: float = 0.0
     backend: str | None = None  # process-group backend: gloo (CPU) or nccl (GPU); None picks by device
     timeout_s: float = 300.0  # collectives and forming the group fail after this long
-    # Custom Ray resources each rank asks for (e.g. {"trainer_node": 1} to place ranks on nodes that offer it).
+    # Custom Ray resources each rank asks for (e.g. {"trainer_node": 1} to place ranks
+    # on nodes that offer it).
     resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,12 +80,13 @@ class TrainerGroupConfig:
         check_resources(self.resources, "TrainerGroupConfig.resources")
 
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"TrainerGroupConfig.strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
+            raise ValueError(f"TrainerGroupConfig.strategy must be one of {sorted(STRATEGIES)}, got "
+                             f"{self.strategy!r}")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"TrainerGroupConfig.world_size must be an int >= 1, got {self.world_size!r}")
         if self.strategy == "naive" and self.world_size != 1:
-            raise ValueError(f"TrainerGroupConfig.world_size must be 1 with strategy 'naive' (one process), got "
-                             f"{self.world_size}; choose ddp or colossalai_ddp for more ranks")
+            raise ValueError("TrainerGroupConfig.world_size must be 1 with strategy 'naive' (one "
+                             f"process), got {self.world_size}; choose ddp or colossalai_ddp for more ranks")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"TrainerGroupConfig.placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                              f"got {self.placement_strategy!r}")

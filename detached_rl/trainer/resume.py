@@ -1,4 +1,5 @@
-"""Resuming a trainer: its checkpointed replay buffer merged with the pushes it acknowledged since it started."""
+"""Resuming a trainer: its checkpointed replay buffer merged with the pushes it
+acknowledged since it started."""
 
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ def merge_buffer_states(restored: dict[str, Any], live: dict[str, Any]) -> dict[
         **restored,
         "samples": [*restored["samples"], *added],
         "queue": [*restored["queue"], *(sample_id for sample_id in live["queue"] if sample_id in added_ids)],
-        "seen_ids": [*restored["seen_ids"], *(sample_id for sample_id in live["seen_ids"] if sample_id not in known)],
+        "seen_ids": [*restored["seen_ids"],
+                     *(sample_id for sample_id in live["seen_ids"] if sample_id not in known)],
         "counts": counts,
-        "dropped": {reason: value + live["dropped"].get(reason, 0) for reason, value in restored["dropped"].items()},
+        "dropped": {reason: value + live["dropped"].get(reason, 0)
+                    for reason, value in restored["dropped"].items()},
         "received_by_maker": {maker: value for maker, value in by_maker.items() if value},
     }

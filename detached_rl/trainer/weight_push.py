@@ -54,7 +54,8 @@ class WeightPushQueue:
         self.failed = 0
 
     def offer(self, update: WeightUpdate, makers: Iterable[str]) -> None:
-        """Send `update` to every maker with nothing in flight; leave it waiting (replacing an older one) for the rest."""
+        """Send `update` to every maker with nothing in flight; leave it waiting (replacing
+        an older one) for the rest."""
         to_send = []
         with self._lock:
             now = self.clock()
@@ -62,7 +63,8 @@ class WeightPushQueue:
                 flight = self._in_flight.get(maker)
                 if flight is not None and now - flight.sent_at > self.timeout:
                     self._record(maker, TimeoutError(
-                        f"maker {maker!r} did not acknowledge weight update v{flight.version} within {self.timeout:.0f} s"))
+                        f"maker {maker!r} did not acknowledge weight update v{flight.version} within "
+                        f"{self.timeout:.0f} s"))
                     del self._in_flight[maker]
                     flight = None
                 if flight is None:
@@ -78,7 +80,8 @@ class WeightPushQueue:
     def _dispatch(self, maker: str, update: WeightUpdate) -> None:
         try:
             future = self.send(maker, update)
-        except BaseException as error:  # noqa: BLE001 - no actor by that name, a closed connection: that maker's result
+        # No actor by that name, a closed connection: that maker's result.
+        except BaseException as error:  # noqa: BLE001
             future = Future()
             future.set_exception(error)
         with self._lock:
@@ -120,12 +123,14 @@ class WeightPushQueue:
         return results
 
     def wait(self, timeout: float, makers: Iterable[str] | None = None) -> bool:
-        """Wait up to `timeout` s until nothing is in flight or waiting (for `makers`, default all); True if so."""
+        """Wait up to `timeout` s until nothing is in flight or waiting (for
+        `makers`, default all); True if so."""
         deadline = self.clock() + timeout
         only = None if makers is None else set(makers)
         with self._lock:
             while True:
-                busy = sorted(m for m in self._in_flight.keys() | self._waiting.keys() if only is None or m in only)
+                busy = sorted(m for m in self._in_flight.keys() | self._waiting.keys() if only is None
+                              or m in only)
                 if not busy:
                     return True
                 remaining = deadline - self.clock()
@@ -135,7 +140,8 @@ class WeightPushQueue:
                         self._waiting.pop(maker, None)
                         version = flight.version if flight is not None else "?"
                         self._record(maker, TimeoutError(
-                            f"maker {maker!r} did not acknowledge weight update v{version} within {timeout:.0f} s"))
+                            f"maker {maker!r} did not acknowledge weight update v{version} within "
+                            f"{timeout:.0f} s"))
                     return False
                 self._changed.wait(min(remaining, 0.5))
 
@@ -146,9 +152,10 @@ class WeightPushQueue:
             self._waiting.pop(maker, None)
             self.acked.pop(maker, None)
 
-    def lag(self, version: int, makers: Iterable[str], known: Mapping[str, int] | None = None) -> dict[str, int]:
-        """Versions each maker's newest acknowledged update (or the version in `known`, if newer) trails `version`
-        by; a maker with neither counts as holding version -1."""
+    def lag(self, version: int, makers: Iterable[str],
+            known: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Versions each maker's newest acknowledged update (or the version in `known`, if newer) trails
+        `version` by; a maker with neither counts as holding version -1."""
         known = known or {}
         with self._lock:
             return {maker: version - max(self.acked.get(maker, -1), known.get(maker, -1)) for maker in makers}
