@@ -14,11 +14,13 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from detached_rl.algorithms.ppo import PPOLearner
 from detached_rl.compat import coati
+from detached_rl.compat.coati.rounds import CoatiSession
 from detached_rl.models import Actor, Critic, LoraSettings, apply_lora, tiny_causal_lm
 from detached_rl.models.lora import lora_backend
 from detached_rl.models.scalar_heads import backbone_of
 from detached_rl.strategies import DDPStrategy, NaiveStrategy
 from detached_rl.trainer.config import TrainerConfig
+from detached_rl.trainer.core import TrainerCore
 from tests import conftest
 from tests.helpers import LowTokenReward, make_experience
 
@@ -197,8 +199,9 @@ def test_coati_fit_rounds_rerun_batches_and_push_at_round_ends() -> None:
     """coati's fit(total_steps=4, update_steps=2, train_epochs=2): 2 rounds x (2 fresh + 2 re-run batches)."""
     actor, critic = trainer_models()
     recorder = Recorder()
-    core = coati.CoatiTrainerCore("t", PPOLearner(actor, critic, NaiveStrategy(device="cpu")),
-                                  TrainerConfig(train_batch_size=2), callbacks=coati.Callbacks([recorder]))
+    session = CoatiSession(coati.Callbacks([recorder]))
+    core = session.install(TrainerCore("t", PPOLearner(actor, critic, NaiveStrategy(device="cpu")),
+                                       TrainerConfig(train_batch_size=2)))
     samples = [make_experience(reward=float(i), values=torch.zeros(2)) for i in range(8)]
     core.push_experience(samples)
     trained: list[list[float]] = []
@@ -210,10 +213,10 @@ def test_coati_fit_rounds_rerun_batches_and_push_at_round_ends() -> None:
         return original(experiences, policy_version)
 
     core.learner.train_step = train_step
-    core.rounds = coati.CoatiRounds(update_steps=2, train_epochs=2)
+    session.rounds = coati.CoatiRounds(update_steps=2, train_epochs=2)
     core.fit(8, put=lambda chunk: chunk,
              send_update=lambda update, makers: pushed.append(update.manifest.version)
-             or {}, update_steps=1)
+             or {}, update_steps=1, push_when=session.push_when)
     first, second = trained[:4], trained[4:]
     assert sorted(first[2:]) == sorted(first[:2]) and sorted(second[2:]) == sorted(second[:2])
     assert not set(map(tuple, first)) & set(map(tuple, second))  # each round its own fresh batches
@@ -429,3 +432,22 @@ def test_mmmt_prompt_flow(gpu_cluster, tmp_path) -> None:
     assert versions == {total_steps}
     for handle in [*trainer_refs, *experience_holder_refs]:
         ray.kill(handle)
+
+
+def test_dataloader_batches_carry_the_sampling_their_width_leaves() -> None:
+    from detached_rl.core.prompts import PromptBatch
+    from detached_rl.core.sampling import SamplingConfig
+
+    short = SamplingConfig(max_new_tokens=3)
+    seen: list = []
+
+    def fit(prompts: list, width: int | None) -> SamplingConfig | None:
+        seen.append((prompts, width))
+        return short if width else None
+
+    prompts = coati.DataloaderPrompts(iter([torch.tensor([[0, 5, 6]]), ["a"]]), 0, fit)
+    batch = prompts.next_batch(8)
+    assert isinstance(batch, PromptBatch) and batch.sampling == short and batch[0].prompt == [5, 6]
+    assert prompts.next_batch(8).sampling is None and seen[-1] == (["a"], None)
+    with pytest.raises(RuntimeError, match="ran out"):
+        prompts.next_batch(8)
