@@ -72,19 +72,24 @@ class _TrainerShell:
             if world_size != 1:
                 raise ValueError(f"trainer {name!r}: strategy 'naive' trains in one process, not "
                                  f"{world_size}")
-            self._build(NaiveStrategy(device=actor_device()))
+            self.build(NaiveStrategy(device=actor_device()))
 
-    def _make_learner(self, strategy: Strategy) -> Any:
+    def make_learner(self, strategy: Strategy) -> Any:
+        """The learner to train (subclasses override: this is the hook that picks it)."""
         raise NotImplementedError
 
-    def _build(self, strategy: Strategy) -> None:
-        self.core = TrainerCore(self.name, self._make_learner(strategy), self.config)
+    def build(self, strategy: Strategy) -> TrainerCore:
+        """Build the trainer core over `make_learner(strategy)` and its version-0 update; ready from now on."""
+        self.core = TrainerCore(self.name, self.make_learner(strategy), self.config)
         self.core.build_update(put_chunk)  # version 0, offered to makers that register
         self._ready.set()
+        return self.core
 
-    def _core(self) -> TrainerCore:
-        if not self._ready.wait(timeout=self.config.batch_timeout_s):
+    def trainer_core(self, timeout: float | None = None) -> TrainerCore:
+        """The trainer core, once built (waits up to `timeout`, default `batch_timeout_s`)."""
+        if not self._ready.wait(timeout=self.config.batch_timeout_s if timeout is None else timeout):
             raise RuntimeError(f"trainer {self.name!r} is not set up (its process group was never joined)")
+        assert self.core is not None
         return self.core
 
     @ray.method(concurrency_group="model_io")
@@ -107,27 +112,27 @@ class _TrainerShell:
         strategy = make_strategy(self.strategy_name, rank=self.rank, world_size=self.world_size,
                                  master_addr=master_addr, master_port=master_port, **options)
         strategy.setup()
-        self._build(strategy)
+        self.build(strategy)
 
     @ray.method(concurrency_group="buffer_append")
     def push_experience(self, experiences: list) -> AppendResult:
         """Append a maker's push (acknowledged; `full=True` asks the maker to back off and retry)."""
-        return self._core().push_experience(experiences)
+        return self.trainer_core().push_experience(experiences)
 
     @ray.method(concurrency_group="buffer_length")
     def buffer_length(self) -> int:
         """Samples in the replay buffer."""
-        return len(self._core().buffer)
+        return len(self.trainer_core().buffer)
 
     @ray.method(concurrency_group="buffer_length")
     def buffer_stats(self) -> dict[str, Any]:
         """Size, bytes, accounting, staleness histogram, per-maker counts, reward statistics."""
-        return self._core().buffer.stats()
+        return self.trainer_core().buffer.stats()
 
     @ray.method(concurrency_group="buffer_length")
     def status(self) -> dict[str, Any]:
         """State, version, steps, buffer fill, samples/s, last error, process id and run id."""
-        core = self._core()
+        core = self.trainer_core()
         context = ray.get_runtime_context()
         return {**core.status(), "pid": os.getpid(), "trainer_run": core.run_id,
                 "node_id": context.get_node_id(),
@@ -136,7 +141,7 @@ class _TrainerShell:
     @ray.method(concurrency_group="buffer_length")
     def metrics(self, last: int | None = None) -> list[dict[str, float]]:
         """Per-step metrics of `fit` (the last `last` steps)."""
-        history = list(self._core().history)
+        history = list(self.trainer_core().history)
         return history[-last:] if last else history
 
     @ray.method(concurrency_group="model_io")
@@ -145,7 +150,7 @@ class _TrainerShell:
         merged model under merged/."""
         from detached_rl.models.export import policy_files
 
-        core = self._core()
+        core = self.trainer_core()
         with core.weights_lock:
             actor = core.strategy.unwrap(core.learner.actor)
             return policy_files(actor.model, actor.tokenizer)
@@ -154,7 +159,7 @@ class _TrainerShell:
     def buffer_peek(self, count: int = 5, maker: str | None = None, min_reward: float | None = None,
                     max_reward: float | None = None) -> list[dict[str, Any]]:
         """The newest samples, decoded to text, without removing them."""
-        core = self._core()
+        core = self.trainer_core()
         tokenizer = core.strategy.unwrap(core.learner.actor).tokenizer
         return core.buffer.peek(count, maker=maker, min_reward=min_reward, max_reward=max_reward,
                                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
@@ -162,43 +167,43 @@ class _TrainerShell:
     @ray.method(concurrency_group="buffer_sample")
     def buffer_sample(self, count: int, timeout: float = 0.0) -> list:
         """Take `count` samples out of the buffer (for external consumers); [] if not enough in time."""
-        core = self._core()
+        core = self.trainer_core()
         return core.buffer.sample(count, current_version=core.policy_version, timeout=timeout)
 
     @ray.method(concurrency_group="model_io")
     def trainer_run(self) -> str:
         """The id of this trainer process's run (a maker follows one run's weights; see `register_maker`)."""
-        return self._core().run_id
+        return self.trainer_core().run_id
 
     @ray.method(concurrency_group="model_io")
     def register_maker(self, maker_name: str, base_fingerprint: str | None = None) -> WeightUpdate | None:
         """Record a maker; returns the weight update it should start from (full unless its base matches)."""
-        return self._core().register_maker(maker_name, base_fingerprint, put_chunk)
+        return self.trainer_core().register_maker(maker_name, base_fingerprint, put_chunk)
 
     @ray.method(concurrency_group="model_io")
     def policy_version(self) -> int:
         """Version of the current weights (completed training steps)."""
-        return self._core().policy_version
+        return self.trainer_core().policy_version
 
     @ray.method(concurrency_group="model_io")
     def weights_fingerprint(self) -> str:
         """Fingerprint of the weights makers mirror (for tests and audits; checksums every tensor)."""
-        core = self._core()
+        core = self.trainer_core()
         with core.weights_lock:
             return state_fingerprint(core.synced_state())
 
     @ray.method(concurrency_group="model_io")
     def update_fingerprints(self) -> dict[int, str]:
         """Version -> weights fingerprint of every update sent (with `record_weights_fingerprint`)."""
-        return dict(self._core().fingerprints)
+        return dict(self.trainer_core().fingerprints)
 
     @ray.method(concurrency_group="compute")
     def fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None,
             checkpoint_every: int = 0, checkpoint_dir: str | None = None, resume_from: str | None = None,
-            ) -> dict[str, Any]:
+            push_when: Callable[[int], bool] | None = None) -> dict[str, Any]:
         """Train up to step `total_steps`; push weights every `update_steps` steps
-        and at the end; checkpoint."""
-        core = self._core()
+        and at the end (or after the steps `push_when` returns True for); checkpoint."""
+        core = self.trainer_core()
 
         send = WeightPushQueue(functools.partial(send_weight_update, namespace=self.namespace),
                                self.config.weight_push_timeout_s)
@@ -218,14 +223,14 @@ class _TrainerShell:
                     logger.warning("maker %s did not acknowledge stop: %s", name, error)
 
         return core.fit(total_steps, put_chunk, send, update_steps, train_epochs, stop_makers,
-                        checkpoint_every, checkpoint_dir, resume_from)
+                        checkpoint_every, checkpoint_dir, resume_from, push_when)
 
     @ray.method(concurrency_group="model_io")
     def start_fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None,
                   **checkpointing: Any) -> bool:
         """Run `fit` in a background thread of the actor (it outlives the caller);
         False if one runs already."""
-        core = self._core()
+        core = self.trainer_core()
         if core.state == "training" or self._fit_thread is not None and self._fit_thread.is_alive():
             return False
         core.state = "training"
@@ -246,13 +251,13 @@ class _TrainerShell:
     @ray.method(concurrency_group="buffer_length")
     def stop(self) -> None:
         """Ask a running `fit` to end after its current step."""
-        self._core().stop()
+        self.trainer_core().stop()
 
     @ray.method(concurrency_group="buffer_sample")
     def buffer_export(self, start: int = 0, count: int = 256) -> list[dict[str, Any]]:
         """Samples `start`..`start+count` (arrival order) as plain dicts with decoded
         text, without removing them."""
-        core = self._core()
+        core = self.trainer_core()
         tokenizer = core.strategy.unwrap(core.learner.actor).tokenizer
         rows = []
         for experience in core.buffer.experiences(start, count):
@@ -277,7 +282,7 @@ class _TrainerShell:
 class PPOTrainerShell(_TrainerShell):
     """PPO: actor and critic from the factory (`(Actor, Critic)`); makers mirror both."""
 
-    def _make_learner(self, strategy: Strategy) -> PPOLearner:
+    def make_learner(self, strategy: Strategy) -> PPOLearner:
         actor, critic = self.model_factory()
         return PPOLearner(actor, critic, strategy, self.algorithm or PPOConfig(), sampling=self.sampling)
 
@@ -285,7 +290,7 @@ class PPOTrainerShell(_TrainerShell):
 class GRPOTrainerShell(_TrainerShell):
     """The GRPO family: the policy from the factory (an `Actor`, or `(Actor, ...)`); critic-free."""
 
-    def _make_learner(self, strategy: Strategy) -> GRPOLearner:
+    def make_learner(self, strategy: Strategy) -> GRPOLearner:
         built = self.model_factory()
         actor = built[0] if isinstance(built, tuple) else built
         return GRPOLearner(actor, strategy, self.algorithm or GRPOConfig(), sampling=self.sampling)

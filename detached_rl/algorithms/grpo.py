@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from detached_rl.algorithms import metrics as names
+from detached_rl.algorithms._common import LOG_RATIO_CLAMP as LOG_RATIO_CLAMP  # public here
 from detached_rl.algorithms.advantages import (
     AdvantageInputs,
     AdvantageSettings,
@@ -74,6 +75,10 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalt
     return (-(lengths.float() - start).clamp(min=0) / buffer * penalty).clamp(min=-penalty)
 
 
+# Sees a micro-batch's new and old log-probs and its token mask (`GRPOLearner.add_ratio_observer`).
+RatioObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
 class GRPOLearner(EpochsFromConfig):
     """Trains a policy with a group-relative (critic-free) objective (a `Learner`).
 
@@ -92,6 +97,7 @@ class GRPOLearner(EpochsFromConfig):
         self.config.check_overlong_buffer(self.sampling.max_new_tokens)
         self.estimate_advantages = get_advantage_estimator(self.config.advantage_estimator)
         self.policy_loss = get_policy_loss(self.config.policy_loss)
+        self.ratio_observers: list[RatioObserver] = []
         self.strategy = strategy
         self.actor, self.optimizer, self.scheduler = strategy.prepare_training(
             actor, self.config.actor_optimizer)
@@ -156,6 +162,11 @@ class GRPOLearner(EpochsFromConfig):
         """A plain copy of the policy with any LoRA adapter merged in."""
         model = self.policy.model
         return merged_model(model) if lora_backend(model) is not None else copy.deepcopy(model)
+
+    def add_ratio_observer(self, observe: RatioObserver) -> None:
+        """Call `observe(log_probs, old_log_probs, mask)` ([B, T] each) with what every micro-batch's policy loss
+        gets (log-probs masked; the ratio is exp(log_probs - old_log_probs), clamped by `LOG_RATIO_CLAMP`)."""
+        self.ratio_observers.append(observe)
 
     def update_ref_policy(self, alpha: float | None = None) -> None:
         """Polyak update of the reference: ref <- alpha * policy + (1 - alpha) * ref (alpha=1 copies)."""
@@ -308,6 +319,8 @@ class GRPOLearner(EpochsFromConfig):
         loss_settings = PolicyLossSettings(config.clip_low, config.clip_high, config.dual_clip,
                                            config.loss_agg,
                                            max_length=max_length)
+        for observe in self.ratio_observers:
+            observe(log_probs, micro.old_log_probs, mask)
         policy_loss, stats = self.policy_loss(log_probs, micro.old_log_probs, micro.advantages, mask,
                                               loss_settings,
                                               weights=micro.loss_weights)

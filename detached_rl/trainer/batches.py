@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from detached_rl.trainer.core import TrainerCore
@@ -12,6 +12,19 @@ if TYPE_CHECKING:
 
 class TrainingStopped(Exception):
     """`stop()` was called while `fit` waited for data."""
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    """Where a `TrainerCore` takes its batches from instead of the buffer (`TrainerCore(batch_source=...)`).
+
+    `next_batch(core)` returns (experiences, batch metrics); it may call `next_batch(core)` of this module
+    for the buffer's own next batch.
+    """
+
+    def next_batch(self, core: TrainerCore) -> tuple[list[Any], dict[str, float]]:
+        """The next training batch and its metrics."""
+        ...
 
 
 def wait_for_batch(core: TrainerCore) -> None:

@@ -21,9 +21,9 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,13 +35,14 @@ from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
 from detached_rl.core.staleness import GenerationLedger
 from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate
 from detached_rl.strategies import check_strategy
-from detached_rl.trainer.batches import TrainingStopped, next_batch, wait_for_batch
+from detached_rl.trainer.batches import BatchSource, TrainingStopped, next_batch, wait_for_batch
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.resume import merge_buffer_states
 from detached_rl.trainer.weight_delivery import SendUpdate, WeightDelivery
 from detached_rl.trainer.weight_push import WeightPushQueue
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 # A grouped learner's share of the groups a step drew and dropped (GRPO's dynamic sampling): a step takes more
 # than `train_batch_size` samples from the buffer, which pacing the makers counts (`_samples_per_step`).
 DYNAMIC_SAMPLING_DROPPED = "dynamic_sampling/dropped_fraction"
@@ -74,11 +75,45 @@ def _finite_mean(values: list[int | float]) -> float | None:
     return math.fsum(v / scale for v in floats) / len(floats) * scale
 
 
-class TrainerCore:
-    """Owns the learner, the replay buffer and the policy version; runs `fit`."""
+class TrainerCallback:
+    """Step callbacks of a `TrainerCore` (`add_callbacks`); any object with some of these methods will do.
 
-    def __init__(self, name: str, learner: Learner, config: TrainerConfig | None = None) -> None:
+    `step` is the policy version: before the step in `on_step_start`, after it in the others. `on_step_end`
+    may add entries to `metrics` (the row `history` keeps). `on_push_start`/`on_push_end` frame a weight push
+    of `fit`.
+    """
+
+    def on_step_start(self, step: int) -> None:
+        """A step is about to draw its batch."""
+
+    def on_step_end(self, step: int, metrics: dict[str, float], batch: list[Any]) -> None:
+        """A step trained on `batch`."""
+
+    def on_push_start(self, step: int) -> None:
+        """`fit` is about to push the weights of `step`."""
+
+    def on_push_end(self, step: int, metrics: dict[str, float]) -> None:
+        """`fit` pushed the weights of `step`; `metrics` are the push's."""
+
+
+# Decides whether `fit` pushes the weights after a step (given the policy version after it).
+PushWhen = Callable[[int], bool]
+
+
+class TrainerCore:
+    """Owns the learner, the replay buffer and the policy version; runs `fit`.
+
+    Public hooks: `batch_source` (`set_batch_source`) replaces where batches come from, `add_callbacks` adds
+    step callbacks (`TrainerCallback`), `step()` is one step with `fit`'s bookkeeping, `register_makers` adds
+    makers by name, `update_reference` and `with_learner` touch the weights under the weights lock.
+    """
+
+    def __init__(self, name: str, learner: Learner, config: TrainerConfig | None = None,
+                 batch_source: BatchSource | None = None) -> None:
         self.name = name
+        self.batch_source = batch_source
+        self.callbacks: list[Any] = []
+        self.last_batch: list[Any] = []  # the batch of the latest step
         self.learner = learner
         self.strategy = check_strategy(getattr(learner, "strategy", None), f"TrainerCore {name!r}: learner.strategy")
         self.config = config or TrainerConfig()
@@ -260,8 +295,61 @@ class TrainerCore:
         wait_for_batch(self)
 
     def next_batch(self) -> tuple[list[Any], dict[str, float]]:
-        """The next training batch: learner-defined (e.g. whole groups, dynamic sampling) or plain FIFO."""
+        """The next training batch: the batch source's, else learner-defined (e.g. whole groups, dynamic
+        sampling) or plain FIFO."""
+        if self.batch_source is not None:
+            return self.batch_source.next_batch(self)
         return next_batch(self)
+
+    def set_batch_source(self, source: BatchSource | None) -> None:
+        """Take batches from `source` (None: from the buffer again)."""
+        self.batch_source = source
+
+    def add_callbacks(self, *callbacks: Any) -> None:
+        """Call these `TrainerCallback`s (in order, after those added before) at every step and push."""
+        self.callbacks.extend(callbacks)
+
+    def _notify(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if method is not None:
+                method(*args)
+
+    def register_makers(self, names: Iterable[str]) -> None:
+        """Add makers by name, without an update to start from (they take the next push)."""
+        with self.delivery.registration_lock:
+            self.delivery.makers.update(names)
+
+    def update_reference(self, alpha: float) -> bool:
+        """Polyak update of the learner's reference model: ref <- alpha * policy + (1 - alpha) * ref, under the
+        weights lock; False (nothing done) without a reference or with alpha <= 0."""
+        if alpha <= 0 or getattr(self.learner, "reference", None) is None:
+            return False
+        with self.weights_lock:
+            self.learner.update_ref_policy(alpha)  # type: ignore[attr-defined]
+        return True
+
+    def with_learner(self, use: Callable[[Learner], T]) -> T:
+        """`use(learner)` while the weights do not change (e.g. to save or export them)."""
+        with self.weights_lock:
+            return use(self.learner)
+
+    def step(self) -> dict[str, float]:
+        """One training step with `fit`'s bookkeeping and no weight push: callbacks, `history`, skip counters,
+        `state` ("training"; "failed" with `last_error` when the step raises)."""
+        self.state = "training"
+        try:
+            self._notify("on_step_start", self.policy_version)
+            metrics = self.train_step()
+            self._notify("on_step_end", self.policy_version, metrics, self.last_batch)
+        except TrainingStopped:
+            raise
+        except BaseException as error:
+            self.state = "failed"
+            self.last_error = f"{type(error).__name__}: {error}"
+            raise
+        self.history.append(metrics)
+        return metrics
 
     def train_step(self) -> dict[str, float]:
         """Sample a batch, train on it, advance the version; returns metrics reduced across ranks.
@@ -270,6 +358,7 @@ class TrainerCore:
         """
         wait_start = time.perf_counter()
         experiences, batch_metrics = self.next_batch()
+        self.last_batch = experiences
         batch_metrics = {**batch_metrics, "time/wait_for_batch": time.perf_counter() - wait_start}
         self._step_in_progress = True
         try:
@@ -343,8 +432,10 @@ class TrainerCore:
         checkpoint_every: int = 0,
         checkpoint_dir: str | Path | None = None,
         resume_from: str | Path | None = None,
+        push_when: PushWhen | None = None,
     ) -> dict[str, Any]:
-        """Train up to step `total_steps`; push weights every `update_steps` steps and at the end.
+        """Train up to step `total_steps`; push weights every `update_steps` steps and at the end (with
+        `push_when`, after the steps it returns True for; it gets the policy version after the step).
 
         With `resume_from`, training continues from a checkpoint (its step counts towards
         `total_steps`); with `checkpoint_every` > 0, a checkpoint is saved to `checkpoint_dir`
@@ -366,14 +457,17 @@ class TrainerCore:
                 self.offer_resumed_weights(send_update)
             self._update_steps = update_steps
             while self.policy_version < total_steps and not self._stop.is_set():
-                metrics = self.train_step()
+                metrics = self.step()  # its `history` row, replaced by one with the push's metrics added
                 step = self.policy_version
                 last = step >= total_steps
-                if step % update_steps == 0 or last:
-                    metrics.update(self.sync_weights(put, send_update))
+                if push_when(step) if push_when is not None else step % update_steps == 0 or last:
+                    self._notify("on_push_start", step)
+                    pushed = self.sync_weights(put, send_update)
+                    if self.history and self.history[-1] is metrics:  # a new row: readers never see one change
+                        self.history[-1] = {**metrics, **pushed}
+                    self._notify("on_push_end", step, pushed)
                 if checkpoint_every and (step % checkpoint_every == 0 or last):
                     self.save_checkpoint(checkpoint_dir)
-                self.history.append(metrics)
             self.finish_weight_push()  # makers hold the last version before they are stopped
         except TrainingStopped:
             self.finish_weight_push()  # asked to stop while waiting for data: end like a finished run, at this step

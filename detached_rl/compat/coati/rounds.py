@@ -8,6 +8,7 @@ from typing import Any
 
 from detached_rl.compat.coati.callbacks import Callbacks
 from detached_rl.compat.coati.settings import coati_metrics
+from detached_rl.trainer.batches import next_batch as buffer_batch
 from detached_rl.trainer.core import TrainerCore
 
 
@@ -56,54 +57,79 @@ class CoatiRounds:
         return self.step > 0 and self.step % self.steps_per_round == 0
 
 
-class CoatiTrainerCore(TrainerCore):
-    """`TrainerCore` whose batches follow `CoatiRounds` during a coati `fit` (or one given to
-    `training_step`), pushing weights only at round ends and calling coati's callbacks."""
+class CoatiSession:
+    """coati's fit over a `TrainerCore`'s public hooks: its batch source (an injected batch, the rounds' next
+    batch, else the buffer's), its step callbacks (coati's episode, epoch, batch and update callbacks, coati's
+    metric names) and `push_when` (weights pushed at round ends only). `rounds` is set for a coati `fit`."""
 
-    def __init__(self, *args: Any, callbacks: Callbacks | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, callbacks: Callbacks | None = None) -> None:
         self.callbacks = callbacks or Callbacks([])
         self.rounds: CoatiRounds | None = None
         self.injected: list[Any] | None = None
-        self.last_batch: list[Any] | None = None
 
-    def next_batch(self) -> tuple[list[Any], dict[str, float]]:
+    def install(self, core: TrainerCore) -> TrainerCore:
+        """Make `core` take its batches from this session and call its callbacks."""
+        core.set_batch_source(self)
+        core.add_callbacks(self)
+        return core
+
+    def inject(self, batch: list[Any]) -> None:
+        """Have the next step train on `batch` (coati's `training_step`)."""
+        self.injected = batch
+
+    # ---------------------------------------------------------------- BatchSource
+    def next_batch(self, core: TrainerCore) -> tuple[list[Any], dict[str, float]]:
         """The injected batch, the rounds' next batch, or the buffer's."""
         if self.injected is not None:
             batch, self.injected = self.injected, None
-        elif self.rounds is not None:
-            fresh = super().next_batch
-            batch = self.rounds.next_batch(lambda: fresh()[0])
-        else:
-            return super().next_batch()
-        self.last_batch = batch
-        return batch, {}
+            return batch, {}
+        if self.rounds is not None:
+            return self.rounds.next_batch(lambda: buffer_batch(core)[0]), {}
+        return buffer_batch(core)
 
-    def train_step(self) -> dict[str, float]:
-        """One coati training step, with coati's episode, epoch and batch callbacks."""
+    def push_when(self, step: int) -> bool:
+        """Push weights at the end of a round only (coati's `_update_remote_makers` after each round)."""
+        return self.rounds is None or self.rounds.at_round_end()
+
+    # ---------------------------------------------------------------- TrainerCallback
+    def on_step_start(self, step: int) -> None:
+        """coati's episode, epoch and batch start callbacks."""
         if self.rounds is None:
-            return coati_metrics(super().train_step())
+            return
         episode, epoch, index = self.rounds.position()
         if epoch == 0 and index == 0:
             self.callbacks.on_episode_start(episode)
         if index == 0:
             self.callbacks.on_epoch_start(epoch)
         self.callbacks.on_batch_start()
-        metrics = coati_metrics(super().train_step())
-        self.callbacks.on_batch_end(metrics, self.last_batch)
+
+    def on_step_end(self, step: int, metrics: dict[str, float], batch: list[Any]) -> None:
+        """coati's metric names; its batch and epoch end callbacks."""
+        metrics.update(coati_metrics(metrics))
+        if self.rounds is None:
+            return
+        _, epoch, index = self.rounds.position()
+        self.callbacks.on_batch_end(metrics, batch)
         self.rounds.advance()
         if index == self.rounds.update_steps - 1:
             self.callbacks.on_epoch_end(epoch)
-        return metrics
 
-    def sync_weights(self, put: Any, send_update: Any) -> dict[str, float]:
-        """Push weights at the end of a round only (coati's `_update_remote_makers` after each round)."""
-        if self.rounds is None:
-            return super().sync_weights(put, send_update)
-        if not self.rounds.at_round_end():
-            return {}
-        self.callbacks.on_update_start()
-        metrics = super().sync_weights(put, send_update)
-        self.callbacks.on_update_end()
-        self.callbacks.on_episode_end(self.rounds.step // self.rounds.steps_per_round - 1)
-        return metrics
+    def on_push_start(self, step: int) -> None:
+        """coati's update start callback."""
+        if self.rounds is not None:
+            self.callbacks.on_update_start()
+
+    def on_push_end(self, step: int, metrics: dict[str, float]) -> None:
+        """coati's update end and episode end callbacks."""
+        if self.rounds is not None:
+            self.callbacks.on_update_end()
+            self.callbacks.on_episode_end(self.rounds.step // self.rounds.steps_per_round - 1)
+
+
+def coati_trainer_core(*args: Any, callbacks: Callbacks | None = None, **kwargs: Any) -> TrainerCore:
+    """A `TrainerCore` with a `CoatiSession` installed (as `core.batch_source`)."""
+    return CoatiSession(callbacks).install(TrainerCore(*args, **kwargs))
+
+
+#: The former name (a `TrainerCore` with a `CoatiSession`).
+CoatiTrainerCore = coati_trainer_core

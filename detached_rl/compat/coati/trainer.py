@@ -15,9 +15,15 @@ from detached_rl.actors.transport import attach, dispatch_weight_update, put_chu
 from detached_rl.algorithms.ppo import PPOConfig
 from detached_rl.compat.coati.callbacks import Callbacks, PerformanceEvaluator
 from detached_rl.compat.coati.peers import _actor_name, _names, _namespace
-from detached_rl.compat.coati.rounds import CoatiRounds, CoatiTrainerCore
+from detached_rl.compat.coati.rounds import CoatiRounds, CoatiSession
 from detached_rl.compat.coati.saving import save_critic, save_model
-from detached_rl.compat.coati.settings import COATI_METRICS, build_strategy, set_dist_env, trainer_settings
+from detached_rl.compat.coati.settings import (
+    COATI_METRICS,
+    build_strategy,
+    coati_metrics,
+    set_dist_env,
+    trainer_settings,
+)
 from detached_rl.compat.placement import PlacementCheckedActorClass
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.strategies import Strategy
@@ -64,14 +70,13 @@ class CoatiPPOTrainer(PPOTrainerShell):
                          strategy=self._strategy.name, sampling=sampling)
         if self.core is None:  # a distributed strategy: the shell leaves the build to us
             self._strategy.setup()
-            self._build(self._strategy)
+            self.build(self._strategy)
+        self.session = CoatiSession(self._callbacks)
+        self.session.install(self.trainer_core())
 
-    def _build(self, strategy: Strategy) -> None:
-        # The shell offers its own naive strategy; the one `strategy_fn` made wins.
-        self.core = CoatiTrainerCore(self.name, self._make_learner(self._strategy), self.config,
-                                     callbacks=self._callbacks)
-        self.core.build_update(put_chunk)
-        self._ready.set()
+    def make_learner(self, strategy: Strategy) -> Any:
+        """The shell's PPO learner under the strategy `strategy_fn` made (not the one the shell offers)."""
+        return super().make_learner(self._strategy)
 
     def _adopt_maker_settings(self) -> None:
         """Train under the makers' sampling and KL coefficient (coati set both on the maker only)."""
@@ -82,7 +87,7 @@ class CoatiPPOTrainer(PPOTrainerShell):
                                         timeout=60.0))
             except AttributeError:  # not a coati maker: it states nothing
                 continue
-        learner = self._core().learner
+        learner = self.trainer_core().learner
         for key in ("sampling", "kl_coef"):
             values = {repr(s[key]): s[key] for s in settings}
             if len(values) > 1:
@@ -105,7 +110,7 @@ class CoatiPPOTrainer(PPOTrainerShell):
         if fully_update:
             self.sync_models_to_remote_makers()
             return
-        core = self._core()
+        core = self.trainer_core()
         update, _ = core.build_update(put_chunk)
         results = dispatch_weight_update(update, self.maker_names, self.namespace,
                                          self.config.weight_push_timeout_s)
@@ -116,37 +121,36 @@ class CoatiPPOTrainer(PPOTrainerShell):
     @ray.method(concurrency_group="compute")
     def training_step(self, experience: Any) -> dict[str, float]:
         """Train on one batch (a list of `Experience`, or one); returns {"actor_loss", "critic_loss"}."""
-        core = self._core()
-        core.injected = list(experience) if isinstance(experience, list | tuple) else [experience]
-        metrics = core.train_step()
+        core = self.trainer_core()
+        self.session.inject(list(experience) if isinstance(experience, list | tuple) else [experience])
+        metrics = coati_metrics(core.train_step())
         return {alias: metrics[alias] for alias in COATI_METRICS}
 
     @ray.method(concurrency_group="compute")
     def fit(self, total_steps: int, update_steps: int, train_epochs: int = 1) -> dict[str, Any]:
         """coati's fit: `total_steps // update_steps` rounds of `update_steps` buffer batches, each round
         re-run `train_epochs - 1` more times in shuffled order, then the weights pushed to the makers."""
-        core = self._core()
+        core = self.trainer_core()
         rounds = CoatiRounds(update_steps, train_epochs, seed=core.policy_version)
         count = (total_steps // update_steps) * rounds.steps_per_round
         self._adopt_maker_settings()
         self._callbacks.on_fit_start()
         result: dict[str, Any] = {"steps": 0, "policy_version": core.policy_version}
         if count:
-            core.rounds = rounds
+            self.session.rounds = rounds
             try:
-                # Every step asks to push; the core pushes at round ends only.
-                result = super().fit(core.policy_version + count, 1, None)
+                # The core pushes at round ends only.
+                result = super().fit(core.policy_version + count, 1, None, push_when=self.session.push_when)
             finally:
-                core.rounds = None
+                self.session.rounds = None
         self._callbacks.on_fit_end()
         return result
 
     def _save(self, only_rank0: bool, write: Callable[[Any], Any]) -> None:
-        core = self._core()
+        core = self.trainer_core()
         if only_rank0 and not core.strategy.is_rank_zero:
             return
-        with core.weights_lock:
-            write(core.learner)
+        core.with_learner(write)
 
     def strategy_save_actor(self, path: str, only_rank0: bool = False) -> None:
         """The policy (LoRA merged) as a `from_pretrained` directory, or a state dict for a `.pt` path."""
@@ -170,18 +174,18 @@ class CoatiPPOTrainer(PPOTrainerShell):
     @ray.method(concurrency_group="buffer_length")
     def buffer_get_length(self) -> int:
         """Full training batches in the replay buffer (coati counted batches)."""
-        return len(self._core().buffer) // self.config.train_batch_size
+        return len(self.trainer_core().buffer) // self.config.train_batch_size
 
     @ray.method(concurrency_group="buffer_append")
     def buffer_append(self, experience: Any) -> Any:
         """Append experience (one `Experience` or a list); returns the buffer's acknowledgement."""
         items = list(experience) if isinstance(experience, list | tuple) else [experience]
-        return self._core().push_experience(items)
+        return self.trainer_core().push_experience(items)
 
     @ray.method(concurrency_group="buffer_append")
     def buffer_extend(self, items: Sequence[Any]) -> Any:
         """Append a list of `Experience`; returns the buffer's acknowledgement."""
-        return self._core().push_experience(list(items))
+        return self.trainer_core().push_experience(list(items))
 
 
 #: The Ray actor class; `.remote()` refuses at once a request the cluster can never place.

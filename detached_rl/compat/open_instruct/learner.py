@@ -9,8 +9,7 @@ from typing import Any
 import torch
 
 from detached_rl.algorithms import metrics as names
-from detached_rl.algorithms._common import LOG_RATIO_CLAMP
-from detached_rl.algorithms.grpo import GRPOLearner
+from detached_rl.algorithms.grpo import LOG_RATIO_CLAMP, GRPOLearner
 from detached_rl.compat.open_instruct.config import KL_ESTIMATORS
 from detached_rl.core.experience import Experience
 
@@ -64,7 +63,7 @@ class ObservedGRPOLearner(GRPOLearner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ratio_stats = SequenceRatioStats()
-        self.policy_loss = self.ratio_stats.observe(self.policy_loss)
+        self.add_ratio_observer(self.ratio_stats.add)
         self.last_prompt_lengths: list[int] = []
         self.last_response_lengths: list[int] = []
         # Prompt + response tokens of every sample (what the forward passes see).

@@ -37,7 +37,6 @@ from detached_rl.compat.open_instruct.learner import (
     ObservedGRPOLearner,
     matmul_dtype,
     open_instruct_step_metrics,
-    polyak_update_ref_policy,
 )
 from detached_rl.compat.placement import PlacementCheckedActorClass
 from detached_rl.core.checkpoint import has_checkpoint, load_state, save_atomic
@@ -140,7 +139,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
             raise ValueError(f"learner rank {self.rank}: no master_addr/master_port (only rank 0 picks them)")
         return self._master
 
-    def _make_learner(self, strategy: Strategy) -> ObservedGRPOLearner:
+    def make_learner(self, strategy: Strategy) -> ObservedGRPOLearner:
         return ObservedGRPOLearner(self.model_factory(), strategy, self.algorithm, sampling=self.sampling)
 
     @ray.method(concurrency_group="compute")
@@ -164,7 +163,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
             if self.world_size != 1:
                 raise ValueError(f"learner {self.name!r}: strategy 'naive' trains one rank, not "
                                  f"{self.world_size}")
-            self._build(NaiveStrategy(device=actor_device()))
+            self.build(NaiveStrategy(device=actor_device()))
         else:
             address, port = self.get_master_addr_port()
             self.join_process_group(address, port,
@@ -172,7 +171,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         return self._resume(_args(args, "checkpoint_state_dir"))
 
     def _resume(self, directory: str | None) -> StepsDone:
-        core = self._core()
+        core = self.trainer_core()
         found = directory is not None and has_checkpoint(Path(directory) / f"rank_{self.rank}")
         every = core.strategy.all_gather_object(found)
         if not any(every):
@@ -200,7 +199,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
     @ray.method(concurrency_group="model_io")
     def setup_model_update_group(self, vllm_engines: Sequence[Any]) -> None:
         """Have `broadcast_to_vllm` send weights to these named makers, in this learner's namespace."""
-        core = self._core()
+        core = self.trainer_core()
         names = [_maker_name(engine, self.config.weight_push_timeout_s) for engine in vllm_engines]
         for maker in names:
             try:
@@ -209,7 +208,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
                 raise ValueError(f"maker {maker!r} is not in Ray namespace {self.namespace!r}, where learner "
                                  f"{self.name!r} sends weights: create it with .options(name={maker!r}, "
                                  f"namespace={self.namespace!r})") from None
-        core.makers.update(names)
+        core.register_makers(names)
 
     @ray.method(concurrency_group="compute")
     def step(self) -> tuple[dict[str, float], dict[str, list[int]]]:
@@ -218,15 +217,9 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         The scalars are already token-weighted over all ranks (the strategy reduces them in the step);
         `_token_count` and the other "_" keys are this rank's, for the driver.
         """
-        core = self._core()
-        core.state = "training"
-        try:
-            metrics = core.train_step()
-        except BaseException as error:
-            core.state, core.last_error = "failed", f"{type(error).__name__}: {error}"
-            raise
-        core.history.append(metrics)
-        learner: ObservedGRPOLearner = core.learner
+        core = self.trainer_core()
+        metrics = core.step()
+        learner: ObservedGRPOLearner = core.learner  # type: ignore[assignment]
         out = open_instruct_step_metrics(metrics, self.algorithm.kl_coef, self.algorithm.kl_kind)
         prompts, responses = learner.last_prompt_lengths, learner.last_response_lengths
         out.update({TOKEN_COUNT: float(sum(responses)), SEQUENCE_TOKENS: float(learner.last_sequence_tokens),
@@ -240,7 +233,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
 
         `model_step` is accepted for open-instruct's signature: the update carries the policy version.
         """
-        core = self._core()
+        core = self.trainer_core()
 
         def send(update: Any, makers: list[str]) -> Mapping[str, Any]:
             return dispatch_weight_update(update, makers, self.namespace, self.config.weight_push_timeout_s)
@@ -250,9 +243,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
     @ray.method(concurrency_group="compute")
     def update_ref_policy(self) -> None:
         """Polyak update of the reference: ref <- alpha * policy + (1 - alpha) * ref (none: nothing)."""
-        core = self._core()
-        with core.weights_lock:
-            polyak_update_ref_policy(core.learner, float(_args(self.args, "alpha")))
+        self.trainer_core().update_reference(float(_args(self.args, "alpha")))
 
     @ray.method(concurrency_group="compute")
     def save_checkpoint_state(self, checkpoint_state_dir: str,
@@ -269,7 +260,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         saved = dict(client_state or {})
         if training_step is not None:
             saved.setdefault("training_step", int(training_step))
-        core = self._core()
+        core = self.trainer_core()
         core.save_checkpoint(checkpoint_state_dir)
         state = {"policy_version": core.policy_version, "client_state": {**saved, "rank": self.rank}}
         save_atomic(state, Path(checkpoint_state_dir) / f"client_state_rank_{self.rank}")
@@ -283,21 +274,26 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         if (path / CHECKPOINT_COMPLETE_MARKER).exists():
             logger.info("model already saved completely at %s, skipping", path)
             return
-        core = self._core()
-        strategy = core.strategy
-        with core.weights_lock:
-            policy = strategy.unwrap(core.learner.actor)
-            gathered = (dict(strategy.named_tensors(core.learner.actor, "model."))
-                        if strategy.shards_weights else None)
-            if not strategy.is_rank_zero:
-                return
-            tokenizer = tokenizer if tokenizer is not None else policy.tokenizer
-            if gathered is None:
-                save_merged(policy.model, tokenizer, path)
-            else:
-                policy.model.save_pretrained(path, state_dict=gathered, safe_serialization=True)
-                tokenizer.save_pretrained(path)
+        core = self.trainer_core()
+        if not core.with_learner(functools.partial(_write_model, path=path, tokenizer=tokenizer)):
+            return
         (path / CHECKPOINT_COMPLETE_MARKER).touch()
+
+
+def _write_model(learner: Any, path: Path, tokenizer: Any) -> bool:
+    """Write the policy (LoRA merged) and tokenizer to `path` on rank 0; whether this rank wrote it."""
+    strategy = learner.strategy
+    policy = strategy.unwrap(learner.actor)
+    gathered = dict(strategy.named_tensors(learner.actor, "model.")) if strategy.shards_weights else None
+    if not strategy.is_rank_zero:
+        return False
+    tokenizer = tokenizer if tokenizer is not None else policy.tokenizer
+    if gathered is None:
+        save_merged(policy.model, tokenizer, path)
+    else:
+        policy.model.save_pretrained(path, state_dict=gathered, safe_serialization=True)
+        tokenizer.save_pretrained(path)
+    return True
 
 
 def _not_loaded() -> Any:
