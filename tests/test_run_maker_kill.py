@@ -21,7 +21,7 @@ from tests.conftest import CLUSTER_MARKER, ROOT, marked_processes, new_cluster_m
 from tests.helpers import gpu_overrides, set_flags
 
 STEPS = 8
-MAKER_PROCESS = "ray::ExperienceMakerHolder"  # the process title of a maker's worker
+MAKER_PROCESS = "ray::MakerShell"  # the process title of a maker's worker
 
 
 def test_every_maker_constructor_argument_travels_inline():

@@ -65,8 +65,8 @@ def all_status(namespace: str) -> list[dict[str, Any]]:
     return rows
 
 
-ROLES = {"ExperienceMakerHolder": "maker", "PPOTrainerShell": "trainer", "GRPOTrainerShell": "trainer",
-         "ScorerWorker": "scorer"}
+ROLES = {"MakerShell": "maker", "CoatiMakerHolder": "maker", "ExperienceMakerHolder": "maker",
+         "PPOTrainerShell": "trainer", "GRPOTrainerShell": "trainer", "ScorerWorker": "scorer"}
 
 
 def actor_table(namespace: str) -> dict[str, dict[str, Any]]:
