@@ -55,7 +55,8 @@ def done(result=None, error=None):
 
 
 def deliver(maker, store, gone=()):
-    """The push queue over a fake `send`: `maker` applies each update at once; makers in `gone` are no actors."""
+    """The push queue over a fake `send`: `maker` applies each update at once; makers in `gone` are no
+    actors."""
 
     def send(name, update):
         if name in gone:

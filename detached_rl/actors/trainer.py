@@ -79,7 +79,8 @@ class _TrainerShell:
         raise NotImplementedError
 
     def build(self, strategy: Strategy) -> TrainerCore:
-        """Build the trainer core over `make_learner(strategy)` and its version-0 update; ready from now on."""
+        """Build the trainer core over `make_learner(strategy)` and its version-0 update (ready from now
+        on)."""
         self.core = TrainerCore(self.name, self.make_learner(strategy), self.config)
         self.core.build_update(put_chunk)  # version 0, offered to makers that register
         self._ready.set()

@@ -164,8 +164,9 @@ class GRPOLearner(EpochsFromConfig):
         return merged_model(model) if lora_backend(model) is not None else copy.deepcopy(model)
 
     def add_ratio_observer(self, observe: RatioObserver) -> None:
-        """Call `observe(log_probs, old_log_probs, mask)` ([B, T] each) with what every micro-batch's policy loss
-        gets (log-probs masked; the ratio is exp(log_probs - old_log_probs), clamped by `LOG_RATIO_CLAMP`)."""
+        """Call `observe(log_probs, old_log_probs, mask)` ([B, T] each) with what every micro-batch's policy
+        loss gets (log-probs masked; the ratio is exp(log_probs - old_log_probs), clamped by
+        `LOG_RATIO_CLAMP`)."""
         self.ratio_observers.append(observe)
 
     def update_ref_policy(self, alpha: float | None = None) -> None:

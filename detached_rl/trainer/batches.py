@@ -32,15 +32,16 @@ def wait_for_batch(core: TrainerCore) -> None:
     size = core.config.train_batch_size
     deadline = time.monotonic() + core.config.batch_timeout_s
     while True:
-        available = core.buffer.wait_for(size, core.policy_version, timeout=min(0.5, core.config.batch_timeout_s))
+        available = core.buffer.wait_for(size, core.policy_version,
+                                         timeout=min(0.5, core.config.batch_timeout_s))
         if core.strategy.all_true(available >= size):
             return
         if not core.strategy.all_true(not core.stop_requested):
             raise TrainingStopped(f"trainer {core.name!r} was asked to stop")
         if not core.strategy.all_true(time.monotonic() < deadline):
             raise TimeoutError(
-                f"trainer {core.name!r} (rank {core.strategy.rank}): no full batch of {size} samples on every "
-                f"rank within {core.config.batch_timeout_s:.0f} s (this rank holds {available}); "
+                f"trainer {core.name!r} (rank {core.strategy.rank}): no full batch of {size} samples on "
+                f"every rank within {core.config.batch_timeout_s:.0f} s (this rank holds {available}); "
                 "are the makers running and pushing here?"
             )
 
@@ -55,8 +56,9 @@ def sample_waiting(core: TrainerCore, count: int) -> list[Any]:
             raise TrainingStopped(f"trainer {core.name!r} was asked to stop")
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"trainer {core.name!r} (rank {core.strategy.rank}): fewer than {count} samples arrived within "
-                f"{core.config.batch_timeout_s:.0f} s (buffer holds {len(core.buffer)}); are the makers running?"
+                f"trainer {core.name!r} (rank {core.strategy.rank}): fewer than {count} samples arrived "
+                f"within {core.config.batch_timeout_s:.0f} s (buffer holds {len(core.buffer)}); are the "
+                "makers running?"
             )
 
 def next_batch(core: TrainerCore) -> tuple[list[Any], dict[str, float]]:

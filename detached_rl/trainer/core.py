@@ -49,7 +49,8 @@ DYNAMIC_SAMPLING_DROPPED = "dynamic_sampling/dropped_fraction"
 
 
 def info_means(experiences: list[Any]) -> dict[str, float]:
-    """Batch means of the numeric `info` entries every sample carries (reward components, "finished"), as "info/<key>"."""
+    """Batch means of the numeric `info` entries every sample carries (reward components, "finished"), as
+    "info/<key>"."""
     if not experiences:
         return {}
     common = set.intersection(*(set(getattr(e, "info", None) or {}) for e in experiences))
@@ -115,7 +116,8 @@ class TrainerCore:
         self.callbacks: list[Any] = []
         self.last_batch: list[Any] = []  # the batch of the latest step
         self.learner = learner
-        self.strategy = check_strategy(getattr(learner, "strategy", None), f"TrainerCore {name!r}: learner.strategy")
+        self.strategy = check_strategy(getattr(learner, "strategy", None),
+                                       f"TrainerCore {name!r}: learner.strategy")
         self.config = config or TrainerConfig()
         model_config = self.strategy.unwrap(learner.actor).model.config
         vocab_size = int(model_config.vocab_size)
@@ -123,13 +125,16 @@ class TrainerCore:
         # A learner that trains on whole groups says how big (optional, beyond the `Learner` protocol).
         group_size = getattr(learner, "group_size", None)
         if group_size is not None and self.config.train_batch_size % group_size:
-            raise ValueError(f"TrainerCore {name!r}: train_batch_size {self.config.train_batch_size} is not a "
-                             f"multiple of the learner's group_size {group_size}: batches would split groups")
+            raise ValueError(f"TrainerCore {name!r}: train_batch_size {self.config.train_batch_size} is not "
+                             f"a multiple of the learner's group_size {group_size}: batches would split "
+                             "groups")
         self.buffer = ReplayBuffer(
-            max_sequence_length=int(max_positions) if isinstance(max_positions, int) and max_positions > 1 else None,
+            max_sequence_length=(int(max_positions) if isinstance(max_positions, int) and max_positions > 1
+                                 else None),
             max_samples=self.config.buffer_max_samples, max_bytes=self.config.buffer_max_bytes,
             max_staleness=self.config.max_staleness, max_reuse=self.config.max_reuse,
-            overflow=self.config.buffer_overflow, vocab_size=vocab_size, max_abs_reward=self.config.max_abs_reward,
+            overflow=self.config.buffer_overflow, vocab_size=vocab_size,
+            max_abs_reward=self.config.max_abs_reward,
             group_size=group_size,
         )
         self.policy_version = 0
@@ -145,26 +150,29 @@ class TrainerCore:
         self.history: deque[dict[str, float]] = deque(maxlen=self.config.metrics_history)
         # Held while the weights change (a training step) and while they are snapshotted for an update.
         self.weights_lock = threading.Lock()
-        # Held by a push and while a resume swaps the buffer: no push is acknowledged into a buffer being replaced.
+        # Held by a push and while a resume swaps the buffer: no push is acknowledged into a buffer being
+        # replaced.
         self._push_lock = threading.Lock()
         self._stop = threading.Event()
         self._started = time.monotonic()
         self.samples_trained = 0
-        self._step_in_progress = False  # a batch has left the buffer and its step has not advanced the version yet
+        # a batch has left the buffer and its step has not advanced the version yet
+        self._step_in_progress = False
         self._update_steps = 1  # `fit`'s: makers only ever receive versions that are multiples of it
         # The batches acknowledgements told makers to generate next, counted by later ones (paces the makers).
         self._generation = GenerationLedger(self.config.train_batch_size, self.config.max_staleness or 0)
         self.delivery = WeightDelivery(self)
         for model_name, size in self.delivery.synced_in_full.items():
-            logger.warning("trainer %s: weight_sync='lora' but the %s has no LoRA; every update carries its trainable "
-                           "tensors in full (%d bytes; see weight_sync/bytes/%s). Give it LoRA (apply_lora) or "
-                           "freeze it to ship less.", name, model_name, size, model_name)
+            logger.warning("trainer %s: weight_sync='lora' but the %s has no LoRA; every update carries its "
+                           "trainable tensors in full (%d bytes; see weight_sync/bytes/%s). Give it LoRA "
+                           "(apply_lora) or freeze it to ship less.", name, model_name, size, model_name)
 
     # ---------------------------------------------------------------- experience in
     def push_experience(self, experiences: list[Any]) -> AppendResult:
         """Append one push to the buffer, tagged against the current version (all-or-nothing).
 
-        Refused (`RejectedPushError`, counted) when oversized, malformed or, for a grouped learner, not whole groups.
+        Refused (`RejectedPushError`, counted) when oversized, malformed or, for a grouped learner, not whole
+        groups.
         """
         with self._push_lock:
             result = self.buffer.append(experiences, current_version=self.policy_version)
@@ -272,12 +280,14 @@ class TrainerCore:
         The update is offered to every maker and the step goes on: each maker acknowledges once it has
         verified it (and swaps it in between two of its batches), a maker still busy with the previous one
         gets this one next. Without `overlap_weight_push`, the step then waits (up to `weight_push_timeout_s`)
-        for those acknowledgements. A plain `send_update` function is wrapped into a queue (`push_queue_over`).
+        for those acknowledgements. A plain `send_update` function is wrapped into a queue
+        (`push_queue_over`).
         """
         return self.delivery.sync(put, send_update)
 
     def makers_behind(self, lag: Mapping[str, int]) -> dict[str, int]:
-        """Makers whose newest acknowledged weights trail by more than `max_staleness` versions (none without one)."""
+        """Makers whose newest acknowledged weights trail by more than `max_staleness` versions (none without
+        one)."""
         return self.delivery.makers_behind(lag)
 
     def finish_weight_push(self) -> Mapping[str, Any]:
@@ -321,8 +331,8 @@ class TrainerCore:
             self.delivery.makers.update(names)
 
     def update_reference(self, alpha: float) -> bool:
-        """Polyak update of the learner's reference model: ref <- alpha * policy + (1 - alpha) * ref, under the
-        weights lock; False (nothing done) without a reference or with alpha <= 0."""
+        """Polyak update of the learner's reference model: ref <- alpha * policy + (1 - alpha) * ref, under
+        the weights lock; False (nothing done) without a reference or with alpha <= 0."""
         if alpha <= 0 or getattr(self.learner, "reference", None) is None:
             return False
         with self.weights_lock:
@@ -373,7 +383,8 @@ class TrainerCore:
         metrics = self.strategy.reduce_metrics(metrics, weight=metrics["tokens"])
         metrics.update(info_means(experiences))  # this rank's samples (ranks may see different info keys)
         for version, count in Counter(e.policy_version for e in experiences).items():
-            metrics[f"staleness/hist_{self.policy_version - 1 - version}"] = float(count)  # this rank's samples
+            # this rank's samples
+            metrics[f"staleness/hist_{self.policy_version - 1 - version}"] = float(count)
         stats = self.buffer.stats()
         metrics.update({
             "policy_version": float(self.policy_version),
@@ -384,7 +395,8 @@ class TrainerCore:
         return metrics
 
     def _count_skips(self, metrics: Mapping[str, float]) -> None:
-        """Add a step's skipped optimizer steps (the learner's `train/skipped_steps*` metrics) to the counters."""
+        """Add a step's skipped optimizer steps (the learner's `train/skipped_steps*` metrics) to the
+        counters."""
         skipped = int(metrics.get(SKIPPED_STEPS, 0))
         if not skipped:
             return
@@ -397,11 +409,13 @@ class TrainerCore:
         logger.warning("trainer %s: %s", self.name, self.last_skip)
 
     def save_checkpoint(self, directory: str | Path) -> Path:
-        """Save learner, buffer, RNG states and counters atomically (each rank to its own `rank_<r>` folder)."""
+        """Save learner, buffer, RNG states and counters atomically (each rank to its own `rank_<r>`
+        folder)."""
         path = Path(directory) / f"rank_{self.strategy.rank}"
         with self.weights_lock:
             state = {"policy_version": self.policy_version, "samples_trained": self.samples_trained,
-                     "learner": self.learner.state_dict(), "buffer": self.buffer.state_dict(), "rng": rng_state()}
+                     "learner": self.learner.state_dict(), "buffer": self.buffer.state_dict(),
+                     "rng": rng_state()}
         return save_atomic(state, path)
 
     def load_checkpoint(self, directory: str | Path, put: Put | None = None) -> None:
@@ -413,7 +427,8 @@ class TrainerCore:
                                   "(a save was interrupted on some rank); resume every rank from one step")
         with self.weights_lock:
             self.learner.load_state_dict(state["learner"])
-            with self._push_lock:  # pushes acknowledged since this trainer started are kept, merged after the restored
+            # pushes acknowledged since this trainer started are kept, merged after the restored
+            with self._push_lock:
                 self.buffer.load_state_dict(merge_buffer_states(state["buffer"], self.buffer.state_dict()))
                 self.policy_version, self.samples_trained = state["policy_version"], state["samples_trained"]
             set_rng_state(state["rng"])
@@ -447,7 +462,8 @@ class TrainerCore:
             if checkpoint_every and checkpoint_dir is None:
                 raise ValueError("fit: checkpoint_every needs a checkpoint_dir")
             if total_steps < 1 or update_steps < 1:
-                raise ValueError(f"fit: total_steps and update_steps must be >= 1, got {total_steps}, {update_steps}")
+                raise ValueError(f"fit: total_steps and update_steps must be >= 1, got {total_steps}, "
+                                 f"{update_steps}")
             if train_epochs is not None:
                 if train_epochs < 1:
                     raise ValueError(f"fit: train_epochs must be >= 1, got {train_epochs}")
@@ -463,14 +479,16 @@ class TrainerCore:
                 if push_when(step) if push_when is not None else step % update_steps == 0 or last:
                     self._notify("on_push_start", step)
                     pushed = self.sync_weights(put, send_update)
-                    if self.history and self.history[-1] is metrics:  # a new row: readers never see one change
+                    # a new row: readers never see one change
+                    if self.history and self.history[-1] is metrics:
                         self.history[-1] = {**metrics, **pushed}
                     self._notify("on_push_end", step, pushed)
                 if checkpoint_every and (step % checkpoint_every == 0 or last):
                     self.save_checkpoint(checkpoint_dir)
             self.finish_weight_push()  # makers hold the last version before they are stopped
         except TrainingStopped:
-            self.finish_weight_push()  # asked to stop while waiting for data: end like a finished run, at this step
+            # asked to stop while waiting for data: end like a finished run, at this step
+            self.finish_weight_push()
         except BaseException as error:
             self.state = "failed"
             self.last_error = f"{type(error).__name__}: {error}"

@@ -1,4 +1,5 @@
-"""A trainer's weight delivery: builds versioned updates and delivers them to its makers, through a push queue only.
+"""A trainer's weight delivery: builds versioned updates and delivers them to its makers, through a push
+queue only.
 
 `WeightDelivery` belongs to one `TrainerCore`: it records the makers that registered (and the update each
 starts from), snapshots the synced models into updates (full, or LoRA-only with the base's fingerprints) and
@@ -35,8 +36,9 @@ SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any]]
 
 
 def models_synced_in_full(models: Mapping[str, torch.nn.Module]) -> dict[str, int]:
-    """Synced models without LoRA that have trainable parameters, with the bytes of those parameters: what every
-    LoRA-only update carries whole (a frozen model without LoRA carries nothing after the first full update)."""
+    """Synced models without LoRA that have trainable parameters, with the bytes of those parameters: what
+    every LoRA-only update carries whole (a frozen model without LoRA carries nothing after the first full
+    update)."""
     out = {}
     for name, model in models.items():
         if lora_backend(model) is not None:
@@ -62,7 +64,8 @@ def _discard(chunk: Any) -> None:
 
 
 def synchronous_send(send_update: SendUpdate) -> Send:
-    """A queue's `send` over a plain `send_update`: delivers to one maker at a time, in the caller's thread."""
+    """A queue's `send` over a plain `send_update`: delivers to one maker at a time, in the caller's
+    thread."""
 
     def send(maker: str, update: WeightUpdate) -> Future:
         future: Future = Future()
@@ -78,8 +81,8 @@ def synchronous_send(send_update: SendUpdate) -> Send:
 
 def push_queue_over(send_update: SendUpdate | WeightPushQueue, timeout: float,
                     reuse: WeightPushQueue | None = None) -> WeightPushQueue:
-    """The queue to deliver through: `send_update` itself when it is one, else a queue over it (`reuse`'s state
-    kept: what makers acknowledged), sending synchronously (the one adapter for plain functions)."""
+    """The queue to deliver through: `send_update` itself when it is one, else a queue over it (`reuse`'s
+    state kept: what makers acknowledged), sending synchronously (the one adapter for plain functions)."""
     if isinstance(send_update, WeightPushQueue):
         return send_update
     if reuse is None:
@@ -89,7 +92,8 @@ def push_queue_over(send_update: SendUpdate | WeightPushQueue, timeout: float,
 
 
 class WeightDelivery:
-    """Registered makers, the update each starts from, and the pushes of new versions to them (`TrainerCore`'s)."""
+    """Registered makers, the update each starts from, and the pushes of new versions to them
+    (`TrainerCore`'s)."""
 
     def __init__(self, core: TrainerCore) -> None:
         self.core = core
@@ -98,19 +102,22 @@ class WeightDelivery:
         self.latest_update: WeightUpdate | None = None
         self.fingerprints: dict[int, str] = {}
         self.base_fingerprint: str | None = None
-        # dtype name -> the base's fingerprint cast to it, for makers that cast weights (bf16/fp16 makers). Every
-        # update carries these, so a maker registered with any rank can check a LoRA update from rank 0.
+        # dtype name -> the base's fingerprint cast to it, for makers that cast weights (bf16/fp16 makers).
+        # Every update carries these, so a maker registered with any rank can check a LoRA update from rank 0.
         self.cast_base_fingerprints: dict[str, str] = {}
         self._base_fingerprint_lock = threading.Lock()
         config, strategy = core.config, core.strategy
         if config.weight_sync == "lora":
             actor_model = strategy.unwrap(core.learner.actor).model
             if lora_backend(actor_model) is None:
-                raise ValueError("TrainerConfig.weight_sync='lora' needs a LoRA policy (see detached_rl.models.apply_lora)")
+                raise ValueError("TrainerConfig.weight_sync='lora' needs a LoRA policy "
+                                 "(see detached_rl.models.apply_lora)")
             self.base_fingerprint = base_fingerprint(actor_model)
             self.cast_base_fingerprints = cast_base_fingerprints(actor_model)
-        # Synced models without LoRA that training changes (a trained critic): LoRA-only updates carry them whole.
-        self.synced_in_full = models_synced_in_full(self.synced_models()) if config.weight_sync == "lora" else {}
+        # Synced models without LoRA that training changes (a trained critic): LoRA-only updates carry them
+        # whole.
+        self.synced_in_full = (models_synced_in_full(self.synced_models()) if config.weight_sync == "lora"
+                               else {})
         self.queue: WeightPushQueue | None = None  # the latest push's
         self._adapted: WeightPushQueue | None = None  # the queue over plain `send_update` functions
         # Held while a maker registers and while a resume replaces the update makers start from, so a maker
@@ -189,8 +196,8 @@ class WeightDelivery:
             raise ValueError(
                 f"maker {name!r} holds other base weights (fingerprint {base_fingerprint}) than trainer "
                 f"{self.core.name!r} ({self.base_fingerprint}), which shards its weights (strategy "
-                f"{self.core.strategy.name!r}) and sends LoRA-only updates; start the maker from the trainer's "
-                "base model"
+                f"{self.core.strategy.name!r}) and sends LoRA-only updates; start the maker from the "
+                "trainer's base model"
             )
         return self._build(put, "full")[0]
 
@@ -201,7 +208,8 @@ class WeightDelivery:
             return self.base_fingerprint
         with self._base_fingerprint_lock:
             key = dtype_name(dtype)
-            if key not in self.cast_base_fingerprints:  # a dtype beyond the common ones (fp64 ...): once, on demand
+            # a dtype beyond the common ones (fp64 ...): once, on demand
+            if key not in self.cast_base_fingerprints:
                 model = self.core.strategy.unwrap(self.core.learner.actor).model
                 self.cast_base_fingerprints[key] = base_fingerprint(model, dtype)
             return self.cast_base_fingerprints[key]
@@ -236,7 +244,8 @@ class WeightDelivery:
         return self.queue
 
     def sync(self, put: Put, send_update: SendUpdate | WeightPushQueue) -> dict[str, float]:
-        """Build an update of the current weights and offer it to this rank's makers (`TrainerCore.sync_weights`)."""
+        """Build an update of the current weights and offer it to this rank's makers
+        (`TrainerCore.sync_weights`)."""
         queue = self.use(send_update)
         config = self.core.config
         update, stats = self.build_update(put)
@@ -255,16 +264,19 @@ class WeightDelivery:
         return metrics
 
     def makers_behind(self, lag: Mapping[str, int]) -> dict[str, int]:
-        """Makers whose newest acknowledged weights trail by more than `max_staleness` versions (none without one)."""
+        """Makers whose newest acknowledged weights trail by more than `max_staleness` versions (none without
+        one)."""
         bound = self.core.config.max_staleness
         return {} if bound is None else {maker: behind for maker, behind in lag.items() if behind > bound}
 
     def _sync_metrics(self, update: WeightUpdate, stats: SendStats, push_seconds: float,
                       results: Mapping[str, Any]) -> dict[str, float]:
         failed = sum(isinstance(r, BaseException) for r in results.values())
-        # Per model, every synced model named (0 when a LoRA-only update carries none of it, e.g. a frozen critic).
+        # Per model, every synced model named (0 when a LoRA-only update carries none of it, e.g. a frozen
+        # critic).
         per_model = {f"weight_sync/bytes/{model}": 0.0 for model in self.synced_models()}
-        per_model.update({f"weight_sync/bytes/{model}": float(size) for model, size in bytes_per_model(update).items()})
+        per_model.update({f"weight_sync/bytes/{model}": float(size)
+                          for model, size in bytes_per_model(update).items()})
         return {
             **per_model,
             "time/weight_sync": stats.seconds + push_seconds,
@@ -273,7 +285,8 @@ class WeightDelivery:
             "weight_sync/chunks": float(stats.chunks),
             "weight_sync/build_s": stats.seconds,
             "weight_sync/push_s": push_seconds,
-            "weight_sync/makers_updated": float(len(results) - failed),  # overlapped: acknowledged since the last push
+            # overlapped: acknowledged since the last push
+            "weight_sync/makers_updated": float(len(results) - failed),
             "weight_sync/makers_failed": float(failed),
         }
 
@@ -285,7 +298,8 @@ class WeightDelivery:
         return self.record(self.queue.take_results())
 
     def record(self, results: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Note the makers' results: stop pushing to makers that are gone, show the failures in `last_error`."""
+        """Note the makers' results: stop pushing to makers that are gone, show the failures in
+        `last_error`."""
         failures = {name: result for name, result in results.items() if isinstance(result, BaseException)}
         for name, error in failures.items():
             if isinstance(error, LookupError):  # no actor by that name any more: stop paying for it
@@ -312,9 +326,11 @@ class WeightDelivery:
         self.use(send_update).offer(update, makers)  # results come with the next push's
 
     def status(self) -> dict[str, Any]:
-        """Weight-push counters and the makers that trail by more than `max_staleness` versions (not waited for)."""
+        """Weight-push counters and the makers that trail by more than `max_staleness` versions (not waited
+        for)."""
         queue = self.queue
         if queue is None:
             return {"weight_push": None, "makers_behind": {}}
-        lag = queue.lag(self.core.policy_version, queue.acked.keys() | set(self.makers), self.registered_versions)
+        lag = queue.lag(self.core.policy_version, queue.acked.keys() | set(self.makers),
+                        self.registered_versions)
         return {"weight_push": dict(queue.stats()), "makers_behind": self.makers_behind(lag)}
