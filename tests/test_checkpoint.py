@@ -17,7 +17,7 @@ from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
 from detached_rl.models import SamplingConfig
 from detached_rl.strategies.optim import OptimizerConfig
-from detached_rl.trainer import core as trainer_core
+from detached_rl.trainer import checkpointing
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 
@@ -184,7 +184,7 @@ def test_resume_restores_the_random_order_of_mini_batches(tmp_path, monkeypatch)
 
     resumed = step_after_resume()
     assert all(torch.allclose(expected[name], resumed[name], atol=1e-6) for name in expected)
-    monkeypatch.setattr(trainer_core, "set_rng_state", lambda state: None)
+    monkeypatch.setattr(checkpointing, "set_rng_state", lambda state: None)
     unrestored = step_after_resume()
     assert not all(torch.allclose(expected[name], unrestored[name], atol=1e-6) for name in expected)
 

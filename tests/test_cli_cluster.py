@@ -107,9 +107,16 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
     assert len(report["samples"]) == 3 and all(s["response_text"] is not None for s in report["samples"])
 
     # Exported while the maker feeds the buffer (the call below ends that).
+    # Makers are paced to what the trainer can use, so its buffer may be empty at a given moment: export again
+    # until it held something.
     exported = tmp_path / "buffer.jsonl"
-    cli(cluster, "export", "trainer_0", str(exported), *address, "--namespace", "cli_test")
-    rows = [json.loads(line) for line in exported.read_text().splitlines()]
+    deadline = time.monotonic() + 120
+    while True:
+        cli(cluster, "export", "trainer_0", str(exported), *address, "--namespace", "cli_test")
+        rows = [json.loads(line) for line in exported.read_text().splitlines()]
+        if rows or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert rows and {"prompt_ids", "response_ids", "log_probs", "policy_version",
                      "response_text"} <= set(rows[0])
 

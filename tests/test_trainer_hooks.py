@@ -18,7 +18,7 @@ from detached_rl.trainer.batches import BatchSource
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCallback, TrainerCore
 
-from .helpers import make_experience, naive_strategy, tiny_actor_critic
+from .helpers import ObjectStore, make_experience, naive_strategy, tiny_actor_critic
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
 
@@ -156,7 +156,11 @@ def test_update_reference_and_with_learner() -> None:
     assert not no_reference.update_reference(0.5)
 
 
-def test_shell_hooks_build_make_learner_trainer_core() -> None:
+def test_shell_hooks_build_make_learner_trainer_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    import detached_rl.actors.trainer as trainer_actor
+
+    # The shell stores version 0's chunks with `ray.put`, which would start a Ray cluster in this process.
+    monkeypatch.setattr(trainer_actor, "put_chunk", ObjectStore().put)
     built: list[Strategy] = []
 
     class Shell(GRPOTrainerShell):

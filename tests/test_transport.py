@@ -5,10 +5,10 @@ from __future__ import annotations
 from detached_rl.actors.transport import DEFAULT_NAMESPACE, _anonymous, resolve_namespace
 
 
-def test_without_ray_or_with_an_anonymous_namespace_actors_meet_in_detached_rl():
+def test_without_ray_or_with_an_anonymous_namespace_actors_meet_in_detached_rl(monkeypatch):
     import ray
 
-    assert not ray.is_initialized()
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a process that never started Ray
     assert resolve_namespace(None) == DEFAULT_NAMESPACE == "detached_rl"
     assert resolve_namespace("mine") == "mine"
     assert _anonymous("0b5328b7-3bd8-47e1-a403-cbcbf8c0f697")  # what ray.init() without a namespace gets

@@ -1,22 +1,16 @@
 """The trainer's logic: replay buffer, training loop, versioned weight updates to its share of the makers.
 
-`TrainerCore` is the plain class inside `DetachedPPOTrainer` and `DetachedGRPOTrainer`; the
-learner (any `Learner`: `PPOLearner`, `GRPOLearner`) decides what a step does and which models makers
-mirror; the trainer uses nothing of it beyond the `Learner` protocol.
-Transport is injected: `put` stores a weight chunk once and returns a reference (`ray.put`
-in the actor), and updates go out through a `WeightPushQueue` over a `send(maker, update) -> Future`
-(`trainer.weight_delivery` owns the makers and the pushes), so the whole loop runs in unit tests without Ray.
-
-Versions: `policy_version` counts completed training steps; the weights after step k are
-version k. Makers receive versions at sync points (every `update_steps` steps and at the
-end of `fit`), so a sample's staleness is `policy_version - sample.policy_version`.
+`TrainerCore` is the plain class inside `DetachedPPOTrainer` and `DetachedGRPOTrainer`; it uses nothing of
+its learner (`PPOLearner`, `GRPOLearner`, any `Learner`) beyond the `Learner` protocol. Transport is
+injected (`put` stores a weight chunk once; updates go out through a `WeightPushQueue` owned by
+`trainer.weight_delivery`), so the whole loop runs in unit tests without Ray. Versions: the weights after
+step k are version k; a sample's staleness is `policy_version - sample.policy_version`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 import uuid
@@ -28,77 +22,26 @@ from typing import Any, TypeVar
 import torch
 
 from detached_rl.algorithms.learner import Learner
-from detached_rl.algorithms.metrics import SKIPPED_STEPS, skipped_steps_key
-from detached_rl.algorithms.step_guard import SKIP_REASONS
-from detached_rl.core.checkpoint import CheckpointError, load_state, rng_state, save_atomic, set_rng_state
 from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
 from detached_rl.core.staleness import GenerationLedger
 from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate
 from detached_rl.strategies import check_strategy
 from detached_rl.trainer.batches import BatchSource, TrainingStopped, next_batch, wait_for_batch
+from detached_rl.trainer.checkpointing import load_checkpoint, save_checkpoint
 from detached_rl.trainer.config import TrainerConfig
-from detached_rl.trainer.resume import merge_buffer_states
+from detached_rl.trainer.steps import (  # noqa: F401 - info_means and TrainerCallback re-exported
+    PushWhen,
+    TrainerCallback,
+    info_means,
+    samples_per_step,
+    skip_message,
+    skipped_steps,
+)
 from detached_rl.trainer.weight_delivery import SendUpdate, WeightDelivery
 from detached_rl.trainer.weight_push import WeightPushQueue
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# A grouped learner's share of the groups a step drew and dropped (GRPO's dynamic sampling): a step takes more
-# than `train_batch_size` samples from the buffer, which pacing the makers counts (`_samples_per_step`).
-DYNAMIC_SAMPLING_DROPPED = "dynamic_sampling/dropped_fraction"
-
-
-def info_means(experiences: list[Any]) -> dict[str, float]:
-    """Batch means of the numeric `info` entries every sample carries (reward components, "finished"), as
-    "info/<key>"."""
-    if not experiences:
-        return {}
-    common = set.intersection(*(set(getattr(e, "info", None) or {}) for e in experiences))
-    means = {}
-    for key in sorted(common):
-        values = [e.info[key] for e in experiences]
-        if all(isinstance(v, int | float) for v in values):  # bools count as 0/1
-            mean = _finite_mean(values)
-            if mean is not None:
-                means[f"info/{key}"] = mean
-    return means
-
-
-def _finite_mean(values: list[int | float]) -> float | None:
-    """The mean of numbers, or None when one is not a finite float (NaN, inf, an int beyond float's range)."""
-    try:
-        floats = [float(v) for v in values]
-    except OverflowError:
-        return None
-    if not all(math.isfinite(v) for v in floats):
-        return None
-    scale = max(abs(v) for v in floats) or 1.0  # scaled: a sum of values near float's limit would overflow
-    return math.fsum(v / scale for v in floats) / len(floats) * scale
-
-
-class TrainerCallback:
-    """Step callbacks of a `TrainerCore` (`add_callbacks`); any object with some of these methods will do.
-
-    `step` is the policy version: before the step in `on_step_start`, after it in the others. `on_step_end`
-    may add entries to `metrics` (the row `history` keeps). `on_push_start`/`on_push_end` frame a weight push
-    of `fit`.
-    """
-
-    def on_step_start(self, step: int) -> None:
-        """A step is about to draw its batch."""
-
-    def on_step_end(self, step: int, metrics: dict[str, float], batch: list[Any]) -> None:
-        """A step trained on `batch`."""
-
-    def on_push_start(self, step: int) -> None:
-        """`fit` is about to push the weights of `step`."""
-
-    def on_push_end(self, step: int, metrics: dict[str, float]) -> None:
-        """`fit` pushed the weights of `step`; `metrics` are the push's."""
-
-
-# Decides whether `fit` pushes the weights after a step (given the policy version after it).
-PushWhen = Callable[[int], bool]
 
 
 class TrainerCore:
@@ -152,7 +95,7 @@ class TrainerCore:
         self.weights_lock = threading.Lock()
         # Held by a push and while a resume swaps the buffer: no push is acknowledged into a buffer being
         # replaced.
-        self._push_lock = threading.Lock()
+        self.push_lock = threading.Lock()
         self._stop = threading.Event()
         self._started = time.monotonic()
         self.samples_trained = 0
@@ -167,14 +110,13 @@ class TrainerCore:
                            "trainable tensors in full (%d bytes; see weight_sync/bytes/%s). Give it LoRA "
                            "(apply_lora) or freeze it to ship less.", name, model_name, size, model_name)
 
-    # ---------------------------------------------------------------- experience in
     def push_experience(self, experiences: list[Any]) -> AppendResult:
         """Append one push to the buffer, tagged against the current version (all-or-nothing).
 
         Refused (`RejectedPushError`, counted) when oversized, malformed or, for a grouped learner, not whole
         groups.
         """
-        with self._push_lock:
+        with self.push_lock:
             result = self.buffer.append(experiences, current_version=self.policy_version)
             hint = self.oldest_useful_version(experiences, result)
         return dataclasses.replace(result, oldest_useful_version=hint)
@@ -196,12 +138,8 @@ class TrainerCore:
                                             self._samples_per_step(), pushed)
 
     def _samples_per_step(self) -> int:
-        """What a step took from the buffer lately: `train_batch_size`, more where dynamic sampling dropped
-        groups (the mean of its recent steps' dropped fraction, at most 3/4)."""
-        recent = [self.history[-i] for i in range(1, min(len(self.history), 8) + 1)]
-        dropped = [row.get(DYNAMIC_SAMPLING_DROPPED, 0.0) for row in recent]
-        fraction = min(sum(dropped) / len(dropped), 0.75) if dropped else 0.0
-        return math.ceil(self.config.train_batch_size / (1.0 - fraction))
+        """What a step took from the buffer lately (`samples_per_step` of the recent history)."""
+        return samples_per_step(self.history, self.config.train_batch_size)
 
     # ---------------------------------------------------------------- weights out (`WeightDelivery`)
     @property
@@ -299,7 +237,6 @@ class TrainerCore:
         this trainer had before loading, which its training has left behind)."""
         self.delivery.offer_resumed(send_update)
 
-    # ---------------------------------------------------------------- training
     def wait_for_batch(self) -> None:
         """Block until every rank holds a full batch; all ranks give up together when one times out."""
         wait_for_batch(self)
@@ -395,46 +332,22 @@ class TrainerCore:
         return metrics
 
     def _count_skips(self, metrics: Mapping[str, float]) -> None:
-        """Add a step's skipped optimizer steps (the learner's `train/skipped_steps*` metrics) to the
-        counters."""
-        skipped = int(metrics.get(SKIPPED_STEPS, 0))
-        if not skipped:
-            return
-        reasons = {reason: int(metrics.get(skipped_steps_key(reason), 0)) for reason in SKIP_REASONS}
-        self.skipped_steps += skipped
-        self.skip_reasons.update({reason: n for reason, n in reasons.items() if n})
-        self.last_skip = (f"step {self.policy_version}: {skipped} optimizer step(s) skipped ("
-                          + ", ".join(f"{reason}: {n}" for reason, n in reasons.items() if n)
-                          + "); weights and optimizer state unchanged")
-        logger.warning("trainer %s: %s", self.name, self.last_skip)
+        """Add a step's skipped optimizer steps (`skipped_steps` of its metrics) to the counters."""
+        reasons = skipped_steps(metrics)
+        if reasons:
+            self.skipped_steps += sum(reasons.values())
+            self.skip_reasons.update(reasons)
+            self.last_skip = skip_message(self.policy_version, reasons)
+            logger.warning("trainer %s: %s", self.name, self.last_skip)
 
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Save learner, buffer, RNG states and counters atomically (each rank to its own `rank_<r>`
         folder)."""
-        path = Path(directory) / f"rank_{self.strategy.rank}"
-        with self.weights_lock:
-            state = {"policy_version": self.policy_version, "samples_trained": self.samples_trained,
-                     "learner": self.learner.state_dict(), "buffer": self.buffer.state_dict(),
-                     "rng": rng_state()}
-        return save_atomic(state, path)
+        return save_checkpoint(self, directory)
 
     def load_checkpoint(self, directory: str | Path, put: Put | None = None) -> None:
         """Restore a checkpoint of this rank; with `put`, rebuild the update new makers start from."""
-        state = load_state(Path(directory) / f"rank_{self.strategy.rank}")
-        steps = self.strategy.all_gather_object(state["policy_version"])
-        if len(set(steps)) > 1:  # ranks save separately: a save interrupted on some rank leaves them apart
-            raise CheckpointError(f"{directory}: the ranks' checkpoints are of different steps {steps} "
-                                  "(a save was interrupted on some rank); resume every rank from one step")
-        with self.weights_lock:
-            self.learner.load_state_dict(state["learner"])
-            # pushes acknowledged since this trainer started are kept, merged after the restored
-            with self._push_lock:
-                self.buffer.load_state_dict(merge_buffer_states(state["buffer"], self.buffer.state_dict()))
-                self.policy_version, self.samples_trained = state["policy_version"], state["samples_trained"]
-            set_rng_state(state["rng"])
-        if put is not None:
-            with self.delivery.registration_lock:  # the first update after a resume is full
-                self.build_update(put, "full")
+        load_checkpoint(self, directory, put)
 
     def fit(
         self,

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate, build_weight_update, state_fingerprint
-from detached_rl.models.lora import lora_backend, lora_config_dict
-from detached_rl.models.lora_merge import (
+from detached_rl.models.base_fingerprint import (
     base_fingerprint,
     cast_base_fingerprints,
     dtype_name,
     fingerprint_cast_dtype,
 )
+from detached_rl.models.lora import lora_backend, lora_config_dict
 from detached_rl.trainer.weight_push import Send, WeightPushQueue
 
 if TYPE_CHECKING:
