@@ -126,7 +126,6 @@ class ExperiencePusher:
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
         self._last_error: str | None = None
-        self._latest_ack: str | None = None  # the trainer that acknowledged a push last
 
     def push(self, experiences: Sequence[Experience]) -> None:
         """Send one push to a trainer, first blocking while `max_in_flight` pushes are outstanding."""
@@ -275,7 +274,6 @@ class ExperiencePusher:
         trainer.last_size = result.size
         trainer.last_version = getattr(result, "current_version", None)
         trainer.oldest_useful_version = getattr(result, "oldest_useful_version", None)
-        self._latest_ack = push.trainer
         if result.full:
             self._counts["full_retries"] += 1
             trainer.avoid_until = now + self.backoff_max
