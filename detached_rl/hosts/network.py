@@ -1,0 +1,203 @@
+"""Hosts as Linux network namespaces joined by veth pairs to one bridge, each link shaped by `tc tbf`.
+
+Layout for prefix P and N hosts: namespace `P-sw` holds bridge `br0`; host i is namespace `P-hi` with
+`eth0` (address 10.213.0.(i+1)/24) paired with port `pi` on the bridge. A link's rate is shaped in both
+directions: `tbf` on the host's `eth0` (its uploads) and on the bridge port (its downloads). Nothing is
+created in the caller's namespace, so the addresses cannot clash with the machine's own networks, and
+traffic between hosts never leaves the namespaces. Each host also gets a private mount namespace in
+which its own directory is mounted at `HOST_ROOT`: the same path names different files on different
+hosts, as on real machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUBNET = "10.213.0"
+# Where each host sees its own directory (its home and working directory live under it).
+HOST_ROOT = Path("/tmp/drl-hostfs")
+# Ray's default temp directory (sessions, sockets, `ray_current_cluster`): private to each host too, so a
+# host's nodes never touch, nor are found by, other Ray clusters on the machine.
+RAY_TMP = Path("/tmp/ray")
+# tbf's bucket: large enough for the rate's bursts at HZ=1000, small enough to keep the link honest.
+MIN_BURST_BYTES = 32 * 1024
+
+
+class NetworkError(RuntimeError):
+    """A namespace, link or shaping command failed (the message has the command and its error)."""
+
+
+def ip_command(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run `ip`/`tc` (or any command) and raise `NetworkError` with its stderr when it fails."""
+    result = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    if check and result.returncode != 0:
+        raise NetworkError(f"`{' '.join(args)}` failed ({result.returncode}): {result.stderr.strip()}")
+    return result
+
+
+def require_tools() -> None:
+    """Refuse, naming what is missing, where the harness cannot run: root, iproute2, util-linux."""
+    if os.geteuid() != 0:
+        raise NetworkError("the multi-host harness needs root (network namespaces, veth pairs, tc); "
+                           "leave its tests out with -m 'not multihost'")
+    missing = [tool for tool in ("ip", "tc", "unshare", "nsenter", "mount") if shutil.which(tool) is None]
+    if missing:
+        raise NetworkError(f"the multi-host harness needs {', '.join(missing)} (Debian: apt-get install "
+                           "iproute2 util-linux mount)")
+
+
+def tbf_args(rate_mbit: float) -> list[str]:
+    """`tc` arguments of a token bucket at `rate_mbit` Mbit/s (burst >= 10 ms of traffic, queue <= 1 s)."""
+    rate_bits = int(rate_mbit * 1e6)
+    burst = max(MIN_BURST_BYTES, rate_bits // 8 // 100)
+    return ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "latency", "1000ms"]
+
+
+@dataclass
+class Host:
+    """One host: its namespace, address, bridge port, directory and the anchor process of its mounts."""
+
+    index: int
+    namespace: str
+    address: str
+    port: str
+    directory: Path
+    anchor_pid: int = 0
+    rate_mbit: float | None = None
+    extra_pids: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """`h<index>`."""
+        return f"h{self.index}"
+
+    def pids(self) -> list[int]:
+        """Every process living in this host's network namespace (the anchor included)."""
+        result = ip_command("ip", "netns", "pids", self.namespace, check=False)
+        return [int(p) for p in result.stdout.split()]
+
+    def enter(self) -> list[str]:
+        """Command prefix that runs a command inside this host (its network and its mounts)."""
+        return ["nsenter", f"--target={self.anchor_pid}", "--net", "--mount", "--"]
+
+
+class Network:
+    """The switch and the hosts of one prefix; `create` builds them, `destroy` removes everything."""
+
+    def __init__(self, prefix: str, count: int, workdir: Path) -> None:
+        if count < 1:
+            raise NetworkError(f"hosts: need at least 1, got {count}")
+        self.prefix = prefix
+        self.workdir = workdir
+        self.switch = f"{prefix}-sw"
+        self.hosts = [Host(i, f"{prefix}-h{i}", f"{SUBNET}.{i + 1}", f"p{i}", workdir / f"h{i}")
+                      for i in range(count)]
+
+    def create(self) -> None:
+        """Namespaces, bridge, links, addresses and each host's private mount of its directory."""
+        require_tools()
+        HOST_ROOT.mkdir(parents=True, exist_ok=True)
+        RAY_TMP.mkdir(parents=True, exist_ok=True)
+        ip_command("ip", "netns", "add", self.switch)
+        ip_command("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        ip_command("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for host in self.hosts:
+            ip_command("ip", "netns", "add", host.namespace)
+            ip_command("ip", "link", "add", "name", "eth0", "netns", host.namespace, "type", "veth",
+                       "peer", "name", host.port, "netns", self.switch)
+            ip_command("ip", "-n", self.switch, "link", "set", host.port, "master", "br0")
+            ip_command("ip", "-n", self.switch, "link", "set", host.port, "up")
+            ip_command("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            ip_command("ip", "-n", host.namespace, "link", "set", "eth0", "up")
+            ip_command("ip", "-n", host.namespace, "link", "set", "lo", "up")
+            (host.directory / "home").mkdir(parents=True, exist_ok=True)
+            (host.directory / "ray").mkdir(parents=True, exist_ok=True)
+            host.anchor_pid = self._anchor(host)
+        self.save()
+
+    def _anchor(self, host: Host) -> int:
+        """A process in the host's namespace with a private mount of its directory at HOST_ROOT: every
+        command of the host enters its namespaces."""
+        script = (f"mount --make-rprivate / && mount --bind {host.directory} {HOST_ROOT} && "
+                  f"mount --bind {host.directory / 'ray'} {RAY_TMP} && echo ready && exec sleep infinity")
+        anchor = subprocess.Popen(
+            ["ip", "netns", "exec", host.namespace, "unshare", "--mount", "--propagation", "private",
+             "sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        line = anchor.stdout.readline() if anchor.stdout else ""
+        if line.strip() != "ready":
+            anchor.kill()
+            error = anchor.stderr.read() if anchor.stderr else ""
+            raise NetworkError(f"host {host.name}: could not set up its mounts: {error.strip()}")
+        return anchor.pid
+
+    def shape(self, host: Host, rate_mbit: float | None) -> None:
+        """Shape the host's link to `rate_mbit` Mbit/s both ways (None: unshaped)."""
+        for namespace, device in ((host.namespace, "eth0"), (self.switch, host.port)):
+            ip_command("tc", "-n", namespace, "qdisc", "del", "dev", device, "root", check=False)
+            if rate_mbit is not None:
+                ip_command("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", *tbf_args(rate_mbit))
+        host.rate_mbit = rate_mbit
+        self.save()
+
+    def set_link(self, host: Host, up: bool) -> None:
+        """Take the host's cable out (`up=False`: packets are lost, connections stall) or put it back."""
+        ip_command("ip", "-n", self.switch, "link", "set", host.port, "up" if up else "down")
+
+    def counters(self, host: Host) -> dict[str, int]:
+        """Bytes the host's link carried so far, read from the bridge port: `sent` (host to switch) and
+        `received` (switch to host)."""
+        result = ip_command("ip", "-n", self.switch, "-s", "-j", "link", "show", host.port)
+        stats = json.loads(result.stdout)[0]["stats64"]
+        # The bridge port's rx is what the host sent, its tx what the host received.
+        return {"sent": int(stats["rx"]["bytes"]), "received": int(stats["tx"]["bytes"])}
+
+    def save(self) -> None:
+        """Record the layout in `workdir/network.json` (what `python -m detached_rl.hosts down` reads)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        state = {"prefix": self.prefix, "owner": os.getpid(), "switch": self.switch,
+                 "hosts": [{"namespace": h.namespace, "address": h.address, "anchor_pid": h.anchor_pid,
+                            "rate_mbit": h.rate_mbit} for h in self.hosts]}
+        (self.workdir / "network.json").write_text(json.dumps(state, indent=1))
+
+    def destroy(self, grace: float = 5.0) -> None:
+        """Stop every process in the hosts' namespaces (by pid), then remove namespaces and links."""
+        destroy_namespaces([h.namespace for h in self.hosts], self.switch, grace)
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def namespace_pids(namespace: str) -> list[int]:
+    """Processes in a network namespace (empty when it is gone)."""
+    result = ip_command("ip", "netns", "pids", namespace, check=False)
+    return [int(p) for p in result.stdout.split()] if result.returncode == 0 else []
+
+
+def destroy_namespaces(namespaces: list[str], switch: str, grace: float = 5.0) -> None:
+    """SIGTERM every process in `namespaces`, SIGKILL what is left after `grace` s, delete the namespaces
+    (their veths go with them) and the switch."""
+    pids = [pid for namespace in namespaces for pid in namespace_pids(namespace)]
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(namespace_pids(n) for n in namespaces):
+        time.sleep(0.2)
+    for _ in range(5):
+        left = [pid for namespace in namespaces for pid in namespace_pids(namespace)]
+        if not left:
+            break
+        _signal_all(left, signal.SIGKILL)
+        time.sleep(0.5)
+    for namespace in [*namespaces, switch]:
+        ip_command("ip", "netns", "del", namespace, check=False)
