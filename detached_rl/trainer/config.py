@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from detached_rl.core.experience import DEFAULT_MAX_ABS_REWARD
+from detached_rl.core.labels import check_label_selector
 from detached_rl.core.replay_buffer import check_max_abs_reward
 from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_amount, check_resources
 from detached_rl.core.weight_sync import KINDS as WEIGHT_SYNC_KINDS
@@ -73,11 +74,14 @@ class TrainerGroupConfig:
     # Custom Ray resources each rank asks for (e.g. {"trainer_node": 1} to place ranks
     # on nodes that offer it).
     resources: dict[str, float] = field(default_factory=dict)
+    # Node labels each rank's node must carry (Ray's label_selector, e.g. {"role": "trainer"}).
+    label_selector: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from detached_rl.strategies import STRATEGIES
 
         check_resources(self.resources, "TrainerGroupConfig.resources")
+        check_label_selector(self.label_selector, "TrainerGroupConfig.label_selector")
 
         if self.strategy not in STRATEGIES:
             raise ValueError(f"TrainerGroupConfig.strategy must be one of {sorted(STRATEGIES)}, got "
