@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from detached_rl.core.labels import check_label_selector
 from detached_rl.core.resources import check_amount, check_resources
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.weight_receiver import DEFAULT_MAX_VERSION_JUMP, DEFAULT_MAX_WEIGHT_CHANGE
@@ -73,6 +74,9 @@ class MakerConfig:
     scorer_attempts: int = 3  # tries (on the group's other workers) before a scorer is reported down
     # Custom Ray resources the maker actor asks for (e.g. {"maker_node": 1} to place it on such a node).
     resources: dict[str, float] = field(default_factory=dict)
+    # Node labels the maker's node must carry (Ray's label_selector, e.g. {"role": "maker"} for nodes started
+    # with `ray start --labels role=maker`; conditions "v", "!v", "in(a,b)", "!in(a,b)").
+    label_selector: dict[str, str] = field(default_factory=dict)
     # GPUs (fractions of one allowed, e.g. 0.25: makers sharing a GPU) and CPUs the maker actor asks Ray for.
     # Its models go to the GPU Ray gives it; with num_gpus 0 they stay on the CPU even where GPUs are visible.
     num_gpus: float = 0.0
@@ -97,6 +101,7 @@ class MakerConfig:
             # Unknown or bad options are refused here, by name.
             vllm_config_with(self.vllm, self.backend_options)
         check_resources(self.resources, "MakerConfig.resources")
+        check_label_selector(self.label_selector, "MakerConfig.label_selector")
         check_amount(self.num_gpus, "MakerConfig.num_gpus", gpu=True)
         check_amount(self.num_cpus, "MakerConfig.num_cpus")
         if self.scorer_attempts < 1:
