@@ -84,11 +84,12 @@ class ActorGroup:
         options: dict[str, Any] | None = None,
         ready: Callable[[list[Any]], Any] | None = None,
         detached: bool = True,
+        label_selector: dict[str, str] | None = None,
     ) -> list[Any]:
         """Place one `bundle` per worker, create the workers (`arguments(index, name)` are each one's
         constructor arguments, `options` extra actor options) and wait until `ready(handles)` returns; returns
         the handles. `detached=False`: the workers and the placement group end with the driver that creates
-        them.
+        them. `label_selector`: every bundle on a node carrying these labels.
 
         If the bundles cannot be placed within `timeout` s, or a worker or `ready` fails, every
         worker and the placement group are removed and the error is raised.
@@ -97,14 +98,17 @@ class ActorGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         lifetime = "detached" if detached else None
+        selectors = [dict(label_selector) for _ in range(self.size)] if label_selector else None
         group = placement_group([dict(bundle) for _ in range(self.size)], strategy=placement_strategy,
-                                name=self.placement_group_name, lifetime=lifetime)
+                                name=self.placement_group_name, lifetime=lifetime,
+                                bundle_label_selector=selectors)
         handles: list[Any] = []
         try:
             if not group.wait(timeout_seconds=timeout):
+                on = f" on nodes labelled {label_selector}" if label_selector else ""
                 raise TimeoutError(
-                    f"{self.kind} {self.prefix!r}: {self.size} bundles of {bundle} ({placement_strategy}) "
-                    f"could not be placed within {timeout:.0f} s; the cluster has "
+                    f"{self.kind} {self.prefix!r}: {self.size} bundles of {bundle} "
+                    f"({placement_strategy}){on} could not be placed within {timeout:.0f} s; the cluster has "
                     f"{ray.available_resources()} available"
                 )
             for index, name in enumerate(self.names):
@@ -208,6 +212,7 @@ def start_trainer_group(
                             group.strategy,
                             sampling),
         bundle, group.placement_strategy, timeout, options, ready=form_process_group, detached=detached,
+        label_selector=group.label_selector or None,
     )
 
 

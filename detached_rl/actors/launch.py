@@ -11,6 +11,12 @@ Every actor asks Ray for its CPUs and GPUs: a trainer (a naive one is a 1-rank g
 a scorer worker for its group's bundle. Callers check the whole launch first with
 `check_placeable(launch_requests(...))`, which refuses at once what the cluster can never place.
 
+Placement by the user's choice (`placed`, by default the same as `detached`; `detached-rl run` passes it when
+it joins a cluster): custom resources (`maker.resources`, `trainer_group.resources`) and node labels
+(`maker.label_selector`, `trainer_group.label_selector`: Ray's `label_selector`, a group's as its placement
+group's `bundle_label_selector`). A launch whose labels no alive node carries is refused at once
+(`check_labels`), naming the labels; Ray would otherwise keep the actor pending for ever.
+
 A maker's constructor arguments stay small (`check_inline_arguments`): Ray puts an argument over
 its inlining limit in the object store, and an actor restarted after its process died cannot get
 it back (Ray issue 53727: the restart dies with ReferenceCountingAssertionError; a detached
@@ -33,6 +39,7 @@ from detached_rl.actors.scorer import scorer_names, start_scorer_group
 from detached_rl.actors.trainer import trainer_class
 from detached_rl.config.factories import maker_factory, scorer_factory, trainer_factory
 from detached_rl.config.schema import RunConfig
+from detached_rl.core.labels import unmatched
 from detached_rl.core.resources import UnplaceableError, resource_request, unplaceable
 
 # Ray's `max_direct_call_object_size` (its default): a task or actor argument whose serialised form is larger
@@ -82,20 +89,26 @@ def with_threads(threads: int, factory: Callable[[], Any], nice: int = 0) -> Any
     return factory()
 
 
-def _options(name: str, config: RunConfig, detached: bool, request: dict[str, float]) -> dict[str, Any]:
-    """Actor options asking Ray for `request` (CPU, GPU and, for detached actors, custom resources)."""
+def _options(name: str, config: RunConfig, detached: bool, request: dict[str, float],
+             label_selector: dict[str, str] | None = None) -> dict[str, Any]:
+    """Actor options asking Ray for `request` (CPU, GPU and custom resources), on a node with the labels
+    `label_selector`; a detached actor outlives its driver."""
     custom = {key: amount for key, amount in request.items() if key not in ("CPU", "GPU")}
     options: dict[str, Any] = {"name": name, "namespace": config.namespace,
                                "num_cpus": request.get("CPU", 0.0),
                                "num_gpus": request.get("GPU", 0.0)}
     if detached:
-        options.update(lifetime="detached", resources=custom or None)
+        options.update(lifetime="detached")
+    if custom:
+        options.update(resources=custom)
+    if label_selector:
+        options.update(label_selector=dict(label_selector))
     return options
 
 
 def trainer_request(config: RunConfig, detached: bool = True) -> dict[str, float]:
     """What one trainer rank asks Ray for (`trainer_group`: CPUs, GPUs, and
-    custom resources when detached)."""
+    custom resources when `detached`, i.e. placed by the config)."""
     group = config.trainer_group
     return resource_request(group.num_cpus_per_rank, group.num_gpus_per_rank,
                             group.resources if detached else None)
@@ -103,7 +116,7 @@ def trainer_request(config: RunConfig, detached: bool = True) -> dict[str, float
 
 def maker_request(config: RunConfig, detached: bool = True) -> dict[str, float]:
     """What one maker asks Ray for (`maker.num_cpus`, `maker.num_gpus`, and
-    `maker.resources` when detached)."""
+    `maker.resources` when `detached`, i.e. placed by the config)."""
     maker = config.maker
     return resource_request(maker.num_cpus, maker.num_gpus, maker.resources if detached else None)
 
@@ -131,6 +144,34 @@ def launch_requests(config: RunConfig, trainer: str | None = None, makers: Seque
     return requests
 
 
+def launch_selectors(config: RunConfig, trainer: str | None = None, makers: Sequence[str] = ()
+                     ) -> dict[str, dict[str, str]]:
+    """Label ("maker m0", "trainer rank t_1", ...) -> the node labels each actor of this launch asks for
+    (only those that ask for some)."""
+    selectors: dict[str, dict[str, str]] = {}
+    if trainer is not None and config.trainer_group.label_selector:
+        kind = "trainer rank" if uses_trainer_group(config) else "trainer"
+        for name in trainer_names_of(config, trainer):
+            selectors[f"{kind} {name}"] = dict(config.trainer_group.label_selector)
+    if config.maker.label_selector:
+        for name in makers:
+            selectors[f"maker {name}"] = dict(config.maker.label_selector)
+    return selectors
+
+
+def check_labels(selectors: dict[str, dict[str, str]]) -> None:
+    """Refuse at once (`UnplaceableError`, naming the role and the labels) an actor whose node labels no
+    alive node of the cluster carries."""
+    import ray
+
+    if not any(selectors.values()):
+        return
+    nodes = [node.get("Labels") or {} for node in ray.nodes() if node.get("Alive")]
+    reason = unmatched(selectors, nodes)
+    if reason is not None:
+        raise UnplaceableError(reason)
+
+
 def check_placeable(requests: dict[str, dict[str, float]]) -> None:
     """Refuse at once (`UnplaceableError`, naming the role and the resources) what
     the cluster can never place."""
@@ -152,23 +193,30 @@ def trainer_names_of(config: RunConfig, name: str) -> list[str]:
 
 
 def launch_trainers(config: RunConfig, name: str, timeout: float | None = None, detached: bool = True,
-                    threads: int = 0) -> list[Any]:
+                    threads: int = 0, placed: bool | None = None) -> list[Any]:
     """Create the trainer or trainer group `name` (`config.trainer_group`); returns the handles of its ranks.
 
-    Every command launches its trainer here. `threads` caps each rank's torch threads. A group waits
+    Every command launches its trainer here. `threads` caps each rank's torch threads. `placed` (default:
+    `detached`): on the nodes `trainer_group.resources` and `label_selector` choose; labels no alive node
+    carries are refused at once (`UnplaceableError`). A group waits
     until its ranks formed their process group; if one fails or the ranks cannot be placed within
     `timeout` (default `trainer_group.timeout_s`, never more), nothing of the group is left and the
     error (RayTaskError, TimeoutError) is raised.
     """
+    placed = detached if placed is None else placed
+    if placed:
+        check_labels(launch_selectors(config, trainer=name))
     factory = trainer_factory(config)
     if threads > 0:
         factory = functools.partial(with_threads, threads, factory)
+    selector = config.trainer_group.label_selector if placed else None
     if not uses_trainer_group(config):
-        options = _options(name, config, detached, trainer_request(config, detached))
+        options = _options(name, config, detached, trainer_request(config, placed), selector)
         trainer = trainer_class(config.algorithm).options(**options)
         return [trainer.remote(name, factory, config.trainer, config.algorithm_config, config.namespace,
                                sampling=config.sampling)]
-    group = config.trainer_group if detached else dataclasses.replace(config.trainer_group, resources={})
+    group = config.trainer_group if placed else dataclasses.replace(config.trainer_group, resources={},
+                                                                    label_selector={})
     wait = group.timeout_s if timeout is None else min(timeout, group.timeout_s)
     return start_trainer_group(name, group.world_size, factory, config.trainer, config.algorithm_config,
                                config.namespace, strategy=group.strategy, group=group, timeout=wait,
@@ -204,15 +252,22 @@ def launch_maker(
     detached: bool = True,
     threads: int = 0,
     nice: int = 0,
+    placed: bool | None = None,
 ) -> Any:
     """Create a named experience maker feeding `trainers` with prompt shard `shard` = (index, count).
 
-    `state_path`: where it saves its prompt cursor and counters after every batch (and resumes from);
-    `threads` and `nice` cap its torch threads and lower its CPU priority. Ray restarts it after its
+    `state_path`: where it saves its prompt cursor and counters after every batch (and resumes from), a
+    path on the maker's node; `threads` and `nice` cap its torch threads and lower its CPU priority.
+    `placed` (default: `detached`): on a node `maker.resources` and `maker.label_selector` choose; labels
+    no alive node carries are refused at once (`UnplaceableError`). Ray restarts it after its
     process dies (`maker.max_restarts`) from the same, inline, constructor arguments.
     """
+    placed = detached if placed is None else placed
+    if placed:
+        check_labels(launch_selectors(config, makers=[name]))
     arguments = maker_arguments(config, name, trainers, shard, state_path, threads, nice)
-    options = _options(name, config, detached, maker_request(config, detached))
+    options = _options(name, config, detached, maker_request(config, placed),
+                       config.maker.label_selector if placed else None)
     return ExperienceMakerHolder.options(max_restarts=config.maker.max_restarts,
                                          **options).remote(**arguments)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from detached_rl.cli.arguments import check_config_integers
 
@@ -71,15 +71,42 @@ def command_config(args: argparse.Namespace) -> RunConfig:
     return config
 
 
-def refuse_missing_checkpoint(directory: str, world_size: int) -> None:
-    """Fail before anything starts unless `directory` holds a checkpoint of each of `world_size` ranks."""
+def checkpoint_problem(directory: str, ranks: list[int]) -> str | None:
+    """Why `directory` (on this host) is not a checkpoint of the trainer ranks `ranks`, or None when it is."""
     from detached_rl.core.checkpoint import has_checkpoint
 
     path = Path(directory)
     if not path.is_dir():
-        raise ValueError(f"--resume-from {directory!r}: no such directory")
-    missing = [f"rank_{rank}" for rank in range(world_size) if not has_checkpoint(path / f"rank_{rank}")]
+        return "no such directory"
+    missing = [f"rank_{rank}" for rank in ranks if not has_checkpoint(path / f"rank_{rank}")]
     if missing:
-        raise ValueError(f"--resume-from {directory!r}: not a checkpoint of this trainer (no "
-                         f"{', '.join(missing)} "
-                         "checkpoint in it; give the --checkpoint-dir of an earlier trainer)")
+        return (f"not a checkpoint of this trainer (no {', '.join(missing)} checkpoint in it; give the "
+                "--checkpoint-dir of an earlier trainer)")
+    return None
+
+
+def refuse_missing_checkpoint(directory: str, world_size: int) -> None:
+    """Fail before anything starts unless `directory` holds a checkpoint of each of `world_size` ranks."""
+    problem = checkpoint_problem(directory, list(range(world_size)))
+    if problem:
+        raise ValueError(f"--resume-from {directory!r}: {problem}")
+
+
+def refuse_checkpoint_missing_on_trainer(directory: str, handles: list[Any], timeout: float = 60.0) -> None:
+    """Fail unless `directory` holds each rank's checkpoint on the host of that rank (`handles`, rank order).
+
+    A trainer reads `--resume-from` on its own host, which need not be the host this command runs on:
+    the check runs there, in a task pinned to each rank's node.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = ray.get([handle.status.remote() for handle in handles], timeout=timeout)
+    check = ray.remote(checkpoint_problem)
+    problems = ray.get([check.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node["node_id"], soft=False)).remote(directory, [rank]) for rank, node in enumerate(nodes)],
+        timeout=timeout)
+    for rank, (node, problem) in enumerate(zip(nodes, problems, strict=True)):
+        if problem:
+            raise ValueError(f"--resume-from {directory!r}: {problem} on the host of trainer rank {rank} "
+                             f"(node {node['node_id'][:12]}); the path is read on the trainer's host")

@@ -29,7 +29,7 @@ from detached_rl.cli.arguments import (
 )
 from detached_rl.cli.command_config import (
     command_config,
-    refuse_missing_checkpoint,
+    refuse_checkpoint_missing_on_trainer,
     refuse_unloadable_models,
     run_command_config,
 )
@@ -88,14 +88,21 @@ def _trainer(args: argparse.Namespace) -> int:
     from detached_rl.cli import jobs
 
     config = command_config(args)
-    if args.resume_from:
-        refuse_missing_checkpoint(args.resume_from, config.trainer_group.world_size)
+    # Paths on the trainer's host (which may be another than this one's); a relative one is taken from the
+    # directory this command runs in.
     checkpointing = {"checkpoint_every": args.checkpoint_every,
                      "checkpoint_dir": str(Path(args.checkpoint_dir).resolve()) if args.checkpoint_dir
                      else None,
                      "resume_from": str(Path(args.resume_from).resolve()) if args.resume_from else None}
     jobs.connect(args.address, config.namespace)
     names = jobs.start_trainer(config, args.name, args.steps, args.update_steps, **checkpointing)
+    if checkpointing["resume_from"]:
+        try:  # read where the trainer runs, so checked there once it is placed
+            refuse_checkpoint_missing_on_trainer(checkpointing["resume_from"],
+                                                 [jobs.handle_of(name, config.namespace) for name in names])
+        except Exception:
+            jobs.stop(names, config.namespace, force=True, timeout=10)
+            raise
     group = config.trainer_group
     if len(names) > 1 or group.strategy != "naive":
         print(f"trainer group {args.name!r} started in namespace {config.namespace!r}: ranks "

@@ -94,7 +94,9 @@ def run_job(config: RunConfig, address: str | None = None, echo: Callable[[str],
                 started_ray = True
             if interrupted.is_set():
                 raise RunInterrupted("interrupted while starting Ray")
-            return JobRunner(config, Path(config.run.output_dir), echo, interrupted).run()
+            # On a joined cluster the config's resources and node labels place the actors.
+            runner = JobRunner(config, Path(config.run.output_dir), echo, interrupted, placed=bool(address))
+            return runner.run()
         finally:
             if started_ray:
                 ray.shutdown()

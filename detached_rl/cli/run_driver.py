@@ -4,6 +4,13 @@ A maker whose process dies is restarted by Ray (`maker.max_restarts`): it re-att
 newest weights and resumes its prompt cursor (saved under `maker_state/` when the cluster is this
 machine alone). One that dies for good is reported and left out; the run ends with its evaluation,
 summary and export as long as the trainer finishes and one maker is left.
+
+On a cluster of several machines the actors may run on other hosts than this driver; the run directory
+is this driver's all the same: metrics, TensorBoard, the plot, eval.json and summary.json are written here
+from what the actors answer, and the adapter and merged model come back from the trainer as files
+(`export_policy`) and are written here too. Only the makers' prompt cursors are not kept there.
+`placed` (a joined cluster): the actors go where `trainer_group`/`maker` `resources` and `label_selector`
+say; on the embedded cluster those are ignored (one node has none of them).
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ class JobRunner:
     """Drives one run on a connected Ray driver; `run()` returns a `RunResult` and always cleans up."""
 
     def __init__(self, config: RunConfig, output: Path, echo: Callable[[str], None] = print,
-                 interrupted: threading.Event | None = None) -> None:
+                 interrupted: threading.Event | None = None, placed: bool = False) -> None:
         from detached_rl.actors.launch import trainer_names_of
 
         self.config = config
@@ -72,6 +79,7 @@ class JobRunner:
         self._status_calls: dict[str, Any] = {}  # maker name -> its `status` call not yet answered
         self.deadline = time.monotonic() + config.run.timeout_s
         self.interrupted = interrupted or threading.Event()  # set by Ctrl-C / SIGTERM (see `run_job`)
+        self.placed = placed  # the config's resources and node labels choose the actors' nodes
 
     # ------------------------------------------------------------------ helpers
     def _remaining(self, cap: float | None = None) -> float:
@@ -108,9 +116,11 @@ class JobRunner:
         import ray
 
         from detached_rl.actors.launch import (
+            check_labels,
             check_placeable,
             launch_maker,
             launch_requests,
+            launch_selectors,
             launch_trainers,
             maker_request,
             trainer_request,
@@ -126,7 +136,10 @@ class JobRunner:
             raise RunError(f"an actor named {name!r} already exists in namespace {config.namespace!r}; "
                            "choose another run.name")
         try:
-            check_placeable(launch_requests(config, self.trainer_name, self.maker_names, detached=False))
+            names = (self.trainer_name, self.maker_names)
+            check_placeable(launch_requests(config, *names, detached=self.placed))
+            if self.placed:
+                check_labels(launch_selectors(config, *names))
         except UnplaceableError as error:
             raise RunError(str(error)) from None
         if config.model.policy == "smollm2":
@@ -136,7 +149,7 @@ class JobRunner:
         # Owned by this driver (not detached): they end with the run, also when it is killed.
         try:
             ranks = launch_trainers(config, self.trainer_name, timeout=self._remaining(900), detached=False,
-                                    threads=config.run.trainer_threads)
+                                    threads=config.run.trainer_threads, placed=self.placed)
         except (TimeoutError, ray.exceptions.RayTaskError) as error:  # a group not placed, or a rank failed
             raise RunError(f"trainer group {self.trainer_name!r} did not start: {first_line(error)}") \
                 from None
@@ -147,9 +160,9 @@ class JobRunner:
             self.handles[name] = launch_maker(config, name, self.trainer_names, shard,
                                               state_path=str(state_dir / name) if state_dir else None,
                                               detached=False, threads=config.run.maker_threads,
-                                              nice=config.run.maker_nice)
+                                              nice=config.run.maker_nice, placed=self.placed)
         # Bounded by the run's deadline: actors the cluster cannot place yet never answer.
-        trainer, maker = (describe(ask(config, detached=False)) for ask in (trainer_request, maker_request))
+        trainer, maker = (describe(ask(config, self.placed)) for ask in (trainer_request, maker_request))
         placed = f"placing and loading the trainer ({trainer}) and the makers ({maker} each)"
         versions = self._get([self.handles[n].sync.remote() for n in self.maker_names], placed, cap=900)
         if any(v < 0 for v in versions):

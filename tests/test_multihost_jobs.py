@@ -1,0 +1,176 @@
+"""Jobs across hosts: trainer and maker jobs placed by node labels and custom resources, `detached-rl run`
+with its actors on other hosts than its driver, and what each of them keeps on which host.
+
+Three hosts: h0 (the head; label role=trainer, resource trainer_host), h1 (role=maker, maker_host; its link
+shaped to 20 Mbit/s) and h2 (role=desk: where the user types, nothing is placed there). Each host's
+/tmp/drl-hostfs is its own, so where a file lands shows on which host the code that wrote it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from detached_rl.hosts import Hosts
+
+from .multihost import hosts_fixture, tiny_config_path
+
+pytestmark = [pytest.mark.multihost]
+
+TRAINER, MAKER, DESK = 0, 1, 2
+hosts = hosts_fixture(3, rates_mbit={MAKER: 20},
+                      resources={TRAINER: {"trainer_host": 1}, MAKER: {"maker_host": 1}},
+                      labels={TRAINER: {"role": "trainer"}, MAKER: {"role": "maker"}, DESK: {"role": "desk"}})
+HOME = "/tmp/drl-hostfs/home"  # every host's home: the same path, different files on each host
+ON_TRAINER_HOST = "trainer_group.label_selector={role: trainer}"
+ON_MAKER_HOST = "maker.label_selector={role: maker}"
+
+# Polls the namespace's actors from inside the cluster until `trainer` ends (or the time is up): where each
+# actor runs (its node's address), when a maker first served weights, and the trainer's last row.
+WATCH = """
+import json, sys, time, ray
+from detached_rl.cli.inspection import all_status
+address, namespace, trainer, timeout = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+ray.init(address=address, namespace=namespace, log_to_driver=False)
+ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+start, seen = time.monotonic(), {"placement": {}, "first_update_s": None, "trainer": {}}
+while time.monotonic() - start < timeout:
+    rows = {row["name"]: row for row in all_status(namespace)}
+    for name, row in rows.items():
+        if row.get("node_id"):
+            seen["placement"][name] = ips.get(row["node_id"])
+        if (row.get("role") == "maker" and (row.get("policy_version") or -1) >= 0
+                and seen["first_update_s"] is None):
+            seen["first_update_s"] = round(time.monotonic() - start, 1)
+    if trainer not in rows and seen["trainer"]:
+        break  # removed (a run's actors go when it ends): its last row stays
+    seen["trainer"] = {k: v for k, v in rows.get(trainer, {}).items() if isinstance(v, (int, float, str))}
+    if seen["trainer"].get("state") in ("done", "failed", "dead", "idle"):
+        break
+    time.sleep(2.0)
+print(json.dumps(seen))
+"""
+
+
+def watch(hosts: Hosts, trainer: str, timeout: float, namespace: str = "detached_rl") -> dict:
+    """Follow trainer `trainer` from the desk until it ends: placement, first update, its last status row."""
+    args = [sys.executable, "-c", WATCH, hosts.head_address, namespace, trainer, str(timeout)]
+    result = hosts.run(DESK, args, timeout=timeout + 120, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def exists(hosts: Hosts, index: int, path: str) -> bool:
+    """Whether `path` exists on host `index`."""
+    return hosts.run(index, ["test", "-e", path]).returncode == 0
+
+
+def cli(hosts: Hosts, index: int, *args: str, timeout: float = 300.0, check: bool = True):
+    """`detached-rl ...` typed on host `index` against the cluster's head."""
+    return hosts.run(index, ["detached-rl", *args, "--address", hosts.head_address], timeout=timeout,
+                     check=check)
+
+
+def test_tiny_jobs_placed_by_labels_keep_checkpoints_and_state_on_their_hosts(hosts: Hosts) -> None:
+    """Trainer and maker jobs typed on the desk run on the hosts their labels name, across h1's 20 Mbit/s
+    link; relative --checkpoint-dir and --state-dir are on the actors' hosts; --resume-from is checked
+    there."""
+    tiny = ["--config", tiny_config_path()]
+    cli(hosts, DESK, "trainer", "--name", "t", "--steps", "6", *tiny, "--set", ON_TRAINER_HOST,
+        "--checkpoint-every", "3", "--checkpoint-dir", "checkpoints")
+    cli(hosts, DESK, "maker", "--name", "m", "--trainers", "t", *tiny, "--set", ON_MAKER_HOST,
+        "--state-dir", "maker-state")
+    seen = watch(hosts, "t", timeout=240)
+    assert seen["trainer"].get("state") == "done" and seen["trainer"].get("policy_version") == 6, seen
+    assert seen["placement"] == {"t": hosts.host(TRAINER).address, "m": hosts.host(MAKER).address}, seen
+    # Relative paths are taken from where the command ran (the desk's home) and live on the actor's host.
+    assert exists(hosts, TRAINER, f"{HOME}/checkpoints/rank_0")
+    assert not exists(hosts, DESK, f"{HOME}/checkpoints")
+    assert exists(hosts, MAKER, f"{HOME}/maker-state/m") and not exists(hosts, DESK, f"{HOME}/maker-state")
+    cli(hosts, DESK, "stop", "--force")
+
+    # --resume-from names a directory on the trainer's host, not on the host the command runs on.
+    refused = cli(hosts, MAKER, "trainer", "--name", "t2", "--steps", "8", *tiny, "--set", ON_TRAINER_HOST,
+                  "--resume-from", f"{HOME}/no-such-checkpoint", check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert (f"--resume-from '{HOME}/no-such-checkpoint': no such directory on the host of trainer rank 0"
+            in refused.stderr), refused.stderr
+    resumed = cli(hosts, MAKER, "trainer", "--name", "t2", "--steps", "8", *tiny, "--set", ON_TRAINER_HOST,
+                  "--resume-from", f"{HOME}/checkpoints", check=False)
+    assert not exists(hosts, MAKER, f"{HOME}/checkpoints")
+    assert resumed.returncode == 0, resumed.stderr
+    status = json.loads(cli(hosts, DESK, "status", "--json").stdout)
+    assert [(row["name"], row["policy_version"]) for row in status] == [("t2", 6)], status
+    cli(hosts, DESK, "stop", "--force")
+
+
+def test_labels_no_alive_node_carries_are_refused_at_once(hosts: Hosts) -> None:
+    """A job asking for node labels no node has exits non-zero at once, naming the labels; nothing is left."""
+    tiny = ["--config", tiny_config_path()]
+    for args in (["maker", "--name", "mx", "--trainers", "t", *tiny, "--set",
+                  "maker.label_selector={role: gpu}"],
+                 ["trainer", "--name", "tx", *tiny, "--set", "trainer_group.label_selector={zone: in(a,b)}"],
+                 ["trainer", "--name", "tg", *tiny, "--world-size", "2", "--strategy", "ddp", "--set",
+                  "trainer_group.label_selector={role: maker, zone: east}"],
+                 ["run", *tiny, "--name", "rx", "--no-progress", "--set",
+                  "maker.label_selector={role: gpu}"]):
+        refused = cli(hosts, DESK, *args, timeout=120, check=False)
+        assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
+        assert "no alive node carries them" in refused.stderr, refused.stderr
+        label = args[-1].split("{")[1].rstrip("}").replace(": ", "=")
+        assert f"labels {label}" in refused.stderr, refused.stderr
+    assert "no detached-rl actors" in cli(hosts, DESK, "status").stdout
+
+
+def test_run_on_the_cluster_places_its_actors_and_writes_its_directory_on_the_drivers_host(
+        hosts: Hosts) -> None:
+    """`detached-rl run --address` typed on the desk: trainer on h0, both makers on h1 (by labels); the run
+    directory, with the adapter and merged model, is on the desk and nowhere else."""
+    run = hosts.popen(DESK, ["detached-rl", "run", "--config", tiny_config_path(), "--address",
+                             hosts.head_address, "--steps", "3", "--makers", "2", "--name", "r1",
+                             "--output", "runs", "--no-progress", "--set", ON_TRAINER_HOST,
+                             "--set", ON_MAKER_HOST])
+    try:
+        seen = watch(hosts, "r1-trainer", timeout=240)
+        out, _ = run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, out[-3000:]
+    assert seen["placement"] == {"r1-trainer": hosts.host(TRAINER).address,
+                                 "r1-maker-0": hosts.host(MAKER).address,
+                                 "r1-maker-1": hosts.host(MAKER).address}, seen
+    directory = f"{HOME}/runs/r1"
+    for name in ("config.yaml", "metrics.jsonl", "eval.json", "summary.json", "adapter", "merged"):
+        assert exists(hosts, DESK, f"{directory}/{name}"), name
+    assert not exists(hosts, TRAINER, f"{HOME}/runs") and not exists(hosts, MAKER, f"{HOME}/runs")
+    metrics = hosts.run(DESK, ["cat", f"{directory}/metrics.jsonl"]).stdout.splitlines()
+    assert len(metrics) >= 3, metrics
+
+
+@pytest.mark.slow
+def test_the_default_job_across_hosts_at_100_mbit(hosts: Hosts) -> None:
+    """The default job (no --config: SmolLM2 + LoRA, vLLM makers): trainer on h0 (by custom resource), maker
+    on h1 (by label) behind a 100 Mbit/s link, started as separate jobs, trains 6 steps."""
+    hosts.shape(MAKER, 100)
+    try:
+        before = hosts.counters(MAKER)
+        start = time.monotonic()
+        cli(hosts, TRAINER, "trainer", "--name", "big", "--steps", "6", "--set",
+            "trainer_group.resources={trainer_host: 1}", timeout=600)
+        cli(hosts, MAKER, "maker", "--name", "big-maker", "--trainers", "big", "--set", ON_MAKER_HOST,
+            timeout=600)
+        seen = watch(hosts, "big", timeout=600)
+        after = hosts.counters(MAKER)
+        print(f"default job across hosts: {time.monotonic() - start:.0f} s, the maker served its first "
+              f"weights {seen['first_update_s']} s after its job was started, h1's link: "
+              f"{(after['received'] - before['received']) / 1e6:.0f} MB in, "
+              f"{(after['sent'] - before['sent']) / 1e6:.0f} MB out")
+        assert seen["trainer"].get("state") == "done" and seen["trainer"].get("policy_version") == 6, seen
+        assert seen["placement"] == {"big": hosts.host(TRAINER).address,
+                                     "big-maker": hosts.host(MAKER).address}, seen
+    finally:
+        cli(hosts, TRAINER, "stop", "--force", check=False)
+        hosts.shape(MAKER, 20)
