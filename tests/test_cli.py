@@ -196,22 +196,21 @@ def test_check_and_ppo_on_ray_refuse_an_unknown_tiny_model_at_once(capsys, tmp_p
 
 
 def test_resume_from_must_hold_a_checkpoint_of_every_rank(capsys, tmp_path, nothing_starts):
+    from detached_rl.cli.command_config import checkpoint_problem
+
     missing = tmp_path / "missing"
-    assert main(["trainer", "--name", "t", "--resume-from", str(missing)]) == 2
-    assert one_error_line(capsys) == f"detached-rl: error: --resume-from {str(missing)!r}: no such directory"
-    assert main(["trainer", "--name", "t", "--resume-from", str(tmp_path)]) == 2
-    assert f"--resume-from {str(tmp_path)!r}: not a checkpoint of this trainer (no rank_0 checkpoint" in \
-        one_error_line(capsys)
-    assert nothing_starts == []
+    assert checkpoint_problem(str(missing), [0]) == "no such directory"
+    assert checkpoint_problem(str(tmp_path), [0]).startswith("not a checkpoint of this trainer (no rank_0 "
+                                                              "checkpoint")
     rank_0 = tmp_path / "rank_0"
     rank_0.mkdir()
     (rank_0 / "state.json").write_text("{}")
     (rank_0 / "tensors.safetensors").write_bytes(b"")
-    assert main(["trainer", "--name", "t", "--resume-from", str(tmp_path), "--world-size", "2",
-                 "--strategy", "ddp"]) == 2
-    assert "(no rank_1 checkpoint in it" in one_error_line(capsys) and nothing_starts == []
-    # one rank: on to the cluster
-    assert main(["trainer", "--name", "t", "--resume-from", str(tmp_path)]) == 2
+    assert "(no rank_1 checkpoint in it" in checkpoint_problem(str(tmp_path), [0, 1])
+    assert checkpoint_problem(str(tmp_path), [0]) is None
+    # The trainer reads the path on its own host, which may be another: checked there once it is placed
+    # (tests/test_multihost_jobs.py), not on this one.
+    assert main(["trainer", "--name", "t", "--resume-from", str(missing)]) == 2
     assert nothing_starts == ["connect"]
 
 
