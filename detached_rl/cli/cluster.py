@@ -31,6 +31,50 @@ def check_reachable(address: str, timeout: float = 3.0) -> None:
         raise JobError(f"cannot reach a Ray cluster at {address} ({error.strerror or error})") from None
 
 
+TOKEN_HINT = ("set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token (or put the token in "
+              "~/.ray/auth_token)")
+AUTH_PROBE_TIMEOUT = 5.0
+
+
+def check_token(address: str, timeout: float = AUTH_PROBE_TIMEOUT) -> None:
+    """Refuse at once, naming RAY_AUTH_TOKEN and RAY_AUTH_MODE, when the cluster at `address` rejects this
+    process's token or its lack of one: one authenticated call, as Ray's own join would make, which
+    Ray retries for half a minute or more before it says something vaguer."""
+    if address in ("auto", "local") or "://" in address and not address.startswith("ray://"):
+        return
+    import grpc
+
+    try:
+        from ray._private.grpc_utils import init_grpc_channel
+
+        channel = init_grpc_channel(address.removeprefix("ray://"))
+    except Exception as error:  # noqa: BLE001 - e.g. RAY_AUTH_MODE=token and no token anywhere
+        if "token" in str(error).lower():
+            raise JobError(f"cannot join the Ray cluster at {address}: {first_line(error)} ({TOKEN_HINT})") \
+                from None
+        return  # a Ray whose internals moved: its own join says what is wrong
+    try:
+        if address.startswith("ray://"):
+            from ray.core.generated import ray_client_pb2, ray_client_pb2_grpc
+
+            ping = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
+            ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(ping, timeout=timeout)
+        else:
+            from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+            stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout)
+    except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.UNAUTHENTICATED:
+            return  # busy, starting, another protocol: Ray's own join (bounded by the watchdog) says
+        sent = ("its token" if os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "token"
+                else "no token (RAY_AUTH_MODE is not 'token')")
+        raise JobError(f"the Ray cluster at {address} refused this driver, which sent {sent}: "
+                       f"{error.details()} ({TOKEN_HINT})") from None
+    finally:
+        channel.close()
+
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 CONNECT_TIMEOUT_VARIABLE = "DETACHED_RL_CONNECT_TIMEOUT_S"
 DEFAULT_CONNECT_TIMEOUT = 120.0
@@ -71,6 +115,7 @@ def connect(address: str | None, namespace: str, timeout: float | None = None) -
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # RAY_AUTH_MODE is the user's: with token auth on (RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or
     # ~/.ray/auth_token), Ray reads the token itself when this process joins.
+    check_token(address)
     import ray
 
     done = threading.Event()
@@ -79,7 +124,7 @@ def connect(address: str | None, namespace: str, timeout: float | None = None) -
         if not done.wait(timeout):
             print(f"detached-rl: error: could not join the Ray cluster at {address} within {timeout:.0f} s "
                   f"(a busy machine may need more: set {CONNECT_TIMEOUT_VARIABLE}; with token auth on, check "
-                  "RAY_AUTH_TOKEN)", file=sys.stderr, flush=True)
+                  "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN)", file=sys.stderr, flush=True)
             os._exit(2)
 
     threading.Thread(target=watchdog, daemon=True).start()

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from detached_rl.hosts.cluster import Hosts, tear_down
+from detached_rl.hosts.cluster import Hosts, tear_down, tool_bin
 from detached_rl.hosts.network import NetworkError
 
 
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--resources", action="append", default=[], metavar="HOST=NAME:AMOUNT,...")
     up.add_argument("--labels", action="append", default=[], metavar="HOST=KEY:VALUE,...")
     up.add_argument("--no-token", action="store_true", help="start the cluster without token auth")
+    up.add_argument("--no-ray", action="store_true", help="only the hosts and their links, no Ray nodes")
     run = commands.add_parser("exec", help="run a command on a host: exec WORKDIR HOST -- command ...")
     run.add_argument("workdir", type=Path)
     run.add_argument("host", type=int)
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             hosts = Hosts(args.hosts, _pairs(args.rate), cpus=_pairs(args.cpus),  # type: ignore[arg-type]
                           resources=resources, token=not args.no_token,
                           labels={i: _mapping(str(t)) for i, t in _pairs(args.labels, str).items()})
-            hosts.up()
+            hosts.up(nodes=not args.no_ray)
             print(json.dumps({"workdir": str(hosts.workdir), "head": hosts.head_address,
                               "client": hosts.client_address,
                               "hosts": [h.address for h in hosts.hosts]}, indent=1))
@@ -63,9 +64,16 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "exec":
             state = json.loads((args.workdir / "network.json").read_text())
-            command = [a for a in args.args if a != "--"] if args.args[:1] == ["--"] else args.args
+            command = args.args[1:] if args.args[:1] == ["--"] else args.args
+            if not command:
+                raise SystemExit("hosts: exec: no command (exec WORKDIR HOST -- command ...)")
+            if not 0 <= args.host < len(state["hosts"]):
+                last = len(state["hosts"]) - 1
+                raise SystemExit(f"hosts: exec: host {args.host}: there are hosts 0 to {last}")
             anchor = state["hosts"][args.host]["anchor_pid"]
-            env = {"PATH": os.environ.get("PATH", ""), "HOME": "/tmp/drl-hostfs/home", "LANG": "C.UTF-8"}
+            # this install's scripts first (`detached-rl`, `ray`), as on the hosts of `Hosts.run`
+            env = {"PATH": f"{tool_bin()}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+                   "HOME": "/tmp/drl-hostfs/home", "LANG": "C.UTF-8", "RAY_USAGE_STATS_ENABLED": "0"}
             if state.get("token"):
                 env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=state["token"])
             argv_ = ["nsenter", f"--target={anchor}", "--net", "--mount", "--", "env", "-i",

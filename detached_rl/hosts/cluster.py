@@ -41,7 +41,8 @@ class Hosts:
     def __init__(self, count: int = 2, rates_mbit: dict[int, float] | None = None, *,
                  cpus: dict[int, float] | None = None, resources: dict[int, dict[str, float]] | None = None,
                  labels: dict[int, dict[str, str]] | None = None, object_store_mb: int = 1024,
-                 token: bool = True, prefix: str | None = None, workdir: Path | None = None) -> None:
+                 token: bool = True, prefix: str | None = None, workdir: Path | None = None,
+                 node_args: dict[int, list[str]] | None = None) -> None:
         self.prefix = prefix or f"drlh-{uuid.uuid4().hex[:6]}"
         # short: Ray's socket paths have a length limit of about 100 characters
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix=f"{self.prefix}-", dir="/tmp"))
@@ -50,6 +51,7 @@ class Hosts:
         self.cpus = cpus or {}
         self.resources = resources or {}
         self.labels = labels or {}
+        self.node_args = node_args or {}  # more `ray start` options of host i (e.g. pinned ports)
         self.object_store_mb = object_store_mb
         self.token = secrets.token_hex(32) if token else None
         self.started = False
@@ -138,7 +140,7 @@ class Hosts:
             args.append(f"--resources={json.dumps(self.resources[index])}")
         if self.labels.get(index):
             args.append("--labels=" + ",".join(f"{k}={v}" for k, v in self.labels[index].items()))
-        return args
+        return [*args, *self.node_args.get(index, [])]
 
     def start_node(self, index: int) -> None:
         """Start host `index`'s Ray node: the head on host 0, else a worker joining it."""
@@ -211,10 +213,11 @@ class Hosts:
         """Stop every process on the hosts (by pid), remove namespaces and links, delete the work
         directory."""
         self.network.destroy()
+        self.started = False
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> Hosts:
-        return self.up()
+        return self if self.started else self.up()
 
     def __exit__(self, *exc: object) -> None:
         self.down()

@@ -100,12 +100,14 @@ class Network:
         self.switch = f"{prefix}-sw"
         self.hosts = [Host(i, f"{prefix}-h{i}", f"{SUBNET}.{i + 1}", f"p{i}", workdir / f"h{i}")
                       for i in range(count)]
+        self._anchors: list[subprocess.Popen[str]] = []  # reaped by `destroy`, so no zombie outlives it
 
     def create(self) -> None:
         """Namespaces, bridge, links, addresses and each host's private mount of its directory."""
         require_tools()
         HOST_ROOT.mkdir(parents=True, exist_ok=True)
         RAY_TMP.mkdir(parents=True, exist_ok=True)
+        self.save()  # first, so that `python -m detached_rl.hosts down` finds what a failed create left
         ip_command("ip", "netns", "add", self.switch)
         ip_command("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         ip_command("ip", "-n", self.switch, "link", "set", "br0", "up")
@@ -137,6 +139,7 @@ class Network:
             anchor.kill()
             error = anchor.stderr.read() if anchor.stderr else ""
             raise NetworkError(f"host {host.name}: could not set up its mounts: {error.strip()}")
+        self._anchors.append(anchor)
         return anchor.pid
 
     def shape(self, host: Host, rate_mbit: float | None) -> None:
@@ -171,6 +174,13 @@ class Network:
     def destroy(self, grace: float = 5.0) -> None:
         """Stop every process in the hosts' namespaces (by pid), then remove namespaces and links."""
         destroy_namespaces([h.namespace for h in self.hosts], self.switch, grace)
+        for anchor in self._anchors:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                anchor.wait(timeout=grace)
+            for stream in (anchor.stdout, anchor.stderr):
+                if stream is not None:
+                    stream.close()
+        self._anchors.clear()
 
 
 def _signal_all(pids: list[int], sig: int) -> None:

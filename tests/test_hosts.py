@@ -1,0 +1,249 @@
+"""The multi-host harness itself (detached_rl.hosts): teardown after a failing body, each host's own files,
+links that carry what is sent and are shaped both ways, an unplugged link, and `python -m detached_rl.hosts`.
+
+Mostly without Ray (`Hosts(...).up(nodes=False)`); one test starts Ray nodes to see them torn down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from detached_rl.hosts import Hosts
+from detached_rl.hosts.cluster import tear_down
+from detached_rl.hosts.network import HOST_ROOT, RAY_TMP, NetworkError, require_tools
+
+pytestmark = [pytest.mark.multihost]
+
+SHAPED = 1  # host 1's link is shaped; host 0's is not
+RATE_MBIT = 20
+PAYLOAD = 2 * 2**20  # bytes sent each way: about 0.8 s at 20 Mbit/s
+PORT = 7001
+
+# Host 1 answers on PORT: reads a length and that many bytes, sends as many back, prints what it received.
+ECHO_SERVER = f"""
+import socket, sys
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("0.0.0.0", {PORT}))
+server.listen()
+print("ready", flush=True)
+while True:
+    connection, _ = server.accept()
+    with connection:
+        size = int.from_bytes(connection.recv(8, socket.MSG_WAITALL), "big")
+        got = len(connection.recv(size, socket.MSG_WAITALL))
+        connection.sendall(bytes(got))
+        print(got, flush=True)
+"""
+
+# Sends argv[2] bytes to argv[1]:PORT and reads them back; exits 3 when it cannot connect within 2 s.
+ECHO_CLIENT = f"""
+import socket, sys
+size = int(sys.argv[2])
+try:
+    connection = socket.create_connection((sys.argv[1], {PORT}), timeout=2.0)
+except OSError as error:
+    print(f"no connection: {{error}}")
+    sys.exit(3)
+connection.settimeout(60)
+connection.sendall(size.to_bytes(8, "big") + bytes(size))
+back = 0
+while back < size:
+    chunk = connection.recv(1 << 16)
+    if not chunk:
+        break
+    back += len(chunk)
+print(back)
+"""
+
+
+def tools_or_fail() -> None:
+    """Fail (not skip) where the harness cannot run: CI runs these as root."""
+    try:
+        require_tools()
+    except NetworkError as error:
+        pytest.fail(str(error), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    """Two hosts without Ray, host 1's link shaped to RATE_MBIT, host 1 running the echo server."""
+    tools_or_fail()
+    built = Hosts(2, rates_mbit={SHAPED: RATE_MBIT}).up(nodes=False)
+    with built:
+        server = built.popen(SHAPED, [sys.executable, "-c", ECHO_SERVER])
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        yield built
+    server.wait(timeout=30)
+
+
+def echo(hosts: Hosts, size: int = PAYLOAD) -> subprocess.CompletedProcess[str]:
+    """Send `size` bytes from host 0 to host 1's echo server and read them back."""
+    return hosts.run(0, [sys.executable, "-c", ECHO_CLIENT, hosts.host(SHAPED).address, str(size)],
+                     timeout=120)
+
+
+def namespace_inodes(names: list[str]) -> set[int]:
+    """Inodes of the named network namespaces (they identify a namespace even after its name is removed)."""
+    return {os.stat(f"/run/netns/{name}").st_ino for name in names}
+
+
+def live_namespace_inodes() -> set[int]:
+    """Inodes of the network namespaces some process on this machine is in."""
+    inodes = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                inodes.add(os.stat(f"/proc/{entry.name}/ns/net").st_ino)
+            except OSError:
+                continue
+    return inodes
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a running (not zombie) process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def qdisc(namespace: str, device: str) -> dict:
+    """The root qdisc of `device` in `namespace`, with its statistics."""
+    shown = subprocess.run(["tc", "-n", namespace, "-s", "-j", "qdisc", "show", "dev", device],
+                           capture_output=True, text=True, check=True).stdout
+    return json.loads(shown)[0]
+
+
+def test_namespaces_links_and_every_process_are_gone_after_the_body_raises() -> None:
+    """A test body raising inside `with Hosts(...)`: its namespaces (with their veths), anchors, Ray nodes
+    and a process the test started on a host are all gone, and so is the work directory."""
+    tools_or_fail()
+    built = Hosts(2, rates_mbit={1: 50}, cpus={0: 1, 1: 1}, object_store_mb=100)
+    with pytest.raises(RuntimeError, match="the test failed"), built:
+        # The hosts' namespaces live while a process is in them; the switch's has none, only its name.
+        names = [host.namespace for host in built.hosts] + [built.network.switch]
+        inodes = namespace_inodes(names[:-1])
+        assert inodes <= live_namespace_inodes()
+        stray = built.popen(1, ["sleep", "600"])
+        pids = [pid for host in built.hosts for pid in host.pids()]
+        raylets = [built.raylet_pid(0), built.raylet_pid(1)]
+        assert None not in raylets and set(raylets) <= set(pids)
+        assert len(pids) > 10  # anchors, GCS, raylets, agents, workers, the stray
+        raise RuntimeError("the test failed")
+    assert stray.wait(timeout=10) < 0  # killed by a signal
+    assert [pid for pid in pids if alive(pid)] == []
+    assert not inodes & live_namespace_inodes()  # the namespaces, and the veths in them, are destroyed
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [name for name in names if name in listed]
+    assert not built.workdir.exists()
+
+
+def test_each_host_sees_its_own_files(hosts: Hosts) -> None:
+    """The same path names a different file on each host (HOME and /tmp/ray included); none in the root."""
+    name = f"who-{uuid.uuid4().hex[:8]}"
+    for index in (0, 1):
+        for directory in (HOST_ROOT / "home", RAY_TMP):
+            hosts.run(index, ["sh", "-c", f"echo h{index} > {directory}/{name}"], check=True)
+    for index in (0, 1):
+        for directory in (HOST_ROOT / "home", RAY_TMP):
+            assert hosts.run(index, ["cat", f"{directory}/{name}"], check=True).stdout.strip() == f"h{index}"
+        home = hosts.run(index, ["sh", "-c", "echo $HOME; pwd"]).stdout.split()
+        assert home == [str(HOST_ROOT / "home")] * 2
+        assert (hosts.host(index).directory / "home" / name).read_text().strip() == f"h{index}"
+        assert (hosts.host(index).directory / "ray" / name).read_text().strip() == f"h{index}"
+    assert not (HOST_ROOT / "home" / name).exists() and not (RAY_TMP / name).exists()
+
+
+def test_a_link_carries_what_is_sent_and_is_shaped_both_ways(hosts: Hosts) -> None:
+    """Host 1's link counts the bytes sent each way and its tbf (on the host's end and on the switch's end)
+    holds packets back at the set rate; host 0's link has no tbf."""
+    shaped = hosts.host(SHAPED)
+    ends = ((shaped.namespace, "eth0"), (hosts.network.switch, shaped.port))  # uploads, downloads
+    for namespace, device in ends:
+        root = qdisc(namespace, device)
+        assert root["kind"] == "tbf" and root["options"]["rate"] == RATE_MBIT * 10**6 // 8, root
+    assert qdisc(hosts.host(0).namespace, "eth0")["kind"] != "tbf"
+    before = [hosts.counters(0), hosts.counters(SHAPED)]
+    held_before = [qdisc(*end)["overlimits"] for end in ends]
+    done = echo(hosts)
+    assert done.returncode == 0 and int(done.stdout) == PAYLOAD, done.stdout + done.stderr
+    after = [hosts.counters(0), hosts.counters(SHAPED)]
+    for index, direction in ((0, "sent"), (0, "received"), (1, "sent"), (1, "received")):
+        assert after[index][direction] - before[index][direction] >= PAYLOAD, (index, direction, after)
+    # A burst over the rate is held back by both buckets (overlimits count the packets held back).
+    assert all(qdisc(*end)["overlimits"] > held for end, held in zip(ends, held_before, strict=True))
+    hosts.shape(SHAPED, None)
+    try:
+        assert all(qdisc(*end)["kind"] != "tbf" for end in ends)
+    finally:
+        hosts.shape(SHAPED, RATE_MBIT)
+
+
+def test_an_unplugged_link_carries_nothing_until_plugged_back(hosts: Hosts) -> None:
+    """With host 1's cable out nothing crosses its link either way; plugged back, the same exchange works."""
+    hosts.link(SHAPED, False)
+    try:
+        before = hosts.counters(SHAPED)
+        refused = echo(hosts)
+        out = hosts.run(SHAPED, [sys.executable, "-c", ECHO_CLIENT, hosts.host(0).address, "1000"],
+                        timeout=60)
+        assert refused.returncode == 3 and out.returncode == 3, refused.stdout + out.stdout
+        assert hosts.counters(SHAPED) == before
+    finally:
+        hosts.link(SHAPED, True)
+    done = echo(hosts, 1000)
+    assert done.returncode == 0 and int(done.stdout) == 1000, done.stdout + done.stderr
+    assert hosts.counters(SHAPED)["received"] > before["received"]
+
+
+def test_the_script_builds_hosts_runs_commands_on_them_and_removes_them(tmp_path: Path) -> None:
+    """`python -m detached_rl.hosts up`, `exec` (from a shell whose PATH lacks this install: it still finds
+    detached-rl) and `down`, as a person types them."""
+    tools_or_fail()
+    script = [sys.executable, "-m", "detached_rl.hosts"]
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8"}
+    up = subprocess.run([*script, "up", "--hosts", "2", "--no-ray", "--rate", "1=30"], capture_output=True,
+                        text=True, timeout=120, env=env)
+    assert up.returncode == 0, up.stderr
+    layout = json.loads(up.stdout[:up.stdout.index("\n}") + 2])
+    workdir = Path(layout["workdir"])
+    try:
+        assert layout["hosts"] == ["10.213.0.1", "10.213.0.2"] and layout["head"] == "10.213.0.1:6379"
+        assert f"python -m detached_rl.hosts down {workdir}" in up.stdout
+        address = subprocess.run([*script, "exec", str(workdir), "1", "--", "ip", "-4", "-o", "addr", "show",
+                                  "dev", "eth0"], capture_output=True, text=True, timeout=60, env=env)
+        assert "10.213.0.2/24" in address.stdout, address.stdout + address.stderr
+        version = subprocess.run([*script, "exec", str(workdir), "0", "--", "detached-rl", "--version"],
+                                 capture_output=True, text=True, timeout=120, env=env)
+        assert version.returncode == 0 and version.stdout.startswith("detached-rl "), version.stderr
+        # Only the first "--" separates; the command's own arguments are passed as typed.
+        echoed = subprocess.run([*script, "exec", str(workdir), "1", "--", "echo", "a", "--", "b"],
+                                capture_output=True, text=True, timeout=60, env=env)
+        assert echoed.stdout.strip() == "a -- b", echoed.stdout + echoed.stderr
+        wrong = subprocess.run([*script, "exec", str(workdir), "2", "--", "true"], capture_output=True,
+                               text=True, timeout=60, env=env)
+        assert wrong.returncode != 0 and "there are hosts 0 to 1" in wrong.stderr, wrong.stderr
+        state = json.loads((workdir / "network.json").read_text())
+        names = [host["namespace"] for host in state["hosts"]] + [state["switch"]]
+        inodes = namespace_inodes(names[:-1])
+        anchors = [host["anchor_pid"] for host in state["hosts"]]
+        assert qdisc(names[1], "eth0")["kind"] == "tbf"
+        down = subprocess.run([*script, "down", str(workdir)], capture_output=True, text=True, timeout=120,
+                              env=env)
+        assert down.returncode == 0, down.stderr
+        assert not workdir.exists() and not inodes & live_namespace_inodes()
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert not [name for name in names if name in listed]
+        assert [pid for pid in anchors if alive(pid)] == []
+    finally:
+        if workdir.exists():
+            tear_down(workdir)
