@@ -247,6 +247,15 @@ class MakerShell:
         return status
 
     @ray.method(concurrency_group="experience_io")
+    def served_weights(self) -> dict[str, Any]:
+        """The version served now and the fingerprint of the weights themselves (every tensor checksummed),
+        read together between two batches (audits and tests: never a half-applied update)."""
+        receiver = self.core.receiver
+        with receiver.lock:
+            return {"version": receiver.version, "fingerprint": receiver.refresh_fingerprint(),
+                    "synced": self.core.synced, "pid": os.getpid()}
+
+    @ray.method(concurrency_group="experience_io")
     def stop(self) -> None:
         """Finish the current batch, flush pushes and return from `run`."""
         self._stop.set()

@@ -38,14 +38,21 @@ from detached_rl.cli.inspection import (
     inspect,
     status_of,
 )
+from detached_rl.cli.placing import (
+    PLACEMENT_TIMEOUT_VARIABLE,
+    placement_timeout,
+    take_over_restarting,
+    wait_placed,
+)
 from detached_rl.config import RunConfig
 
 __all__ = [
     "CONNECT_TIMEOUT_VARIABLE", "DEFAULT_CONNECT_TIMEOUT", "DEFAULT_START_TIMEOUT", "DEFAULT_STATUS_TIMEOUT",
-    "LOCAL_CLUSTER_VARIABLE", "LOCAL_HOST", "LOOPBACK_HOSTS", "ROLES", "JobError", "actor_names",
-    "actor_table", "all_status", "check_placeable", "check_reachable", "connect", "connect_timeout", "export",
-    "first_line", "format_inspection", "format_status", "handle_of", "init_local_ray", "inspect",
-    "start_maker", "start_scorers", "start_trainer", "status_of", "stop",
+    "LOCAL_CLUSTER_VARIABLE", "LOCAL_HOST", "LOOPBACK_HOSTS", "PLACEMENT_TIMEOUT_VARIABLE", "ROLES",
+    "JobError", "actor_names", "actor_table", "all_status", "check_placeable", "check_reachable", "connect",
+    "connect_timeout", "export", "first_line", "format_inspection", "format_status", "handle_of",
+    "init_local_ray", "inspect", "placement_timeout", "start_maker", "start_scorers", "start_trainer",
+    "status_of", "stop",
 ]
 
 DEFAULT_START_TIMEOUT = 600.0
@@ -103,6 +110,9 @@ def start_trainer(config: RunConfig, name: str, total_steps: int, update_steps: 
     except TimeoutError as error:  # a group that could not be placed
         raise JobError(str(error)) from None
     try:
+        if len(names) == 1:  # a group's ranks were placed with their placement group
+            wait_placed(f"trainer {name!r}", name, config.namespace, trainer_request(config),
+                        min(placement_timeout(), timeout))
         _started_in_time([h.start_fit.remote(total_steps, update_steps, **checkpointing) for h in handles],
                          f"trainer {name!r}", trainer_request(config), max(1.0, deadline - time.monotonic()))
     except JobError:
@@ -119,7 +129,10 @@ def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: 
     With `state_dir`, the maker saves its prompt cursor and counters to `<state_dir>/<name>` after
     every pushed batch and resumes from there when it (or a successor under its name) starts.
     `shard` = (index, count): the maker takes that share of the prompts. A request the cluster can
-    never place is refused at once; placing and starting take at most `timeout` s (then the maker is removed).
+    never place is refused at once; one not placed within `placement_timeout()` s fails saying why (e.g. a
+    restarting maker waits for the same resources); starting takes at most `timeout` s in all (then the maker
+    is removed). A maker Ray is restarting under `name` (lost with its node) is removed first: this job
+    serves under its name; a live one is refused.
     """
     import ray
 
@@ -127,13 +140,19 @@ def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: 
 
     if not trainers:
         raise JobError("a maker needs --trainers (comma-separated trainer names)")
-    _refuse_existing(name, config.namespace)
     check_placeable(launch_requests(config, makers=[name]))
+    wait = min(placement_timeout(), timeout)
+    if take_over_restarting(name, config.namespace):
+        logging.getLogger(__name__).warning(
+            "maker %r was restarting (its process or node was lost): this job takes its name over", name)
+    _refuse_existing(name, config.namespace)
+    deadline = time.monotonic() + timeout
     handle = launch_maker(config, name, trainers, shard,
                           state_path=str(Path(state_dir).resolve() / name) if state_dir else None)
     try:
+        wait_placed(f"maker {name!r}", name, config.namespace, maker_request(config), wait)
         _started_in_time([handle.start.remote(num_batches)], f"maker {name!r}", maker_request(config),
-                         timeout)
+                         max(1.0, deadline - time.monotonic()))
     except JobError:
         ray.kill(handle, no_restart=True)  # detached: it would otherwise wait for resources, and run, forever
         raise

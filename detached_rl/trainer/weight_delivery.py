@@ -10,6 +10,7 @@ function gets a queue over it (`push_queue_over`); nothing else delivers weights
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -30,6 +31,8 @@ from detached_rl.trainer.weight_push import Send, WeightPushQueue
 
 if TYPE_CHECKING:
     from detached_rl.trainer.core import TrainerCore
+
+logger = logging.getLogger(__name__)
 
 # Delivers an update to the named makers and returns each one's result (an `ApplyResult` or the error).
 SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any]]
@@ -56,6 +59,11 @@ def bytes_per_model(update: WeightUpdate) -> dict[str, int]:
         model = spec.name.partition("/")[0]
         sizes[model] = sizes.get(model, 0) + (spec.nbytes if spec.alias_of is None else 0)
     return sizes
+
+
+def _first_line(error: BaseException) -> str:
+    """The first non-empty line of an error's text (Ray's errors span many)."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 def _discard(chunk: Any) -> None:
@@ -124,6 +132,9 @@ class WeightDelivery:
         # registering during a resume gets the update before or after it, and the resume then reaches it.
         self.registration_lock = threading.Lock()
         self.errors: dict[str, str] = {}  # maker -> its failed weight update, as the core's `last_error` says
+        # Makers whose latest weight update failed (dead, unreachable, restarting): maker -> why. A later
+        # acknowledgement or a registration under that name (a restarted or replacing maker) clears it.
+        self.lost: dict[str, str] = {}
 
     def synced_models(self) -> dict[str, torch.nn.Module]:
         """The models makers mirror (PPO: policy and critic; GRPO: the policy)."""
@@ -180,6 +191,7 @@ class WeightDelivery:
     def _register(self, name: str, base_fingerprint: str | None, put: Put | None) -> WeightUpdate | None:
         self.makers.add(name)
         self.forget_error(name)
+        self.lost.pop(name, None)
         latest = self.latest_update
         # What the maker will hold once it took the answer (for the lag `status` reports; pushes raise it).
         self.registered_versions[name] = -1 if latest is None else latest.manifest.version
@@ -259,6 +271,7 @@ class WeightDelivery:
         lag = queue.lag(update.manifest.version, makers, self.registered_versions)
         behind = self.makers_behind(lag)
         metrics.update({"weight_sync/superseded": float(queue.superseded),
+                        "weight_sync/makers_lost": float(len(self.lost)),
                         "weight_sync/max_maker_lag": float(max(lag.values(), default=0)),
                         "weight_sync/makers_behind": float(len(behind))})
         return metrics
@@ -299,8 +312,15 @@ class WeightDelivery:
 
     def record(self, results: Mapping[str, Any]) -> Mapping[str, Any]:
         """Note the makers' results: stop pushing to makers that are gone, show the failures in
-        `last_error`."""
+        `last_error` and the makers they leave without weights in `lost` (logged once each)."""
         failures = {name: result for name, result in results.items() if isinstance(result, BaseException)}
+        for name in results.keys() - failures.keys():
+            self.lost.pop(name, None)
+        for name, error in failures.items():
+            if name not in self.lost:
+                logger.warning("trainer %s: maker %s lost (training goes on with the others): %s",
+                               self.core.name, name, _first_line(error))
+            self.lost[name] = f"{type(error).__name__}: {_first_line(error)}"
         for name, error in failures.items():
             if isinstance(error, LookupError):  # no actor by that name any more: stop paying for it
                 self.makers.discard(name)
@@ -330,7 +350,8 @@ class WeightDelivery:
         for)."""
         queue = self.queue
         if queue is None:
-            return {"weight_push": None, "makers_behind": {}}
+            return {"weight_push": None, "makers_behind": {}, "makers_lost": dict(self.lost)}
         lag = queue.lag(self.core.policy_version, queue.acked.keys() | set(self.makers),
                         self.registered_versions)
-        return {"weight_push": dict(queue.stats()), "makers_behind": self.makers_behind(lag)}
+        return {"weight_push": dict(queue.stats()), "makers_behind": self.makers_behind(lag),
+                "makers_lost": dict(self.lost)}
