@@ -113,7 +113,8 @@ def test_tiny_jobs_placed_by_labels_keep_checkpoints_and_state_on_their_hosts(ho
     assert not exists(hosts, MAKER, f"{HOME}/checkpoints")
     assert resumed.returncode == 0, resumed.stderr
     status = json.loads(cli(hosts, DESK, "status", "--json").stdout)
-    assert [(row["name"], row["policy_version"]) for row in status] == [("t2", 6)], status
+    # resumed at step 6 (it may train on the buffer its checkpoint kept), not started from 0
+    assert [row["name"] for row in status] == ["t2"] and status[0]["policy_version"] >= 6, status
     cli(hosts, DESK, "stop", "--force")
 
 
