@@ -36,10 +36,22 @@ TOKEN_HINT = ("set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token
 AUTH_PROBE_TIMEOUT = 5.0
 
 
-def check_token(address: str, timeout: float = AUTH_PROBE_TIMEOUT) -> None:
-    """Refuse at once, naming RAY_AUTH_TOKEN and RAY_AUTH_MODE, when the cluster at `address` rejects this
-    process's token or its lack of one: one authenticated call, as Ray's own join would make, which
-    Ray retries for half a minute or more before it says something vaguer."""
+def is_local_address(ip: str) -> bool:
+    """Whether `ip` is an address of this host (a socket can bind to it)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((ip, 0))
+    except OSError:
+        return False
+    return True
+
+
+def check_cluster(address: str, timeout: float = AUTH_PROBE_TIMEOUT) -> None:
+    """Refuse at once what Ray's own join reports late, vaguely or with a crash: a token the cluster
+    rejects (or no token), named with RAY_AUTH_MODE and RAY_AUTH_TOKEN (Ray retries for half a minute or
+    more); and a direct address typed on a host that runs no Ray node of the cluster (the driver would
+    die on a missing local raylet), pointing to `ray://`."""
     if address in ("auto", "local") or "://" in address and not address.startswith("ray://"):
         return
     import grpc
@@ -59,11 +71,11 @@ def check_token(address: str, timeout: float = AUTH_PROBE_TIMEOUT) -> None:
 
             ping = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
             ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(ping, timeout=timeout)
-        else:
-            from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+            return
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
-            stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
-            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout)
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        nodes = stub.GetAllNodeInfo(gcs_service_pb2.GetAllNodeInfoRequest(), timeout=timeout).node_info_list
     except grpc.RpcError as error:
         if error.code() != grpc.StatusCode.UNAUTHENTICATED:
             return  # busy, starting, another protocol: Ray's own join (bounded by the watchdog) says
@@ -73,6 +85,13 @@ def check_token(address: str, timeout: float = AUTH_PROBE_TIMEOUT) -> None:
                        f"{error.details()} ({TOKEN_HINT})") from None
     finally:
         channel.close()
+    alive = sorted({node.node_manager_address for node in nodes if node.state == 0})  # 0: ALIVE
+    if alive and not any(is_local_address(ip) for ip in alive):
+        head = address.rpartition(":")[0]
+        raise JobError(f"no Ray node of the cluster at {address} runs on this host (its nodes: "
+                       f"{', '.join(alive)}): a direct address works only on a node of the cluster; from "
+                       f"another host use the Ray client, --address ray://{head}:10001 (the head's "
+                       "--ray-client-server-port), or start a node here with `ray start --address=...`")
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -115,7 +134,7 @@ def connect(address: str | None, namespace: str, timeout: float | None = None) -
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # RAY_AUTH_MODE is the user's: with token auth on (RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or
     # ~/.ray/auth_token), Ray reads the token itself when this process joins.
-    check_token(address)
+    check_cluster(address)
     import ray
 
     done = threading.Event()

@@ -32,7 +32,8 @@ def tool_bin() -> Path:
 
 
 class Hosts:
-    """N hosts with a Ray node each; a context manager that always tears down what it built.
+    """N hosts with a Ray node each (but the `bare` ones); a context manager that always tears down what it
+    built.
 
     `hosts.run(i, [...])` runs a command on host i from a plain environment (PATH, HOME on that host,
     the cluster's token), as a user's shell there would; `hosts.popen` starts one and returns it.
@@ -42,7 +43,9 @@ class Hosts:
                  cpus: dict[int, float] | None = None, resources: dict[int, dict[str, float]] | None = None,
                  labels: dict[int, dict[str, str]] | None = None, object_store_mb: int = 1024,
                  token: bool = True, prefix: str | None = None, workdir: Path | None = None,
-                 node_args: dict[int, list[str]] | None = None) -> None:
+                 node_args: dict[int, list[str]] | None = None, bare: set[int] | None = None) -> None:
+        if bare and 0 in bare:
+            raise HostsError("host 0 runs the head: it cannot be bare (without a Ray node)")
         self.prefix = prefix or f"drlh-{uuid.uuid4().hex[:6]}"
         # short: Ray's socket paths have a length limit of about 100 characters
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix=f"{self.prefix}-", dir="/tmp"))
@@ -52,6 +55,7 @@ class Hosts:
         self.resources = resources or {}
         self.labels = labels or {}
         self.node_args = node_args or {}  # more `ray start` options of host i (e.g. pinned ports)
+        self.bare = set(bare or ())  # hosts without a Ray node (a laptop with the CLI only)
         self.object_store_mb = object_store_mb
         self.token = secrets.token_hex(32) if token else None
         self.started = False
@@ -195,8 +199,9 @@ class Hosts:
                 self.shape(index, rate)
             if nodes:
                 for index in range(len(self.hosts)):
-                    self.start_node(index)
-                self.wait_for_nodes(len(self.hosts))
+                    if index not in self.bare:
+                        self.start_node(index)
+                self.wait_for_nodes(len(self.hosts) - len(self.bare))
             self.started = True
             self._save()
         except BaseException:

@@ -1,0 +1,161 @@
+"""The CLI from a host that runs neither job, and security across hosts.
+
+Four hosts: h0 (the head; the trainer job, by custom resource), h1 (the maker job), h2 (the desk: a Ray
+node that runs neither job, only the commands typed there) and h3 (a laptop: no Ray node at all). Every
+node is started with its ports pinned (docs/multi-host.md), token authentication on. `status`, `inspect`,
+`export` and `stop` typed on the desk work through the Ray client (`ray://10.213.0.1:10001`) and through
+the head's address (`10.213.0.1:6379`); an export lands on the desk. On the laptop only the Ray client
+works, and the direct address is refused saying so. Which sockets the nodes listen on, and a driver
+without the token or with a wrong one, are checked too.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import time
+
+import pytest
+
+from detached_rl.hosts import Hosts
+
+from .multihost import hosts_fixture, tiny_config_path
+
+pytestmark = [pytest.mark.multihost]
+
+TRAINER, MAKER, DESK, LAPTOP = 0, 1, 2, 3
+HOME = "/tmp/drl-hostfs/home"
+# The ports docs/multi-host.md pins on every node: then each port Ray listens on for other hosts is known.
+PINNED_PORTS = {"--node-manager-port": 6380, "--object-manager-port": 6381,
+                "--dashboard-agent-grpc-port": 6382, "--dashboard-agent-listen-port": 6383,
+                "--runtime-env-agent-port": 6384,
+                "--metrics-export-port": 6385, "--min-worker-port": 11000, "--max-worker-port": 11099}
+PINNED = [f"{flag}={port}" for flag, port in PINNED_PORTS.items()]
+WORKER_PORTS = range(PINNED_PORTS["--min-worker-port"], PINNED_PORTS["--max-worker-port"] + 1)
+HEAD_ONLY_PORTS = {6379, 10001, 44217, 44227}  # GCS, Ray client; the autoscaler's and dashboard's metrics
+hosts = hosts_fixture(4, resources={TRAINER: {"trainer_host": 1}, MAKER: {"maker_host": 1}},
+                      node_args={i: PINNED for i in range(3)}, bare={LAPTOP})
+NAMESPACE = ["--namespace", "desk_test"]
+TINY = ["--config", tiny_config_path(), "--set", "namespace=desk_test"]
+SAMPLES = 8  # the maker's 2 batches of 4 prompts, 1 answer each (examples/jobs/tiny.yaml)
+
+
+def cli(hosts: Hosts, address: str, *args: str, env: dict[str, str] | None = None, check: bool = True,
+        on: int = DESK) -> subprocess.CompletedProcess[str]:
+    """`detached-rl ...` typed on host `on` (the desk) against `address`."""
+    return hosts.run(on, ["detached-rl", *args, "--address", address], env=env, timeout=240, check=check)
+
+
+def addresses(hosts: Hosts) -> list[str]:
+    """The Ray client address and the head's direct address."""
+    return [hosts.client_address, hosts.head_address]
+
+
+def listeners(hosts: Hosts, index: int) -> list[tuple[str, int, str]]:
+    """(address, port, process) of every listening TCP socket on host `index`."""
+    shown = subprocess.run(["ip", "netns", "exec", hosts.host(index).namespace, "ss", "-ltnpH"],
+                           capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in shown.splitlines():
+        fields = line.split()
+        address, _, port = fields[3].rpartition(":")
+        process = fields[5].split('"')[1] if len(fields) > 5 and '"' in fields[5] else "?"
+        found.append((address.strip("[]").removeprefix("::ffff:"), int(port), process))
+    return sorted(found, key=lambda row: row[1])
+
+
+def jobs(hosts: Hosts) -> None:
+    """The trainer job typed on h0 and the maker job on h1, at the same time. The maker makes 2 batches (8
+    samples) and stops (its job follows it until then); the trainer waits for 16: its buffer keeps those 8
+    and the machine goes quiet."""
+    trainer = ["detached-rl", "trainer", "--name", "t", "--steps", "5", *TINY, "--set",
+               "trainer_group.resources={trainer_host: 1}", "--set", "trainer.train_batch_size=16",
+               "--set", "trainer.batch_timeout_s=600", "--address", hosts.head_address]
+    maker = ["detached-rl", "maker", "--name", "m", "--trainers", "t", "--batches", "2", "--wait", *TINY,
+             "--set", "maker.resources={maker_host: 1}", "--address", hosts.head_address]
+    started = [hosts.popen(TRAINER, trainer), hosts.popen(MAKER, maker)]
+    for job in started:
+        out, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, out
+
+
+def buffered(hosts: Hosts, address: str) -> dict:
+    """`inspect --json` from the desk, until the trainer's buffer holds both of the maker's batches."""
+    deadline = time.monotonic() + 180
+    while True:
+        report = json.loads(cli(hosts, address, "inspect", "t", "--json", "--last", "2", *NAMESPACE).stdout)
+        if report["stats"]["size"] >= SAMPLES or time.monotonic() > deadline:
+            return report
+
+
+def test_status_inspect_export_and_stop_from_the_desk_through_both_addresses(hosts: Hosts) -> None:
+    """A trainer job on h0 and a maker job on h1, typed on their hosts; from the desk, through `ray://`
+    and the direct address: status lists both, inspect shows the samples, export writes them on the desk,
+    stop ends them."""
+    jobs(hosts)
+    for address in addresses(hosts):
+        report = buffered(hosts, address)
+        stats = report["stats"]
+        assert stats["size"] == SAMPLES and stats["accounting_ok"] and "m" in stats["per_maker"], stats
+        assert len(report["samples"]) == 2 and all(s["response_text"] is not None for s in report["samples"])
+        status = json.loads(cli(hosts, address, "status", "--json", *NAMESPACE).stdout)
+        assert {(row["name"], row["role"]) for row in status} == {("t", "trainer"), ("m", "maker")}, status
+        # A relative path is the desk's: the file lands in the desk's home, nowhere else.
+        name = f"exported-{'client' if address.startswith('ray://') else 'direct'}.jsonl"
+        exported = cli(hosts, address, "export", "t", f"out/{name}", *NAMESPACE)
+        assert f"wrote {SAMPLES} samples of 't' to out/{name}" in exported.stdout, exported.stdout
+        text = hosts.run(DESK, ["cat", f"{HOME}/out/{name}"], check=True).stdout
+        rows = [json.loads(line) for line in text.splitlines()]
+        assert len(rows) == SAMPLES and all({"prompt_ids", "response_ids"} <= set(row) for row in rows)
+        for index in (TRAINER, MAKER):
+            assert hosts.run(index, ["test", "-e", f"{HOME}/out"]).returncode != 0
+    # stop: the maker through the Ray client, the trainer through the direct address
+    stopped = cli(hosts, hosts.client_address, "stop", "m", *NAMESPACE, "--timeout", "60")
+    assert "stopped m" in stopped.stdout, stopped.stdout
+    stopped = cli(hosts, hosts.head_address, "stop", "t", *NAMESPACE, "--timeout", "60")
+    assert "stopped t" in stopped.stdout, stopped.stdout  # none left: the laptop's status below says so
+
+
+def test_every_port_open_to_other_hosts_is_a_pinned_one(hosts: Hosts) -> None:
+    """With the pinned ports of docs/multi-host.md, each socket a node listens on for other hosts is on a
+    port the document lists (so a firewall that opens just those between the hosts is complete); the Ray
+    client server listens on the head's address and loopback only."""
+    allowed = set(PINNED_PORTS.values()) | set(WORKER_PORTS)
+    for index in (TRAINER, MAKER):
+        table = listeners(hosts, index)
+        print(f"h{index} listens on: " + ", ".join(f"{a}:{p} ({n})" for a, p, n in table))
+        open_to_hosts = [(a, p, n) for a, p, n in table if a not in ("127.0.0.1", "::1")]
+        unexpected = [row for row in open_to_hosts
+                      if row[1] not in allowed | (HEAD_ONLY_PORTS if index == 0 else set())]
+        assert not unexpected, unexpected
+        assert {a for a, p, _ in open_to_hosts} <= {hosts.host(index).address, "*", "0.0.0.0", "::"}
+    client = {a for a, p, _ in listeners(hosts, 0) if p == 10001}
+    assert client == {hosts.host(0).address, "127.0.0.1"}, client
+
+
+def test_on_a_host_without_a_node_the_ray_client_works_and_a_direct_address_is_refused(hosts: Hosts) -> None:
+    """The laptop (no Ray node): `status` through `ray://` answers; through the head's address it exits 2
+    at once, saying that a direct address needs a node on this host and naming the Ray client address."""
+    assert "no detached-rl actors" in cli(hosts, hosts.client_address, "status", *NAMESPACE, on=LAPTOP).stdout
+    refused = cli(hosts, hosts.head_address, "status", *NAMESPACE, on=LAPTOP, check=False)
+    last = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "no Ray node of the cluster at 10.213.0.1:6379 runs on this host" in last, last
+    assert f"--address {hosts.client_address}" in last, last
+
+
+def test_a_driver_without_the_token_or_with_a_wrong_one_is_refused_at_once(hosts: Hosts) -> None:
+    """From the desk, without RAY_AUTH_MODE/RAY_AUTH_TOKEN or with a wrong token, through either address:
+    exit 2 and one line naming RAY_AUTH_MODE and RAY_AUTH_TOKEN, before the connect timeout."""
+    plain = {k: v for k, v in hosts.environment().items() if not k.startswith("RAY_AUTH")}
+    plain["DETACHED_RL_CONNECT_TIMEOUT_S"] = "60"  # Ray's own retries last longer: refused before
+    wrong = {**plain, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    environments = {"no token": plain, "wrong token": wrong}
+    for case, env in environments.items():
+        for address in addresses(hosts):
+            refused = cli(hosts, address, "status", *NAMESPACE, env=env, check=False)
+            last = refused.stderr.strip().splitlines()[-1]
+            assert refused.returncode == 2, (case, address, refused.stderr)
+            assert f"the Ray cluster at {address} refused this driver" in last, (case, address, last)
+            assert "RAY_AUTH_MODE=token" in last and "RAY_AUTH_TOKEN" in last, (case, last)
