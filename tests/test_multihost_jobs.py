@@ -47,7 +47,8 @@ while time.monotonic() - start < timeout:
             seen["placement"][actor["Name"]] = actor["Address"]["IPAddress"]
     rows = {row["name"]: row for row in all_status(namespace)}
     for name, row in rows.items():
-        if (row.get("role") == "maker" and (row.get("policy_version") or -1) >= 0
+        version = row.get("policy_version")
+        if (row.get("role") == "maker" and isinstance(version, int) and version >= 0
                 and seen["first_update_s"] is None):
             seen["first_update_s"] = round(time.monotonic() - start, 1)
     if trainer not in rows and seen["trainer"]:
