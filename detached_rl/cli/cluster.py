@@ -116,8 +116,9 @@ def connect_timeout() -> float:
 def connect(address: str | None, namespace: str, timeout: float | None = None) -> None:
     """Join a running Ray cluster (default: `$RAY_ADDRESS`, else `auto`) in `namespace`.
 
-    Never waits forever: an address that does not answer fails at once, and if joining takes
-    longer than `timeout` (default: `connect_timeout()`) the process exits with a one-line error
+    Never waits forever: an address that does not answer fails at once, so do a cluster that refuses
+    this process's token and a direct address on a host without a node (`check_cluster`); if joining
+    takes longer than `timeout` (default: `connect_timeout()`) the process exits with a one-line error
     (Ray retries internally without a bound, in native code that cannot be interrupted). A Ray
     client join starts a server process on the head node, which on a loaded machine can take
     minutes: raise `$DETACHED_RL_CONNECT_TIMEOUT_S` there.
@@ -176,8 +177,8 @@ def init_local_ray(namespace: str, **options: Any) -> None:
 
     RAY_AUTH_MODE is left as the user set it; unset, Ray 2.60 turns token auth on for a new local
     cluster and keeps its token in ~/.ray/auth_token. For a real multi-node cluster, start it with
-    `ray start --head --node-ip-address=<private address>` on a trusted network and token auth
-    (docs/operations.md#security).
+    `ray start --head --node-ip-address=<private address>` on a trusted network, token auth on and its
+    ports pinned behind a firewall (docs/multi-host.md).
     """
     # Ray replaces a loopback node address by the machine's external one unless this is "0"; every GCS,
     # raylet, agent and worker socket then binds to that address or to all interfaces. The processes Ray
