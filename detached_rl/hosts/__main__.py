@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                    "HOME": "/tmp/drl-hostfs/home", "LANG": "C.UTF-8", "RAY_USAGE_STATS_ENABLED": "0"}
             if state.get("token"):
                 env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=state["token"])
-            argv_ = ["nsenter", f"--target={anchor}", "--net", "--mount", "--", "env", "-i",
+            argv_ = ["nsenter", f"--target={anchor}", "--net", "--mount", "--pid", "--", "env", "-i",
                      "--chdir=/tmp/drl-hostfs/home", *(f"{k}={v}" for k, v in env.items()), *command]
             os.execvp(argv_[0], argv_)
         tear_down(args.workdir)

@@ -160,7 +160,7 @@ class Hosts:
         """Kill every process of host `index` but its anchor (its raylet, workers, agents): the machine
         dies, its namespace stays. Returns the pids signalled."""
         host = self.host(index)
-        pids = [pid for pid in host.pids() if pid != host.anchor_pid]
+        pids = [pid for pid in host.pids() if pid not in host.anchors()]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)

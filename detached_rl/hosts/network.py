@@ -71,6 +71,7 @@ class Host:
     port: str
     directory: Path
     anchor_pid: int = 0
+    anchor_parent_pid: int = 0
     rate_mbit: float | None = None
     extra_pids: list[int] = field(default_factory=list)
 
@@ -84,9 +85,13 @@ class Host:
         result = ip_command("ip", "netns", "pids", self.namespace, check=False)
         return [int(p) for p in result.stdout.split()]
 
+    def anchors(self) -> set[int]:
+        """The host's init and the `unshare` that waits for it: the host itself, not its workload."""
+        return {self.anchor_pid, self.anchor_parent_pid}
+
     def enter(self) -> list[str]:
         """Command prefix that runs a command inside this host (its network and its mounts)."""
-        return ["nsenter", f"--target={self.anchor_pid}", "--net", "--mount", "--"]
+        return ["nsenter", f"--target={self.anchor_pid}", "--net", "--mount", "--pid", "--"]
 
 
 class Network:
@@ -130,17 +135,22 @@ class Network:
         command of the host enters its namespaces."""
         script = (f"mount --make-rprivate / && mount --bind {host.directory} {HOST_ROOT} && "
                   f"mount --bind {host.directory / 'ray'} {RAY_TMP} && echo ready && exec sleep infinity")
+        # Its own PID namespace and /proc too: Ray finds "the raylet of this machine" by scanning the
+        # process table, which on a shared one would show every host's raylet.
         anchor = subprocess.Popen(
             ["ip", "netns", "exec", host.namespace, "unshare", "--mount", "--propagation", "private",
-             "sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True)
+             "--pid", "--fork", "--mount-proc", "sh", "-c", script], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True)
         line = anchor.stdout.readline() if anchor.stdout else ""
-        if line.strip() != "ready":
+        children = Path(f"/proc/{anchor.pid}/task/{anchor.pid}/children")
+        init = children.read_text().split() if line.strip() == "ready" and children.exists() else []
+        if not init:
             anchor.kill()
             error = anchor.stderr.read() if anchor.stderr else ""
-            raise NetworkError(f"host {host.name}: could not set up its mounts: {error.strip()}")
+            raise NetworkError(f"host {host.name}: could not set up its namespaces: {error.strip()}")
         self._anchors.append(anchor)
-        return anchor.pid
+        host.anchor_parent_pid = anchor.pid
+        return int(init[0])  # the host's init (pid 1 inside): commands enter its namespaces
 
     def shape(self, host: Host, rate_mbit: float | None) -> None:
         """Shape the host's link to `rate_mbit` Mbit/s both ways (None: unshaped)."""
