@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ import json, sys, time, ray
 from detached_rl.cli.inspection import all_status
 address, namespace, trainer, timeout = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 ray.init(address=address, namespace=namespace, log_to_driver=False)
+print("watching", flush=True)
 start, seen = time.monotonic(), {"placement": {}, "first_update_s": None, "trainer": {}}
 while time.monotonic() - start < timeout:
     for actor in ray._private.state.actors().values():  # Ray's actor table: where each actor was placed
@@ -61,11 +63,24 @@ print(json.dumps(seen))
 """
 
 
-def watch(hosts: Hosts, trainer: str, timeout: float, namespace: str = "detached_rl") -> dict:
-    """Follow trainer `trainer` from the desk until it ends: placement, first update, its last status row."""
+def watch(hosts: Hosts, trainer: str, timeout: float, namespace: str = "detached_rl",
+          then: Callable[[], object] = lambda: None) -> dict:
+    """Follow trainer `trainer` from the desk until it ends (`then` is called once the watch is connected):
+    placement, first update, its last status row."""
     args = [sys.executable, "-c", WATCH, hosts.head_address, namespace, trainer, str(timeout)]
-    result = hosts.run(DESK, args, timeout=timeout + 120, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    watcher = hosts.popen(DESK, args)
+    try:
+        lines = []
+        while not lines or lines[-1].strip() != "watching":
+            lines.append(watcher.stdout.readline())
+            assert lines[-1] or watcher.poll() is None, "".join(lines)[-3000:]
+        then()
+        out, _ = watcher.communicate(timeout=timeout + 120)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+    assert watcher.returncode == 0, out[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def placed(seen: dict, expected: dict[str, int], hosts: Hosts) -> None:
@@ -141,16 +156,19 @@ def test_run_on_the_cluster_places_its_actors_and_writes_its_directory_on_the_dr
     """`detached-rl run --address` typed on the desk: trainer on h2, both makers on h1 (by labels); the run
     directory, with the adapter and merged model, is on the desk and nowhere else."""
     log = tmp_path / "run.log"
-    run = hosts.popen(DESK, ["detached-rl", "run", "--config", tiny_config_path(), "--address",
-                             hosts.head_address, "--steps", "3", "--makers", "2", "--name", "r1",
-                             "--output", "runs", "--no-progress", "--set", ON_TRAINER_HOST,
-                             "--set", ON_MAKER_HOST], log=log)
+    started = []
+    args = ["detached-rl", "run", "--config", tiny_config_path(), "--address", hosts.head_address, "--steps",
+            "3", "--makers", "2", "--name", "r1", "--output", "runs", "--no-progress",
+            "--set", ON_TRAINER_HOST, "--set", ON_MAKER_HOST]
     try:
-        seen = watch(hosts, "r1-trainer", timeout=240)
+        seen = watch(hosts, "r1-trainer", timeout=240, then=lambda: started.append(hosts.popen(DESK, args,
+                                                                                               log=log)))
+        run = started[0]
         run.wait(timeout=240)
     finally:
-        if run.poll() is None:
-            run.kill()
+        for process in started:
+            if process.poll() is None:
+                process.kill()
     assert run.returncode == 0, log.read_text()[-3000:]
     placed(seen, {"r1-trainer": TRAINER, "r1-maker-0": MAKER, "r1-maker-1": MAKER}, hosts)
     directory = f"{HOME}/runs/r1"
