@@ -88,9 +88,10 @@ def actor_rows(namespace: str) -> list[ActorRow] | None:
 
 
 def newest(rows: list[ActorRow], name: str) -> ActorRow | None:
-    """The newest row named `name` (a name's earlier, dead actors stay in the table)."""
+    """The row of the actor now named `name`: the one not dead (a name's earlier, dead actors stay in the
+    table; an actor not started yet has no start time), else the newest."""
     named = [row for row in rows if row.name == name]
-    return max(named, key=lambda row: row.started) if named else None
+    return max(named, key=lambda row: (row.state != "DEAD", row.started)) if named else None
 
 
 def why_unplaced(what: str, name: str, request: dict[str, float], rows: list[ActorRow],
