@@ -1,13 +1,9 @@
 """Jobs across hosts: trainer and maker jobs placed by node labels and custom resources, `detached-rl run`
 with its actors on other hosts than its driver, and what each of them keeps on which host.
 
-Three hosts: h0 (the head, role=desk: where the user types; nothing is placed there), h1 (role=maker,
-resource maker_host; its link shaped to 20 Mbit/s) and h2 (role=trainer, trainer_host). Each host's
-/tmp/drl-hostfs is its own, so where a file lands shows on which host the code that wrote it ran.
-
-The desk is the head because of the harness: all hosts share this machine's process table, and a Ray driver
-picks its node by scanning it for raylets, preferring the head's; a driver on h1 or h2 takes the head's
-address as its own, and results it must fetch from the object store (over 100 kB) never arrive.
+Three hosts: h0 (the head, role=trainer, resource trainer_host), h1 (role=maker, resource maker_host; its
+link shaped to 20 Mbit/s) and h2 (role=desk: a node where the user types; nothing is placed there). Each
+host's /tmp/drl-hostfs is its own, so where a file lands shows on which host the code that wrote it ran.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from .multihost import hosts_fixture, tiny_config_path
 
 pytestmark = [pytest.mark.multihost]
 
-DESK, MAKER, TRAINER = 0, 1, 2
+TRAINER, MAKER, DESK = 0, 1, 2
 hosts = hosts_fixture(3, rates_mbit={MAKER: 20},
                       resources={TRAINER: {"trainer_host": 1}, MAKER: {"maker_host": 1}},
                       labels={TRAINER: {"role": "trainer"}, MAKER: {"role": "maker"}, DESK: {"role": "desk"}})
