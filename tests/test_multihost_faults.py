@@ -156,7 +156,7 @@ def ask(run: dict[str, Any], actor: str, method: str, *args: Any) -> Any:
     """`actor.method(*args)` through the probe on h0, which must answer within a few tries (h0's link never
     goes down); a probe that stalls (its Ray driver stuck on a node being declared dead) is replaced."""
     probe = run["probes"][0]
-    for _ in range(3):
+    for _ in range(5):
         try:
             answer = probe.call(actor, method, *args, timeout=20)
         except TimeoutError:
@@ -164,6 +164,7 @@ def ask(run: dict[str, Any], actor: str, method: str, *args: Any) -> Any:
             continue
         if not isinstance(answer, Exception):
             return answer
+        time.sleep(2)
     return ok(answer)
 
 
