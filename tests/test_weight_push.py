@@ -1,6 +1,7 @@
 """`WeightPushQueue` on its own (no Ray, no models): one update in flight per maker, the
 newest waits, none blocks."""
 
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -53,6 +54,7 @@ def test_a_busy_maker_gets_only_the_newest_update_next_and_offer_never_waits():
     assert makers.sent == [("fast", 1), ("slow", 1), ("fast", 2)]
     assert queue.superseded == 1 and queue.stats()["waiting"] == {"slow": 3}
     makers.ack("slow")  # v1 acknowledged: v3 goes at once
+    queue.settle()
     assert makers.sent[-1] == ("slow", 3) and queue.acked == {"fast": 1, "slow": 1}
     makers.ack("slow")
     makers.ack("fast")
@@ -108,3 +110,24 @@ def test_a_refusal_is_the_makers_result_and_leaves_its_acknowledged_version():
 def test_a_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout"):
         WeightPushQueue(Makers().send, timeout=0)
+
+
+def test_the_next_update_is_not_sent_from_the_thread_that_completed_the_previous_one():
+    """Ray completes a remote call's future on its event thread; sending from there (`ray.get_actor`, a
+    remote call) waits for that same thread, and the trainer actor stopped answering."""
+    makers = Makers()
+    sending_threads: list[str] = []
+
+    def send(maker: str, weights: WeightUpdate) -> Future:
+        sending_threads.append(threading.current_thread().name)
+        return makers.send(maker, weights)
+
+    queue = WeightPushQueue(send, timeout=60)
+    queue.offer(update(1), ["m"])
+    queue.offer(update(2), ["m"])  # waits behind v1
+    completer = threading.Thread(target=makers.ack, args=("m",), name="ray-event-loop")
+    completer.start()
+    completer.join()
+    queue.settle()
+    assert makers.sent == [("m", 1), ("m", 2)]
+    assert sending_threads[1] != "ray-event-loop" and sending_threads[1].startswith("weight-push")

@@ -7,6 +7,10 @@ generation batch. An update offered while the previous one to that maker is stil
 a newer one offered before it was sent replaces it (counted in `superseded`), so a slow maker gets
 the newest weights next and the trainer never queues more. Plain code over a `send` function that
 returns a `concurrent.futures.Future` (the Ray shell passes `handle.apply_weight_update.remote(u).future()`).
+
+The update waiting behind an acknowledged one is sent from the queue's own thread, never from the thread
+that completed the future: Ray completes `.future()`s on its core worker's event thread, and a `send`
+run there (`ray.get_actor`, a remote call) waits for that very thread, so the actor stopped answering.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +56,7 @@ class WeightPushQueue:
         self.sent = 0
         self.superseded = 0  # updates replaced by a newer one before they were sent
         self.failed = 0
+        self._dispatcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-push")
 
     def offer(self, update: WeightUpdate, makers: Iterable[str]) -> None:
         """Send `update` to every maker with nothing in flight; leave it waiting (replacing
@@ -108,7 +113,7 @@ class WeightPushQueue:
                 self._in_flight[maker] = _InFlight(next_update.manifest.version, self.clock(), Future())
             self._changed.notify_all()
         if next_update is not None:
-            self._dispatch(maker, next_update)
+            self._dispatcher.submit(self._dispatch, maker, next_update)
 
     def _record(self, maker: str, result: ApplyResult | BaseException) -> None:
         """Keep `result` as the maker's latest; hold `_lock`."""
@@ -144,6 +149,10 @@ class WeightPushQueue:
                             f"{timeout:.0f} s"))
                     return False
                 self._changed.wait(min(remaining, 0.5))
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait until the sends owed to acknowledged makers' waiting updates have been made."""
+        self._dispatcher.submit(lambda: None).result(timeout=timeout)  # one thread, in order: after them
 
     def forget(self, maker: str) -> None:
         """Stop tracking a maker that is gone."""
