@@ -46,7 +46,7 @@ def test_the_wait_is_bounded_and_ends_once_placed(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize("raw", ["0", "-3", "nan", "soon"])
 def test_a_bad_variable_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
     monkeypatch.setenv(PLACEMENT_TIMEOUT_VARIABLE, raw)
-    with pytest.raises(ValueError, match=PLACEMENT_TIMEOUT_VARIABLE):
+    with pytest.raises(JobError, match=PLACEMENT_TIMEOUT_VARIABLE):
         placement_timeout()
     monkeypatch.setenv(PLACEMENT_TIMEOUT_VARIABLE, "15")
     assert placement_timeout() == 15.0

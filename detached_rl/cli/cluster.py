@@ -99,18 +99,24 @@ CONNECT_TIMEOUT_VARIABLE = "DETACHED_RL_CONNECT_TIMEOUT_S"
 DEFAULT_CONNECT_TIMEOUT = 120.0
 
 
-def connect_timeout() -> float:
-    """Seconds `connect` may take to join a cluster: `$DETACHED_RL_CONNECT_TIMEOUT_S`, else 120."""
-    raw = os.environ.get(CONNECT_TIMEOUT_VARIABLE, "").strip()
+def seconds_from_environment(variable: str, default: float) -> float:
+    """`$variable` as a positive number of seconds (`default` when unset or blank); a `JobError` naming it
+    otherwise."""
+    raw = os.environ.get(variable, "").strip()
     if not raw:
-        return DEFAULT_CONNECT_TIMEOUT
+        return default
     try:
         seconds = float(raw)
     except ValueError:
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
-        raise JobError(f"{CONNECT_TIMEOUT_VARIABLE}={raw!r}: must be a positive number of seconds")
+        raise JobError(f"{variable}={raw!r}: must be a positive number of seconds")
     return seconds
+
+
+def connect_timeout() -> float:
+    """Seconds `connect` may take to join a cluster: `$DETACHED_RL_CONNECT_TIMEOUT_S`, else 120."""
+    return seconds_from_environment(CONNECT_TIMEOUT_VARIABLE, DEFAULT_CONNECT_TIMEOUT)
 
 
 def connect(address: str | None, namespace: str, timeout: float | None = None) -> None:

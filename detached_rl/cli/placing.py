@@ -10,13 +10,11 @@ under the name of a restarting maker takes that name over (`take_over_restarting
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from detached_rl.cli.cluster import JobError
+from detached_rl.cli.cluster import JobError, seconds_from_environment
 from detached_rl.core.resources import describe
 
 PLACEMENT_TIMEOUT_VARIABLE = "DETACHED_RL_PLACEMENT_TIMEOUT"
@@ -44,16 +42,7 @@ class ActorRow:
 
 def placement_timeout() -> float:
     """Seconds a job waits for its actors to be placed: `$DETACHED_RL_PLACEMENT_TIMEOUT`, default 120."""
-    raw = os.environ.get(PLACEMENT_TIMEOUT_VARIABLE)
-    if raw is None or not raw.strip():
-        return DEFAULT_PLACEMENT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{PLACEMENT_TIMEOUT_VARIABLE}={raw!r}: must be a number of seconds > 0")
-    return value
+    return seconds_from_environment(PLACEMENT_TIMEOUT_VARIABLE, DEFAULT_PLACEMENT_TIMEOUT)
 
 
 def read_rows(namespace: str) -> list[ActorRow]:
