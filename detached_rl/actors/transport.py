@@ -21,11 +21,11 @@ import ray
 import torch
 
 from detached_rl.core.chunk_codec import decode_chunk, encode_chunk
+from detached_rl.core.namespace import DEFAULT_NAMESPACE
 from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NAMESPACE = "detached_rl"
 
 
 def _anonymous(namespace: str) -> bool:

@@ -79,9 +79,10 @@ def _ppo_on_ray(args: argparse.Namespace) -> int:
 
 
 def _namespace(args: argparse.Namespace) -> str:
-    from detached_rl.config import RunConfig
+    # Not RunConfig's: reading it imports the models (transformers, peft), seconds for a `status`.
+    from detached_rl.core.namespace import DEFAULT_NAMESPACE
 
-    return args.namespace or RunConfig().namespace
+    return args.namespace or DEFAULT_NAMESPACE
 
 
 def _trainer(args: argparse.Namespace) -> int:

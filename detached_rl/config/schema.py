@@ -19,6 +19,7 @@ from typing import Any
 
 from detached_rl.algorithms.grpo import GRPOConfig
 from detached_rl.algorithms.ppo import PPOConfig
+from detached_rl.core.namespace import DEFAULT_NAMESPACE
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.maker.experience_maker import MakerConfig
 from detached_rl.rewards.functions import REWARD_FUNCTIONS
@@ -176,7 +177,7 @@ def main_job_section(cls: type, name: str) -> Any:
 class RunConfig:
     """Everything a detached run needs; the defaults are the main job's (`detached-rl run`)."""
 
-    namespace: str = "detached_rl"
+    namespace: str = DEFAULT_NAMESPACE
     algorithm: str = "grpo"  # "ppo" (critic, GAE) or "grpo" (the GRPO family, see `grpo.algorithm`)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
