@@ -144,7 +144,7 @@ def start_maker(config: RunConfig, name: str, trainers: list[str], num_batches: 
         raise JobError("a maker needs --trainers (comma-separated trainer names)")
     check_placeable(launch_requests(config, makers=[name]))
     wait = min(placement_timeout(), timeout)
-    if False and take_over_restarting(name, config.namespace):  # MUTATION
+    if take_over_restarting(name, config.namespace):
         logging.getLogger(__name__).warning(
             "maker %r was restarting (its process or node was lost): this job takes its name over", name)
     _refuse_existing(name, config.namespace)
