@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install system-tools colossalai demo test test-gpu lint bench-env bench clean
 
-install: system-tools $(STAMP)
+install: $(STAMP)
 
 # The multi-host harness and its tests (detached_rl/hosts, tests/test_hosts.py, tests/test_multihost_*.py) build
 # hosts from network namespaces with `ip` and `tc` (iproute2), as root; `unshare`, `nsenter` (util-linux) and
@@ -70,7 +70,7 @@ demo: install
 # Includes tests/test_install.py (a plain `pip install .` into a fresh venv, then the main job; minutes):
 # `make test PYTEST_ARGS='-m "not install"'` leaves it out.
 PYTEST_ARGS ?=
-test: install colossalai
+test: system-tools install colossalai
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The GPU lane (docs/gpu.md): the non-Ray tests with their models and data on CUDA, the Ray tests' trainers and
