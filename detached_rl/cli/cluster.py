@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any
 
+from detached_rl.core.text import first_line
+
 
 class JobError(RuntimeError):
     """A cluster command failed for a reason the user can act on (the message says which)."""
@@ -205,7 +207,3 @@ def init_local_ray(namespace: str, **options: Any) -> None:
                        "by this Ray?)")
 
 
-def first_line(value: Any) -> str:
-    """The first line of `value`'s text (empty for none)."""
-    text = str(value).strip()
-    return text.splitlines()[0] if text else ""

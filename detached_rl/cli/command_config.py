@@ -85,13 +85,6 @@ def checkpoint_problem(directory: str, ranks: list[int]) -> str | None:
     return None
 
 
-def refuse_missing_checkpoint(directory: str, world_size: int) -> None:
-    """Fail before anything starts unless `directory` holds a checkpoint of each of `world_size` ranks."""
-    problem = checkpoint_problem(directory, list(range(world_size)))
-    if problem:
-        raise ValueError(f"--resume-from {directory!r}: {problem}")
-
-
 def refuse_checkpoint_missing_on_trainer(directory: str, handles: list[Any], timeout: float = 60.0) -> None:
     """Fail unless `directory` holds each rank's checkpoint on the host of that rank (`handles`, rank order).
 

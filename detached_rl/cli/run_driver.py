@@ -36,6 +36,7 @@ from detached_rl.cli.run_setup import (
     run_gpus,
 )
 from detached_rl.config import RunConfig, dump_config
+from detached_rl.core.text import first_line
 
 
 def actor_death_reason(error: BaseException) -> str:
@@ -151,7 +152,8 @@ class JobRunner:
             ranks = launch_trainers(config, self.trainer_name, timeout=self._remaining(900), detached=False,
                                     threads=config.run.trainer_threads, placed=self.placed)
         except (TimeoutError, ray.exceptions.RayTaskError) as error:  # a group not placed, or a rank failed
-            raise RunError(f"trainer group {self.trainer_name!r} did not start: {first_line(error)}") \
+            cause = getattr(error, "cause", None) or error
+            raise RunError(f"trainer group {self.trainer_name!r} did not start: {first_line(cause)}") \
                 from None
         self.handles.update(zip(self.trainer_names, ranks, strict=True))
         state_dir = self.directory / "maker_state" if single_machine_cluster() else None
@@ -427,13 +429,6 @@ class JobRunner:
     def _gpu_note(self) -> str:
         trainer, maker = self.config.trainer_group.num_gpus_per_rank, self.config.maker.num_gpus
         return f" (GPUs: trainer {trainer:g}, each maker {maker:g})" if trainer or maker else ""
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message (of its cause, for a Ray task error)."""
-    cause = getattr(error, "cause", None) or error
-    text = str(cause).strip()
-    return text.splitlines()[0] if text else type(cause).__name__
 
 
 def single_machine_cluster() -> bool:

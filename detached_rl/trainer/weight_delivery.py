@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from detached_rl.core.text import first_line
 from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate, build_weight_update, state_fingerprint
 from detached_rl.models.base_fingerprint import (
     base_fingerprint,
@@ -59,11 +60,6 @@ def bytes_per_model(update: WeightUpdate) -> dict[str, int]:
         model = spec.name.partition("/")[0]
         sizes[model] = sizes.get(model, 0) + (spec.nbytes if spec.alias_of is None else 0)
     return sizes
-
-
-def _first_line(error: BaseException) -> str:
-    """The first non-empty line of an error's text (Ray's errors span many)."""
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 def _discard(chunk: Any) -> None:
@@ -319,9 +315,8 @@ class WeightDelivery:
         for name, error in failures.items():
             if name not in self.lost:
                 logger.warning("trainer %s: maker %s lost (training goes on with the others): %s",
-                               self.core.name, name, _first_line(error))
-            self.lost[name] = f"{type(error).__name__}: {_first_line(error)}"
-        for name, error in failures.items():
+                               self.core.name, name, first_line(error))
+            self.lost[name] = f"{type(error).__name__}: {first_line(error)}"
             if isinstance(error, LookupError):  # no actor by that name any more: stop paying for it
                 self.makers.discard(name)
                 if self.queue is not None:
