@@ -18,7 +18,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 SUBNET = "10.213.0"
@@ -73,7 +73,6 @@ class Host:
     anchor_pid: int = 0
     anchor_parent_pid: int = 0
     rate_mbit: float | None = None
-    extra_pids: list[int] = field(default_factory=list)
 
     @property
     def name(self) -> str:
