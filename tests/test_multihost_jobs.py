@@ -39,10 +39,16 @@ address, namespace, trainer, timeout = sys.argv[1], sys.argv[2], sys.argv[3], fl
 ray.init(address=address, namespace=namespace, log_to_driver=False)
 print("watching", flush=True)
 start, seen = time.monotonic(), {"placement": {}, "first_update_s": None, "trainer": {}}
-while time.monotonic() - start < timeout:
-    for actor in ray._private.state.actors().values():  # Ray's actor table: where each actor was placed
+
+def placements():
+    # Ray's actor table: where each actor was placed (a dead actor keeps its last address, so a short run's
+    # makers are found even when they came and went between two polls)
+    for actor in ray._private.state.actors().values():
         if actor.get("Name") and actor["Address"]["IPAddress"]:
             seen["placement"][actor["Name"]] = actor["Address"]["IPAddress"]
+
+while time.monotonic() - start < timeout:
+    placements()
     rows = {row["name"]: row for row in all_status(namespace)}
     for name, row in rows.items():
         version = row.get("policy_version")
@@ -54,7 +60,8 @@ while time.monotonic() - start < timeout:
     seen["trainer"] = {k: v for k, v in rows.get(trainer, {}).items() if isinstance(v, (int, float, str))}
     if seen["trainer"].get("state") in ("done", "failed", "dead", "idle"):
         break
-    time.sleep(2.0)
+    time.sleep(1.0)
+placements()
 print(json.dumps(seen))
 """
 
