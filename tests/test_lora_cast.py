@@ -87,15 +87,16 @@ def train_and_sync(trainer, store, makers):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("mode", ["keep", "merge"])
-def test_a_casting_maker_takes_lora_only_updates_after_a_full_one(dtype, mode):
+def test_a_casting_maker_with_the_trainers_base_takes_lora_only_updates_from_the_first_on(dtype, mode):
     trainer, store = make_trainer()
     maker = casting_maker("maker_0", dtype, mode)
     assert maker.base_fingerprint.startswith(f"{dtype}:")
     # Same base, cast: it matches before any update (a maker loaded from the trainer's checkpoint in bf16).
     assert maker.base_fingerprint == trainer.cast_base_fingerprints[dtype]
-    full = trainer.register_maker("maker_0", maker.base_fingerprint, store.put)
-    assert full.manifest.kind == "full"
-    maker.apply_weight_update(full, store.fetch)
+    first = trainer.register_maker("maker_0", maker.base_fingerprint, store.put)
+    assert first.manifest.kind == "lora"  # the base never crosses: the maker proved it holds it
+    maker.apply_weight_update(first, store.fetch, reset=True)
+    assert maker.policy_version == 0
     # Recomputed over the cast bytes it now holds, the fingerprint still matches the trainer's cast one.
     assert maker.base_fingerprint == trainer.cast_base_fingerprints[dtype]
     trainer_model = trainer.learner.actor.model

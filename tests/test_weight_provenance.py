@@ -11,10 +11,18 @@ import torch
 
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.weight_receiver import WeightReceiver
-from detached_rl.core.weight_sync import WeightUpdate, WeightUpdateError, build_weight_update, tensor_checksum
+from detached_rl.core.weight_sink import ModuleWeightSink
+from detached_rl.core.weight_sync import (
+    OffTrainerError,
+    WeightUpdate,
+    WeightUpdateError,
+    build_weight_update,
+    tensor_checksum,
+)
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.maker.loop import take_offered
 from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
+from detached_rl.models.base_fingerprint import BaseCheckedSink, base_fingerprint, base_keys
 
 from .helpers import (
     ObjectStore,
@@ -147,15 +155,51 @@ def test_rollbacks_are_refused_from_any_run_without_a_reset(bound):
     assert receiver.version == 2
 
 
-def test_a_lora_update_of_a_new_run_needs_its_full_update_first_even_as_a_reset():
+def test_a_lora_update_of_a_new_run_without_a_verified_base_needs_a_full_update_even_as_a_reset():
     store, maker = ObjectStore(), lora_llama(seed=1)
     receiver = WeightReceiver({"actor": maker})
     assert receiver.receive(full(store, lora_llama(seed=2), 1), store.fetch).applied
     adapter = {key: p.detach() for key, p in lora_llama(seed=3).named_parameters() if p.requires_grad}
     update = build_weight_update({"actor": adapter}, 1, store.put, kind="lora",
                                  metadata={"trainer_run": "run-b"})[0]
-    with pytest.raises(WeightUpdateError, match="new trainer run 'run-b'.*needs a full update first"):
+    with pytest.raises(OffTrainerError, match="lacks 'actor/base_model.*no verified base provides"):
         receiver.receive(update, store.fetch, reset=True)
+    assert (receiver.trainer_run, receiver.version) == ("run-a", 1)
+
+
+def lora_update(store: ObjectStore, trainer: torch.nn.Module, version: int, run: str = "run-b",
+                base: torch.nn.Module | None = None) -> WeightUpdate:
+    """A LoRA-only update of `trainer` (A, B) naming the base fingerprint of `base` (default: its own)."""
+    adapter = {key: p.detach() for key, p in trainer.named_parameters() if p.requires_grad}
+    metadata = {"trainer_run": run, "base_fingerprint": base_fingerprint(base or trainer)}
+    return build_weight_update({"actor": adapter}, version, store.put, kind="lora", metadata=metadata)[0]
+
+
+def test_a_maker_that_proves_the_base_starts_from_a_lora_only_update_and_one_that_cannot_fetches_nothing():
+    """What a maker starting out (version -1) or registering takes: a LoRA-only update of a new run when the
+    base it serves is the one the update names; refused before any chunk is fetched otherwise."""
+    store, fetched = ObjectStore(), []
+
+    def fetch(ref):
+        fetched.append(ref)
+        return store.fetch(ref)
+
+    maker = lora_llama(seed=1)
+    checked = BaseCheckedSink(ModuleWeightSink(maker), base_keys(maker))
+    receiver = WeightReceiver({"actor": checked}, version=-1)
+    stranger = apply_lora(tiny_causal_lm("llama", seed=5)[0], LoraSettings(r=4, alpha=8))  # another base
+    before = state_snapshot(maker)
+    with pytest.raises(OffTrainerError, match="base fingerprint mismatch"):
+        receiver.receive(lora_update(store, lora_llama(seed=2), 0, base=stranger), fetch, reset=True)
+    assert fetched == [] and unchanged(maker, before) and receiver.version == -1
+    trainer = lora_llama(seed=2)
+    assert receiver.receive(lora_update(store, trainer, 0), fetch, reset=True).applied
+    assert fetched and (receiver.version, receiver.trainer_run) == (0, "run-b")
+    assert all(torch.equal(maker.state_dict()[key], value) for key, value in trainer.state_dict().items())
+    # and again, from another run (a registration with a trainer that resumed in a new process)
+    later = lora_llama(seed=3)
+    assert receiver.receive(lora_update(store, later, 7, run="run-c"), fetch, reset=True).applied
+    assert all(torch.equal(maker.state_dict()[key], value) for key, value in later.state_dict().items())
 
 
 @pytest.mark.parametrize("mode", ["staged", "in_place"])

@@ -522,7 +522,7 @@ def test_a_resumed_trainer_run_may_roll_makers_back_with_a_full_update_as_a_rese
     with pytest.raises(WeightUpdateError, match="trainer_run 'b' is not the trainer run"):
         # A push: only a reset (registering again) may change the run.
         receiver.receive(lora_like, store.fetch)
-    with pytest.raises(WeightUpdateError, match="new trainer run 'b'.*needs a full update first"):
+    with pytest.raises(WeightUpdateError, match="lora update cannot start.*no verified base provides"):
         receiver.receive(lora_like, store.fetch, reset=True)
     assert (receiver.version, receiver.trainer_run) == (5, "a")
     assert_state_equal(maker, first_run.state_dict())

@@ -98,7 +98,7 @@ class MakerShell:
         """Find every trainer by name, register with it and start from the newest weights any of them offers
         (with `force`, also from older ones: this maker found its weights off its trainers')."""
         handles = {t: attach(t, self.namespace, self.attach_timeout_s) for t in self.trainer_names}
-        base = self.core.base_fingerprint
+        base = self.core.registration_fingerprint
         offered = get_all([h.register_maker.remote(self.name, base) for h in handles.values()],
                           timeout=self.core.config.weight_timeout_s)
         take_offered(self.core, offered, ray_fetch(self.core.config.weight_timeout_s), force)
@@ -131,7 +131,7 @@ class MakerShell:
             # Said as a ConnectionError: the pusher retries any error `submit` raises (nothing was sent).
             raise ConnectionError(
                 f"trainer {trainer!r} is not running (waiting for it to come back)") from None
-        update = ray.get(handle.register_maker.remote(self.name, self.core.base_fingerprint),
+        update = ray.get(handle.register_maker.remote(self.name, self.core.registration_fingerprint),
                          timeout=self.core.config.weight_timeout_s)
         take_offered(self.core, [update], ray_fetch(self.core.config.weight_timeout_s))
         if update is None:

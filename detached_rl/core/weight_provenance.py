@@ -3,7 +3,8 @@
 A `WeightReceiver` follows one trainer run (the `trainer_run` of the first update it takes with a run
 id). Updates of that run move it forward by at most `max_version_jump` versions; another run, a
 rollback or a bigger jump is taken only as an explicit reset (what a maker does when it registers
-with its trainers). These refusals are `OffTrainerError`s: registering again fixes them.
+with its trainers); a reset may be LoRA-only when the maker proves it holds the base. These
+refusals are `OffTrainerError`s: registering again fixes them.
 """
 
 from __future__ import annotations
@@ -36,11 +37,8 @@ def check_provenance(manifest: WeightManifest, *, reset: bool, followed: str | N
             f"{v}: trainer_run {run!r} is not the trainer run this maker follows ({followed!r}); "
             "only an explicit reset (registering with the trainer again) changes it"
         )
-    if other_run and manifest.kind != "full":
-        # A LoRA update assumes the adapter and base it was computed against: a new run starts with a full
-        # one.
-        raise OffTrainerError(f"{v}: a {manifest.kind} update from a new trainer run {run!r} "
-                              f"(this maker follows {followed!r}) needs a full update first")
+    # A LoRA update of a new run (a reset) is complete only with the base it was computed against: the
+    # receiver checks that (`weight_verify.check_complete`, the base fingerprint) before fetching anything.
     if version == newest and not dirty and not other_run:
         return True
     if reset or (dirty and manifest.kind == "full"):

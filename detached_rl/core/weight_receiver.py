@@ -39,6 +39,7 @@ from detached_rl.core.weight_verify import (
     StagedUpdate,
     UpdatePlan,
     by_model,
+    check_complete,
     check_sinks,
     plan_update,
     stored_entry,
@@ -263,7 +264,10 @@ class WeightReceiver:
             # dropping it would lose them, and this one is checked against what it leaves (a LoRA update's
             # base), so it is swapped in first.
             self._swap_now(deadline, version)
-        check_sinks(manifest, plan, self.sinks)
+        check_sinks(manifest, plan, self.sinks)  # a LoRA update's config and base (fingerprint), if named
+        if reset or self._version < 0 or self._dirty:
+            check_complete(manifest, plan, self.sinks)  # a start from a LoRA update: all but the proven base
+            plan.complete = True
         if self.max_weight_change is not None and not reset and self._holds_trainer_weights \
                 and not self._dirty:
             plan.served = {}  # an update of the run this maker follows: bounded against what it serves
@@ -375,8 +379,9 @@ class WeightReceiver:
                 raise WeightUpdateError(f"v{manifest.version}: swap failed: {error}") from error
             self._follow(manifest.version, plan)
             self._entries, self._fingerprint = staged.entries, staged.fingerprint
-            if manifest.kind == "full":
+            if plan.complete:
                 self._dirty -= plan.models
+            if manifest.kind == "full":
                 self.last_full_version = manifest.version
         return staged.progress.result(manifest.version, staged.start, staged.fetched - staged.start, 0.0,
                                       swap_start)
@@ -420,8 +425,9 @@ class WeightReceiver:
                         f"v{manifest.version}: in-place update failed: {error}"
                     ) from error
                 self._follow(manifest.version, plan)
-                if manifest.kind == "full":
+                if plan.complete:
                     self._dirty -= plan.models
+                if manifest.kind == "full":
                     self.last_full_version = manifest.version
                 self._fingerprint = None if entries is None else fingerprint_of_entries(entries)
         finally:

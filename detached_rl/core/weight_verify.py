@@ -23,6 +23,7 @@ from detached_rl.core.weight_sync import (
     KINDS,
     ApplyResult,
     Fetch,
+    OffTrainerError,
     TensorEntry,
     TensorSpec,
     WeightManifest,
@@ -68,6 +69,9 @@ class UpdatePlan:
     aliases: list[list[TensorSpec]]
     models: set[str]
     covers_all: bool  # every key of every receiver model is in the update
+    # The models it names hold a whole version once it is written: a full update, or a LoRA-only one over a
+    # verified base (`check_complete`). Repairs models a failed update left half-written.
+    complete: bool = False
     trainer_run: str | None = None  # the run the receiver follows once this update is applied
     reset: bool = False
     # Tensors served now, by model (filled on first use), when the update's change to them is bounded.
@@ -166,7 +170,7 @@ def plan_update(update: WeightUpdate, sinks: Mapping[str, WeightSink], cast_dtyp
                     f"{v}: full update lacks key {model_name + '/' + missing[0]!r}{more}"
                 )
     covers_all = sum(map(len, layouts.values())) == len(specs)
-    return UpdatePlan(targets, by_chunk, aliases, named, covers_all)
+    return UpdatePlan(targets, by_chunk, aliases, named, covers_all, complete=manifest.kind == "full")
 
 
 def check_sinks(manifest: WeightManifest, plan: UpdatePlan, sinks: Mapping[str, WeightSink]) -> None:
@@ -186,6 +190,27 @@ def check_sinks(manifest: WeightManifest, plan: UpdatePlan, sinks: Mapping[str, 
             raise type(error)(f"{v}: model {model_name!r}: {error}") from error
         except Exception as error:
             raise WeightUpdateError(f"{v}: model {model_name!r}: {error}") from error
+
+
+def check_complete(manifest: WeightManifest, plan: UpdatePlan, sinks: Mapping[str, WeightSink]) -> None:
+    """Refuse a LoRA-only update that would not leave a whole version: one a maker takes as its start (a
+    reset, its first weights) must write every tensor of every model except a base the model's sink checks
+    against the update's base fingerprint (`verified_base_keys`, e.g. `BaseCheckedSink`; `check_sinks` checks
+    the fingerprint itself)."""
+    if manifest.kind == "full":
+        return
+    v = f"v{manifest.version}"
+    for model_name in sorted(sinks):
+        sink = sinks[model_name]
+        base = frozenset(getattr(sink, "verified_base_keys", None) or ())
+        missing = [key for key in sink.layout()
+                   if key not in base and f"{model_name}/{key}" not in plan.layouts]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise OffTrainerError(
+                f"{v}: a {manifest.kind} update cannot start this maker's weights: it lacks "
+                f"{model_name + '/' + missing[0]!r}{more}, which no verified base provides; it needs a full "
+                "update")
 
 
 def verify_chunk(update: WeightUpdate, index: int, fetch: Fetch, plan: UpdatePlan, deadline: float | None,

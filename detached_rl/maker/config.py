@@ -21,6 +21,9 @@ from detached_rl.generation.registry import GENERATION_BACKENDS
 from detached_rl.generation.vllm_config import VLLMConfig, vllm_config_with
 from detached_rl.maker.pusher import PUSH_POLICIES
 
+# What a maker asks its LoRA trainers for when it registers (`MakerConfig.first_update`).
+FIRST_UPDATES = ("adapter", "full")
+
 
 @dataclass
 class MakerConfig:
@@ -36,6 +39,11 @@ class MakerConfig:
     weight_timeout_s: float = 300.0
     weight_sync_mode: str = "staged"  # or "in_place" for models too large to stage twice
     weight_cast_dtype: str | None = None  # e.g. "bfloat16": cast incoming weights
+    # With a LoRA trainer: "adapter" registers with the fingerprint of the base this maker loaded on its own
+    # host and, when it is the trainer's, takes only adapters from the first update on (the base is verified
+    # before anything is served; a maker with another base gets the whole model). "full": ask for the whole
+    # model first.
+    first_update: str = "adapter"
     # A pushed update may move the weights at most this many versions ahead; a bigger jump, a rollback or
     # another trainer run is taken only when the maker registers with its trainers (an explicit reset).
     max_version_jump: int = DEFAULT_MAX_VERSION_JUMP
@@ -92,6 +100,9 @@ class MakerConfig:
         if self.weight_sync_mode not in ("staged", "in_place"):
             raise ValueError(
                 f"MakerConfig.weight_sync_mode must be 'staged' or 'in_place', got {self.weight_sync_mode!r}")
+        if self.first_update not in FIRST_UPDATES:
+            raise ValueError(
+                f"MakerConfig.first_update must be one of {FIRST_UPDATES}, got {self.first_update!r}")
         if self.lora_mode not in LORA_MODES:
             raise ValueError(f"MakerConfig.lora_mode must be one of {LORA_MODES}, got {self.lora_mode!r}")
         if self.backend not in GENERATION_BACKENDS:

@@ -157,8 +157,14 @@ class ExperienceMaker:
 
     @property
     def base_fingerprint(self) -> str | None:
-        """Fingerprint of the served policy's base weights (None without LoRA), what registration reports."""
+        """Fingerprint of the served policy's base weights (None without LoRA)."""
         return None if self.base_check is None else self.base_check.fingerprint
+
+    @property
+    def registration_fingerprint(self) -> str | None:
+        """What registering reports: the base fingerprint, or None to ask for a full update
+        (`MakerConfig.first_update` "full")."""
+        return None if self.config.first_update == "full" else self.base_fingerprint
 
     def expect_runs(self, runs: Iterable[str | None]) -> None:
         """Registered with trainers of these runs that had no weights yet: their first update is a reset."""

@@ -158,6 +158,12 @@ class BaseCheckedSink:
                 self._cached = (writes, fingerprint)
         return fingerprint
 
+    @property
+    def verified_base_keys(self) -> frozenset[str]:
+        """The keys a LoRA update may leave out: `check_update` proves the maker holds them
+        (`weight_verify.check_complete`)."""
+        return self.keys
+
     def refresh_fingerprint(self) -> str:
         """Fingerprint the base again (after its weights were changed outside the receiver)."""
         self._forget()

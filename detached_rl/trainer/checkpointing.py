@@ -24,7 +24,7 @@ def save_checkpoint(core: TrainerCore, directory: str | Path) -> Path:
 
 
 def load_checkpoint(core: TrainerCore, directory: str | Path, put: Put | None = None) -> None:
-    """Restore `core`'s rank from `directory`; with `put`, rebuild the (full) update new makers start from."""
+    """Restore `core`'s rank from `directory`; with `put`, rebuild the update makers start from."""
     state = load_state(Path(directory) / f"rank_{core.strategy.rank}")
     steps = core.strategy.all_gather_object(state["policy_version"])
     if len(set(steps)) > 1:  # ranks save separately: a save interrupted on some rank leaves them apart
@@ -38,5 +38,8 @@ def load_checkpoint(core: TrainerCore, directory: str | Path, put: Put | None = 
             core.policy_version, core.samples_trained = state["policy_version"], state["samples_trained"]
         set_rng_state(state["rng"])
     if put is not None:
-        with core.delivery.registration_lock:  # the first update after a resume is full
-            core.build_update(put, "full")
+        with core.delivery.registration_lock:
+            # The loaded base may be another than the one fingerprinted at the start: makers holding that one
+            # refuse the next LoRA update and register for a full one. Without `adapter_only` it is full.
+            core.delivery.refresh_base_fingerprints()
+            core.build_update(put, None if core.delivery.adapter_only else "full")

@@ -53,6 +53,24 @@ def models_synced_in_full(models: Mapping[str, torch.nn.Module]) -> dict[str, in
     return out
 
 
+def adapters_complete(models: Mapping[str, torch.nn.Module]) -> bool:
+    """Whether LoRA-only updates leave out nothing but the policy's ("actor") base: every other synced model
+    has no LoRA and only trainable tensors (carried whole), so a maker that proves it holds the base holds
+    the rest of a version once it has one LoRA-only update."""
+    for name, model in models.items():
+        if name == "actor":
+            if lora_backend(model) is None:
+                return False
+            continue
+        if lora_backend(model) is not None:
+            return False
+        trainable = {key for key, tensor in model.state_dict(keep_vars=True).items()
+                     if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad}
+        if trainable != set(model.state_dict()):
+            return False
+    return True
+
+
 def bytes_per_model(update: WeightUpdate) -> dict[str, int]:
     """Bytes an update carries for each synced model (tied aliases counted once), by model name."""
     sizes: dict[str, int] = {}
@@ -122,6 +140,9 @@ class WeightDelivery:
         # whole.
         self.synced_in_full = (models_synced_in_full(self.synced_models()) if config.weight_sync == "lora"
                                else {})
+        # LoRA-only from version 0 on: what a LoRA-only update leaves out is then the policy's base alone,
+        # which a maker proves it holds (its base fingerprint, checked before anything is fetched).
+        self.adapter_only = config.weight_sync == "lora" and adapters_complete(self.synced_models())
         self.queue: WeightPushQueue | None = None  # the latest push's
         self._adapted: WeightPushQueue | None = None  # the queue over plain `send_update` functions
         # Held while a maker registers and while a resume replaces the update makers start from, so a maker
@@ -149,8 +170,12 @@ class WeightDelivery:
         return not self.core.strategy.shards_weights or self.core.strategy.is_rank_zero
 
     def build_update(self, put: Put, kind: str | None = None) -> tuple[WeightUpdate, SendStats]:
-        """Snapshot the current weights into an update ("full", or "lora": trainable tensors only)."""
-        lora = self.core.config.weight_sync == "lora" and self.latest_update is not None
+        """Snapshot the current weights into an update ("full", or "lora": trainable tensors only).
+
+        A LoRA trainer's updates are LoRA-only from version 0 on (`adapter_only`; makers with another base get
+        a full one when they register), else from the version after its first full one."""
+        lora = self.adapter_only or (self.core.config.weight_sync == "lora"
+                                     and self.latest_update is not None)
         update, stats = self._build(put, kind or ("lora" if lora else "full"))
         self.latest_update = update
         return update, stats
@@ -208,6 +233,16 @@ class WeightDelivery:
                 "trainer's base model"
             )
         return self._build(put, "full")[0]
+
+    def refresh_base_fingerprints(self) -> None:
+        """Fingerprint the base again (a checkpoint was loaded: its base may not be the one this trainer
+        started from; makers holding the old one then refuse the LoRA updates and register for a full one)."""
+        if self.base_fingerprint is None:
+            return
+        model = self.core.strategy.unwrap(self.core.learner.actor).model
+        exact, cast = base_fingerprint(model), cast_base_fingerprints(model)
+        with self._base_fingerprint_lock:
+            self.base_fingerprint, self.cast_base_fingerprints = exact, cast
 
     def base_fingerprint_like(self, fingerprint: str) -> str | None:
         """This trainer's base fingerprint in the form of a maker's: exact, or cast to the dtype it names."""
