@@ -54,13 +54,17 @@ def pair():
     store = ObjectStore()
     trainer.build_update(store.put)
     maker = ExperienceMaker(
-        "maker", MakerModels(actor=lora_actor(seed=3), reward=LowTokenReward()),
+        "maker", MakerModels(actor=lora_actor(seed=0), reward=LowTokenReward()),  # the trainer's base
         CyclingPrompts(arithmetic_prompts()),
         # "auto": vLLM, as this process can serve the policy with it (head size 32).
         MakerConfig(experience_batch_size=2, group_size=4, sampling=SAMPLING, backend="auto",
                     vllm=VLLMConfig(dtype="float32", max_model_len=256, lora_versions_kept=3)),
         strategy=naive_strategy())
-    maker.apply_weight_update(trainer.register_maker("maker"), store.fetch)  # first contact: a full update
+    # First contact: the engine's own base is the trainer's (its fingerprint, from the engine's weights), so
+    # only the adapter crosses.
+    first = trainer.register_maker("maker", maker.registration_fingerprint, store.put)
+    assert first.manifest.kind == "lora"
+    maker.apply_weight_update(first, store.fetch, reset=True)
     yield maker, trainer, store
     maker.backend.close()
 
