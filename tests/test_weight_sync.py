@@ -480,7 +480,7 @@ def test_manifest_and_update_are_picklable(trainer) -> None:
     assert copy == update and isinstance(copy.manifest, WeightManifest)
     assert isinstance(copy.manifest.tensors[0], TensorSpec) and copy.version == 7
     with pytest.raises(ValueError, match="kind"):
-        build_weight_update({"actor": trainer.state_dict()}, 1, store.put, kind="delta")
+        build_weight_update({"actor": trainer.state_dict()}, 1, store.put, kind="sparse")
 
 
 def test_after_swap_hook_runs_under_the_lock_with_the_written_names():

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from detached_rl.core.weight_encoding import base_lookup, check_delta_base, widest_stored_dtype
 from detached_rl.core.weight_provenance import DEFAULT_MAX_VERSION_JUMP, check_provenance, check_version
 from detached_rl.core.weight_sink import ModuleWeightSink, WeightSink, commit_update, left_unchanged
 from detached_rl.core.weight_sync import (
@@ -167,6 +168,12 @@ class WeightReceiver:
         self._expected_runs.update(run for run in runs if run is not None)
 
     @property
+    def serving_dtype(self) -> str | None:
+        """The dtype a trainer may send this receiver's floating tensors in ("bfloat16"): the widest floating
+        dtype its models store, when it casts incoming weights (`cast_dtype`); None when it does not."""
+        return None if self.cast_dtype is None else widest_stored_dtype(self.sinks)
+
+    @property
     def fingerprint(self) -> str:
         """`state_fingerprint` of the current weights.
 
@@ -264,6 +271,8 @@ class WeightReceiver:
             # dropping it would lose them, and this one is checked against what it leaves (a LoRA update's
             # base), so it is swapped in first.
             self._swap_now(deadline, version)
+        if manifest.kind == "delta":
+            plan.base = self._delta_base(manifest, plan)
         check_sinks(manifest, plan, self.sinks)  # a LoRA update's config and base (fingerprint), if named
         if reset or self._version < 0 or self._dirty:
             check_complete(manifest, plan, self.sinks)  # a start from a LoRA update: all but the proven base
@@ -289,6 +298,19 @@ class WeightReceiver:
                                checksum_seconds=staged.progress.checksum_seconds,
                                seconds=time.perf_counter() - start)
         return swapped or ApplyResult(applied=False, version=version, reason="superseded")
+
+    def _delta_base(self, manifest: WeightManifest, plan: UpdatePlan) -> Callable[[str], Tensor]:
+        """Where a delta's base tensors are: the waiting update's (it supersedes it), or with none waiting
+        the served ones; `OffTrainerError` (before anything is fetched) if that is not the delta's base."""
+        with self._pending_lock:
+            waiting = self._pending
+        if waiting is not None:
+            check_delta_base(manifest, waiting.entries, waiting.manifest.version, plan.names)
+            return base_lookup(waiting.tensors, self.sinks)
+        with self._state_lock:
+            entries = None if self._dirty else dict(self._current_entries())
+        check_delta_base(manifest, entries, self._version, plan.names)
+        return base_lookup({}, self.sinks)
 
     @property
     def _followed_run(self) -> str | None:
@@ -381,7 +403,7 @@ class WeightReceiver:
             self._entries, self._fingerprint = staged.entries, staged.fingerprint
             if plan.complete:
                 self._dirty -= plan.models
-            if manifest.kind == "full":
+            if manifest.kind in ("full", "delta"):
                 self.last_full_version = manifest.version
         return staged.progress.result(manifest.version, staged.start, staged.fetched - staged.start, 0.0,
                                       swap_start)
@@ -427,7 +449,7 @@ class WeightReceiver:
                 self._follow(manifest.version, plan)
                 if plan.complete:
                     self._dirty -= plan.models
-                if manifest.kind == "full":
+                if manifest.kind in ("full", "delta"):
                     self.last_full_version = manifest.version
                 self._fingerprint = None if entries is None else fingerprint_of_entries(entries)
         finally:

@@ -27,7 +27,12 @@ import torch
 import xxhash
 from torch import Tensor
 
-KINDS = ("full", "lora")
+KINDS = ("full", "lora")  # what a trainer syncs (`TrainerConfig.weight_sync`)
+# What an update may be: a "delta" is a full update sent as the elements changed since a base version
+# (`core.weight_encoding`).
+UPDATE_KINDS = (*KINDS, "delta")
+# How a tensor travels: whole, or as the indices and values of the elements that differ from its base.
+ENCODINGS = ("dense", "sparse")
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 Put = Callable[[dict[str, Tensor]], Any]
@@ -90,11 +95,23 @@ class TensorSpec:
     chunk: int
     # Set for a tied tensor: its data is the tensor `alias_of` (same chunk), sent once.
     alias_of: str | None = None
+    # "sparse" (delta updates only): the chunk holds "<name>@indices" and "<name>@values" instead of "<name>",
+    # the elements that differ from the tensor of the update's base; `nbytes` and `checksum` are the whole
+    # new tensor's, `wire_nbytes` what travels (None: `nbytes`).
+    encoding: str = "dense"
+    wire_nbytes: int | None = None
+
+    @property
+    def sent_nbytes(self) -> int:
+        """Bytes this tensor puts on the wire (0 for an alias)."""
+        if self.alias_of is not None:
+            return 0
+        return self.nbytes if self.wire_nbytes is None else self.wire_nbytes
 
 
 @dataclass(frozen=True)
 class WeightManifest:
-    """What an update carries: version, kind ("full" | "lora"), tensor specs and chunk count."""
+    """What an update carries: version, kind ("full" | "lora" | "delta"), tensor specs and chunk count."""
 
     version: int
     kind: str
@@ -181,63 +198,119 @@ def build_weight_update(
     snapshot the chunk (`ray.put` does) or the weights must not change until every maker fetched.
     A tensor holding NaN or inf raises `NonFiniteWeightsError` naming it: no such update is ever built.
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    start = time.perf_counter()
-    specs: list[TensorSpec] = []
-    names: set[str] = set()
-    refs: list = []
-    chunk: dict[str, Tensor] = {}
-    used = total = 0
-    checksum_seconds = put_seconds = 0.0
-    # Storage identity -> (weak reference to the tensor, its spec). The weak reference guards
-    # against address reuse: a freed tensor's address may come back for a different tensor.
-    seen: dict[tuple, tuple[weakref.ref, TensorSpec]] = {}
+    builder = UpdateBuilder(version, put, chunk_bytes, kind, metadata)
+    for name, tensor in _named_tensors(models):
+        builder.add(name, tensor)
+    return builder.finish()
 
-    def flush() -> None:
-        nonlocal chunk, used, put_seconds
+
+def check_finite(name: str, tensor: Tensor, version: int) -> None:
+    """`NonFiniteWeightsError` naming `name` if the tensor holds NaN or inf."""
+    nonfinite = count_nonfinite(tensor)
+    if nonfinite:
+        raise NonFiniteWeightsError(
+            name, f"weight update v{version} not built: tensor {name!r} holds {nonfinite} NaN/inf values "
+                  f"(of {tensor.numel()})")
+
+
+class UpdateBuilder:
+    """Builds one update as its tensors come: cuts them into chunks of at most `chunk_bytes` and `put`s each
+    chunk once (see `build_weight_update`); `add` each tensor, then `finish`."""
+
+    def __init__(self, version: int, put: Put, chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: str = "full",
+                 metadata: dict | None = None) -> None:
+        if kind not in UPDATE_KINDS:
+            raise ValueError(f"kind must be one of {UPDATE_KINDS}, got {kind!r}")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.version, self.put, self.chunk_bytes, self.kind = version, put, chunk_bytes, kind
+        self.metadata = dict(metadata or {})
+        self.start = time.perf_counter()
+        self.specs: list[TensorSpec] = []
+        self.names: set[str] = set()
+        self.refs: list = []
+        self.chunk: dict[str, Tensor] = {}
+        self.used = self.total = 0
+        self.checksum_seconds = self.put_seconds = 0.0
+        # Storage identity -> (weak reference to the tensor, its spec). The weak reference guards
+        # against address reuse: a freed tensor's address may come back for a different tensor.
+        self.seen: dict[tuple, tuple[weakref.ref, TensorSpec]] = {}
+
+    def flush(self) -> None:
+        """`put` the chunk being filled (if any) and start a new one."""
+        if not self.chunk:
+            return
         put_start = time.perf_counter()
-        refs.append(put(chunk))
-        put_seconds += time.perf_counter() - put_start
-        chunk, used = {}, 0
+        self.refs.append(self.put(self.chunk))
+        self.put_seconds += time.perf_counter() - put_start
+        self.chunk, self.used = {}, 0
 
-    for name, original in _named_tensors(models):
-        if name in names:
+    def alias(self, name: str, original: Tensor) -> bool:
+        """Record `name` as an alias if `original` shares storage with a tensor added before; True if so."""
+        if name in self.names:
             raise ValueError(f"duplicate tensor name {name!r}")
-        names.add(name)
         tensor = original.detach()
         identity = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
-        if tensor.numel() and identity in seen:
-            ref, source = seen[identity]
+        if tensor.numel() and identity in self.seen:
+            ref, source = self.seen[identity]
             if ref() is not None:
-                specs.append(replace(source, name=name, alias_of=source.name))
-                continue
-        nonfinite = count_nonfinite(tensor)
-        if nonfinite:
-            raise NonFiniteWeightsError(
-                name, f"weight update v{version} not built: tensor {name!r} holds {nonfinite} NaN/inf values "
-                      f"(of {tensor.numel()})")
-        host = tensor.cpu().contiguous()
+                self.names.add(name)
+                self.specs.append(replace(source, name=name, alias_of=source.name))
+                return True
+        return False
+
+    def add(self, name: str, original: Tensor, host: Tensor | None = None, check: bool = True,
+            parts: Mapping[str, Tensor] | None = None) -> TensorSpec | None:
+        """Add one tensor (None: it was an alias of one added before).
+
+        `host`: what to send for it, if not `original` itself on the CPU (e.g. a cast copy); `check`: refuse
+        NaN/inf (skip when done already). `parts`: send these tensors instead (a sparse encoding of `host`,
+        see `core.weight_encoding`); the spec keeps `host`'s shape, dtype, size and checksum.
+        """
+        if self.alias(name, original):
+            return None
+        self.names.add(name)
+        if check:
+            check_finite(name, original, self.version)
+        if host is None:
+            host = original.detach().cpu().contiguous()
         nbytes = host.numel() * host.element_size()
-        if chunk and used + nbytes > chunk_bytes:
-            flush()
+        sent = {name: host} if parts is None else dict(parts)
+        wire = sum(t.numel() * t.element_size() for t in sent.values())
+        if self.chunk and self.used + wire > self.chunk_bytes:
+            self.flush()
         checksum_start = time.perf_counter()
         checksum = tensor_checksum(host)
-        checksum_seconds += time.perf_counter() - checksum_start
-        spec = TensorSpec(name, tuple(host.shape), str(host.dtype), nbytes, checksum, len(refs))
-        specs.append(spec)
-        if tensor.numel():
-            seen[identity] = (weakref.ref(original), spec)
-        chunk[name] = host
-        used += nbytes
-        total += nbytes
-    if chunk:
-        flush()
-    manifest = WeightManifest(version, kind, tuple(specs), len(refs), total, dict(metadata or {}))
-    stats = SendStats(total, len(refs), time.perf_counter() - start, checksum_seconds, put_seconds)
-    return WeightUpdate(manifest, refs), stats
+        self.checksum_seconds += time.perf_counter() - checksum_start
+        spec = TensorSpec(name, tuple(host.shape), str(host.dtype), nbytes, checksum, len(self.refs),
+                          encoding="dense" if parts is None else "sparse",
+                          wire_nbytes=None if parts is None else wire)
+        self.specs.append(spec)
+        if original.numel():
+            tensor = original.detach()
+            identity = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+            self.seen[identity] = (weakref.ref(original), spec)
+        self.chunk.update(sent)
+        self.used += wire
+        self.total += wire
+        return spec
+
+    def finish(self) -> tuple[WeightUpdate, SendStats]:
+        """Put the last chunk; the update and what building it cost."""
+        self.flush()
+        manifest = WeightManifest(self.version, self.kind, tuple(self.specs), len(self.refs), self.total,
+                                  self.metadata)
+        stats = SendStats(self.total, len(self.refs), time.perf_counter() - self.start, self.checksum_seconds,
+                          self.put_seconds)
+        return WeightUpdate(manifest, self.refs), stats
+
+
+def chunk_key_tensor(key: str) -> str:
+    """The tensor a chunk's key belongs to ("<name>@indices" and "<name>@values" are parts of "<name>")."""
+    for suffix in ("@indices", "@values"):
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    return key
 
 
 def restrict_update(update: WeightUpdate, models: Iterable[str], fetch: Fetch) -> tuple[WeightUpdate, Fetch]:
@@ -259,14 +332,14 @@ def restrict_update(update: WeightUpdate, models: Iterable[str], fetch: Fetch) -
         update.manifest,
         tensors=tuple(replace(spec, chunk=renumber[spec.chunk]) for spec in specs),
         num_chunks=len(used),
-        total_bytes=sum(spec.nbytes for spec in specs if spec.alias_of is None),
+        total_bytes=sum(spec.sent_nbytes for spec in specs),
     )
 
     def fetch_kept(ref: Any) -> Mapping[str, Tensor]:
         chunk = fetch(ref)
         if not isinstance(chunk, Mapping):
             return chunk  # the receiver refuses it, naming the type
-        return {name: tensor for name, tensor in chunk.items() if name in names}
+        return {key: tensor for key, tensor in chunk.items() if chunk_key_tensor(key) in names}
 
     return WeightUpdate(manifest, [update.chunk_refs[index] for index in used]), fetch_kept
 
@@ -303,7 +376,7 @@ def parse_dtype(name: str) -> torch.dtype | None:
 
 
 __all__ = [
-    "ApplyResult", "NonFiniteWeightsError", "SendStats", "TensorSpec", "WeightManifest", "WeightUpdate",
-    "WeightUpdateError", "build_weight_update", "count_nonfinite", "restrict_update", "state_fingerprint",
-    "tensor_checksum",
+    "ENCODINGS", "UPDATE_KINDS", "ApplyResult", "NonFiniteWeightsError", "SendStats", "TensorSpec",
+    "UpdateBuilder", "WeightManifest", "WeightUpdate", "WeightUpdateError", "build_weight_update",
+    "chunk_key_tensor", "count_nonfinite", "restrict_update", "state_fingerprint", "tensor_checksum",
 ]

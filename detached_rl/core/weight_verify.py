@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from detached_rl.core.weight_encoding import INDICES, VALUES, apply_sparse
 from detached_rl.core.weight_sink import TensorLayout, WeightSink
 from detached_rl.core.weight_sync import (
-    KINDS,
+    ENCODINGS,
+    UPDATE_KINDS,
     ApplyResult,
     Fetch,
     OffTrainerError,
@@ -76,6 +78,8 @@ class UpdatePlan:
     reset: bool = False
     # Tensors served now, by model (filled on first use), when the update's change to them is bounded.
     served: dict[str, Mapping[str, Tensor]] | None = None
+    # A delta update's base tensor by qualified name (set by the receiver once it checked the base).
+    base: Callable[[str], Tensor] | None = None
 
     @property
     def names(self) -> set[str]:
@@ -102,7 +106,7 @@ def plan_update(update: WeightUpdate, sinks: Mapping[str, WeightSink], cast_dtyp
     """Check the manifest against the sinks' layouts before anything is fetched."""
     manifest = update.manifest
     v = f"v{manifest.version}"
-    if manifest.kind not in KINDS:
+    if manifest.kind not in UPDATE_KINDS:
         raise WeightUpdateError(f"{v}: unknown update kind {manifest.kind!r}")
     if len(update.chunk_refs) != manifest.num_chunks:
         raise WeightUpdateError(
@@ -123,6 +127,9 @@ def plan_update(update: WeightUpdate, sinks: Mapping[str, WeightSink], cast_dtyp
             raise WeightUpdateError(f"{v}: unknown key {spec.name!r} (not in model {model_name!r})")
         if spec.name in specs:
             raise WeightUpdateError(f"{v}: key {spec.name!r} listed twice")
+        if spec.encoding not in ENCODINGS or (spec.encoding == "sparse" and manifest.kind != "delta"):
+            raise WeightUpdateError(f"{v}: {spec.name!r} has encoding {spec.encoding!r}, which a "
+                                    f"{manifest.kind} update cannot carry")
         if not 0 <= spec.chunk < manifest.num_chunks:
             raise WeightUpdateError(
                 f"{v}: key {spec.name!r} in chunk {spec.chunk} of {manifest.num_chunks}"
@@ -145,6 +152,13 @@ def plan_update(update: WeightUpdate, sinks: Mapping[str, WeightSink], cast_dtyp
                 f"{v}: dtype mismatch for {spec.name!r}: update {spec.dtype} vs model {target.dtype}"
                 + ("" if cast_dtype is not None else " (no cast_dtype set)")
             )
+        wire = manifest.metadata.get("wire_dtype")
+        if ((wire is not None and spec.dtype.removeprefix("torch.") == wire) or manifest.kind == "delta") \
+                and target.dtype != dtype:
+            # Cast by the trainer for a maker storing `wire`: exact only where this maker stores exactly that.
+            raise WeightUpdateError(
+                f"{v}: {spec.name!r} is stored here as {target.dtype}: an update sent in {spec.dtype} "
+                f"(wire_dtype {wire}) would not give the weights a full update gives")
         if spec.alias_of is None:
             by_chunk[spec.chunk].append(spec)
         else:
@@ -161,16 +175,17 @@ def plan_update(update: WeightUpdate, sinks: Mapping[str, WeightSink], cast_dtyp
         specs[spec.name] = spec
         targets[spec.name] = target
     named = {name.partition("/")[0] for name in specs}
-    if manifest.kind == "full":
+    if manifest.kind in ("full", "delta"):
         for model_name in sorted(named):
             missing = [key for key in layouts[model_name] if f"{model_name}/{key}" not in specs]
             if missing:
                 more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
                 raise WeightUpdateError(
-                    f"{v}: full update lacks key {model_name + '/' + missing[0]!r}{more}"
+                    f"{v}: {manifest.kind} update lacks key {model_name + '/' + missing[0]!r}{more}"
                 )
     covers_all = sum(map(len, layouts.values())) == len(specs)
-    return UpdatePlan(targets, by_chunk, aliases, named, covers_all, complete=manifest.kind == "full")
+    return UpdatePlan(targets, by_chunk, aliases, named, covers_all,
+                      complete=manifest.kind in ("full", "delta"))
 
 
 def check_sinks(manifest: WeightManifest, plan: UpdatePlan, sinks: Mapping[str, WeightSink]) -> None:
@@ -197,7 +212,7 @@ def check_complete(manifest: WeightManifest, plan: UpdatePlan, sinks: Mapping[st
     reset, its first weights) must write every tensor of every model except a base the model's sink checks
     against the update's base fingerprint (`verified_base_keys`, e.g. `BaseCheckedSink`; `check_sinks` checks
     the fingerprint itself)."""
-    if manifest.kind == "full":
+    if manifest.kind in ("full", "delta"):
         return
     v = f"v{manifest.version}"
     for model_name in sorted(sinks):
@@ -227,12 +242,14 @@ def verify_chunk(update: WeightUpdate, index: int, fetch: Fetch, plan: UpdatePla
     check_deadline(deadline, f"{where}: timed out while fetching it")
     if not isinstance(chunk, Mapping):
         raise WeightUpdateError(f"{where}: fetched a {type(chunk).__name__}, not a mapping of tensors")
-    expected = {spec.name for spec in plan.by_chunk[index]}
+    expected = {key for spec in plan.by_chunk[index] for key in chunk_keys(spec)}
     extra, missing = sorted(set(chunk) - expected), sorted(expected - set(chunk))
     if extra:
         raise WeightUpdateError(f"{where}: unexpected tensor {extra[0]!r}")
     if missing:
         raise WeightUpdateError(f"{where}: lacks tensor {missing[0]!r}")
+    if any(spec.encoding == "sparse" for spec in plan.by_chunk[index]):
+        chunk = decode_sparse(where, chunk, plan, index)
     for spec in plan.by_chunk[index]:
         tensor = chunk[spec.name]
         want = (spec.shape, spec.dtype)
@@ -254,9 +271,28 @@ def verify_chunk(update: WeightUpdate, index: int, fetch: Fetch, plan: UpdatePla
                                     + ("" if str(target) == spec.dtype else f" or values beyond {target}"))
         if plan.served is not None and max_weight_change is not None:
             _check_change(where, spec, tensor, plan.served, sinks, max_weight_change)
-        progress.bytes += spec.nbytes
+        progress.bytes += spec.sent_nbytes
     progress.chunks += 1
     return chunk
+
+
+def chunk_keys(spec: TensorSpec) -> tuple[str, ...]:
+    """The keys a chunk holds for a tensor: its name, or the parts of its sparse encoding."""
+    return (spec.name + INDICES, spec.name + VALUES) if spec.encoding == "sparse" else (spec.name,)
+
+
+def decode_sparse(where: str, chunk: Mapping[str, Tensor], plan: UpdatePlan, index: int) -> dict[str, Tensor]:
+    """Chunk `index` with each sparse tensor rebuilt whole on a copy of its base (checked like any other)."""
+    if plan.base is None:
+        raise WeightUpdateError(f"{where}: sparse tensors but no base to apply them to")
+    out = {}
+    for spec in plan.by_chunk[index]:
+        if spec.encoding == "sparse":
+            out[spec.name] = apply_sparse(where, spec, plan.base(spec.name), chunk[spec.name + INDICES],
+                                          chunk[spec.name + VALUES])
+        else:
+            out[spec.name] = chunk[spec.name]
+    return out
 
 
 def _check_change(where: str, spec: TensorSpec, tensor: Tensor, served: dict[str, Mapping[str, Tensor]],
