@@ -1,6 +1,6 @@
 """LoRA-only updates for makers that cast weights (`MakerConfig.weight_cast_dtype`): base fingerprints are
-compared after casting both bases to the maker's dtype, so a bf16/fp16 maker takes LoRA-only updates after a
-full one, a maker that reconnects (or restarts) with the same base gets LoRA-only ones, and a maker
+compared after casting both bases to the maker's dtype, so a bf16/fp16 maker with the trainer's base takes
+LoRA-only updates from the first one on (one that asks gets the whole model first), a maker that reconnects (or restarts) with the same base gets LoRA-only ones, and a maker
 with another base never does."""
 
 import copy
@@ -55,7 +55,7 @@ def make_trainer():
                          PPOConfig(sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-2)))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8, weight_sync="lora"))
     store = ObjectStore()
-    trainer.build_update(store.put)  # the first update is full
+    trainer.build_update(store.put)  # version 0: LoRA-only too (makers with another base get a full one)
     return trainer, store
 
 
@@ -227,3 +227,16 @@ def test_a_trainer_answers_a_dtype_beyond_the_common_ones_on_demand():
     assert offered.manifest.kind == "lora" and offered.chunk_refs == trainer.latest_update.chunk_refs
     assert sent_base_fingerprint(offered.manifest.metadata, torch.float64) == wanted
     assert trainer.register_maker("maker_9", "float64:" + "0" * 64, store.put).manifest.kind == "full"
+
+
+def test_a_maker_that_asks_for_the_whole_model_first_gets_it_then_lora_only_updates():
+    """`maker.first_update: full`: the maker registers without its fingerprint and gets a full update."""
+    trainer, store = make_trainer()
+    maker = casting_maker("maker_0", "bfloat16")
+    maker.config.first_update = "full"
+    assert maker.registration_fingerprint is None and maker.base_fingerprint is not None
+    first = trainer.register_maker("maker_0", maker.registration_fingerprint, store.put)
+    assert first.manifest.kind == "full" and trainer.latest_update.manifest.kind == "lora"
+    maker.apply_weight_update(first, store.fetch, reset=True)
+    train_and_sync(trainer, store, [maker])
+    assert trainer.latest_update.manifest.kind == "lora" and maker.policy_version == 1
