@@ -32,7 +32,7 @@ from pathlib import Path
 import ray
 import torch
 
-from detached_rl.actors.transport import fetch_chunk, put_chunk
+from detached_rl.actors.transport import PiecedChunk, fetch_chunk, put_chunk
 from detached_rl.cli.jobs import init_local_ray
 from detached_rl.core.weight_receiver import WeightReceiver
 from detached_rl.core.weight_sync import build_weight_update
@@ -74,7 +74,7 @@ class Receiver:
     def raw_get(self, refs) -> float:
         start = time.perf_counter()
         for ref in refs:
-            ray.get(ref, timeout=300)
+            fetch_chunk(ref, timeout=300) if isinstance(ref, PiecedChunk) else ray.get(ref, timeout=300)
         return time.perf_counter() - start
 
 

@@ -2,29 +2,40 @@
 weights.
 
 Concurrency groups: `experience_io` (start, status, stop, save_state, load_state), `model_io`
-(apply_weight_update), `compute` (run, sync, evaluate). Each group runs in its own thread, so a
-status query or a weight update is answered while a batch is generated. What the maker decides
+(apply_weight_update), `compute` (run, sync, evaluate), `progress` (transfer_progress: answered while
+an update is received, so a trainer tells a slow transfer from a dead one). Each group runs in its own
+thread, so a status query or a weight update is answered while a batch is generated. What the maker decides
 between batches is `MakerLoop`'s (detached_rl/maker/loop.py); this shell only finds its trainers
 by name and carries the pushes to them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import ray
 
 from detached_rl.actors.placement import actor_device
-from detached_rl.actors.transport import attach, get_all, ray_fetch, resolve_namespace
+from detached_rl.actors.transport import (
+    PIECED_PUSH_BYTES,
+    attach,
+    get_all,
+    node_ip,
+    put_payload,
+    resolve_namespace,
+    tracked_fetch,
+)
 from detached_rl.core.checkpoint import has_checkpoint, load_state, save_atomic
 from detached_rl.core.prompts import PromptSource
 from detached_rl.core.sampling import SamplingConfig
+from detached_rl.core.transfer import TransferProgress
 from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
 from detached_rl.maker.loop import MakerLoop, take_offered
@@ -34,7 +45,7 @@ from detached_rl.strategies import NaiveStrategy, Strategy
 logger = logging.getLogger(__name__)
 
 
-MAKER_GROUPS = {"experience_io": 1, "model_io": 1, "compute": 1}
+MAKER_GROUPS = {"experience_io": 1, "model_io": 1, "compute": 1, "progress": 1}
 
 
 class MakerShell:
@@ -87,6 +98,7 @@ class MakerShell:
         self.loop = MakerLoop(self.core, self._stop, save,
                               resync=functools.partial(self._attach_trainers, True))
         self._handles_lock = threading.Lock()
+        self._transfers: list[TransferProgress] = []  # weight transfers under way (registration, push)
         self.restarts = (ray.get_runtime_context().was_current_actor_reconstructed if ray.is_initialized()
                          else False)
         if self.restarts and resume_on_restart:
@@ -101,7 +113,8 @@ class MakerShell:
         base = self.core.registration_fingerprint
         offered = get_all([h.register_maker.remote(self.name, base) for h in handles.values()],
                           timeout=self.core.config.weight_timeout_s)
-        take_offered(self.core, offered, ray_fetch(self.core.config.weight_timeout_s), force)
+        with self._receiving(offered) as fetch:
+            take_offered(self.core, offered, fetch, force)
         self._expect_runs([h for h, update in zip(handles.values(), offered, strict=True) if update is None])
         with self._handles_lock:
             self._handles = dict(handles)
@@ -133,7 +146,8 @@ class MakerShell:
                 f"trainer {trainer!r} is not running (waiting for it to come back)") from None
         update = ray.get(handle.register_maker.remote(self.name, self.core.registration_fingerprint),
                          timeout=self.core.config.weight_timeout_s)
-        take_offered(self.core, [update], ray_fetch(self.core.config.weight_timeout_s))
+        with self._receiving([update]) as fetch:
+            take_offered(self.core, [update], fetch)
         if update is None:
             self._expect_runs([handle])
         with self._handles_lock:
@@ -142,9 +156,23 @@ class MakerShell:
 
     def _submit(self, trainer: str, experiences: list) -> Future:
         handle = self._trainer_handle(trainer)
-        future = handle.push_experience.remote(experiences).future()
+        if sum(e.nbytes() for e in experiences if hasattr(e, "nbytes")) > PIECED_PUSH_BYTES:
+            # Pulled by the trainer in pieces it counts: the pusher asks how it goes (`_push_progress`).
+            call = handle.push_experience_pieces.remote(put_payload(experiences), self.name,
+                                                        self.core.config.push_stall_timeout_s)
+        else:
+            call = handle.push_experience.remote(experiences)
+        future = call.future()
         future.add_done_callback(functools.partial(self._forget_if_dead, trainer, handle))
         return future
+
+    def _push_progress(self, trainer: str) -> Future:
+        """A future of how `trainer` receives this maker's pushes (`ExperiencePusher`'s `progress`)."""
+        with self._handles_lock:
+            handle = self._handles.get(trainer)
+        if handle is None:
+            raise LookupError(f"trainer {trainer!r} is not attached")
+        return handle.push_progress.remote(self.name).future()
 
     def _forget_if_dead(self, trainer: str, handle: Any, future: Future) -> None:
         if isinstance(future.exception(), ray.exceptions.RayActorError):
@@ -186,7 +214,8 @@ class MakerShell:
             pusher = ExperiencePusher(
                 self._submit, self.trainer_names, max_in_flight=config.max_pushes_in_flight,
                 policy=config.push_policy, push_timeout=config.push_timeout_s,
-                should_stop=self._stop.is_set,
+                should_stop=self._stop.is_set, progress=self._push_progress,
+                stall_timeout=config.push_stall_timeout_s,
             )
             self.loop.run(pusher, num_batches, connect=self._connect,
                           trainers_finished=self._trainers_finished)
@@ -215,8 +244,34 @@ class MakerShell:
         """Pull and verify a versioned weight update and acknowledge it; it is swapped in between two
         generation batches (at once when none is being generated), so the trainer never waits for a batch
         to end."""
-        return self.core.apply_weight_update(update, ray_fetch(self.core.config.weight_timeout_s),
-                                             swap="at_safe_point")
+        with self._receiving([update]) as fetch:
+            return self.core.apply_weight_update(update, fetch, swap="at_safe_point")
+
+    @contextlib.contextmanager
+    def _receiving(self, updates: Sequence[WeightUpdate | None]) -> Iterator[Callable[[Any], Any]]:
+        """A fetch for `updates` that fails on stalls (`maker.weight_stall_timeout_s`) and shows its progress
+        in `transfer_progress` until the block ends."""
+        started: list[TransferProgress] = []
+
+        def track(progress: TransferProgress) -> None:
+            started.append(progress)
+            self._transfers.append(progress)
+
+        try:
+            yield tracked_fetch(updates, self.core.config.weight_stall_timeout_s, track)
+        finally:
+            for progress in started:
+                self._transfers.remove(progress)
+
+    @ray.method(concurrency_group="progress")
+    def transfer_progress(self) -> dict[str, Any]:
+        """The weight transfer under way, for a trainer whose push waits long: this node's IP, the update's
+        version (None: none), bytes done and total, seconds since it started and since the last bytes."""
+        transfers = list(self._transfers)
+        if not transfers:
+            return {"host": node_ip(), "version": None}
+        snapshot = transfers[-1].snapshot()
+        return {"host": node_ip(), "version": snapshot.pop("key"), **snapshot}
 
     @ray.method(concurrency_group="experience_io")
     def save_state(self, path: str) -> str:

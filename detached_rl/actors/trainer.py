@@ -23,7 +23,15 @@ from typing import Any
 import ray
 
 from detached_rl.actors.placement import actor_device
-from detached_rl.actors.transport import attach, put_chunk, resolve_namespace, send_weight_update
+from detached_rl.actors.transport import (
+    IncomingPushes,
+    actor_host,
+    attach,
+    maker_progress,
+    put_chunk,
+    resolve_namespace,
+    send_weight_update,
+)
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.replay_buffer import AppendResult
@@ -37,7 +45,9 @@ from detached_rl.trainer.weight_push import WeightPushQueue
 logger = logging.getLogger(__name__)
 
 
-TRAINER_GROUPS = {"buffer_length": 1, "buffer_append": 1, "buffer_sample": 1, "model_io": 1, "compute": 1}
+# experience_in: pushes pulled in pieces (a far maker's slow one never holds up buffer_append's).
+TRAINER_GROUPS = {"buffer_length": 1, "buffer_append": 1, "buffer_sample": 1, "model_io": 1, "compute": 1,
+                  "experience_in": 4}
 
 
 class _TrainerShell:
@@ -62,12 +72,14 @@ class _TrainerShell:
         self.sampling = sampling  # how makers sample: the learner recomputes log-probs under it
         self.namespace = resolve_namespace(namespace)
         self.config = config or TrainerConfig()
+        self.put_chunk = functools.partial(put_chunk, piece_bytes=self.config.weight_piece_bytes)
         self.algorithm = algorithm
         self.rank, self.world_size, self.strategy_name = rank, world_size, strategy
         self.model_factory = model_factory
         self.core: TrainerCore | None = None
         self._fit_thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self.incoming = IncomingPushes()
         if strategy == "naive":
             if world_size != 1:
                 raise ValueError(f"trainer {name!r}: strategy 'naive' trains in one process, not "
@@ -82,7 +94,7 @@ class _TrainerShell:
         """Build the trainer core over `make_learner(strategy)` and its version-0 update (ready from now
         on)."""
         self.core = TrainerCore(self.name, self.make_learner(strategy), self.config)
-        self.core.build_update(put_chunk)  # version 0, offered to makers that register
+        self.core.build_update(self.put_chunk)  # version 0, offered to makers that register
         self._ready.set()
         return self.core
 
@@ -119,6 +131,17 @@ class _TrainerShell:
     def push_experience(self, experiences: list) -> AppendResult:
         """Append a maker's push (acknowledged; `full=True` asks the maker to back off and retry)."""
         return self.trainer_core().push_experience(experiences)
+
+    @ray.method(concurrency_group="experience_in")
+    def push_experience_pieces(self, payload: Any, maker: str, stall_s: float) -> AppendResult:
+        """A push too big to travel inside the call: pulled in pieces (failing only when none arrives for
+        `stall_s`), then appended as `push_experience` appends."""
+        return self.trainer_core().push_experience(self.incoming.pull(payload, maker, stall_s))
+
+    @ray.method(concurrency_group="buffer_length")
+    def push_progress(self, maker: str) -> dict[str, Any]:
+        """How the pushes from `maker` arrive: this node's IP, bytes done/total of each under way."""
+        return self.incoming.progress(maker)
 
     @ray.method(concurrency_group="buffer_length")
     def buffer_length(self) -> int:
@@ -179,7 +202,7 @@ class _TrainerShell:
     @ray.method(concurrency_group="model_io")
     def register_maker(self, maker_name: str, base_fingerprint: str | None = None) -> WeightUpdate | None:
         """Record a maker; returns the weight update it should start from (full unless its base matches)."""
-        return self.trainer_core().register_maker(maker_name, base_fingerprint, put_chunk)
+        return self.trainer_core().register_maker(maker_name, base_fingerprint, self.put_chunk)
 
     @ray.method(concurrency_group="model_io")
     def policy_version(self) -> int:
@@ -206,8 +229,12 @@ class _TrainerShell:
         and at the end (or after the steps `push_when` returns True for); checkpoint."""
         core = self.trainer_core()
 
+        # Asks a maker how its transfer goes once a push is older than the stall interval (slow or dead?).
         send = WeightPushQueue(functools.partial(send_weight_update, namespace=self.namespace),
-                               self.config.weight_push_timeout_s)
+                               self.config.weight_push_timeout_s,
+                               progress=functools.partial(maker_progress, namespace=self.namespace),
+                               stall_timeout=self.config.weight_stall_timeout_s,
+                               locate=functools.partial(actor_host, namespace=self.namespace))
 
         def stop_makers(makers: list[str]) -> None:
             pending = {}
@@ -223,8 +250,11 @@ class _TrainerShell:
                 except Exception as error:  # noqa: BLE001
                     logger.warning("maker %s did not acknowledge stop: %s", name, error)
 
-        return core.fit(total_steps, put_chunk, send, update_steps, train_epochs, stop_makers,
-                        checkpoint_every, checkpoint_dir, resume_from, push_when)
+        try:
+            return core.fit(total_steps, self.put_chunk, send, update_steps, train_epochs, stop_makers,
+                            checkpoint_every, checkpoint_dir, resume_from, push_when)
+        finally:
+            send.close()
 
     @ray.method(concurrency_group="model_io")
     def start_fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None,

@@ -15,6 +15,7 @@ import torch
 from detached_rl.core.labels import check_label_selector
 from detached_rl.core.resources import check_amount, check_resources
 from detached_rl.core.sampling import SamplingConfig
+from detached_rl.core.transfer import check_stall_s
 from detached_rl.core.weight_receiver import DEFAULT_MAX_VERSION_JUMP, DEFAULT_MAX_WEIGHT_CHANGE
 from detached_rl.generation.base import LORA_MODES
 from detached_rl.generation.registry import GENERATION_BACKENDS
@@ -35,8 +36,14 @@ class MakerConfig:
     sampling: SamplingConfig | None = None
     max_pushes_in_flight: int = 2
     push_policy: str = "round_robin"
+    # A call that is no transfer (registering, asking a trainer) fails after this long; so does a push once
+    # its trainer answers but is not receiving it.
     push_timeout_s: float = 60.0
-    weight_timeout_s: float = 300.0
+    weight_timeout_s: float = 300.0  # the same for weight RPCs (registering) and waits for fresh weights
+    # Transfers never time out while bytes arrive: a weight fetch (a push of experience) fails only after
+    # this many seconds without a new piece, and again after half that (docs/operations.md, "Thin links").
+    weight_stall_timeout_s: float = 30.0
+    push_stall_timeout_s: float = 30.0
     weight_sync_mode: str = "staged"  # or "in_place" for models too large to stage twice
     weight_cast_dtype: str | None = None  # e.g. "bfloat16": cast incoming weights
     # With a LoRA trainer: "adapter" registers with the fingerprint of the base this maker loaded on its own
@@ -123,6 +130,8 @@ class MakerConfig:
         for name in ("push_timeout_s", "weight_timeout_s", "scorer_timeout_s", "resync_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MakerConfig.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("weight_stall_timeout_s", "push_stall_timeout_s"):
+            check_stall_s(f"MakerConfig.{name}", getattr(self, name))
         if self.weight_cast_dtype is not None and not isinstance(getattr(torch, self.weight_cast_dtype, None),
                                                                  torch.dtype):
             raise ValueError(f"MakerConfig.weight_cast_dtype {self.weight_cast_dtype!r} is not a torch dtype")

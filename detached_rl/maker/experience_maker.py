@@ -185,8 +185,9 @@ class ExperienceMaker:
             held = {spec.name.partition("/")[0] for spec in update.manifest.tensors} - {"critic"}
             update, fetch = restrict_update(update, held, fetch)
         try:
-            return self.receiver.receive(update, fetch, timeout=self.config.weight_timeout_s, reset=reset,
-                                         swap=swap)
+            # No deadline over the whole update: the fetch fails a stalled transfer itself, however long a
+            # progressing one takes (`maker.weight_stall_timeout_s`, `actors.transport.tracked_fetch`).
+            return self.receiver.receive(update, fetch, timeout=None, reset=reset, swap=swap)
         except Exception as error:
             self.last_error = f"weight update v{update.manifest.version}: {error}"
             if isinstance(error, OffTrainerError) and not reset:

@@ -18,6 +18,15 @@ trainer. A `submit` error (finding the trainer, registering again with a restart
 `WeightUpdateError` taking its weights) is a failed attempt retried with backoff, never a
 rejection: only a trainer's own answer, a `ValueError` such as `RejectedPushError`, rejects.
 
+Slow or dead (`progress`, `stall_timeout`): an attempt is not failed for taking long while its trainer
+receives it. Once an attempt has waited the stall interval, its trainer is asked how the pushes from this
+maker arrive (`progress(trainer)`, a future; a big push travels in pieces the trainer pulls and counts,
+`actors.transport.put_payload`). Bytes still arriving -> keep waiting; a transfer without progress for the
+stall interval, or no answer within it -> the attempt failed, pinned and retried like any sent attempt
+(at most once holds: the ids are unchanged and it goes to the same trainer). A trainer that answers but
+receives nothing from this maker is bounded by `push_timeout`, from the send or the last bytes seen.
+Without `progress`, `push_timeout` bounds every attempt.
+
 No thread of its own: finished attempts and due retries are handled whenever `push` or
 `flush` runs on the maker's thread; `stats` may be called from any thread.
 """
@@ -28,13 +37,14 @@ import concurrent.futures
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from detached_rl.core.experience import Experience
 from detached_rl.core.replay_buffer import AppendResult
+from detached_rl.core.transfer import check_stall_s, describe_answer, human_bytes
 
 PUSH_POLICIES = ("round_robin", "least_full")  # how a maker picks the trainer of its next push
 DROP_REASONS = ("rejected", "failed", "stopped")
@@ -48,6 +58,9 @@ _POLL_SECONDS = 0.1
 # Sends one attempt to the named trainer; raises (rather than returning a failed
 # future) when nothing was sent.
 Submit = Callable[[str, list[Experience]], "Future[AppendResult]"]
+# trainer -> a future of its answer about the pushes arriving from this maker:
+# {"host": its node IP, "transfers": [{"done", "total", "seconds", "idle_s"}, ...]}.
+Progress = Callable[[str], "Future[Mapping[str, Any] | None]"]
 
 
 @dataclass(eq=False)  # compared by identity: list.remove() must not compare tensors
@@ -62,6 +75,15 @@ class _Push:
     # Set once an attempt that was sent failed or timed out, as it may have been stored: every retry
     # goes to that trainer, whose id dedupe makes it safe (another trainer would store it twice).
     pinned: str | None = None
+    seen: float = 0.0  # the last time the trainer was seen receiving this attempt (its send, at first)
+    query: Future | None = None  # a progress question not yet answered
+    asked_at: float = 0.0
+    last: Mapping[str, Any] | None = None  # the trainer's last answer about a transfer that moved
+
+    @property
+    def nbytes(self) -> int:
+        """The push's size (`Experience.nbytes`), for messages."""
+        return sum(experience.nbytes() for experience in self.experiences if hasattr(experience, "nbytes"))
 
 
 @dataclass
@@ -90,6 +112,8 @@ class ExperiencePusher:
         should_stop: Callable[[], bool] = lambda: False,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        progress: Progress | None = None,
+        stall_timeout: float = 30.0,
     ) -> None:
         if not callable(submit):
             raise TypeError(f"submit must be callable, got {type(submit).__name__}")
@@ -113,6 +137,9 @@ class ExperiencePusher:
             if not callable(value):
                 raise TypeError(f"{name} must be callable, got {type(value).__name__}")
         self._submit = submit
+        self._progress = progress
+        self.stall_timeout = check_stall_s("stall_timeout", stall_timeout)
+        self._hosts: dict[str, str] = {}  # trainer -> its node IP, from its answers
         self._should_stop = should_stop
         self._sleep = sleep
         self._clock = clock
@@ -193,7 +220,9 @@ class ExperiencePusher:
             future.set_exception(err)
         with self._lock:
             push.future, push.sent = future, sent
-            push.deadline = self._clock() + self.push_timeout
+            push.seen = self._clock()
+            push.deadline = push.seen + self.push_timeout
+            push.query, push.last = None, None
             self._in_flight.append(push)
 
     def _process(self) -> None:
@@ -201,19 +230,25 @@ class ExperiencePusher:
         stopping = bool(self._should_stop())
         now = self._clock()
         due: list[_Push] = []
+        ask: list[_Push] = []
         with self._lock:
             for push in list(self._in_flight):
                 if push.future.done():
                     self._in_flight.remove(push)
                     self._settle(push, stopping, now)
-                elif now >= push.deadline:
+                    continue
+                reason = self._overdue(push, now)
+                if reason is not None:
                     # A call already sent cannot be recalled and may still land; its answer is
                     # ignored, so the pusher counts each sample once (the retry's ack decides).
                     push.future.cancel()
                     self._in_flight.remove(push)
                     push.pinned = push.trainer
-                    reason = f"no answer within push_timeout={self.push_timeout:g} s"
                     self._transport_failed(push, reason, stopping, now)
+                elif (self._progress is not None and push.sent and push.query is None
+                      and now - max(push.seen, push.asked_at) >= self.stall_timeout):
+                    push.query, push.asked_at = Future(), now  # claimed; asked below, outside the lock
+                    ask.append(push)
             for push in list(self._waiting):
                 if stopping:
                     self._waiting.remove(push)
@@ -221,8 +256,54 @@ class ExperiencePusher:
                 elif now >= push.retry_at:
                     self._waiting.remove(push)
                     due.append(push)
+        for push in ask:
+            try:
+                query = self._progress(push.trainer)
+            except Exception as error:  # noqa: BLE001 - no such trainer now: judged like a failed answer
+                query = Future()
+                query.set_exception(error)
+            with self._lock:
+                push.query = query
         for push in due:
             self._send(push)
+
+    def _what(self, push: _Push) -> str:
+        """'push of 4 samples (1.2 MB) to its host 10.213.0.1', for messages; hold the lock."""
+        return (f"push of {len(push.experiences)} samples ({human_bytes(push.nbytes)}) to its host "
+                f"{self._hosts.get(push.trainer, '(unknown)')}")
+
+    def _overdue(self, push: _Push, now: float) -> str | None:
+        """Why an unanswered attempt counts as failed now, or None; hold the lock."""
+        if self._progress is None or not push.sent:
+            return f"no answer within push_timeout={self.push_timeout:g} s" if now >= push.deadline else None
+        if push.query is not None and push.query.done():
+            query, push.query = push.query, None
+            try:
+                answer = query.result() or {}
+            except Exception as error:  # noqa: BLE001 - the trainer is gone or unreachable
+                return f"{self._what(push)}: progress query failed: {type(error).__name__}: {error}"
+            if answer.get("host"):
+                self._hosts[push.trainer] = answer["host"]
+            what = self._what(push)
+            transfers = list(answer.get("transfers") or [])
+            moving = [t for t in transfers if float(t.get("idle_s", math.inf)) < self.stall_timeout]
+            if moving:
+                push.last = moving[0]
+                push.seen = now - min(float(t["idle_s"]) for t in moving)
+                push.deadline = max(push.deadline, push.seen + self.push_timeout)
+            elif transfers:
+                idle = min(float(t.get("idle_s", math.inf)) for t in transfers)
+                return (f"{what}: stalled: {describe_answer(transfers[0])}, no progress for {idle:.1f} s "
+                        f"(stall interval {self.stall_timeout:g} s)")
+        elif push.query is not None and now - push.asked_at >= self.stall_timeout:
+            last = (f"last seen receiving {describe_answer(push.last)}, {now - push.seen:.1f} s ago"
+                    if push.last else f"sent {now - push.seen:.1f} s ago")
+            return (f"{self._what(push)}: no answer to a progress query within {self.stall_timeout:g} s "
+                    f"({last})")
+        if now >= push.deadline:
+            return (f"{self._what(push)}: no answer within push_timeout={self.push_timeout:g} s of its last "
+                    "bytes (the trainer answers but receives nothing)")
+        return None
 
     def _wait(self, deadline: float | None) -> None:
         """Block until an attempt finishes or times out, a retry is due, or `deadline` (at most one poll)."""
@@ -323,3 +404,4 @@ def _check_seconds(name: str, value: Any) -> float:
     if not is_number or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
     return float(value)
+

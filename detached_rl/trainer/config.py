@@ -10,6 +10,7 @@ from detached_rl.core.experience import DEFAULT_MAX_ABS_REWARD
 from detached_rl.core.labels import check_label_selector
 from detached_rl.core.replay_buffer import check_max_abs_reward
 from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_amount, check_resources
+from detached_rl.core.transfer import check_stall_s
 from detached_rl.core.weight_sync import KINDS as WEIGHT_SYNC_KINDS
 
 
@@ -24,9 +25,17 @@ class TrainerConfig:
     max_reuse: int = 1
     buffer_overflow: str = "refuse"
     weight_chunk_bytes: int = 64 * 2**20
+    # Each chunk travels in pieces of this size, a stall is no new piece for `weight_stall_timeout_s`: on a
+    # thin link keep a piece well under what the link moves in a fraction of that (1 MiB: 1.7 s at 5 Mbit/s).
+    weight_piece_bytes: int = 2**20
     # "lora": send only trainable tensors (LoRA adapters) after the first full update
     weight_sync: str = "full"
+    # An update a maker answers about but is not receiving (its intake busy, its generation lock held) fails
+    # after this long; a non-overlapped step waits at most this long for its makers' acknowledgements.
     weight_push_timeout_s: float = 300.0
+    # An update a maker is receiving fails only when the maker reports no new bytes for this long, or does
+    # not answer the question within it (docs/operations.md, "Thin links").
+    weight_stall_timeout_s: float = 30.0
     batch_timeout_s: float = 300.0  # how long `fit` waits for a full batch before failing
     stop_makers_at_end: bool = True
     metrics_history: int = 10_000
@@ -39,7 +48,8 @@ class TrainerConfig:
     max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
 
     def __post_init__(self) -> None:
-        for name in ("train_batch_size", "buffer_max_samples", "buffer_max_bytes", "weight_chunk_bytes"):
+        for name in ("train_batch_size", "buffer_max_samples", "buffer_max_bytes", "weight_chunk_bytes",
+                     "weight_piece_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.train_batch_size > self.buffer_max_samples:
@@ -53,6 +63,7 @@ class TrainerConfig:
         for name in ("weight_push_timeout_s", "batch_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainerConfig.{name} must be > 0, got {getattr(self, name)}")
+        check_stall_s("TrainerConfig.weight_stall_timeout_s", self.weight_stall_timeout_s)
         self.max_abs_reward = check_max_abs_reward("TrainerConfig.max_abs_reward", self.max_abs_reward)
 
 

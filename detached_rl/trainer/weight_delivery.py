@@ -338,7 +338,8 @@ class WeightDelivery:
         """Wait for weight updates still in flight; each maker's latest result ({} if none)."""
         if self.queue is None:  # nothing was pushed
             return {}
-        self.queue.wait(self.core.config.weight_push_timeout_s)
+        # Watched (a Ray trainer): until each maker acknowledged or its transfer stalled; else a fixed bound.
+        self.queue.wait(None if self.queue.watched else self.core.config.weight_push_timeout_s)
         return self.record(self.queue.take_results())
 
     def record(self, results: Mapping[str, Any]) -> Mapping[str, Any]:

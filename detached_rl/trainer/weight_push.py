@@ -11,20 +11,38 @@ returns a `concurrent.futures.Future` (the Ray shell passes `handle.apply_weight
 The update waiting behind an acknowledged one is sent from the queue's own thread, never from the thread
 that completed the future: Ray completes `.future()`s on its core worker's event thread, and a `send`
 run there (`ray.get_actor`, a remote call) waits for that very thread, so the actor stopped answering.
+
+Slow or dead (`progress`, `stall_timeout`): a push is not failed for taking long while the maker receives
+it. A watch thread of the queue's own (`check`, never Ray's callback thread) asks a maker whose push is
+older than the stall interval for its transfer's progress (`progress(maker)`: a future of the maker's
+answer). Bytes still arriving (any transfer of the maker's: a push may wait behind its registration's) ->
+keep waiting; a transfer without progress for the stall interval, or no answer within it -> the push
+failed (`TransferStalled` naming update, maker, host, bytes and rate) and the waiting update, if any, is
+sent. A maker that answers but receives nothing (the push waits for its intake thread or generation lock)
+is bounded by `timeout`, measured from the send. Without `progress`, `timeout` bounds every push.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from detached_rl.core.transfer import TransferStalled, check_stall_s, describe_answer
 from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
 
+logger = logging.getLogger(__name__)
+
 Send = Callable[[str, WeightUpdate], "Future[ApplyResult]"]
+# maker -> a future of its transfer progress: {"host", "version", "done", "total", "seconds", "idle_s"}
+# (version None: it receives nothing now).
+Progress = Callable[[str], "Future[Mapping[str, Any] | None]"]
+Locate = Callable[[str], "str | None"]  # maker -> the IP of its node, None if unknown
 
 
 @dataclass
@@ -32,21 +50,40 @@ class _InFlight:
     version: int
     sent_at: float
     future: Future
+    kind: str = "?"
+    seen: float = 0.0  # the last time the maker was seen receiving (or alive, when it receives nothing)
+    query: Future | None = None  # a progress question not yet answered
+    asked_at: float = 0.0
+    last: Mapping[str, Any] = field(default_factory=dict)  # the maker's last answer about a transfer
 
 
 class WeightPushQueue:
     """Delivers each maker the newest update, one at a time; `offer` never blocks on a maker.
 
     `timeout`: an update a maker has not acknowledged after this many seconds counts as failed
-    for it (a `TimeoutError` result) and the next offer is sent regardless.
+    for it (a `TimeoutError` result) and the next offer is sent regardless; with `progress`, only while the
+    maker receives nothing (see the module docstring): a transfer is failed when it stalls for
+    `stall_timeout` s. `watch`: run the watch thread (`check` every `poll` s); tests call `check` themselves.
     """
 
-    def __init__(self, send: Send, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, send: Send, timeout: float, clock: Callable[[], float] = time.monotonic,
+                 progress: Progress | None = None, stall_timeout: float = 30.0, locate: Locate | None = None,
+                 watch: bool = True, poll: float | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"WeightPushQueue: timeout must be > 0 s, got {timeout}")
         self.send = send
         self.timeout = timeout
         self.clock = clock
+        self.progress = progress
+        self.stall_timeout = check_stall_s("WeightPushQueue: stall_timeout", stall_timeout)
+        self.locate = locate
+        self.hosts: dict[str, str] = {}  # maker -> its node IP, from its answers
+        self._closed = threading.Event()
+        self._watch: threading.Thread | None = None
+        if progress is not None and watch:
+            self.poll = min(self.stall_timeout / 4, 1.0) if poll is None else poll
+            self._watch = threading.Thread(target=self._watch_loop, daemon=True, name="weight-push-watch")
+            self._watch.start()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._in_flight: dict[str, _InFlight] = {}
@@ -66,14 +103,14 @@ class WeightPushQueue:
             now = self.clock()
             for maker in makers:
                 flight = self._in_flight.get(maker)
-                if flight is not None and now - flight.sent_at > self.timeout:
+                if flight is not None and self.progress is None and now - flight.sent_at > self.timeout:
                     self._record(maker, TimeoutError(
                         f"maker {maker!r} did not acknowledge weight update v{flight.version} within "
                         f"{self.timeout:.0f} s"))
                     del self._in_flight[maker]
                     flight = None
                 if flight is None:
-                    self._in_flight[maker] = _InFlight(update.manifest.version, now, Future())
+                    self._in_flight[maker] = self._flight(update, now)
                     to_send.append(maker)
                 else:
                     if maker in self._waiting:
@@ -110,10 +147,14 @@ class WeightPushQueue:
                 self.acked[maker] = max(self.acked.get(maker, -1), version)
             next_update = self._waiting.pop(maker, None)
             if next_update is not None:
-                self._in_flight[maker] = _InFlight(next_update.manifest.version, self.clock(), Future())
+                self._in_flight[maker] = self._flight(next_update, self.clock())
             self._changed.notify_all()
         if next_update is not None:
             self._dispatcher.submit(self._dispatch, maker, next_update)
+
+    @staticmethod
+    def _flight(update: WeightUpdate, now: float) -> _InFlight:
+        return _InFlight(update.manifest.version, now, Future(), update.manifest.kind, seen=now)
 
     def _record(self, maker: str, result: ApplyResult | BaseException) -> None:
         """Keep `result` as the maker's latest; hold `_lock`."""
@@ -127,10 +168,13 @@ class WeightPushQueue:
             results, self._results = self._results, {}
         return results
 
-    def wait(self, timeout: float, makers: Iterable[str] | None = None) -> bool:
-        """Wait up to `timeout` s until nothing is in flight or waiting (for
-        `makers`, default all); True if so."""
-        deadline = self.clock() + timeout
+    def wait(self, timeout: float | None, makers: Iterable[str] | None = None) -> bool:
+        """Wait up to `timeout` s until nothing is in flight or waiting (for `makers`, default all); True if
+        so. Without `progress`, pushes still unacknowledged then fail; with it, they stay in flight (the watch
+        fails those that stall) and `timeout` None waits until every push is acknowledged or failed."""
+        if timeout is None and self._watch is None:
+            raise ValueError("WeightPushQueue.wait: timeout None needs the progress watch (progress=...)")
+        deadline = math.inf if timeout is None else self.clock() + timeout
         only = None if makers is None else set(makers)
         with self._lock:
             while True:
@@ -139,6 +183,8 @@ class WeightPushQueue:
                 if not busy:
                     return True
                 remaining = deadline - self.clock()
+                if remaining <= 0 and self.progress is not None:
+                    return False
                 if remaining <= 0:
                     for maker in busy:  # give up on them: their results say why
                         flight = self._in_flight.pop(maker, None)
@@ -153,6 +199,109 @@ class WeightPushQueue:
     def settle(self, timeout: float = 30.0) -> None:
         """Wait until the sends owed to acknowledged makers' waiting updates have been made."""
         self._dispatcher.submit(lambda: None).result(timeout=timeout)  # one thread, in order: after them
+
+    @property
+    def watched(self) -> bool:
+        """The watch thread runs: `wait(None)` ends once every push is acknowledged or failed."""
+        return self._watch is not None and not self._closed.is_set()
+
+    def close(self) -> None:
+        """Stop the watch thread (pushes in flight are left as they are)."""
+        self._closed.set()
+
+    def _watch_loop(self) -> None:
+        while not self._closed.wait(self.poll):
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - the watch outlives one bad pass; the next one retries
+                logger.exception("weight push watch")
+
+    def check(self) -> None:
+        """One pass of the watch: ask makers whose push is older than the stall interval for progress, judge
+        their answers, fail pushes that stalled or got no answer in time (and send what waits behind)."""
+        now = self.clock()
+        ask: list[tuple[str, _InFlight]] = []
+        failed: list[tuple[str, _InFlight, BaseException | None]] = []
+        with self._lock:
+            for maker, flight in self._in_flight.items():
+                if flight.query is not None and flight.query.done():
+                    query, flight.query = flight.query, None
+                    error = self._judge(maker, flight, query, now)
+                    if error is not None:
+                        failed.append((maker, flight, error))
+                elif flight.query is not None and now - flight.asked_at >= self.stall_timeout:
+                    failed.append((maker, flight, None))  # no answer: the message needs the host
+                elif flight.query is None and now - flight.seen >= self.stall_timeout:
+                    flight.query, flight.asked_at = Future(), now  # claimed; the question is asked below
+                    ask.append((maker, flight))
+        for maker, flight in ask:
+            try:
+                query = self.progress(maker)
+            except Exception as error:  # noqa: BLE001 - no such actor now: judged like a failed answer
+                query = Future()
+                query.set_exception(error)
+            with self._lock:
+                if flight.query is not None and not flight.query.done():
+                    flight.query = query
+        for maker, flight, error in failed:
+            self._fail(maker, flight, error or self._unanswered(maker, flight, now))
+
+    def _judge(self, maker: str, flight: _InFlight, query: Future, now: float) -> BaseException | None:
+        """The error that fails `flight` after the maker's answer `query`, or None (keep waiting); hold the
+        lock."""
+        try:
+            answer = query.result()
+        except Exception as error:  # noqa: BLE001 - the maker's actor is gone or unreachable
+            return TransferStalled(f"{self._what(maker, flight)}: progress query failed: "
+                                   f"{type(error).__name__}: {error}")
+        answer = answer or {}
+        if answer.get("host"):
+            self.hosts[maker] = answer["host"]
+        if answer.get("version") is None:  # alive, receiving nothing: bounded by `timeout` from the send
+            flight.seen = now
+            if now - flight.sent_at > self.timeout:
+                return TimeoutError(f"{self._what(maker, flight)}: not acknowledged within "
+                                    f"{self.timeout:g} s (the maker answers but receives nothing)")
+            return None
+        idle = float(answer.get("idle_s", math.inf))
+        if idle < self.stall_timeout:
+            flight.seen, flight.last = now - idle, dict(answer)
+            return None
+        return TransferStalled(f"{self._what(maker, flight)}: stalled: {_what_answer(answer)}, no progress "
+                               f"for {idle:.1f} s (stall interval {self.stall_timeout:g} s)")
+
+    def _unanswered(self, maker: str, flight: _InFlight, now: float) -> TransferStalled:
+        """The error of a push whose maker did not answer a progress question within the stall interval."""
+        if maker not in self.hosts and self.locate is not None:
+            try:
+                host = self.locate(maker)
+            except Exception:  # noqa: BLE001 - only for the message
+                host = None
+            if host:
+                self.hosts[maker] = host
+        last = (f"last seen receiving {_what_answer(flight.last)}, {now - flight.seen:.1f} s ago"
+                if flight.last else f"sent {now - flight.sent_at:.1f} s ago, no progress reported")
+        return TransferStalled(f"{self._what(maker, flight)}: no answer to a progress query within "
+                               f"{self.stall_timeout:g} s ({last})")
+
+    def _what(self, maker: str, flight: _InFlight) -> str:
+        return (f"weight update v{flight.version} ({flight.kind}) to maker {maker!r} at "
+                f"{self.hosts.get(maker, 'an unknown host')}")
+
+    def _fail(self, maker: str, flight: _InFlight, error: BaseException) -> None:
+        """Count `flight` as failed (unless it ended meanwhile) and send the update waiting behind it."""
+        with self._lock:
+            if self._in_flight.get(maker) is not flight:
+                return
+            del self._in_flight[maker]
+            self._record(maker, error)
+            next_update = self._waiting.pop(maker, None)
+            if next_update is not None:
+                self._in_flight[maker] = self._flight(next_update, self.clock())
+            self._changed.notify_all()
+        logger.warning("%s", error)
+        if next_update is not None:
+            self._dispatcher.submit(self._dispatch, maker, next_update)
 
     def forget(self, maker: str) -> None:
         """Stop tracking a maker that is gone."""
@@ -176,3 +325,10 @@ class WeightPushQueue:
                     "in_flight": {m: f.version for m, f in self._in_flight.items()},
                     "waiting": {m: u.manifest.version for m, u in self._waiting.items()},
                     "acked": dict(self.acked)}
+
+
+
+def _what_answer(answer: Mapping[str, Any]) -> str:
+    """'v3: 1.2 MB of 3.4 MB in 12.0 s (0.80 Mbit/s)' from a maker's progress answer."""
+    return f"v{answer['version']}: {describe_answer(answer)}" if answer.get("version") is not None \
+        else describe_answer(answer)
