@@ -90,6 +90,7 @@ def test_a_push_whose_maker_receives_but_gets_no_bytes_fails_naming_update_maker
                  "no progress for 4.5 s", "stall interval 4 s"):
         assert part in str(error), (part, str(error))
     assert maker.sent == [3, 4]  # the waiting update went out at once
+    assert "weight update v3 (full)" in queue.stats()["failures"]["far"]  # shown by `status` meanwhile
 
 
 def test_a_maker_that_does_not_answer_within_the_stall_interval_fails_its_push() -> None:

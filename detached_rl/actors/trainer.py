@@ -36,6 +36,7 @@ from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.replay_buffer import AppendResult
 from detached_rl.core.sampling import SamplingConfig
+from detached_rl.core.transfer import DEFAULT_PIECE_BYTES
 from detached_rl.core.weight_sync import WeightUpdate, state_fingerprint
 from detached_rl.strategies import NaiveStrategy, Strategy, check_strategy_name
 from detached_rl.trainer.config import TrainerConfig
@@ -72,7 +73,9 @@ class _TrainerShell:
         self.sampling = sampling  # how makers sample: the learner recomputes log-probs under it
         self.namespace = resolve_namespace(namespace)
         self.config = config or TrainerConfig()
-        self.put_chunk = functools.partial(put_chunk, piece_bytes=self.config.weight_piece_bytes)
+        pieces = self.config.weight_piece_bytes  # the default needs no partial (a test may swap put_chunk)
+        self.put_chunk = put_chunk if pieces == DEFAULT_PIECE_BYTES else functools.partial(put_chunk,
+                                                                                          piece_bytes=pieces)
         self.algorithm = algorithm
         self.rank, self.world_size, self.strategy_name = rank, world_size, strategy
         self.model_factory = model_factory

@@ -90,6 +90,7 @@ class WeightPushQueue:
         self._waiting: dict[str, WeightUpdate] = {}
         self._results: dict[str, ApplyResult | BaseException] = {}  # since the last `take_results`
         self.acked: dict[str, int] = {}  # maker -> newest version it acknowledged
+        self.failures: dict[str, str] = {}  # maker -> its latest failure, until it acknowledges again
         self.sent = 0
         self.superseded = 0  # updates replaced by a newer one before they were sent
         self.failed = 0
@@ -160,6 +161,9 @@ class WeightPushQueue:
         """Keep `result` as the maker's latest; hold `_lock`."""
         if isinstance(result, BaseException):
             self.failed += 1
+            self.failures[maker] = f"{type(result).__name__}: {result}"
+        else:
+            self.failures.pop(maker, None)
         self._results[maker] = result
 
     def take_results(self) -> dict[str, ApplyResult | BaseException]:
@@ -322,6 +326,7 @@ class WeightPushQueue:
         """Counters and the per-maker state, for `status`."""
         with self._lock:
             return {"sent": self.sent, "superseded": self.superseded, "failed": self.failed,
+                    "failures": dict(self.failures),
                     "in_flight": {m: f.version for m, f in self._in_flight.items()},
                     "waiting": {m: u.manifest.version for m, u in self._waiting.items()},
                     "acked": dict(self.acked)}
