@@ -32,9 +32,10 @@ TRAINER = ["--set", "trainer_group.resources={trainer_host: 1}",
            "--set", "trainer.record_weights_fingerprint=true", "--set", "trainer.weight_chunk_bytes=65536"]
 MAKER = ["--set", "maker.resources={maker_host: 1}", "--set", "maker.record_weights_fingerprint=true",
          "--state-dir", "/tmp/drl-hostfs/maker_state"]
-# h2's maker gives up on a push or a weight chunk after 5 s, so that a cut of its link fails one in flight,
-# and generates on while its weights are old (it pushes during the cut).
+# h2's maker gives up on a push or a weight transfer stalled for 5 s, so that a cut of its link fails one in
+# flight, and generates on while its weights are old (it pushes during the cut).
 SHORT = ["--set", "maker.push_timeout_s=5", "--set", "maker.weight_timeout_s=5",
+         "--set", "maker.push_stall_timeout_s=5", "--set", "maker.weight_stall_timeout_s=5",
          "--set", "maker.wait_for_fresh_weights=false"]
 
 
