@@ -124,8 +124,10 @@ def test_reconnecting_with_the_same_base_gets_lora_only_and_another_base_a_full_
     lora_update = trainer.latest_update
     assert lora_update.manifest.kind == "lora" and maker.policy_version == 1
 
-    # The same maker registers again (a reconnect): LoRA-only.
-    assert trainer.register_maker("maker_0", maker.base_fingerprint, store.put) is lora_update
+    # The same maker registers again (a reconnect): LoRA-only, in the dtype it serves (wire_variants).
+    again = trainer.register_maker("maker_0", maker.base_fingerprint, store.put)
+    assert again.manifest.kind == "lora" and again.version == lora_update.version
+    assert again.manifest.metadata["wire_dtype"] == dtype
     # A fresh maker with the same base in the same dtype (a restarted one): LoRA-only, and it serves the
     # trainer's weights once it applied it.
     fresh = casting_maker("maker_1", dtype)

@@ -111,7 +111,8 @@ class MakerShell:
         (with `force`, also from older ones: this maker found its weights off its trainers')."""
         handles = {t: attach(t, self.namespace, self.attach_timeout_s) for t in self.trainer_names}
         base = self.core.registration_fingerprint
-        offered = get_all([h.register_maker.remote(self.name, base) for h in handles.values()],
+        dtype = self.core.receiver.serving_dtype
+        offered = get_all([h.register_maker.remote(self.name, base, dtype) for h in handles.values()],
                           timeout=self.core.config.weight_timeout_s)
         with self._receiving(offered) as fetch:
             take_offered(self.core, offered, fetch, force)
@@ -144,7 +145,8 @@ class MakerShell:
             # Said as a ConnectionError: the pusher retries any error `submit` raises (nothing was sent).
             raise ConnectionError(
                 f"trainer {trainer!r} is not running (waiting for it to come back)") from None
-        update = ray.get(handle.register_maker.remote(self.name, self.core.registration_fingerprint),
+        update = ray.get(handle.register_maker.remote(self.name, self.core.registration_fingerprint,
+                                                      self.core.receiver.serving_dtype),
                          timeout=self.core.config.weight_timeout_s)
         with self._receiving([update]) as fetch:
             take_offered(self.core, [update], fetch)

@@ -203,9 +203,11 @@ class _TrainerShell:
         return self.trainer_core().run_id
 
     @ray.method(concurrency_group="model_io")
-    def register_maker(self, maker_name: str, base_fingerprint: str | None = None) -> WeightUpdate | None:
-        """Record a maker; returns the weight update it should start from (full unless its base matches)."""
-        return self.trainer_core().register_maker(maker_name, base_fingerprint, self.put_chunk)
+    def register_maker(self, maker_name: str, base_fingerprint: str | None = None,
+                       serving_dtype: str | None = None) -> WeightUpdate | None:
+        """Record a maker; returns the weight update it should start from (full unless its base matches), in
+        the dtype it serves."""
+        return self.trainer_core().register_maker(maker_name, base_fingerprint, self.put_chunk, serving_dtype)
 
     @ray.method(concurrency_group="model_io")
     def policy_version(self) -> int:

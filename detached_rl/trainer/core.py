@@ -194,15 +194,17 @@ class TrainerCore:
         """Snapshot the current weights into an update ("full", or "lora": trainable tensors only)."""
         return self.delivery.build_update(put, kind)
 
-    def register_maker(self, name: str, base_fingerprint: str | None = None, put: Put | None = None
-                       ) -> WeightUpdate | None:
+    def register_maker(self, name: str, base_fingerprint: str | None = None, put: Put | None = None,
+                       serving_dtype: str | None = None) -> WeightUpdate | None:
         """Record a maker; returns the update it should start from.
 
         With LoRA sync, a maker that holds the same base weights (equal fingerprint; for a maker that
         casts weights, equal after casting both bases to its dtype) gets the latest LoRA-only update;
-        any other maker gets a full update of the current weights.
+        any other maker gets a full update of the current weights. `serving_dtype` (or the cast prefix of its
+        fingerprint, "bfloat16:..."): the dtype the maker stores weights in; a narrower one than the trainer's
+        gets updates in it (`trainer.wire_variants`).
         """
-        return self.delivery.register(name, base_fingerprint, put)
+        return self.delivery.register(name, base_fingerprint, put, serving_dtype)
 
     def base_fingerprint_like(self, fingerprint: str) -> str | None:
         """This trainer's base fingerprint in the form of a maker's: exact, or cast to the dtype it names."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detached_rl.core.text import first_line
-from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate, build_weight_update, state_fingerprint
+from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate, state_fingerprint
 from detached_rl.models.base_fingerprint import (
     base_fingerprint,
     cast_base_fingerprints,
@@ -29,6 +29,7 @@ from detached_rl.models.base_fingerprint import (
 )
 from detached_rl.models.lora import lora_backend, lora_config_dict
 from detached_rl.trainer.weight_push import Send, WeightPushQueue
+from detached_rl.trainer.wire_variants import WireVariants
 
 if TYPE_CHECKING:
     from detached_rl.trainer.core import TrainerCore
@@ -143,6 +144,10 @@ class WeightDelivery:
         # LoRA-only from version 0 on: what a LoRA-only update leaves out is then the policy's base alone,
         # which a maker proves it holds (its base fingerprint, checked before anything is fetched).
         self.adapter_only = config.weight_sync == "lora" and adapters_complete(self.synced_models())
+        # Makers that serve a lower precision get updates in it, full ones as sparse deltas where they fit.
+        self.wire = WireVariants(self.synced_models(),
+                                 deltas=config.sparse_deltas and config.weight_sync == "full")
+        self.variant_bytes: dict[str, int] = {}  # the latest update's bytes per wire variant (metrics)
         self.queue: WeightPushQueue | None = None  # the latest push's
         self._adapted: WeightPushQueue | None = None  # the queue over plain `send_update` functions
         # Held while a maker registers and while a resume replaces the update makers start from, so a maker
@@ -176,11 +181,14 @@ class WeightDelivery:
         a full one when they register), else from the version after its first full one."""
         lora = self.adapter_only or (self.core.config.weight_sync == "lora"
                                      and self.latest_update is not None)
-        update, stats = self._build(put, kind or ("lora" if lora else "full"))
+        update, stats, self.variant_bytes, _ = self._build(put, kind or ("lora" if lora else "full"))
         self.latest_update = update
         return update, stats
 
-    def _build(self, put: Put, kind: str) -> tuple[WeightUpdate, SendStats]:
+    def _build(self, put: Put, kind: str, wires: set[str] | None = None, every: bool = True
+               ) -> tuple[WeightUpdate, SendStats, dict[str, int], dict[str, WeightUpdate]]:
+        """Build an update, in the trainer's dtype and each of `wires` (default: every registered maker's;
+        recorded as the newest version's unless it is built for one maker: see `WireVariants.build`)."""
         core = self.core
         metadata: dict[str, Any] = {"trainer_run": core.run_id}
         if self.base_fingerprint is not None:
@@ -196,20 +204,34 @@ class WeightDelivery:
                     for _ in stream:
                         pass
                 put = _discard
-            update, stats = build_weight_update(
-                tensors, core.policy_version, put,
-                chunk_bytes=core.config.weight_chunk_bytes, kind=kind, metadata=metadata,
-            )
+            built = self.wire.build(tensors, core.policy_version, put, core.config.weight_chunk_bytes, kind,
+                                    metadata, (self.wire.wires() if wires is None else wires)
+                                    if self.pushes_weights else (), record=wires is None or not every,
+                                    every=every)
             if core.config.record_weights_fingerprint:
                 self.fingerprints[core.policy_version] = state_fingerprint(core.synced_state())
-        return update, stats
+        return built
 
-    def register(self, name: str, base_fingerprint: str | None, put: Put | None) -> WeightUpdate | None:
+    def _answer(self, name: str, update: WeightUpdate | None, wire: str | None, put: Put | None
+                ) -> WeightUpdate | None:
+        """`update` in the registering maker's wire dtype, with the current cast base fingerprints; built now
+        for a dtype no maker had (while the weights are still `update`'s: else the maker casts it)."""
+        if update is not None and wire is not None and put is not None and self.wire.offered(name, update) \
+                is update and update.version == self.core.policy_version \
+                and not self.core.strategy.shards_weights:
+            self._build(put, update.manifest.kind, {wire}, every=False)
+        variant = self.wire.answer(name, update)
+        return None if variant is None else self._with_cast_base_fingerprints(variant)
+
+    def register(self, name: str, base_fingerprint: str | None, put: Put | None,
+                 serving_dtype: str | None = None) -> WeightUpdate | None:
         """Record a maker; the update it should start from (see `TrainerCore.register_maker`)."""
         with self.registration_lock:
-            return self._register(name, base_fingerprint, put)
+            wire = self.wire.note(name, base_fingerprint, serving_dtype)
+            return self._register(name, base_fingerprint, put, wire)
 
-    def _register(self, name: str, base_fingerprint: str | None, put: Put | None) -> WeightUpdate | None:
+    def _register(self, name: str, base_fingerprint: str | None, put: Put | None,
+                  wire: str | None) -> WeightUpdate | None:
         self.makers.add(name)
         self.forget_error(name)
         self.lost.pop(name, None)
@@ -219,9 +241,9 @@ class WeightDelivery:
         if self.queue is not None:
             self.queue.forget(name)  # a maker registering again (restarted) holds what this answer gives it
         if latest is None or latest.manifest.kind == "full":
-            return latest
+            return self._answer(name, latest, wire, put)
         if base_fingerprint is not None and base_fingerprint == self.base_fingerprint_like(base_fingerprint):
-            return self._with_cast_base_fingerprints(latest)
+            return self._answer(name, latest, wire, put)
         if put is None:
             raise ValueError("register_maker: this maker needs a full update but no `put` was given")
         if self.core.strategy.shards_weights:
@@ -232,7 +254,8 @@ class WeightDelivery:
                 f"{self.core.strategy.name!r}) and sends LoRA-only updates; start the maker from the "
                 "trainer's base model"
             )
-        return self._build(put, "full")[0]
+        update, _, _, cast = self._build(put, "full", set() if wire is None else {wire})
+        return cast.get(wire, update) if wire is not None else update
 
     def refresh_base_fingerprints(self) -> None:
         """Fingerprint the base again (a checkpoint was loaded: its base may not be the one this trainer
@@ -284,7 +307,18 @@ class WeightDelivery:
         else:
             self.queue = self._adapted = push_queue_over(send_update, self.core.config.weight_push_timeout_s,
                                                          self._adapted)
+        if getattr(self.queue.send, "wire_variants", None) is not self.wire:  # a delta only on its base
+            self.queue.send = self.wire.dispatch(self.queue, self.queue.send, self.registered_versions)
         return self.queue
+
+    def offer(self, queue: WeightPushQueue, update: WeightUpdate, makers: list[str]) -> None:
+        """Offer each maker its variant of `update` (its wire dtype's, a delta where one was built)."""
+        groups: dict[int, tuple[WeightUpdate, list[str]]] = {}
+        for maker in makers:
+            variant = self.wire.offered(maker, update)
+            groups.setdefault(id(variant), (variant, []))[1].append(maker)
+        for variant, group in groups.values():
+            queue.offer(variant, group)
 
     def sync(self, put: Put, send_update: SendUpdate | WeightPushQueue) -> dict[str, float]:
         """Build an update of the current weights and offer it to this rank's makers
@@ -294,11 +328,13 @@ class WeightDelivery:
         update, stats = self.build_update(put)
         makers = self.makers_of_this_rank()
         start = time.perf_counter()
-        queue.offer(update, makers)
+        self.offer(queue, update, makers)
         if not config.overlap_weight_push:
             queue.wait(config.weight_push_timeout_s, makers)
         push_seconds = time.perf_counter() - start
         metrics = self._sync_metrics(update, stats, push_seconds, self.record(queue.take_results()))
+        metrics.update({f"weight_sync/bytes/wire/{name}": float(size)
+                        for name, size in self.variant_bytes.items()})
         lag = queue.lag(update.manifest.version, makers, self.registered_versions)
         behind = self.makers_behind(lag)
         metrics.update({"weight_sync/superseded": float(queue.superseded),
@@ -374,7 +410,7 @@ class WeightDelivery:
         update, makers = self.latest_update, self.makers_of_this_rank()
         if update is None or not makers:
             return
-        self.use(send_update).offer(update, makers)  # results come with the next push's
+        self.offer(self.use(send_update), update, makers)  # results come with the next push's
 
     def status(self) -> dict[str, Any]:
         """Weight-push counters and the makers that trail by more than `max_staleness` versions (not waited
