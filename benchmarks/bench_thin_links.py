@@ -12,7 +12,7 @@ baseline, measured in the same run on the same cluster, is the same job with its
 (`maker.label_selector={role: trainer}`): one host, nothing on the link.
 
 Per cell: h1's link counters (`Hosts.counters`, the bridge port's own byte counts) before and after the
-run, divided by the weight versions the trainer pushed (one per step, plus the registration's version 0);
+run, divided by the weight versions the trainer pushed (0 to the last `weight_sync/version`);
 one update's bytes (`weight_sync/bytes` in the run's metrics.jsonl) and the ratio of the two; delivery time
 (a watcher on h0 polls every actor's status every 0.5 s: from the poll that first shows the trainer at
 version v to the one that first shows a maker holding v or newer, acknowledged or swapped in; median and
@@ -141,7 +141,8 @@ def figures(rows: list[dict[str, Any]], summary: dict[str, Any], events: list[di
     """The cell's figures from its metrics rows, summary.json, the watcher's events and the link's bytes."""
     rows = sorted(rows, key=lambda row: row["step"])
     span = rows[-1]["time/elapsed"] - rows[0]["time/elapsed"] if len(rows) > 1 else float("nan")
-    pushed = sum("weight_sync/version" in row for row in rows) + 1  # + the registration's version 0
+    # versions are numbered from 0 (the registration's) without gaps
+    pushed = int(max(row.get("weight_sync/version", 0.0) for row in rows)) + 1
     update = statistics.median(row["weight_sync/bytes"] for row in rows if "weight_sync/bytes" in row)
     maker_names = [f"{name}-maker-{i}" for i in range(makers)]
     received = [max((e.get("received") or 0 for e in events if e.get("name") == m), default=0)
@@ -190,9 +191,9 @@ def stop_group(process: subprocess.Popen[str]) -> None:
 
 
 def run_cell(hosts: Hosts, args: argparse.Namespace, mode: str, rate: float | None, steps: int,
-             logs: Path) -> dict[str, Any]:
+             logs: Path, repeat: int = 0) -> dict[str, Any]:
     """One `detached-rl run` on the cluster: its figures, or {"error": ...} naming what went wrong."""
-    name = f"tl-{mode}-{int(rate) if rate else 'local'}"
+    name = f"tl-{mode}-{f'{rate:g}'.replace('.', '_') if rate else 'local'}-{repeat}"
     hosts.shape(MAKER, rate)
     output = f"{HOME}/thin-links"
     command = ["detached-rl", "run", "--address", hosts.head_address, "--makers", str(args.makers),
@@ -222,7 +223,9 @@ def run_cell(hosts: Hosts, args: argparse.Namespace, mode: str, rate: float | No
         with contextlib.suppress(subprocess.TimeoutExpired):
             watcher.wait(timeout=30)  # it ends once the trainer is gone
         directory = f"{output}/{name}"
-        rows = read_json_lines(hosts.run(TRAINER, ["cat", f"{directory}/metrics.jsonl"], check=True).stdout)
+        metrics = hosts.run(TRAINER, ["cat", f"{directory}/metrics.jsonl"], check=True).stdout
+        (logs / f"{name}.metrics.jsonl").write_text(metrics)
+        rows = read_json_lines(metrics)
         summary = json.loads(hosts.run(TRAINER, ["cat", f"{directory}/summary.json"], check=True).stdout)
         events = read_json_lines((logs / f"{name}.watch").read_text())
         link = {way: after[way] - before[way] for way in after}
@@ -261,6 +264,43 @@ def too_slow(update_bytes: float | None, rate: float, steps: int, timeout: float
     return None
 
 
+def measure_mode(hosts: Hosts, args: argparse.Namespace, mode: str, rates: list[float], steps: int,
+                 logs: Path) -> list[dict[str, Any]]:
+    """A mode's cells, the baseline first, each rate `--repeats` times (interleaved: load that drifts hits
+    them alike); each cell the median of its runs that succeeded, its runs kept."""
+    places: list[float | None] = ([] if args.no_baseline else [None]) + rates
+    runs: dict[float | None, list[dict[str, Any]]] = {place: [] for place in places}
+    skipped: dict[float | None, str] = {}
+    update_bytes = None
+    for repeat in range(args.repeats):
+        for rate in places:
+            if rate in skipped:
+                continue
+            if rate and (reason := too_slow(update_bytes, rate, steps, args.cell_timeout)):
+                print(f"{mode} at {rate:g} Mbit/s: skipped, {reason}", flush=True)
+                skipped[rate] = reason
+                continue
+            cell = run_cell(hosts, args, mode, rate, steps, logs, repeat)
+            update_bytes = cell.get("update_bytes", update_bytes)
+            runs[rate].append(cell)
+            print(f"{mode} at {f'{rate:g} Mbit/s' if rate else 'one host'} (run {repeat + 1}): "
+                  + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in cell.items()}),
+                  flush=True)
+    cells = []
+    for rate in places:
+        head = {"mode": mode, "rate_mbit": rate, "steps_asked": steps}
+        done = [run for run in runs[rate] if "error" not in run]
+        if rate in skipped:
+            cells.append({**head, "skipped": skipped[rate]})
+        elif not done:
+            cells.append({**head, "error": runs[rate][-1]["error"], "runs": runs[rate]})
+        else:
+            medians = {key: statistics.median(run[key] for run in done) for key, value in done[0].items()
+                       if isinstance(value, (int, float))}
+            cells.append({**head, **medians, "runs_done": len(done), "runs": runs[rate]})
+    return cells
+
+
 def numbers(text: str) -> list[float]:
     """'1000,100 20' -> [1000.0, 100.0, 20.0]."""
     return [float(part) for part in text.replace(",", " ").split()]
@@ -285,7 +325,7 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
             speed.plot(x, [c["steps_per_s"] for c in cells], "o-", color=color, label=f"{mode}, 2 hosts")
             size.plot(x, [c["link_in_per_version"] / 1e6 for c in cells], "o-", color=color,
                       label=f"{mode}: on the link")
-            size.plot(x, [c["update_bytes"] / 1e6 for c in cells], ":", color=color,
+            size.plot(x, [c["update_bytes"] / 1e6 for c in cells], "x:", color=color,
                       label=f"{mode}: one update (weight_sync/bytes)")
         for base in (c for c in table if c["mode"] == mode and not c["rate_mbit"] and "steps_per_s" in c):
             speed.axhline(base["steps_per_s"], linestyle="--", color=color, label=f"{mode}, one host")
@@ -297,6 +337,7 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
         axis.set_ylabel(label)
         axis.legend(fontsize=8)
     size.set_yscale("log")
+    speed.set_ylim(bottom=0)
     for which in (size.yaxis.set_major_formatter, size.yaxis.set_minor_formatter):
         which(FormatStrFormatter("%g"))
     fig.tight_layout()
@@ -325,8 +366,13 @@ def report(table: list[dict[str, Any]], args: argparse.Namespace) -> None:
               f"{cell['link_per_update_ratio']:5.2f} | {cell['delivery_s_median']:4.1f} /"
               f"{cell['delivery_s_max']:5.1f} | {cell['staleness_mean']:.2f}/{cell['staleness_max']:.0f}/"
               f"{cell['dropped_stale']:.0f} | {cell['held_out_lift_points']:+5.1f} | {cell['wall_s']:6.0f}")
+    for cell in table:
+        if len(cell.get("runs", [])) > 1:
+            print(f"{cell['mode']} {cell['rate_mbit'] or 'one host'}: steps/s of each run "
+                  + ", ".join(f"{run['steps_per_s']:.3f}" if "steps_per_s" in run else "failed"
+                              for run in cell["runs"]))
     print("MB in/version: h1's link, bytes into the makers' host during the run / versions pushed "
-          "(steps + 1);\nratio: that / one update (weight_sync/bytes); delivery: median / max s from the "
+          "(0..last);\nratio: that / one update (weight_sync/bytes); delivery: median / max s from the "
           "trainer at v\nto a maker holding v or newer (status polled every 0.5 s); stale: mean/max "
           "staleness, samples dropped\nstale; lift: held-out accuracy after - before, points")
 
@@ -341,6 +387,7 @@ def main() -> None:
     parser.add_argument("--delta-steps", type=int, default=None,
                         help="steps of delta cells (default --steps)")
     parser.add_argument("--makers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each cell (median reported)")
     parser.add_argument("--eval-size", type=int, default=None, help="held-out questions (default: the job's)")
     parser.add_argument("--cell-timeout", type=float, default=1800.0, help="seconds per cell")
     parser.add_argument("--no-baseline", action="store_true", help="leave out the one-host baseline")
@@ -353,6 +400,8 @@ def main() -> None:
     if unknown := [m for m in modes if m not in MODES]:
         parser.error(f"--modes: unknown {unknown}; choose among {list(MODES)}")
     rates = sorted(numbers(args.rates), reverse=True)  # fast first: a mode's update size is known early
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if not rates or min(rates) <= 0:
         parser.error(f"--rates: give positive Mbit/s, got {args.rates!r}")
     try:
@@ -376,21 +425,8 @@ def main() -> None:
             if reason := refused(args.config, mode):
                 print(f"{mode}: skipped, the config refuses its keys ({reason})", flush=True)
                 table.append({"mode": mode, "rate_mbit": None, "skipped": reason})
-                continue
-            update_bytes = None
-            for rate in ([] if args.no_baseline else [None]) + rates:
-                steps = steps_of[mode]
-                if rate and (reason := too_slow(update_bytes, rate, steps, args.cell_timeout)):
-                    print(f"{mode} at {rate:g} Mbit/s: skipped, {reason}", flush=True)
-                    table.append({"mode": mode, "rate_mbit": rate, "skipped": reason})
-                    continue
-                cell = {"mode": mode, "rate_mbit": rate, "steps_asked": steps,
-                        **run_cell(hosts, args, mode, rate, steps, logs)}
-                update_bytes = cell.get("update_bytes", update_bytes)
-                table.append(cell)
-                print(f"{mode} at {f'{rate:g} Mbit/s' if rate else 'one host'}: "
-                      + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in cell.items()}),
-                      flush=True)
+            else:
+                table += measure_mode(hosts, args, mode, rates, steps_of[mode], logs)
     report(table, args)
     print(f"benchmark wall time {time.monotonic() - started:.0f} s")
     args.json.parent.mkdir(parents=True, exist_ok=True)
