@@ -420,5 +420,6 @@ class WeightDelivery:
             return {"weight_push": None, "makers_behind": {}, "makers_lost": dict(self.lost)}
         lag = queue.lag(self.core.policy_version, queue.acked.keys() | set(self.makers),
                         self.registered_versions)
-        return {"weight_push": dict(queue.stats()), "makers_behind": self.makers_behind(lag),
-                "makers_lost": dict(self.lost)}
+        push = dict(queue.stats())
+        push["wire"] = self.wire.stats()
+        return {"weight_push": push, "makers_behind": self.makers_behind(lag), "makers_lost": dict(self.lost)}

@@ -119,6 +119,12 @@ class WireVariants:
         with self._lock:
             return self.fulls.get(key, delta)
 
+    def stats(self) -> dict[str, Any]:
+        """Makers by wire dtype, deltas sent and full updates sent where a delta did not fit (`status`)."""
+        with self._lock:
+            return {"dtypes": dict(self.dtypes), "deltas_sent": self.sent_deltas,
+                    "fulls_for_deltas": self.sent_fulls_for_deltas}
+
     def dispatch(self, queue: WeightPushQueue, send: Send, registered: Mapping[str, int]) -> Send:
         """`send` that gives a maker the full update instead of a delta unless the version it acknowledged (or
         was answered at registration) is the delta's base."""
