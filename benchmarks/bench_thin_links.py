@@ -16,9 +16,10 @@ run, divided by the weight versions the trainer pushed (0 to the last `weight_sy
 one update's bytes (`weight_sync/bytes` in the run's metrics.jsonl) and the ratio of the two; delivery time
 (a watcher on h0 polls every actor's status every 0.5 s: from the poll that first shows the trainer at
 version v to the one that first shows a maker holding v or newer, acknowledged or swapped in; median and
-max over makers and versions); trainer steps/s from step 1 to the last step (metrics `time/elapsed`);
-staleness (`staleness/mean`, `staleness/max`, `buffer/dropped_stale`); held-out lift (accuracy after -
-before, points, summary.json); the run's wall time. Modes: lora (the defaults), full
+max over makers and versions; the trainer's `weight_sync/push_s` beside it, which with overlapped pushes,
+the default, is only the time to offer an update); trainer steps/s from step 1 to the last step (metrics
+`time/elapsed`); staleness (`staleness/mean`, `staleness/max`, `buffer/dropped_stale`); held-out lift
+(accuracy after - before, points, summary.json); the run's wall time. Modes: lora (the defaults), full
 (`trainer.weight_sync=full`), delta (full + `trainer.sparse_deltas=true` + `maker.weight_cast_dtype=bfloat16`;
 skipped, saying why, where the config refuses a key). A cell whose updates cannot cross in time
 (estimated from the mode's update bytes measured at a faster rate) is skipped and said so; a failed cell
@@ -159,6 +160,8 @@ def figures(rows: list[dict[str, Any]], summary: dict[str, Any], events: list[di
         "update_bytes": update, "link_per_update_ratio": link["received"] / pushed / update,
         "delivery_s_median": statistics.median(waits) if waits else float("nan"),
         "delivery_s_max": max(waits, default=float("nan")), "delivery_samples": len(waits),
+        # the trainer's own time to offer (overlapped pushes, the default) or deliver an update
+        "push_s_median": statistics.median(row.get("weight_sync/push_s", float("nan")) for row in rows),
         "superseded": max((row.get("weight_sync/superseded", 0.0) for row in rows), default=0.0),
         "staleness_mean": statistics.mean(row.get("staleness/mean", 0.0) for row in rows),
         "staleness_max": max(row.get("staleness/max", 0.0) for row in rows),
