@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from detached_rl.core.weight_encoding import INDICES, VALUES, Snapshot, build_variants, encode_sparse
+from detached_rl.core.weight_encoding import INDICES, MASK, VALUES, Snapshot, build_variants, encode_sparse
 from detached_rl.core.weight_receiver import WeightReceiver
 from detached_rl.core.weight_sync import (
     NonFiniteWeightsError,
@@ -108,7 +108,7 @@ def test_sparse_deltas_give_the_weights_of_the_fp32_updates(mode: str, lr: float
         trainer.step(seed=step)
         native, bf16, update = trainer.build()
         assert update.manifest.kind == "delta" and update.manifest.metadata["delta_base"]["version"] == step
-        sparse += sum(spec.encoding == "sparse" for spec in update.manifest.tensors)
+        sparse += sum(spec.encoding != "dense" for spec in update.manifest.tensors)
         assert update.manifest.total_bytes <= bf16.manifest.total_bytes
         plain.receive(native, trainer.store.fetch)
         result = delta.receive(update, trainer.store.fetch)
@@ -192,46 +192,47 @@ def _tampered(update: WeightUpdate, store: Store, name: str, part: str, value: o
     return WeightUpdate(dataclasses.replace(update.manifest, tensors=specs), refs)
 
 
-@pytest.mark.parametrize("part, value, message", [
-    (INDICES, lambda i, v: torch.cat([i[:1], i[:-1]]), "field 'indices': not strictly ascending"),
-    (INDICES, lambda i, v: torch.cat([i[:-1], i.new_tensor([10**6])]), "field 'indices': index 1000000 out "
-                                                                       "of range"),
-    (INDICES, lambda i, v: i.float(), "field 'indices': must be a 1-D int32/int64 tensor, got torch.float32"),
-    (VALUES, lambda i, v: v.float(),
-     "field 'values': must be a 1-D torch.bfloat16 tensor, got torch.float32"),
-    (VALUES, lambda i, v: v[:-1], r"field 'values': \d+ values for \d+ indices"),
-])
-def test_a_malformed_delta_is_refused_naming_the_tensor_and_field(part, value, message) -> None:
+def _delta_v1(encoding: str) -> tuple[WeightReceiver, Trainer, WeightUpdate, str, dict]:
+    """A receiver at v0, its trainer, the v1 delta, one of its tensors in `encoding` and that one's chunk."""
     trainer = Trainer(lr=1e-6)
     receiver = bf16_receiver()
     receiver.receive(trainer.build()[1], trainer.store.fetch, reset=True)
     trainer.step(seed=0)
     update = trainer.build()[2]
-    name = f"actor/{Q_PROJ}"
-    spec = next(spec for spec in update.manifest.tensors if spec.name == name)
-    assert spec.encoding == "sparse"
-    chunk = trainer.store.chunks[update.chunk_refs[spec.chunk]]
-    bad = _tampered(update, trainer.store, name, part, value(chunk[name + INDICES], chunk[name + VALUES]))
+    spec = next(spec for spec in update.manifest.tensors if spec.encoding == encoding)
+    return receiver, trainer, update, spec.name, trainer.store.chunks[update.chunk_refs[spec.chunk]]
+
+
+@pytest.mark.parametrize("encoding, part, value, message", [
+    ("sparse", INDICES, lambda i, v: torch.cat([i[:1], i[:-1]]), "field 'indices': not strictly ascending"),
+    ("sparse", INDICES, lambda i, v: torch.cat([i[:-1], i.new_tensor([10**6])]),
+     "field 'indices': index 1000000 out of range"),
+    ("sparse", INDICES, lambda i, v: i.float(),
+     "field 'indices': must be a 1-D int32/int64 tensor, got torch.float32"),
+    ("sparse", VALUES, lambda i, v: v.float(),
+     "field 'values': must be a 1-D torch.bfloat16 tensor, got torch.float32"),
+    ("sparse", VALUES, lambda i, v: v[:-1], r"field 'values': \d+ values for \d+ indices"),
+    ("mask", MASK, lambda m, v: m[:-1], r"field 'mask': must be a 1-D uint8 tensor of \d+ bytes"),
+    ("mask", MASK, lambda m, v: m.to(torch.int16), r"field 'mask': must be a 1-D uint8 tensor"),
+    ("mask", VALUES, lambda m, v: torch.cat([v, v[:1]]), r"field 'values': \d+ values for \d+ indices"),
+])
+def test_a_malformed_delta_is_refused_naming_the_tensor_and_field(encoding, part, value, message) -> None:
+    receiver, trainer, update, name, chunk = _delta_v1(encoding)
+    where = name + (INDICES if encoding == "sparse" else MASK)
+    bad = _tampered(update, trainer.store, name, part, value(chunk[where], chunk[name + VALUES]))
     before = receiver.fingerprint
-    with pytest.raises(WeightUpdateError, match=rf"v1: chunk \d+ .*'actor/{Q_PROJ}' {message}"):
+    with pytest.raises(WeightUpdateError, match=rf"v1: chunk \d+ .*'{name}' {message}"):
         receiver.receive(bad, trainer.store.fetch)
     assert receiver.version == 0 and receiver.refresh_fingerprint() == before
     assert receiver.receive(update, trainer.store.fetch).applied  # the real one still applies
 
 
 def test_nothing_non_finite_reaches_the_weights() -> None:
-    trainer = Trainer(lr=1e-6)
-    receiver = bf16_receiver()
-    receiver.receive(trainer.build()[1], trainer.store.fetch, reset=True)
-    trainer.step(seed=0)
-    update = trainer.build()[2]
-    name = f"actor/{Q_PROJ}"
-    spec = next(spec for spec in update.manifest.tensors if spec.name == name)
-    chunk = trainer.store.chunks[update.chunk_refs[spec.chunk]]
+    receiver, trainer, update, name, chunk = _delta_v1("sparse")
     values = chunk[name + VALUES].clone()
     values[0] = float("nan")
     # Even with a checksum that agrees (a trainer's NaN weights checksum fine), NaN is refused.
-    rebuilt = receiver.sinks["actor"].state()[Q_PROJ].detach().cpu().clone()
+    rebuilt = receiver.sinks["actor"].state()[name.partition("/")[2]].detach().cpu().clone()
     rebuilt.reshape(-1)[chunk[name + INDICES].long()] = values
     bad = _tampered(update, trainer.store, name, VALUES, values, checksum=tensor_checksum(rebuilt))
     with pytest.raises(WeightUpdateError, match=f"tensor '{name}' holds NaN or Inf"):
@@ -247,10 +248,14 @@ def test_nothing_non_finite_reaches_the_weights() -> None:
 def test_encode_sparse_goes_dense_where_the_delta_is_not_smaller() -> None:
     old = torch.randn(1000).to(BF16)
     new = old.clone()
-    new[::7] += 1.0  # 143 of 1000 change: 143 * 6 bytes < 2000
+    new[::50] += 1.0  # 20 of 1000 change: 20 * (4 + 2) bytes beat a 125-byte mask + values, and 2000
     parts = encode_sparse(new, old)
-    assert parts is not None and parts[INDICES].dtype == torch.int32 and parts[INDICES].numel() == 143
-    new[::2] += 1.0  # over a third change: indices + values are not smaller than the tensor
+    assert parts is not None and parts[INDICES].dtype == torch.int32 and parts[INDICES].numel() == 20
+    new[::2] += 1.0  # 500 change: a bit mask (125 bytes) + values beats indices + values, and the tensor
+    parts = encode_sparse(new, old)
+    assert parts is not None and INDICES not in parts and parts[MASK].numel() == 125
+    assert parts[VALUES].numel() == 500
+    new += 1.0  # all change: nothing beats the tensor itself
     assert encode_sparse(new, old) is None
     zero = torch.zeros(100, dtype=BF16)
     flipped = zero.clone()

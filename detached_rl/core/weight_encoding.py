@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,7 +41,7 @@ from detached_rl.core.weight_sync import (
     fingerprint_of_entries,
 )
 
-INDICES, VALUES = "@indices", "@values"
+INDICES, MASK, VALUES = "@indices", "@mask", "@values"
 _INDEX_DTYPES = (torch.int32, torch.int64)
 # Integer types of each element size: elements compared by their bits (-0.0 and 0.0 differ, as they should).
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -76,15 +77,25 @@ def changed_indices(new: Tensor, old: Tensor) -> Tensor:
 
 
 def encode_sparse(new: Tensor, old: Tensor) -> dict[str, Tensor] | None:
-    """`{"@indices": ..., "@values": ...}` of the elements that changed from `old` to `new`, or None where
-    that is not smaller than `new` whole (or the two differ in shape or dtype)."""
+    """The elements that changed from `old` to `new`, in the smaller of two forms: `{"@indices": flat
+    positions, "@values": ...}` (few changed) or `{"@mask": one bit per element (little-endian within each
+    byte, numpy's `packbits`), "@values": ...}` (many); None where neither is smaller than `new` whole (or
+    the two differ in shape or dtype)."""
     if new.shape != old.shape or new.dtype != old.dtype or new.element_size() not in _BITS:
         return None
     index_dtype = torch.int32 if new.numel() < 2**31 else torch.int64
     indices = changed_indices(new, old)
-    if indices.numel() * (index_dtype.itemsize + new.element_size()) >= new.numel() * new.element_size():
+    dense, changed = new.numel() * new.element_size(), indices.numel()
+    by_index = changed * (index_dtype.itemsize + new.element_size())
+    by_mask = -(-new.numel() // 8) + changed * new.element_size()
+    if min(by_index, by_mask) >= dense:
         return None
-    return {INDICES: indices.to(index_dtype), VALUES: new.reshape(-1)[indices].contiguous()}
+    values = new.reshape(-1)[indices].contiguous()
+    if by_index <= by_mask:
+        return {INDICES: indices.to(index_dtype), VALUES: values}
+    bits = torch.zeros(new.numel(), dtype=torch.bool)
+    bits[indices] = True
+    return {MASK: torch.from_numpy(np.packbits(bits.numpy(), bitorder="little")), VALUES: values}
 
 
 def apply_sparse(where: str, spec: TensorSpec, base: Tensor, indices: object, values: object) -> Tensor:
@@ -120,6 +131,24 @@ def apply_sparse(where: str, spec: TensorSpec, base: Tensor, indices: object, va
     out = base.detach().to("cpu", copy=True).contiguous()
     out.reshape(-1)[indices.to(torch.int64)] = values
     return out
+
+
+def apply_mask(where: str, spec: TensorSpec, base: Tensor, mask: object, values: object) -> Tensor:
+    """A copy of `base` with `values` where `mask` has its bits set; `WeightUpdateError` naming the tensor and
+    the field if malformed: mask a 1-D uint8 tensor of one bit per element (padding bits clear), values a
+    1-D tensor of the spec's dtype, one per set bit."""
+    numel = base.numel()
+    if not isinstance(mask, Tensor) or mask.dim() != 1 or mask.dtype != torch.uint8 \
+            or mask.numel() != -(-numel // 8):
+        got = (f"{mask.dtype} of shape {tuple(mask.shape)}" if isinstance(mask, Tensor)
+               else type(mask).__name__)
+        raise WeightUpdateError(f"{where}: {spec.name!r} field 'mask': must be a 1-D uint8 tensor of "
+                                f"{-(-numel // 8)} bytes, got {got}")
+    bits = np.unpackbits(mask.numpy(), bitorder="little")
+    if bits[numel:].any():
+        raise WeightUpdateError(f"{where}: {spec.name!r} field 'mask': bits set beyond its {numel} elements")
+    indices = torch.from_numpy(np.flatnonzero(bits[:numel]))
+    return apply_sparse(where, spec, base, indices, values)
 
 
 def model_fingerprints(entries: Mapping[str, TensorEntry], names: Iterable[str]) -> dict[str, str]:
@@ -248,9 +277,10 @@ def build_variants(models: Mapping[str, Mapping[str, Tensor] | Iterable[tuple[st
             if w in deltas:
                 old = bases[w].tensors.get(name)
                 parts = None if old is None else encode_sparse(host, old)
+                encoding = "mask" if parts is not None and MASK in parts else "sparse"
                 if parts is not None:
                     parts = {name + suffix: tensor for suffix, tensor in parts.items()}
-                deltas[w].add(name, original, host=host, check=False, parts=parts)
+                deltas[w].add(name, original, host=host, check=False, parts=parts, encoding=encoding)
             if snapshot:
                 kept[w][name] = host
     out = Variants(native.finish())
@@ -266,8 +296,8 @@ def build_variants(models: Mapping[str, Mapping[str, Tensor] | Iterable[tuple[st
 
 
 __all__ = [
-    "INDICES", "VALUES", "Snapshot", "Variants", "apply_sparse", "base_lookup", "build_variants",
+    "INDICES", "MASK", "VALUES", "Snapshot", "Variants", "apply_sparse", "base_lookup", "build_variants",
     "changed_indices", "widest_stored_dtype",
-    "check_delta_base", "dtype_name", "encode_sparse", "manifest_entries", "model_fingerprints",
+    "apply_mask", "check_delta_base", "dtype_name", "encode_sparse", "manifest_entries", "model_fingerprints",
     "parse_wire_dtype", "wire_tensor",
 ]

@@ -32,7 +32,7 @@ KINDS = ("full", "lora")  # what a trainer syncs (`TrainerConfig.weight_sync`)
 # (`core.weight_encoding`).
 UPDATE_KINDS = (*KINDS, "delta")
 # How a tensor travels: whole, or as the indices and values of the elements that differ from its base.
-ENCODINGS = ("dense", "sparse")
+ENCODINGS = ("dense", "sparse", "mask")
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 Put = Callable[[dict[str, Tensor]], Any]
@@ -95,9 +95,9 @@ class TensorSpec:
     chunk: int
     # Set for a tied tensor: its data is the tensor `alias_of` (same chunk), sent once.
     alias_of: str | None = None
-    # "sparse" (delta updates only): the chunk holds "<name>@indices" and "<name>@values" instead of "<name>",
-    # the elements that differ from the tensor of the update's base; `nbytes` and `checksum` are the whole
-    # new tensor's, `wire_nbytes` what travels (None: `nbytes`).
+    # "sparse" / "mask" (delta updates only): the chunk holds "<name>@indices" (or a bit mask, "<name>@mask")
+    # and "<name>@values" instead of "<name>", the elements that differ from the tensor of the update's
+    # base; `nbytes` and `checksum` are the whole new tensor's, `wire_nbytes` what travels (None: `nbytes`).
     encoding: str = "dense"
     wire_nbytes: int | None = None
 
@@ -260,12 +260,13 @@ class UpdateBuilder:
         return False
 
     def add(self, name: str, original: Tensor, host: Tensor | None = None, check: bool = True,
-            parts: Mapping[str, Tensor] | None = None) -> TensorSpec | None:
+            parts: Mapping[str, Tensor] | None = None, encoding: str = "sparse") -> TensorSpec | None:
         """Add one tensor (None: it was an alias of one added before).
 
         `host`: what to send for it, if not `original` itself on the CPU (e.g. a cast copy); `check`: refuse
         NaN/inf (skip when done already). `parts`: send these tensors instead (a sparse encoding of `host`,
-        see `core.weight_encoding`); the spec keeps `host`'s shape, dtype, size and checksum.
+        see `core.weight_encoding`; `encoding` names it); the spec keeps `host`'s shape, dtype, size and
+        checksum.
         """
         if self.alias(name, original):
             return None
@@ -283,7 +284,7 @@ class UpdateBuilder:
         checksum = tensor_checksum(host)
         self.checksum_seconds += time.perf_counter() - checksum_start
         spec = TensorSpec(name, tuple(host.shape), str(host.dtype), nbytes, checksum, len(self.refs),
-                          encoding="dense" if parts is None else "sparse",
+                          encoding="dense" if parts is None else encoding,
                           wire_nbytes=None if parts is None else wire)
         self.specs.append(spec)
         if original.numel():
@@ -306,8 +307,8 @@ class UpdateBuilder:
 
 
 def chunk_key_tensor(key: str) -> str:
-    """The tensor a chunk's key belongs to ("<name>@indices" and "<name>@values" are parts of "<name>")."""
-    for suffix in ("@indices", "@values"):
+    """The tensor a chunk's key belongs to ("<name>@indices", "<name>@mask", "<name>@values": of "<name>")."""
+    for suffix in ("@indices", "@mask", "@values"):
         if key.endswith(suffix):
             return key[: -len(suffix)]
     return key

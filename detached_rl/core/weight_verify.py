@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from detached_rl.core.weight_encoding import INDICES, VALUES, apply_sparse
+from detached_rl.core.weight_encoding import INDICES, MASK, VALUES, apply_mask, apply_sparse
 from detached_rl.core.weight_sink import TensorLayout, WeightSink
 from detached_rl.core.weight_sync import (
     ENCODINGS,
@@ -127,7 +127,7 @@ def plan_update(update: WeightUpdate, sinks: Mapping[str, WeightSink], cast_dtyp
             raise WeightUpdateError(f"{v}: unknown key {spec.name!r} (not in model {model_name!r})")
         if spec.name in specs:
             raise WeightUpdateError(f"{v}: key {spec.name!r} listed twice")
-        if spec.encoding not in ENCODINGS or (spec.encoding == "sparse" and manifest.kind != "delta"):
+        if spec.encoding not in ENCODINGS or (spec.encoding != "dense" and manifest.kind != "delta"):
             raise WeightUpdateError(f"{v}: {spec.name!r} has encoding {spec.encoding!r}, which a "
                                     f"{manifest.kind} update cannot carry")
         if not 0 <= spec.chunk < manifest.num_chunks:
@@ -248,7 +248,7 @@ def verify_chunk(update: WeightUpdate, index: int, fetch: Fetch, plan: UpdatePla
         raise WeightUpdateError(f"{where}: unexpected tensor {extra[0]!r}")
     if missing:
         raise WeightUpdateError(f"{where}: lacks tensor {missing[0]!r}")
-    if any(spec.encoding == "sparse" for spec in plan.by_chunk[index]):
+    if any(spec.encoding != "dense" for spec in plan.by_chunk[index]):
         chunk = decode_sparse(where, chunk, plan, index)
     for spec in plan.by_chunk[index]:
         tensor = chunk[spec.name]
@@ -278,7 +278,9 @@ def verify_chunk(update: WeightUpdate, index: int, fetch: Fetch, plan: UpdatePla
 
 def chunk_keys(spec: TensorSpec) -> tuple[str, ...]:
     """The keys a chunk holds for a tensor: its name, or the parts of its sparse encoding."""
-    return (spec.name + INDICES, spec.name + VALUES) if spec.encoding == "sparse" else (spec.name,)
+    if spec.encoding == "dense":
+        return (spec.name,)
+    return (spec.name + (INDICES if spec.encoding == "sparse" else MASK), spec.name + VALUES)
 
 
 def decode_sparse(where: str, chunk: Mapping[str, Tensor], plan: UpdatePlan, index: int) -> dict[str, Tensor]:
@@ -290,6 +292,9 @@ def decode_sparse(where: str, chunk: Mapping[str, Tensor], plan: UpdatePlan, ind
         if spec.encoding == "sparse":
             out[spec.name] = apply_sparse(where, spec, plan.base(spec.name), chunk[spec.name + INDICES],
                                           chunk[spec.name + VALUES])
+        elif spec.encoding == "mask":
+            out[spec.name] = apply_mask(where, spec, plan.base(spec.name), chunk[spec.name + MASK],
+                                        chunk[spec.name + VALUES])
         else:
             out[spec.name] = chunk[spec.name]
     return out
