@@ -22,6 +22,7 @@ peft LoRA r=16 on all linear layers: only the adapter tensors travel), and a chu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -36,6 +37,8 @@ from detached_rl.actors.transport import PiecedChunk, fetch_chunk, put_chunk
 from detached_rl.cli.jobs import init_local_ray
 from detached_rl.core.weight_receiver import WeightReceiver
 from detached_rl.core.weight_sync import build_weight_update
+
+PUT = put_chunk  # how chunks are stored (`--piece-mb`)
 
 
 def load_state(model: str) -> dict[str, torch.Tensor]:
@@ -92,7 +95,7 @@ class _NamedState(torch.nn.Module):
 def one_sync(state, receivers, version: int, chunk_bytes: int) -> tuple[float, float, int]:
     """(wall seconds, sender CPU seconds, bytes) of one protocol sync to every receiver."""
     cpu, wall = time.process_time(), time.perf_counter()
-    update, stats = build_weight_update({"actor": state}, version, put_chunk, chunk_bytes=chunk_bytes)
+    update, stats = build_weight_update({"actor": state}, version, PUT, chunk_bytes=chunk_bytes)
     refs = [r.apply.remote(update) for r in receivers]
     cpu_used = time.process_time() - cpu
     ray.get(refs, timeout=600)
@@ -139,7 +142,7 @@ def measure(state: dict[str, torch.Tensor], counts: list[int], repeats: int, chu
             protocol.append(one_sync(state, receivers, repeat + 1, chunk_bytes))
             if raw:
                 plain.append(one_raw(state, receivers, chunk_bytes))
-                zero_copy.append(one_raw(state, receivers, chunk_bytes, put=put_chunk))
+                zero_copy.append(one_raw(state, receivers, chunk_bytes, put=PUT))
         nbytes = protocol[0][2]
         row = {
             "makers": count, "bytes": nbytes, "chunk_bytes": chunk_bytes,
@@ -182,6 +185,8 @@ def main() -> None:
     parser.add_argument("--makers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-mb", type=float, default=64)
+    parser.add_argument("--piece-mb", type=float, default=1,
+                        help="pieces each chunk travels in (trainer.weight_piece_bytes); >= --chunk-mb: one")
     parser.add_argument("--chunk-sweep", type=float, nargs="*", default=[4, 16, 64, 256],
                         help="chunk sizes (MiB) for the sweep; none: no sweep")
     parser.add_argument("--sweep-makers", type=int, default=2)
@@ -190,6 +195,8 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     init_local_ray("bench", include_dashboard=False, log_to_driver=False, num_cpus=max(args.makers) + 1)
     chunk_bytes = int(args.chunk_mb * 2**20)
+    global PUT
+    PUT = functools.partial(put_chunk, piece_bytes=int(args.piece_mb * 2**20))
     state = load_state(args.model)
     results = {"full": measure(state, args.makers, args.repeats, chunk_bytes)}
     if not args.no_lora:
@@ -198,7 +205,8 @@ def main() -> None:
                               for row in measure(state, [args.sweep_makers], args.repeats, int(mb * 2**20),
                                                  raw=False)]
     ray.shutdown()
-    print(f"model {args.model}, chunks of {args.chunk_mb:g} MiB, {args.repeats} repeats; "
+    print(f"model {args.model}, chunks of {args.chunk_mb:g} MiB in pieces of {args.piece_mb:g} MiB, "
+          f"{args.repeats} repeats; "
           f"{platform.machine()}, {os.cpu_count()} cores. MB/s = bytes delivered to all makers / wall time; "
           "median [min-max]. raw: ray.put + ray.get of the tensors; zero-copy: the same bytes as arrays, "
           "fetched and not touched")

@@ -90,3 +90,29 @@ def test_a_push_in_pieces_arrives_whole_and_its_progress_is_shown_meanwhile(ray_
     assert "maker 'm'" in first["what"]
     assert seen[-1]["transfers"][0]["done"] > first["done"]
     assert incoming.progress("m")["transfers"] == []  # over
+
+
+def test_a_trainer_takes_a_push_in_pieces_and_says_how_the_pushes_from_a_maker_arrive(ray_cluster) -> None:
+    from detached_rl.actors.trainer import DetachedGRPOTrainer
+    from detached_rl.actors.transport import put_payload
+    from detached_rl.algorithms.grpo import GRPOConfig
+    from detached_rl.models import SamplingConfig
+    from detached_rl.trainer.config import TrainerConfig
+
+    from .helpers import gpu_options, make_experience, tiny_policy
+
+    ray = ray_cluster
+    trainer = DetachedGRPOTrainer.options(name="pieces_trainer", namespace="detached_rl_tests",
+                                          **gpu_options("trainer")).remote(
+        "pieces_trainer", tiny_policy, TrainerConfig(train_batch_size=4),
+        GRPOConfig(sampling=SamplingConfig(max_new_tokens=6)), namespace="detached_rl_tests")
+    pushed = [make_experience(id=f"pieces-{i}", maker="m", group_id="g") for i in range(4)]
+    payload = put_payload(pushed, piece_bytes=512)  # many pieces, pulled by the trainer
+    assert len(payload.refs) > 2
+    result = ray.get(trainer.push_experience_pieces.remote(payload, "m", 10.0), timeout=120)
+    assert result.accepted == 4 and ray.get(trainer.buffer_length.remote(), timeout=30) == 4
+    again = ray.get(trainer.push_experience_pieces.remote(put_payload(pushed), "m", 10.0), timeout=60)
+    assert again.duplicates == 4  # the same ids: stored once
+    answer = ray.get(trainer.push_progress.remote("m"), timeout=30)
+    assert answer == {"host": node_ip(), "transfers": []}
+    ray.kill(trainer)

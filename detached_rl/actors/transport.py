@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,7 +140,13 @@ def put_chunk(chunk: dict[str, torch.Tensor], piece_bytes: int = DEFAULT_PIECE_B
     """Store a weight chunk in the wire format of `core.chunk_codec`, in pieces of `piece_bytes`, each
     `ray.put` once (shared by every maker without copies)."""
     layout, pieces = split_chunk(encode_chunk(chunk), piece_bytes)
-    return PiecedChunk(layout, tuple(ray.put(piece) for piece in pieces), node_ip())
+    return PiecedChunk(layout, tuple(_putter().map(ray.put, pieces)), node_ip())
+
+
+@functools.cache
+def _putter() -> ThreadPoolExecutor:
+    """Threads for `ray.put`: many small puts cost per call, and run in parallel (copies release the GIL)."""
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="put-piece")
 
 
 def _wait_local(refs: list[Any], timeout: float) -> list[Any]:
