@@ -81,6 +81,7 @@ class WireVariants:
                 self.latest[wire] = variant
                 sizes[wire] = variant.manifest.total_bytes
                 if kind == "full":
+                    self.fulls.pop((wire, version), None)  # (re)inserted last: the newest built
                     self.fulls[(wire, version)] = variant
             for wire, (delta, _) in variants.deltas.items():
                 self.latest[wire] = delta
@@ -90,8 +91,9 @@ class WireVariants:
             for wire in self.latest.keys() - set(wires) if every else ():
                 del self.latest[wire]
                 self.snapshots.pop(wire, None)
-            for key in sorted(self.fulls, key=lambda k: k[1])[:-_FULLS_KEPT * max(1, len(wires))]:
-                del self.fulls[key]
+            for wire in cast:  # the last ones built (by build order: a resume may go back in versions)
+                for key in [key for key in self.fulls if key[0] == wire][:-_FULLS_KEPT]:
+                    del self.fulls[key]
         return update, stats, sizes, cast
 
     def offered(self, maker: str, update: WeightUpdate) -> WeightUpdate:
