@@ -12,7 +12,7 @@ baseline, measured in the same run on the same cluster, is the same job with its
 (`maker.label_selector={role: trainer}`): one host, nothing on the link.
 
 Per cell: h1's link counters (`Hosts.counters`, the bridge port's own byte counts) before and after the
-run, divided by the weight versions the trainer pushed (0 to the last `weight_sync/version`);
+run, divided by the weight versions the trainer pushed (0 to the last `policy_version`);
 one update's bytes (`weight_sync/bytes` in the run's metrics.jsonl) and the ratio of the two; delivery time
 (a watcher on h0 polls every actor's status every 0.5 s: from the poll that first shows the trainer at
 version v to the one that first shows a maker holding v or newer, acknowledged or swapped in; median and
@@ -142,8 +142,10 @@ def figures(rows: list[dict[str, Any]], summary: dict[str, Any], events: list[di
     """The cell's figures from its metrics rows, summary.json, the watcher's events and the link's bytes."""
     rows = sorted(rows, key=lambda row: row["step"])
     span = rows[-1]["time/elapsed"] - rows[0]["time/elapsed"] if len(rows) > 1 else float("nan")
-    # versions are numbered from 0 (the registration's) without gaps
-    pushed = int(max(row.get("weight_sync/version", 0.0) for row in rows)) + 1
+    # versions are numbered from 0 (the registration's) without gaps, one per step; policy_version too, since
+    # a row may lack the weight_sync/* keys of its step
+    keys = ("weight_sync/version", "policy_version")
+    pushed = 1 + int(max(row.get(key, 0.0) for row in rows for key in keys))
     update = statistics.median(row["weight_sync/bytes"] for row in rows if "weight_sync/bytes" in row)
     maker_names = [f"{name}-maker-{i}" for i in range(makers)]
     received = [max((e.get("received") or 0 for e in events if e.get("name") == m), default=0)
@@ -229,7 +231,9 @@ def run_cell(hosts: Hosts, args: argparse.Namespace, mode: str, rate: float | No
         metrics = hosts.run(TRAINER, ["cat", f"{directory}/metrics.jsonl"], check=True).stdout
         (logs / f"{name}.metrics.jsonl").write_text(metrics)
         rows = read_json_lines(metrics)
-        summary = json.loads(hosts.run(TRAINER, ["cat", f"{directory}/summary.json"], check=True).stdout)
+        summary_text = hosts.run(TRAINER, ["cat", f"{directory}/summary.json"], check=True).stdout
+        (logs / f"{name}.summary.json").write_text(summary_text)
+        summary = json.loads(summary_text)
         events = read_json_lines((logs / f"{name}.watch").read_text())
         link = {way: after[way] - before[way] for way in after}
         return {**figures(rows, summary, events, link, name, args.makers), "wall_s": wall}
