@@ -222,9 +222,9 @@ def run_cell(hosts: Hosts, args: argparse.Namespace, mode: str, rate: float | No
         after = hosts.counters(MAKER)
         wall = time.monotonic() - start
         if run.returncode != 0:
-            tail = (logs / f"{name}.log").read_text()[-1500:]
-            return {"error": f"detached-rl run exited {run.returncode}: {tail.strip().splitlines()[-1:]}",
-                    "wall_s": wall}
+            lines = (logs / f"{name}.log").read_text().strip().splitlines() or [""]
+            why = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1])
+            return {"error": f"detached-rl run exited {run.returncode}: {why}", "wall_s": wall}
         with contextlib.suppress(subprocess.TimeoutExpired):
             watcher.wait(timeout=30)  # it ends once the trainer is gone
         directory = f"{output}/{name}"
