@@ -95,18 +95,19 @@ while time.monotonic() < deadline:
 """
 
 
-def cell_overrides(mode: str, rate: float | None, eval_size: int | None, timeout: float) -> list[str]:
-    """The `--set` values of one cell: its mode, where its makers go, the run's own time limit."""
+def cell_overrides(mode: str, rate: float | None, eval_size: int | None, timeout: float,
+                   extra: list[str] | None = None) -> list[str]:
+    """The `--set` values of one cell: its mode, where its makers go, the run's own time limit, `extra`."""
     makers_on = "maker" if rate else "trainer"  # the baseline: makers on the trainer's host
     sets = [*MODES[mode], "trainer_group.label_selector={role: trainer}",
             f"maker.label_selector={{role: {makers_on}}}", "run.examples=0", f"run.timeout_s={timeout:.0f}"]
-    return sets + ([f"task.eval_size={eval_size}"] if eval_size else [])
+    return sets + ([f"task.eval_size={eval_size}"] if eval_size else []) + list(extra or [])
 
 
-def refused(config: str | None, mode: str) -> str | None:
-    """Why the config refuses `mode`'s keys (e.g. a key not built yet), or None."""
+def refused(config: str | None, mode: str, extra: list[str] | None = None) -> str | None:
+    """Why the config refuses `mode`'s keys (e.g. a key not built yet) or `extra`, or None."""
     try:
-        run_config(config, MODES[mode])
+        run_config(config, [*MODES[mode], *(extra or [])])
     except Exception as error:  # noqa: BLE001 - any refusal is a reason to skip the mode
         return f"{type(error).__name__}: {error}"
     return None
@@ -204,7 +205,7 @@ def run_cell(hosts: Hosts, args: argparse.Namespace, mode: str, rate: float | No
     command = ["detached-rl", "run", "--address", hosts.head_address, "--makers", str(args.makers),
                "--steps", str(steps), "--name", name, "--output", output, "--no-progress"]
     command += ["--config", str(Path(args.config).resolve())] if args.config else []
-    for value in cell_overrides(mode, rate, args.eval_size, args.cell_timeout):
+    for value in cell_overrides(mode, rate, args.eval_size, args.cell_timeout, args.set):
         command += ["--set", value]
     names = [f"{name}-trainer", *(f"{name}-maker-{i}" for i in range(args.makers))]
     watch_args = [sys.executable, "-c", WATCH, hosts.head_address, "detached_rl", ",".join(names),
@@ -396,6 +397,8 @@ def main() -> None:
     parser.add_argument("--makers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each cell (median reported)")
     parser.add_argument("--eval-size", type=int, default=None, help="held-out questions (default: the job's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="another override for every cell, e.g. run.poll_interval_s=0.25")
     parser.add_argument("--cell-timeout", type=float, default=1800.0, help="seconds per cell")
     parser.add_argument("--no-baseline", action="store_true", help="leave out the one-host baseline")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "thin-links.json")
@@ -429,7 +432,7 @@ def main() -> None:
         print(f"h1's link while idle (Ray's own traffic): {idle['received']:.0f} B/s in, "
               f"{idle['sent']:.0f} B/s out", flush=True)
         for mode in modes:
-            if reason := refused(args.config, mode):
+            if reason := refused(args.config, mode, args.set):
                 print(f"{mode}: skipped, the config refuses its keys ({reason})", flush=True)
                 table.append({"mode": mode, "rate_mbit": None, "skipped": reason})
             else:
