@@ -154,3 +154,28 @@ def test_a_maker_trailing_by_more_than_the_staleness_bound_is_reported_and_not_w
     assert metrics["weight_sync/makers_behind"] == 1.0 and metrics["weight_sync/max_maker_lag"] == 3.0
     status = trainer.status()
     assert status["makers_behind"] == {"maker_0": 3} and status["weight_push"]["waiting"] == {"maker_0": 3}
+
+
+def test_a_registration_waiting_for_a_batch_that_never_ends_gives_up_after_the_weight_timeout():
+    """A maker's transfers have no overall deadline (they fail on a stall); its waits for the generation lock
+    are bounded by `weight_timeout_s`, and the update is then refused, changing nothing."""
+    maker, trainer, store = make_pair()
+    maker.config.weight_timeout_s = 0.5
+    maker.receiver.lock_timeout = maker.config.weight_timeout_s  # as the maker sets it when it is made
+    fingerprint = maker.receiver.fingerprint
+    trainer.push_experience(maker.make_experience())
+    trainer.push_experience(maker.make_experience())
+    trainer.train_step()
+    update, _ = trainer.build_update(store.put)
+    held = HeldBackend(maker)
+    held.release.clear()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        batch = pool.submit(maker.make_experience)
+        assert held.generating.wait(HOLD_S)
+        try:
+            with pytest.raises(WeightUpdateError, match="timed out waiting for the generation lock"):
+                maker.apply_weight_update(update, store.fetch, swap="now")
+        finally:
+            held.release.set()
+        batch.result(timeout=HOLD_S)
+    assert maker.policy_version == 0 and maker.receiver.fingerprint == fingerprint

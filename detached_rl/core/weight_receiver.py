@@ -69,6 +69,7 @@ class WeightReceiver:
     `max_weight_change`: the largest relative change (RMS of the change over the tensor's RMS) an update
     that is not a reset may make to any floating tensor; None: unbounded. `version` and `trainer_run`: what
     the weights it starts with are (None: no run yet; the first update that names one sets it).
+    `lock_timeout`: the longest wait for the generation lock (None: `receive`'s timeout only).
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class WeightReceiver:
         max_version_jump: int = DEFAULT_MAX_VERSION_JUMP,
         max_weight_change: float | None = DEFAULT_MAX_WEIGHT_CHANGE,
         trainer_run: str | None = None,
+        lock_timeout: float | None = None,
     ) -> None:
         if max_version_jump < 1:
             raise ValueError(f"max_version_jump must be >= 1, got {max_version_jump}")
@@ -108,6 +110,9 @@ class WeightReceiver:
         self.max_version_jump = max_version_jump
         self.max_weight_change = max_weight_change
         self.lock = lock if lock is not None else threading.Lock()
+        # Bounds each wait for the generation lock from its start (a `receive` timeout bounds the whole
+        # update; a progress-based fetch has none).
+        self.lock_timeout = lock_timeout
         # Called under the lock with the qualified names just written (e.g. re-merge LoRA weights).
         self.after_swap = after_swap
         self.last_error: WeightUpdateError | None = None
@@ -213,7 +218,8 @@ class WeightReceiver:
         then supersedes it (`superseded`), unless it writes fewer tensors (a LoRA update behind a full one):
         then the waiting one is swapped in first, and the newer one checked against it. Mode "in_place"
         always swaps now. `timeout` bounds the whole update (fetches and waiting for the lock); `fetch`
-        itself is not interrupted: give it its own timeout (e.g. `ray.get(ref, timeout=...)`). `reset`: an
+        itself is not interrupted: give it its own deadline (a maker's is progress-based, so it passes no
+        `timeout` and bounds the lock waits with `lock_timeout`). `reset`: an
         explicit reset (the maker registered with its trainers and takes what they offer): the update may
         come from another trainer run (a full update then) and go back or jump ahead any number of versions;
         the receiver follows its run from then on.
@@ -289,8 +295,14 @@ class WeightReceiver:
             self._pending = staged
         self.received += 1
         if wait_for_swap:
-            return self._swap_now(deadline, version) or ApplyResult(
-                applied=False, version=version, reason="superseded")
+            try:
+                return self._swap_now(deadline, version) or ApplyResult(
+                    applied=False, version=version, reason="superseded")
+            except WeightUpdateError:
+                with self._pending_lock:  # refused: it is not swapped in later either
+                    if self._pending is staged:
+                        self._pending = None
+                raise
         swapped = self._swap_if_idle(raise_errors=True)
         if swapped is False:  # a batch is being generated: it swaps at its end
             return ApplyResult(applied=False, staged=True, version=version, bytes=staged.progress.bytes,
@@ -359,8 +371,9 @@ class WeightReceiver:
     def _acquire(self, deadline: float | None, version: int) -> float:
         """Take the generation lock within the deadline; return the seconds waited."""
         wait_start = time.perf_counter()
-        remaining = -1 if deadline is None else max(0.0, deadline - wait_start)
-        if not self.lock.acquire(timeout=remaining):
+        bounds = [] if deadline is None else [max(0.0, deadline - wait_start)]
+        bounds += [] if self.lock_timeout is None else [self.lock_timeout]
+        if not self.lock.acquire(timeout=min(bounds, default=-1)):
             raise WeightUpdateError(f"v{version}: timed out waiting for the generation lock")
         return time.perf_counter() - wait_start
 

@@ -134,7 +134,7 @@ class ExperienceMaker:
         self.receiver = WeightReceiver(
             synced, cast_dtype=cast, mode=self.config.weight_sync_mode, lock=self.generation_lock,
             version=NOT_SYNCED, max_version_jump=self.config.max_version_jump,
-            max_weight_change=self.config.max_weight_change,
+            max_weight_change=self.config.max_weight_change, lock_timeout=self.config.weight_timeout_s,
         )
         self.batches = 0
         self.samples_made = 0
