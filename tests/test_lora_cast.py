@@ -1,7 +1,7 @@
 """LoRA-only updates for makers that cast weights (`MakerConfig.weight_cast_dtype`): base fingerprints are
 compared after casting both bases to the maker's dtype, so a bf16/fp16 maker with the trainer's base takes
-LoRA-only updates from the first one on (one that asks gets the whole model first), a maker that reconnects (or restarts) with the same base gets LoRA-only ones, and a maker
-with another base never does."""
+LoRA-only updates from the first one on (one that asks gets the whole model first), a maker that reconnects
+(or restarts) with the same base gets LoRA-only ones, and a maker with another base never does."""
 
 import copy
 
