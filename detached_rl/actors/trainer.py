@@ -73,9 +73,10 @@ class _TrainerShell:
         self.sampling = sampling  # how makers sample: the learner recomputes log-probs under it
         self.namespace = resolve_namespace(namespace)
         self.config = config or TrainerConfig()
-        pieces = self.config.weight_piece_bytes  # the default needs no partial (a test may swap put_chunk)
-        self.put_chunk = put_chunk if pieces == DEFAULT_PIECE_BYTES else functools.partial(put_chunk,
-                                                                                          piece_bytes=pieces)
+        pieces, compression = self.config.weight_piece_bytes, self.config.wire_compression
+        # the defaults need no partial (a test may swap put_chunk)
+        self.put_chunk = put_chunk if (pieces, compression) == (DEFAULT_PIECE_BYTES, "auto") else \
+            functools.partial(put_chunk, piece_bytes=pieces, compression=compression)
         self.algorithm = algorithm
         self.rank, self.world_size, self.strategy_name = rank, world_size, strategy
         self.model_factory = model_factory

@@ -136,11 +136,35 @@ def node_ip() -> str:
         return "?"
 
 
-def put_chunk(chunk: dict[str, torch.Tensor], piece_bytes: int = DEFAULT_PIECE_BYTES) -> PiecedChunk:
+def put_chunk(chunk: dict[str, torch.Tensor], piece_bytes: int = DEFAULT_PIECE_BYTES,
+              compression: str = "auto") -> PiecedChunk:
     """Store a weight chunk in the wire format of `core.chunk_codec`, in pieces of `piece_bytes`, each
-    `ray.put` once (shared by every maker without copies)."""
+    `ray.put` once (shared by every maker without copies); with `compression` "zlib" (or "auto" on a
+    cluster of several nodes: `compresses`) each piece is compressed first (`core.wire_compression`)."""
     layout, pieces = split_chunk(encode_chunk(chunk), piece_bytes)
-    return PiecedChunk(layout, tuple(_putter().map(ray.put, pieces)), node_ip())
+    if compresses(compression):
+        refs = _putter().map(lambda index: ray.put(layout.compress(index, pieces[index])), range(len(pieces)))
+    else:
+        refs = _putter().map(ray.put, pieces)
+    return PiecedChunk(layout, tuple(refs), node_ip())
+
+
+_NODES_CHECKED: list[tuple[float, bool]] = []  # (when, several nodes alive): `compresses`' cache
+
+
+def compresses(compression: str) -> bool:
+    """Whether pieces are compressed: "zlib" always, "none" never, "auto" when the cluster has more than one
+    alive node (makers may be across a link; on one node compressing only costs), checked every 30 s."""
+    if compression != "auto":
+        return compression == "zlib"
+    now = time.monotonic()
+    if not _NODES_CHECKED or now - _NODES_CHECKED[-1][0] > 30.0:
+        try:
+            several = sum(bool(node.get("Alive")) for node in ray.nodes()) > 1
+        except Exception:  # noqa: BLE001 - outside Ray: one process, nothing to cross
+            several = False
+        _NODES_CHECKED[:] = [(now, several)]
+    return _NODES_CHECKED[-1][1]
 
 
 @functools.cache

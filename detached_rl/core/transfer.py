@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from detached_rl.core.chunk_codec import EncodedChunk
+from detached_rl.core.wire_compression import CompressedPiece, compress_piece, element_size, expand_piece
 
 DEFAULT_PIECE_BYTES = 1 << 20
 DEFAULT_STALL_S = 30.0
@@ -56,6 +57,14 @@ class ChunkLayout:
     def piece_size(self, index: int) -> int:
         """Bytes in piece `index`."""
         return min(self.piece_bytes, self.total_bytes - index * self.piece_bytes) if self.total_bytes else 0
+
+    def element_sizes(self, index: int) -> tuple[int, ...]:
+        """Bytes per element of the tensor behind each segment of piece `index` (for byte planes)."""
+        return tuple(element_size(self.tensors[position][1]) for position, _, _ in self.segments(index))
+
+    def compress(self, index: int, piece: Piece) -> CompressedPiece:
+        """Piece `index` compressed for the wire (`core.wire_compression`)."""
+        return compress_piece(piece, self.element_sizes(index))
 
     def segments(self, index: int) -> list[tuple[int, int, int]]:
         """(tensor index, offset in the tensor, length) of each byte range piece `index` holds, in order."""
@@ -108,6 +117,12 @@ class PieceJoiner:
         if index not in self._missing:
             raise ValueError(f"piece {index} of {self.layout.num_pieces}: unexpected or already added")
         segments = self.layout.segments(index)
+        if isinstance(piece, CompressedPiece):
+            try:
+                piece = expand_piece(piece, tuple(length for _, _, length in segments),
+                                     self.layout.element_sizes(index))
+            except ValueError as error:
+                raise ValueError(f"piece {index}: {error}") from None
         if not isinstance(piece, tuple) or len(piece) != len(segments):
             raise ValueError(f"piece {index}: expected a tuple of {len(segments)} byte arrays, got "
                              f"{type(piece).__name__}")
