@@ -12,6 +12,7 @@ import torch
 from detached_rl.actors.transport import PiecedChunk, fetch_chunk, node_ip, put_chunk, tracked_fetch
 from detached_rl.core.chunk_codec import encode_chunk
 from detached_rl.core.transfer import TransferStalled
+from detached_rl.core.wire_compression import CompressedPiece
 from detached_rl.core.weight_sync import WeightManifest, WeightUpdate
 
 pytestmark = pytest.mark.ray
@@ -29,10 +30,13 @@ def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor])
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
 
 
-def test_a_chunk_in_pieces_comes_back_exactly_by_either_path(ray_cluster) -> None:
+@pytest.mark.parametrize("compression", ["none", "zlib"])
+def test_a_chunk_in_pieces_comes_back_exactly_by_either_path(ray_cluster, compression) -> None:
     ray = ray_cluster
     original = weights()
-    stored = put_chunk(original, piece_bytes=64 * 1024)
+    stored = put_chunk(original, piece_bytes=64 * 1024, compression=compression)
+    piece = ray.get(stored.refs[0])
+    assert isinstance(piece, CompressedPiece) == (compression == "zlib")
     assert isinstance(stored, PiecedChunk) and len(stored.refs) == -(-stored.total_bytes // (64 * 1024))
     assert stored.host == node_ip()
     assert_same(fetch_chunk(stored, timeout=30), original)  # this node's: one `get`
