@@ -12,6 +12,7 @@ from detached_rl import Experience
 from detached_rl.actors.trainer import GRPOTrainerShell, PPOTrainerShell
 from detached_rl.algorithms.grpo import LOG_RATIO_CLAMP, GRPOConfig, GRPOLearner
 from detached_rl.algorithms.ppo import PPOLearner
+from detached_rl.core.weight_sync import ApplyResult
 from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
 from detached_rl.strategies import Strategy
 from detached_rl.trainer.batches import BatchSource
@@ -179,3 +180,20 @@ def test_shell_hooks_build_make_learner_trainer_core(monkeypatch: pytest.MonkeyP
                                world_size=2, strategy="ddp")
     with pytest.raises(RuntimeError, match="not set up"):
         deferred.trainer_core(timeout=0.01)
+
+
+def test_a_step_row_appears_in_the_history_with_its_push_metrics_never_before() -> None:
+    """`run`'s driver polls `metrics` while `fit` pushes: a step's row is added once its push's metrics are in
+    it, so no reader ever sees it without them (it did, whenever a push took longer than a poll)."""
+    core = ppo_core()
+    core.push_experience(samples(8))
+    core.register_makers(["m"])
+    seen_during_push: list[int] = []
+
+    def send_update(update, makers):
+        seen_during_push.append(len(core.history))  # the row of the step being pushed is not there yet
+        return {maker: ApplyResult(applied=True, version=update.manifest.version) for maker in makers}
+
+    core.fit(3, put=lambda chunk: chunk, send_update=send_update, update_steps=1)
+    assert seen_during_push[-3:] == [0, 1, 2]
+    assert [row.get("weight_sync/version") for row in core.history] == [1.0, 2.0, 3.0]

@@ -283,9 +283,10 @@ class TrainerCore:
         with self.weights_lock:
             return use(self.learner)
 
-    def step(self) -> dict[str, float]:
-        """One training step with `fit`'s bookkeeping and no weight push: callbacks, `history`, skip counters,
-        `state` ("training"; "failed" with `last_error` when the step raises)."""
+    def step(self, record: bool = True) -> dict[str, float]:
+        """One training step with `fit`'s bookkeeping and no weight push: callbacks, `history` (unless
+        `record` is False: the caller adds the row), skip counters, `state` ("training"; "failed" with
+        `last_error` when the step raises)."""
         self.state = "training"
         try:
             self._notify("on_step_start", self.policy_version)
@@ -297,7 +298,8 @@ class TrainerCore:
             self.state = "failed"
             self.last_error = f"{type(error).__name__}: {error}"
             raise
-        self.history.append(metrics)
+        if record:
+            self.history.append(metrics)
         return metrics
 
     def train_step(self) -> dict[str, float]:
@@ -388,16 +390,19 @@ class TrainerCore:
                 self.offer_resumed_weights(send_update)
             self._update_steps = update_steps
             while self.policy_version < total_steps and not self._stop.is_set():
-                metrics = self.step()  # its `history` row, replaced by one with the push's metrics added
+                # Its `history` row is added once the push's metrics are in it: a reader (`run`'s driver polls
+                # `metrics`) never sees a step's row without them.
+                metrics = self.step(record=False)
                 step = self.policy_version
                 last = step >= total_steps
-                if push_when(step) if push_when is not None else step % update_steps == 0 or last:
-                    self._notify("on_push_start", step)
-                    pushed = self.sync_weights(put, send_update)
-                    # a new row: readers never see one change
-                    if self.history and self.history[-1] is metrics:
-                        self.history[-1] = {**metrics, **pushed}
-                    self._notify("on_push_end", step, pushed)
+                pushed: dict[str, float] = {}
+                try:
+                    if push_when(step) if push_when is not None else step % update_steps == 0 or last:
+                        self._notify("on_push_start", step)
+                        pushed = self.sync_weights(put, send_update)
+                        self._notify("on_push_end", step, pushed)
+                finally:
+                    self.history.append({**metrics, **pushed})
                 if checkpoint_every and (step % checkpoint_every == 0 or last):
                     self.save_checkpoint(checkpoint_dir)
             self.finish_weight_push()  # makers hold the last version before they are stopped
