@@ -12,8 +12,8 @@ import torch
 from detached_rl.actors.transport import PiecedChunk, fetch_chunk, node_ip, put_chunk, tracked_fetch
 from detached_rl.core.chunk_codec import encode_chunk
 from detached_rl.core.transfer import TransferStalled
-from detached_rl.core.wire_compression import CompressedPiece
 from detached_rl.core.weight_sync import WeightManifest, WeightUpdate
+from detached_rl.core.wire_compression import CompressedPiece
 
 pytestmark = pytest.mark.ray
 

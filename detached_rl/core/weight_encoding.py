@@ -17,7 +17,7 @@ wire dtype, and a delta per wire dtype that has a base.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,8 +37,8 @@ from detached_rl.core.weight_sync import (
     WeightUpdate,
     WeightUpdateError,
     check_finite,
-    check_model_name,
     fingerprint_of_entries,
+    qualified_tensors,
 )
 
 INDICES, MASK, VALUES = "@indices", "@mask", "@values"
@@ -231,15 +231,6 @@ class Variants:
     snapshots: dict[str, Snapshot] = field(default_factory=dict)
 
 
-def _named(models: Mapping[str, Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]]
-           ) -> Iterator[tuple[str, Tensor]]:
-    for model_name, tensors in models.items():
-        check_model_name(model_name)
-        pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
-        for key, tensor in pairs:
-            yield f"{model_name}/{key}", tensor
-
-
 def build_variants(models: Mapping[str, Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]], version: int,
                    put: Put, chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: str = "full",
                    metadata: dict | None = None, wires: Iterable[str] = (),
@@ -262,7 +253,7 @@ def build_variants(models: Mapping[str, Mapping[str, Tensor] | Iterable[tuple[st
                     **(metadata or {}), "wire_dtype": w,
                     "delta_base": {"version": base.version, "fingerprints": dict(base.fingerprints)}})
     kept: dict[str, dict[str, Tensor]] = {w: {} for w in wires}
-    for name, original in _named(models):
+    for name, original in qualified_tensors(models):
         if native.alias(name, original):
             for w in wires:
                 cast[w].alias(name, original)

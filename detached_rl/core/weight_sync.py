@@ -166,7 +166,7 @@ class ApplyResult:
     seconds: float = 0.0
 
 
-def _named_tensors(
+def qualified_tensors(
     models: Mapping[str, Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]],
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield ("<model>/<key>", tensor) for every tensor of every model, lazily."""
@@ -199,7 +199,7 @@ def build_weight_update(
     A tensor holding NaN or inf raises `NonFiniteWeightsError` naming it: no such update is ever built.
     """
     builder = UpdateBuilder(version, put, chunk_bytes, kind, metadata)
-    for name, tensor in _named_tensors(models):
+    for name, tensor in qualified_tensors(models):
         builder.add(name, tensor)
     return builder.finish()
 
@@ -349,7 +349,7 @@ def tensor_entries(
     models: Mapping[str, Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]],
 ) -> dict[str, TensorEntry]:
     entries = {}
-    for name, tensor in _named_tensors(models):
+    for name, tensor in qualified_tensors(models):
         entries[name] = (tuple(tensor.shape), str(tensor.dtype), tensor_checksum(tensor))
     return entries
 
