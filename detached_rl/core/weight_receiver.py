@@ -11,7 +11,6 @@ nothing; the previous version keeps serving.
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -22,7 +21,7 @@ from torch import Tensor, nn
 
 from detached_rl.core.weight_encoding import base_lookup, check_delta_base, widest_stored_dtype
 from detached_rl.core.weight_provenance import DEFAULT_MAX_VERSION_JUMP, check_provenance, check_version
-from detached_rl.core.weight_sink import ModuleWeightSink, WeightSink, commit_update, left_unchanged
+from detached_rl.core.weight_sink import WeightSink, commit_update, left_unchanged, sinks_of
 from detached_rl.core.weight_sync import (
     ApplyResult,
     Fetch,
@@ -30,7 +29,6 @@ from detached_rl.core.weight_sync import (
     WeightManifest,
     WeightUpdate,
     WeightUpdateError,
-    check_model_name,
     fingerprint_of_entries,
     tensor_entries,
 )
@@ -41,7 +39,9 @@ from detached_rl.core.weight_verify import (
     UpdatePlan,
     by_model,
     check_complete,
+    check_receiver_settings,
     check_sinks,
+    fetch_and_stage,
     plan_update,
     stored_entry,
     verify_chunk,
@@ -85,25 +85,8 @@ class WeightReceiver:
         trainer_run: str | None = None,
         lock_timeout: float | None = None,
     ) -> None:
-        if max_version_jump < 1:
-            raise ValueError(f"max_version_jump must be >= 1, got {max_version_jump}")
-        if max_weight_change is not None and not (max_weight_change > 0 and math.isfinite(max_weight_change)):
-            raise ValueError(
-                f"max_weight_change must be a positive finite number or None, got {max_weight_change}")
-        if mode not in ("staged", "in_place"):
-            raise ValueError(f"mode must be 'staged' or 'in_place', got {mode!r}")
-        if cast_dtype is not None and not cast_dtype.is_floating_point:
-            raise ValueError(f"cast_dtype must be a floating dtype, got {cast_dtype}")
-        self.sinks: dict[str, WeightSink] = {}
-        for name, model in models.items():
-            check_model_name(name)
-            if isinstance(model, nn.Module):
-                self.sinks[name] = ModuleWeightSink(model)
-            elif isinstance(model, WeightSink):
-                self.sinks[name] = model
-            else:
-                raise TypeError(
-                    f"model {name!r} is a {type(model).__name__}, not a torch module or a WeightSink")
+        check_receiver_settings(mode, cast_dtype, max_version_jump, max_weight_change)
+        self.sinks = sinks_of(models)
         self.models = dict(models)
         self.cast_dtype = cast_dtype
         self.mode = mode
@@ -382,12 +365,7 @@ class WeightReceiver:
         """Fetch, verify and stage every chunk (on the target devices) and work out the new fingerprint."""
         manifest = update.manifest
         progress = Progress()
-        tensors: dict[str, dict[str, Tensor]] = {}  # model -> key -> staged tensor
-        for index in range(manifest.num_chunks):
-            chunk = verify_chunk(update, index, fetch, plan, deadline, progress, self.sinks,
-                                 self.max_weight_change)
-            for model_name, by_key in by_model(plan, index, chunk).items():
-                tensors.setdefault(model_name, {}).update(self.sinks[model_name].stage(by_key))
+        tensors = fetch_and_stage(update, plan, fetch, deadline, progress, self.sinks, self.max_weight_change)
         # Entries of the tensors this update leaves alone are those served now: an update only ever
         # supersedes a waiting one that writes a subset of its tensors, so those are not in flux.
         with self._state_lock:

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from detached_rl.core.weight_sync import WeightManifest
+from detached_rl.core.weight_sync import WeightManifest, check_model_name
 
 
 @dataclass(frozen=True)
@@ -129,3 +129,17 @@ def commit_update(sinks: Mapping[str, WeightSink], manifest: WeightManifest) -> 
 def left_unchanged(error: Exception, models: Set[str]) -> bool:
     """True when the one model an update named put all back (`SinkUnchanged`): nothing is half-written."""
     return isinstance(error, SinkUnchanged) and len(models) == 1
+
+
+def sinks_of(models: Mapping[str, nn.Module | WeightSink]) -> dict[str, WeightSink]:
+    """Each model's `WeightSink`: its own, or a `ModuleWeightSink` over a torch module; names checked."""
+    sinks: dict[str, WeightSink] = {}
+    for name, model in models.items():
+        check_model_name(name)
+        if isinstance(model, nn.Module):
+            sinks[name] = ModuleWeightSink(model)
+        elif isinstance(model, WeightSink):
+            sinks[name] = model
+        else:
+            raise TypeError(f"model {name!r} is a {type(model).__name__}, not a torch module or a WeightSink")
+    return sinks

@@ -188,6 +188,32 @@ def plan_update(update: WeightUpdate, sinks: Mapping[str, WeightSink], cast_dtyp
                       complete=manifest.kind in ("full", "delta"))
 
 
+def check_receiver_settings(mode: str, cast_dtype: torch.dtype | None, max_version_jump: int,
+                            max_weight_change: float | None) -> None:
+    """A `WeightReceiver`'s settings, each refused with a ValueError naming it."""
+    if max_version_jump < 1:
+        raise ValueError(f"max_version_jump must be >= 1, got {max_version_jump}")
+    if max_weight_change is not None and not (max_weight_change > 0 and math.isfinite(max_weight_change)):
+        raise ValueError(
+            f"max_weight_change must be a positive finite number or None, got {max_weight_change}")
+    if mode not in ("staged", "in_place"):
+        raise ValueError(f"mode must be 'staged' or 'in_place', got {mode!r}")
+    if cast_dtype is not None and not cast_dtype.is_floating_point:
+        raise ValueError(f"cast_dtype must be a floating dtype, got {cast_dtype}")
+
+
+def fetch_and_stage(update: WeightUpdate, plan: UpdatePlan, fetch: Fetch, deadline: float | None,
+                    progress: Progress, sinks: Mapping[str, WeightSink], max_weight_change: float | None
+                    ) -> dict[str, dict[str, Tensor]]:
+    """Every chunk fetched, verified (`verify_chunk`) and staged by its sink (model -> key -> tensor)."""
+    tensors: dict[str, dict[str, Tensor]] = {}
+    for index in range(update.manifest.num_chunks):
+        chunk = verify_chunk(update, index, fetch, plan, deadline, progress, sinks, max_weight_change)
+        for model_name, by_key in by_model(plan, index, chunk).items():
+            tensors.setdefault(model_name, {}).update(sinks[model_name].stage(by_key))
+    return tensors
+
+
 def check_sinks(manifest: WeightManifest, plan: UpdatePlan, sinks: Mapping[str, WeightSink]) -> None:
     """Ask each model the update names whether it can take it (the sink's optional `check_update` hook).
 
