@@ -148,11 +148,6 @@ class TrainerCore:
         return self.delivery.makers
 
     @property
-    def registered_versions(self) -> dict[str, int]:
-        """Maker -> the version its registration gave it."""
-        return self.delivery.registered_versions
-
-    @property
     def latest_update(self) -> WeightUpdate | None:
         """The newest update built (what makers registering now start from)."""
         return self.delivery.latest_update
@@ -206,10 +201,6 @@ class TrainerCore:
         """
         return self.delivery.register(name, base_fingerprint, put, serving_dtype)
 
-    def base_fingerprint_like(self, fingerprint: str) -> str | None:
-        """This trainer's base fingerprint in the form of a maker's: exact, or cast to the dtype it names."""
-        return self.delivery.base_fingerprint_like(fingerprint)
-
     def makers_of_this_rank(self) -> list[str]:
         """This rank's share of every maker registered with any rank (same answer on every rank)."""
         return self.delivery.makers_of_this_rank()
@@ -224,11 +215,6 @@ class TrainerCore:
         (`push_queue_over`).
         """
         return self.delivery.sync(put, send_update)
-
-    def makers_behind(self, lag: Mapping[str, int]) -> dict[str, int]:
-        """Makers whose newest acknowledged weights trail by more than `max_staleness` versions (none without
-        one)."""
-        return self.delivery.makers_behind(lag)
 
     def finish_weight_push(self) -> Mapping[str, Any]:
         """Wait for weight updates still in flight; each maker's latest result ({} if none)."""
