@@ -37,14 +37,13 @@ from detached_rl.core.weight_verify import (
     Progress,
     StagedUpdate,
     UpdatePlan,
-    by_model,
     check_complete,
     check_receiver_settings,
     check_sinks,
     fetch_and_stage,
     plan_update,
     stored_entry,
-    verify_chunk,
+    write_in_place,
 )
 
 __all__ = ["DEFAULT_MAX_VERSION_JUMP", "DEFAULT_MAX_WEIGHT_CHANGE", "SWAPS", "WeightReceiver"]
@@ -288,10 +287,7 @@ class WeightReceiver:
                 raise
         swapped = self._swap_if_idle(raise_errors=True)
         if swapped is False:  # a batch is being generated: it swaps at its end
-            return ApplyResult(applied=False, staged=True, version=version, bytes=staged.progress.bytes,
-                               chunks=staged.progress.chunks, fetch_seconds=staged.fetched - start,
-                               checksum_seconds=staged.progress.checksum_seconds,
-                               seconds=time.perf_counter() - start)
+            return staged.acknowledgement()
         return swapped or ApplyResult(applied=False, version=version, reason="superseded")
 
     def _delta_base(self, manifest: WeightManifest, plan: UpdatePlan) -> Callable[[str], Tensor]:
@@ -390,12 +386,8 @@ class WeightReceiver:
                     self._mark_dirty(plan)
                     self._entries = self._fingerprint = None
                 raise WeightUpdateError(f"v{manifest.version}: swap failed: {error}") from error
-            self._follow(manifest.version, plan)
+            self._follow(manifest, plan)
             self._entries, self._fingerprint = staged.entries, staged.fingerprint
-            if plan.complete:
-                self._dirty -= plan.models
-            if manifest.kind in ("full", "delta"):
-                self.last_full_version = manifest.version
         return staged.progress.result(manifest.version, staged.start, staged.fetched - staged.start, 0.0,
                                       swap_start)
 
@@ -406,51 +398,40 @@ class WeightReceiver:
         progress = Progress()
         lock_wait = self._acquire(deadline, manifest.version)
         swap_start = time.perf_counter()
-        written = False
         try:
             with self._state_lock, torch.no_grad():
                 entries = self._entries
                 try:
-                    for index in range(manifest.num_chunks):
-                        # The whole chunk is verified before any of it is written.
-                        chunk = verify_chunk(update, index, fetch, plan, deadline, progress, self.sinks,
-                                             self.max_weight_change)
-                        for model_name, tensors in by_model(plan, index, chunk).items():
-                            written = True  # a write that fails may have written part of its tensors
-                            self.sinks[model_name].write(tensors)
-                        if entries is not None:
-                            for spec in plan.by_chunk[index] + plan.aliases[index]:
-                                tensor = chunk[spec.alias_of or spec.name]
-                                entries[spec.name] = stored_entry(spec, plan.layouts[spec.name], tensor)
+                    write_in_place(update, plan, fetch, deadline, progress, self.sinks,
+                                   self.max_weight_change, entries)
                     self._commit(manifest)
                 except Exception as error:
                     if left_unchanged(error, plan.models):
                         # `entries` took the refused chunks: recompute
                         self._entries = self._fingerprint = None
                     else:
-                        if written:
+                        if progress.chunks:  # a chunk was verified, so its writes began
                             self._mark_dirty(plan)
                         if entries is not None:
                             self._fingerprint = fingerprint_of_entries(entries)
                     if isinstance(error, WeightUpdateError):
                         raise
-                    raise WeightUpdateError(
-                        f"v{manifest.version}: in-place update failed: {error}"
-                    ) from error
-                self._follow(manifest.version, plan)
-                if plan.complete:
-                    self._dirty -= plan.models
-                if manifest.kind in ("full", "delta"):
-                    self.last_full_version = manifest.version
+                    raise WeightUpdateError(f"v{update.version}: in-place update failed: {error}") from error
+                self._follow(manifest, plan)
                 self._fingerprint = None if entries is None else fingerprint_of_entries(entries)
         finally:
             self.lock.release()
         # In place, fetching and swapping are one pass under the lock.
         return progress.result(manifest.version, start, None, lock_wait, swap_start)
 
-    def _follow(self, version: int, plan: UpdatePlan) -> None:
-        """Serve `version` of the plan's run; a reset ends every earlier registration's claim to one."""
-        self._version = version
+    def _follow(self, manifest: WeightManifest, plan: UpdatePlan) -> None:
+        """Serve the update's version of the plan's run (whole again where it was complete); a reset ends
+        every earlier registration's claim to one."""
+        if plan.complete:
+            self._dirty -= plan.models
+        if manifest.kind in ("full", "delta"):
+            self.last_full_version = manifest.version
+        self._version = manifest.version
         self._trainer_run = plan.trainer_run
         self._holds_trainer_weights = True
         if plan.reset:

@@ -100,6 +100,14 @@ class StagedUpdate:
     start: float
     fetched: float
 
+    def acknowledgement(self) -> ApplyResult:
+        """What receiving it answers while it waits for its swap (`ApplyResult.staged`)."""
+        progress = self.progress
+        return ApplyResult(applied=False, staged=True, version=self.manifest.version, bytes=progress.bytes,
+                           chunks=progress.chunks, fetch_seconds=self.fetched - self.start,
+                           checksum_seconds=progress.checksum_seconds,
+                           seconds=time.perf_counter() - self.start)
+
 
 def plan_update(update: WeightUpdate, sinks: Mapping[str, WeightSink], cast_dtype: torch.dtype | None
                 ) -> UpdatePlan:
@@ -212,6 +220,22 @@ def fetch_and_stage(update: WeightUpdate, plan: UpdatePlan, fetch: Fetch, deadli
         for model_name, by_key in by_model(plan, index, chunk).items():
             tensors.setdefault(model_name, {}).update(sinks[model_name].stage(by_key))
     return tensors
+
+
+def write_in_place(update: WeightUpdate, plan: UpdatePlan, fetch: Fetch, deadline: float | None,
+                   progress: Progress, sinks: Mapping[str, WeightSink], max_weight_change: float | None,
+                   entries: dict[str, TensorEntry] | None) -> None:
+    """Each chunk fetched and verified whole, then written by its sinks; `entries` (fingerprint entries of the
+    served tensors, if kept) updated as it goes. A failure after a chunk was verified may leave it
+    half-written."""
+    for index in range(update.manifest.num_chunks):
+        chunk = verify_chunk(update, index, fetch, plan, deadline, progress, sinks, max_weight_change)
+        for model_name, tensors in by_model(plan, index, chunk).items():
+            sinks[model_name].write(tensors)
+        if entries is not None:
+            for spec in plan.by_chunk[index] + plan.aliases[index]:
+                tensor = chunk[spec.alias_of or spec.name]
+                entries[spec.name] = stored_entry(spec, plan.layouts[spec.name], tensor)
 
 
 def check_sinks(manifest: WeightManifest, plan: UpdatePlan, sinks: Mapping[str, WeightSink]) -> None:
