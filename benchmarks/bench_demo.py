@@ -2,10 +2,10 @@
 
     .venv/bin/python benchmarks/bench_demo.py --backends hf vllm --seeds 0 1 2
 
-Each run is `detached-rl run --no-progress --set maker.backend=<backend> --set maker.seed=<seed>`, in a
-process of its own, one after the other (never two at once: they would share the cores). Seed s seeds the
-makers' samplers (`maker.seed`); the model, LoRA initialisation, prompts and held-out set stay those of the
-default job. Figures per run, from the run's `summary.json`: `seconds` (start to shutdown, model loading and
+Each run is `detached-rl run --no-progress --set maker.backend=<backend> --set maker.seed=<seed> --set
+model.seed=<seed>`, in a process of its own, one after the other (never two at once: they would share the
+cores). Seed s seeds the makers' samplers (`maker.seed`) and the LoRA adapter's initialisation (`model.seed`);
+the base model, prompts and held-out set stay those of the default job. Figures per run, from the run's `summary.json`: `seconds` (start to shutdown, model loading and
 both held-out evaluations included), held-out accuracy before and after (64 problems, greedy), the lift
 (after - before, in points). Per backend: median and minimum lift, median wall time. Writes
 `benchmarks/results/demo.json`.
@@ -32,7 +32,8 @@ def run_once(backend: str, seed: int, output: Path, extra: list[str]) -> dict:
     """One default job; its summary figures."""
     name = f"demo-{backend}-seed{seed}"
     command = [str(BIN / "detached-rl"), "run", "--no-progress", "--name", name, "--output", str(output),
-               "--set", f"maker.backend={backend}", "--set", f"maker.seed={seed}", *extra]
+               "--set", f"maker.backend={backend}", "--set", f"maker.seed={seed}",
+               "--set", f"model.seed={seed}", *extra]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -41,7 +42,8 @@ def run_once(backend: str, seed: int, output: Path, extra: list[str]) -> dict:
     summary = json.loads((output / name / "summary.json").read_text())
     before, after = summary["held_out_before"]["accuracy"], summary["held_out_after"]["accuracy"]
     return {"backend": backend, "seed": seed, "seconds": summary["seconds"], "process_seconds": wall,
-            "before": before, "after": after, "lift_points": 100 * (after - before)}
+            "before": before, "after": after, "lift_points": 100 * (after - before),
+            "summary": summary}
 
 
 def main() -> None:
@@ -52,6 +54,7 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="run directories go here (default: a temporary one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="more config overrides")
+    parser.add_argument("--label", default="demo", help="results go to benchmarks/results/<label>.json")
     parser.add_argument("--set-for", action="append", nargs=2, default=[], metavar=("BACKEND", "KEY=VALUE"),
                         help="an override for one backend's runs only")
     args = parser.parse_args()
@@ -75,8 +78,8 @@ def main() -> None:
               f"{summary[backend]['min_lift_points']:+.1f}), median wall time "
               f"{summary[backend]['median_seconds']:.0f} s")
     RESULTS.mkdir(exist_ok=True)
-    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "runs": rows, "summary": summary}
-    (RESULTS / "demo.json").write_text(json.dumps(report, indent=2))
+    report = {"label": args.label, "overrides": args.set, "machine": f"{platform.machine()}, {os.cpu_count()} cores", "runs": rows, "summary": summary}
+    (RESULTS / f"{args.label}.json").write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

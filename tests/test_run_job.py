@@ -34,6 +34,7 @@ def finished_run(tmp_path_factory) -> tuple[Path, str, str]:
     command = [sys.executable, "-m", "detached_rl.cli.main", "run", "--model", "tiny", "--steps", str(STEPS),
                "--name", "tiny-test", "--output", str(output), "--namespace", "detached_rl_run_test",
                "--set", "task.eval_size=16", "--set", "sampling.max_new_tokens=12",
+               "--set", "run.eval_every=1",
                *set_flags(gpu_overrides(run_command=True))]  # GPU shares with --device cuda
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
@@ -64,6 +65,27 @@ def test_metrics_jsonl_has_one_row_per_step(finished_run):
     assert rows[-1]["weight_sync/bytes"] < 1_000_000
 
 
+def test_the_held_out_curve_is_graded_while_the_makers_generate(finished_run):
+    """`run.eval_every=1`: points between before (step 0) and after (the last step), each an evaluation row
+    of the whole held-out split with its standard error and the versions that answered; the makers grade
+    in their own concurrency group while `run` generates (a point taken inside `compute` would only be
+    answered after training)."""
+    from detached_rl.cli.reporting import read_metrics
+
+    directory, stdout, _ = finished_run
+    points = sorted(read_metrics(directory / "metrics.jsonl", kind="eval"), key=lambda row: row["step"])
+    labels = [row["eval/label"] for row in points]
+    assert labels[0] == "before training" and labels[-1] == "after training" and len(points) >= 3, labels
+    assert points[0]["step"] == 0 and points[-1]["step"] == STEPS
+    for row in points[1:-1]:
+        assert 0 < row["eval/policy_version_min"] <= row["eval/policy_version_max"] < STEPS, row
+        assert row["step"] == row["eval/policy_version_min"] and row["eval/count"] == 16
+    for row in points:
+        share = row["eval/accuracy"]
+        assert row["eval/accuracy_se"] == pytest.approx((share * (1 - share) / 16) ** 0.5)
+    assert stdout.count("held-out at step ") == len(points) - 2
+
+
 def test_tensorboard_events_hold_the_scalars(finished_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -73,11 +95,12 @@ def test_tensorboard_events_hold_the_scalars(finished_run):
     scalars = events.Tags()["scalars"]
     assert "reward/mean" in scalars and "time/weight_sync" in scalars
     assert [e.step for e in events.Scalars("reward/mean")] == list(range(1, STEPS + 1))
+    assert {0, STEPS} <= {e.step for e in events.Scalars("eval/accuracy")}
 
 
 def test_the_plot_draws_the_runs_series(finished_run):
     directory, *_ = finished_run
-    # Reward, KL, response length and sync time: every panel holds a line of the run's steps.
+    # Held-out accuracy, reward, KL and response length: every panel holds a line of the run's steps.
     assert plotted_panels(directory / "metrics.png") == [True, True, True, True]
 
 
@@ -89,7 +112,7 @@ def test_eval_and_summary_parse(finished_run):
     assert {r["policy_version"] for r in evaluation["after"]} == {STEPS}
     summary = json.loads((directory / "summary.json").read_text())
     assert summary["steps"] == STEPS
-    assert set(summary["held_out_before"]) >= {"accuracy", "format_rate", "lenient_accuracy"}
+    assert set(summary["held_out_before"]) >= {"accuracy", "accuracy_se", "format_rate", "lenient_accuracy"}
     assert "grpo" in (directory / "config.yaml").read_text()
 
 

@@ -9,13 +9,16 @@ import re
 import pytest
 import torch
 
+from detached_rl.cli.held_out import curve_steps, describe
 from detached_rl.cli.reporting import (
     MetricsRecorder,
+    evaluation_row,
     evaluation_summary,
     plot_metrics,
     plot_series,
     read_metrics,
     side_by_side,
+    standard_error,
 )
 from detached_rl.cli.run import DEFAULT_RUN_CONFIG, run_config, split_evenly
 from detached_rl.cli.run_report import progress_line
@@ -195,7 +198,7 @@ def test_the_plot_draws_kl_for_a_ppo_run(ppo_metrics_row, tmp_path):
     later = {**ppo_metrics_row, "step": 2}
     series = plot_series([ppo_metrics_row, later])
     assert series["loss/kl_avg"] == [(1, ppo_metrics_row["loss/kl_avg"]), (2, ppo_metrics_row["loss/kl_avg"])]
-    assert [step for step, _ in series["reward/mean"]] == [1, 2] and series["time/weight_sync"] == []
+    assert [step for step, _ in series["reward/mean"]] == [1, 2] and series["eval/accuracy"] == []
     assert plot_series([{"step": 3, "loss/kl": 0.5}])["loss/kl_avg"] == [(3, 0.5)]  # an old row
     assert plot_metrics([ppo_metrics_row, later], tmp_path / "m.png").is_file()
 
@@ -206,10 +209,58 @@ def test_evaluation_summary_and_side_by_side():
     after = [{"prompt": "q1", "response": "1 + 1 = 2\nAnswer: 2", "correct": 1.0, "format": 1.0,
               "lenient": 1.0,
               "reward": 1.2, "response_length": 8}]
-    assert evaluation_summary(after) == {"accuracy": 1.0, "reward": 1.2, "response_length": 8.0, "count": 1.0,
-                                         "format_rate": 1.0, "lenient_accuracy": 1.0}
+    assert evaluation_summary(after) == {"accuracy": 1.0, "accuracy_se": 0.0, "reward": 1.2,
+                                         "response_length": 8.0, "count": 1.0, "format_rate": 1.0,
+                                         "lenient_accuracy": 1.0}
     text = side_by_side(before, after, 1)
     assert "[wrong] x" in text and "[right] 1 + 1 = 2 | Answer: 2" in text
+
+
+def test_standard_error_and_evaluation_rows():
+    """The binomial standard error beside every accuracy, and an evaluation as a metrics.jsonl row that
+    training-row readers skip."""
+    assert standard_error(0.5, 256) == pytest.approx(0.03125) and standard_error(0.0, 0) == 0.0
+    results = [{"correct": float(i % 4 == 0), "reward": 1.0, "response_length": 5, "policy_version": v}
+               for i, v in enumerate([7, 7, 8, 8])]
+    row = evaluation_row(results, 2.5, "step 7")
+    assert row["kind"] == "eval" and row["eval/accuracy"] == 0.25 and row["eval/count"] == 4.0
+    assert row["eval/accuracy_se"] == pytest.approx((0.25 * 0.75 / 4) ** 0.5)
+    assert (row["eval/policy_version_min"], row["eval/policy_version_max"]) == (7, 8)
+    assert describe(row) == "accuracy 25.0% ± 21.7 on 4 problems (policy versions 7-8, 2.5 s)"
+
+
+def test_read_metrics_keeps_training_and_evaluation_rows_apart(tmp_path):
+    with MetricsRecorder(tmp_path, tensorboard=False) as recorder:
+        recorder.record(0, evaluation_row([{"correct": 1.0, "policy_version": 0}], 1.0, "before training"))
+        recorder.record(1, {"reward/mean": 0.5})
+        recorder.record(1, evaluation_row([{"correct": 0.0, "policy_version": 1}], 1.0, "step 1"))
+    path = tmp_path / "metrics.jsonl"
+    assert [row["step"] for row in read_metrics(path)] == [1]
+    assert [row["eval/label"] for row in read_metrics(path, kind="eval")] == ["before training", "step 1"]
+    assert len(read_metrics(path, kind=None)) == 3
+
+
+def test_curve_points_fall_between_before_and_after():
+    assert curve_steps(8, 24) == [8, 16] and curve_steps(8, 8) == [] and curve_steps(0, 24) == []
+    assert curve_steps(1, 3) == [1, 2]
+    assert split_evenly(list(range(5)), 2) == [[0, 1, 2], [3, 4]] and split_evenly([1], 3) == [[1]]
+
+
+def test_the_plot_shades_one_standard_error_around_held_out_accuracy(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    closed, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda figure=None: (closed.append(figure), close(figure)))
+    rows = [{"step": 2, "reward/mean": 0.1},
+            {"step": 4, **evaluation_row([{"correct": 1.0}, {"correct": 0.0}], 1.0, "after training")},
+            {"step": 0, **evaluation_row([{"correct": 0.0}, {"correct": 0.0}], 1.0, "before training")}]
+    plot_metrics(rows, tmp_path / "m.png")
+    (accuracy_axis, *_), = [figure.axes for figure in closed]
+    (line,) = accuracy_axis.get_lines()
+    assert list(line.get_xdata()) == [0, 4] and list(line.get_ydata()) == [0.0, 0.5]
+    (band,) = accuracy_axis.collections
+    low, high = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
+    assert (low, high) == (pytest.approx(0.0), pytest.approx(0.5 + 0.5 / 2 ** 0.5))
 
 
 def test_info_means_average_what_every_sample_reports():

@@ -45,7 +45,9 @@ from detached_rl.strategies import NaiveStrategy, Strategy
 logger = logging.getLogger(__name__)
 
 
-MAKER_GROUPS = {"experience_io": 1, "model_io": 1, "compute": 1, "progress": 1}
+# `evaluation` apart from `compute`: the held-out curve is graded while `run` generates (one batch at a time
+# under the same generation lock).
+MAKER_GROUPS = {"experience_io": 1, "model_io": 1, "compute": 1, "progress": 1, "evaluation": 1}
 
 
 class MakerShell:
@@ -201,7 +203,7 @@ class MakerShell:
         self._attach_trainers()
         return self.core.policy_version
 
-    @ray.method(concurrency_group="compute")
+    @ray.method(concurrency_group="evaluation")
     def evaluate(self, items: Sequence[Any], sampling: SamplingConfig | None = None) -> list[dict[str, Any]]:
         """Answer and grade held-out prompts with the current weights (greedy unless `sampling` says
         otherwise)."""

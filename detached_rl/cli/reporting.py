@@ -2,8 +2,9 @@
 
 `MetricsRecorder` appends one JSON object per training step to `metrics.jsonl` (always) and
 writes every numeric value as a TensorBoard scalar at that step (`tensorboard` and `matplotlib` are
-plain dependencies). `plot_metrics` draws reward, KL, response length and weight-sync time per step.
-`accuracy` and `format_comparison` summarise graded held-out answers.
+plain dependencies); each held-out evaluation adds a row of its own (`"kind": "eval"`, the `eval/*` names of
+`evaluation_row`) at the step it was taken. `plot_metrics` draws held-out accuracy (± one standard error),
+reward, KL and response length per step. `evaluation_summary` summarises graded held-out answers.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from detached_rl.algorithms.metrics import LOSS_KL, metric_value
 # (metric key, panel title) of the four panels of `plot_metrics`, in order; keys are names of
 # `detached_rl.algorithms.metrics` (rows that carry only an old alias of a name are read too).
 PLOT_PANELS = (
+    ("eval/accuracy", "held-out accuracy (± 1 standard error)"),
     ("reward/mean", "reward (mean of the batch)"),
     (LOSS_KL, "KL to the reference"),
     ("response_length/mean", "response length (tokens)"),
-    ("time/weight_sync", "weight sync time (s)"),
 )
+#: The `kind` of a metrics.jsonl row that holds a held-out evaluation; training rows carry no `kind`.
+EVAL_ROW = "eval"
 
 
 def _jsonable(value: Any) -> Any:
@@ -82,10 +85,14 @@ class MetricsRecorder:
         self.close()
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl file."""
+def read_metrics(path: str | Path, kind: str | None = "train") -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl file: the training steps' ("train"), the held-out evaluations' ("eval") or
+    all (None)."""
     with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    if kind is None:
+        return rows
+    return [row for row in rows if (row.get("kind") == EVAL_ROW) == (kind == EVAL_ROW)]
 
 
 def plot_series(rows: Sequence[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
@@ -99,19 +106,28 @@ def plot_series(rows: Sequence[dict[str, Any]]) -> dict[str, list[tuple[int, flo
 
 
 def plot_metrics(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """A 2x2 PNG of reward, KL, response length and weight-sync time per step (missing series say so)."""
+    """A 2x2 PNG of held-out accuracy, reward, KL and response length per step (missing series say so).
+
+    `rows`: training and evaluation rows (`read_metrics(path, kind=None)`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
+    rows = sorted(rows, key=lambda row: row["step"])  # evaluation rows land when answered, not in step order
     series = plot_series(rows)
     for axis, (key, label) in zip(axes.flat, PLOT_PANELS, strict=True):
         points = series[key]
         if points:
             steps, values = zip(*points, strict=True)
             axis.plot(steps, values, marker="o", markersize=3, linewidth=1.2)
+            if key == "eval/accuracy":
+                errors = [row.get("eval/accuracy_se") or 0.0 for row in rows
+                          if isinstance(row.get(key), int | float)]
+                if len(errors) == len(values):
+                    axis.fill_between(steps, [v - e for v, e in zip(values, errors, strict=True)],
+                                      [v + e for v, e in zip(values, errors, strict=True)], alpha=0.2)
         else:
             axis.text(0.5, 0.5, f"no {key!r} recorded", ha="center", va="center", transform=axis.transAxes)
         axis.set_title(label)
@@ -131,14 +147,39 @@ def accuracy(results: Sequence[dict[str, Any]], key: str = "correct") -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def standard_error(share: float, count: int | float) -> float:
+    """Binomial standard error of a share measured on `count` independent problems (0.0 for none)."""
+    return math.sqrt(share * (1.0 - share) / count) if count > 0 else 0.0
+
+
 def evaluation_summary(results: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Accuracy, format rate, lenient accuracy (when graded), mean reward and length of graded answers."""
-    summary = {"accuracy": accuracy(results, "correct"), "reward": accuracy(results, "reward"),
-               "response_length": accuracy(results, "response_length"), "count": float(len(results))}
+    """Accuracy with its standard error, format rate, lenient accuracy (when graded), mean reward and length
+    of graded answers."""
+    correct = accuracy(results, "correct")
+    summary = {"accuracy": correct, "accuracy_se": standard_error(correct, len(results)),
+               "reward": accuracy(results, "reward"), "response_length": accuracy(results, "response_length"),
+               "count": float(len(results))}
     for key in ("format", "lenient"):
         if results and all(key in r for r in results):
             summary[f"{key}_rate" if key == "format" else "lenient_accuracy"] = accuracy(results, key)
     return summary
+
+
+def evaluation_row(results: Sequence[dict[str, Any]], seconds: float, label: str,
+                   job_seconds: float | None = None) -> dict[str, Any]:
+    """A held-out evaluation as a metrics.jsonl row (without its step): `eval/*` figures, the policy
+    versions that answered (a curve point taken while makers swap weights may span two), the seconds it
+    took and, given `job_seconds`, when it was answered (seconds since the job started)."""
+    summary = evaluation_summary(results)
+    versions = [int(r["policy_version"]) for r in results if r.get("policy_version") is not None]
+    row: dict[str, Any] = {"kind": EVAL_ROW, "eval/label": label}
+    row.update({f"eval/{key}": value for key, value in summary.items()})
+    if versions:
+        row.update({"eval/policy_version_min": min(versions), "eval/policy_version_max": max(versions)})
+    row["eval/seconds"] = seconds
+    if job_seconds is not None:
+        row["eval/job_seconds"] = job_seconds
+    return row
 
 
 def side_by_side(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]], count: int,

@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from detached_rl.cli.reporting import MetricsRecorder, evaluation_summary
+from detached_rl.cli.held_out import HeldOutCurve, describe, split_evenly
+from detached_rl.cli.reporting import MetricsRecorder, evaluation_row
 from detached_rl.cli.run_report import progress_line, write_report
 from detached_rl.cli.run_setup import (
     ActorDied,
@@ -50,17 +51,6 @@ def actor_death_reason(error: BaseException) -> str:
     return lines[0]
 
 
-def split_evenly(items: Sequence[Any], parts: int) -> list[list[Any]]:
-    """`items` in `parts` contiguous chunks whose sizes differ by at most one (empty chunks dropped)."""
-    size, extra = divmod(len(items), parts)
-    chunks, start = [], 0
-    for index in range(parts):
-        end = start + size + (1 if index < extra else 0)
-        chunks.append(list(items[start:end]))
-        start = end
-    return [chunk for chunk in chunks if chunk]
-
-
 class JobRunner:
     """Drives one run on a connected Ray driver; `run()` returns a `RunResult` and always cleans up."""
 
@@ -79,6 +69,7 @@ class JobRunner:
         self.dead_makers: dict[str, str] = {}  # maker name -> why it died for good (Ray will not restart it)
         self._status_calls: dict[str, Any] = {}  # maker name -> its `status` call not yet answered
         self.deadline = time.monotonic() + config.run.timeout_s
+        self.job_started = time.monotonic()  # `run` sets it again as it starts
         self.interrupted = interrupted or threading.Event()  # set by Ctrl-C / SIGTERM (see `run_job`)
         self.placed = placed  # the config's resources and node labels choose the actors' nodes
 
@@ -192,8 +183,9 @@ class JobRunner:
                   "the run goes on without it")
         return True
 
-    def evaluate(self, label: str) -> list[dict[str, Any]]:
-        """Grade the held-out split, shared by the live makers; every answer comes from one policy version.
+    def evaluate(self, label: str, recorder: MetricsRecorder | None = None) -> list[dict[str, Any]]:
+        """Grade the held-out split, shared by the live makers; every answer comes from one policy version,
+        recorded as an evaluation row at that version's step when `recorder` is given.
 
         A maker that dies during the evaluation is left out (once dead for good) and the split graded again.
         """
@@ -215,9 +207,11 @@ class JobRunner:
         versions = sorted({r["policy_version"] for r in results})
         if len(versions) != 1:
             raise RunError(f"held-out evaluation ({label}) mixed policy versions {versions}")
-        summary = evaluation_summary(results)
-        self.echo(f"held-out {label}: accuracy {summary['accuracy']:.1%} on {len(results)} problems "
-                  f"(policy version {versions[0]}, {time.perf_counter() - start:.1f} s)")
+        row = evaluation_row(results, time.perf_counter() - start, label,
+                             job_seconds=time.monotonic() - self.job_started)
+        if recorder is not None:
+            recorder.record(versions[0], row)
+        self.echo(f"held-out {label}: {describe(row)}")
         return results
 
     def train(self, recorder: MetricsRecorder) -> dict[str, Any]:
@@ -233,6 +227,8 @@ class JobRunner:
         recorded = 0
         bar = tqdm(total=config.run.steps, desc="training", unit="step", disable=not config.run.progress,
                    dynamic_ncols=True, file=sys.stderr)
+        curve = HeldOutCurve(config.eval_problems(), config.run.eval_every, config.run.steps, self.echo,
+                             self.job_started)
         try:
             while True:
                 statuses = self._get([rank.status.remote() for rank in ranks], "trainer status", cap=60)
@@ -254,6 +250,7 @@ class JobRunner:
                     elapsed = time.monotonic() - started
                     bar.set_postfix_str(progress_line(row, status, elapsed, versions), refresh=False)
                     bar.update(step - bar.n)
+                curve.poll(recorded, {n: self.handles[n] for n in self.live_makers()}, recorder)
                 if status["state"] in ("done", "stopped", "failed"):
                     break
                 for name, state in maker_status.items():  # a maker ending while the trainer trains has failed
@@ -265,6 +262,7 @@ class JobRunner:
             bar.close()
         if status["state"] == "failed":
             raise RunError(f"the trainer failed: {status['last_error']}")
+        curve.collect(recorder, timeout=self._remaining(300))
         # The trainer pushed the final weights and stopped the makers; their `run` calls return.
         maker_final = [self._maker_result(name, ref)
                        for name, ref in zip(self.maker_names, maker_runs, strict=True)]
@@ -391,7 +389,7 @@ class JobRunner:
         import ray
 
         self.config = config = run_gpus(self.config, ray.cluster_resources().get("GPU", 0.0))
-        start = time.monotonic()
+        start = self.job_started = time.monotonic()
         if self.directory.exists() and any(self.directory.iterdir()):
             raise RunError(f"the run directory {self.directory} exists and is not empty; choose another "
                            "run.name")
@@ -408,10 +406,10 @@ class JobRunner:
             self.start_actors()
             actors = ", ".join([*self.trainer_names, *self.maker_names])
             self.echo(f"actors up in {time.monotonic() - start:.1f} s: {actors}")
-            before = self.evaluate("before training")
             with MetricsRecorder(self.directory) as recorder:
+                before = self.evaluate("before training", recorder)
                 trained = self.train(recorder)
-            after = self.evaluate("after training")
+                after = self.evaluate("after training", recorder)
             # The evaluation is on disk before the export: a failed export cannot lose it.
             evaluations = json.dumps({"before": before, "after": after}, indent=1)
             (self.directory / "eval.json").write_text(evaluations)

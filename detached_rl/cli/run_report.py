@@ -32,6 +32,14 @@ def progress_line(row: dict[str, Any], status: dict[str, Any], elapsed: float,
     return ", ".join(parts)
 
 
+def shown_value(summary: dict[str, Any], key: str) -> str:
+    """One figure of an evaluation summary as the table shows it ('38.7% ± 3.0' for the accuracy)."""
+    value = summary[key]
+    if key == "accuracy":
+        return f"{value:.1%} ± {100 * summary.get('accuracy_se', 0.0):.1f}"
+    return f"{value:.2f}" if key in ("reward", "response_length") else f"{value:.1%}"
+
+
 def write_report(name: str, directory: Path, config: RunConfig,
                  evaluations: tuple[list[dict[str, Any]], list[dict[str, Any]]], trained: dict[str, Any],
                  files: dict[str, str], seconds: float, dead_makers: dict[str, str],
@@ -45,7 +53,7 @@ def write_report(name: str, directory: Path, config: RunConfig,
     # A failure drawing the plot is reported and leaves the plot out; eval.json is on disk already.
     plot = directory / "metrics.png"
     try:
-        plot_metrics(read_metrics(directory / "metrics.jsonl"), plot, title=name)
+        plot_metrics(read_metrics(directory / "metrics.jsonl", kind=None), plot, title=name)
     except Exception as error:  # noqa: BLE001 - reported; the run's results are written below
         echo(f"warning: {plot} not written ({type(error).__name__}: {error})")
     else:
@@ -57,16 +65,15 @@ def write_report(name: str, directory: Path, config: RunConfig,
                "cpu_count": os.cpu_count(), "files": result.files}
     (directory / "summary.json").write_text(json.dumps(summary, indent=1))
     echo("")
-    echo(f"{'':24}{'before':>10}{'after':>10}")
+    echo(f"{'':24}{'before':>14}{'after':>14}")
     labels = (("accuracy", "held-out accuracy"), ("format_rate", "answer format"),
               ("lenient_accuracy", "last number right"), ("reward", "mean reward"),
               ("response_length", "response tokens"))
     for key, label in labels:
         if key in summary_before and key in summary_after:
-            b, a = summary_before[key], summary_after[key]
-            shown = (f"{b:>10.1%}{a:>10.1%}" if key not in ("reward", "response_length")
-                     else f"{b:>10.2f}{a:>10.2f}")
+            shown = "".join(f"{shown_value(summary, key):>14}" for summary in (summary_before, summary_after))
             echo(f"{label:<24}{shown}")
+    echo(f"(± one standard error over {int(summary_after['count'])} held-out problems)")
     if config.run.examples:
         echo("\nexamples (held-out):")
         echo(side_by_side(before, after, config.run.examples))

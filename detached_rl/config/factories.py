@@ -34,10 +34,12 @@ def scorer_factory(config: RunConfig, role: str) -> functools.partial:
 def build_policy(model: ModelConfig):
     """The policy `Actor` (with its LoRA adapter, if configured), from the model config."""
     from detached_rl.models import Actor, LoraSettings, apply_lora, load_causal_lm
+    from detached_rl.models.loaders import seeded
 
     policy, tokenizer = load_causal_lm(model.policy, seed=model.seed)
     if model.lora is not None:
-        policy = apply_lora(policy, LoraSettings(**dataclasses.asdict(model.lora)))
+        with seeded(model.seed):  # the adapter's random initialisation too: the same config, the same policy
+            policy = apply_lora(policy, LoraSettings(**dataclasses.asdict(model.lora)))
     return Actor(policy, tokenizer)
 
 

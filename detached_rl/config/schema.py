@@ -106,6 +106,9 @@ class RunSection:
     makers: int = 2
     output_dir: str = "runs"
     examples: int = 4  # decoded held-out examples shown before/after
+    # A held-out curve point every this many steps, graded by the makers while they generate (0: before and
+    # after training only); metrics.jsonl, TensorBoard and metrics.png show it.
+    eval_every: int = 8
     # Torch threads per actor (0: torch's default). On 2 cores two trainer threads against two makers spin
     # in OpenMP barriers and run several times slower.
     trainer_threads: int = 1
@@ -122,7 +125,7 @@ class RunSection:
         for name in ("steps", "makers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunSection.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("examples", "trainer_threads", "maker_threads", "maker_nice"):
+        for name in ("examples", "eval_every", "trainer_threads", "maker_threads", "maker_nice"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RunSection.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("poll_interval_s", "timeout_s"):
