@@ -5,10 +5,12 @@
 Each run is `detached-rl run --no-progress --set maker.backend=<backend> --set maker.seed=<seed> --set
 model.seed=<seed>`, in a process of its own, one after the other (never two at once: they would share the
 cores). Seed s seeds the makers' samplers (`maker.seed`) and the LoRA adapter's initialisation (`model.seed`);
-the base model, prompts and held-out set stay those of the default job. Figures per run, from the run's `summary.json`: `seconds` (start to shutdown, model loading and
-both held-out evaluations included), held-out accuracy before and after (64 problems, greedy), the lift
-(after - before, in points). Per backend: median and minimum lift, median wall time. Writes
-`benchmarks/results/demo.json`.
+the base model, prompts and held-out set stay those of the default job. Figures per run, from the run's
+`summary.json`: `seconds` (start to shutdown, model loading and the held-out evaluations included), held-out
+accuracy before and after (`task.eval_size` problems, greedy) with its standard error, the lift (after -
+before, in points). Per backend: median and minimum lift, median wall time. Writes
+`benchmarks/results/<--label>.json` (default demo.json); `--set` applies overrides to every run (a recipe
+candidate), so one call is one candidate over its seeds.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def main() -> None:
               f"{summary[backend]['min_lift_points']:+.1f}), median wall time "
               f"{summary[backend]['median_seconds']:.0f} s")
     RESULTS.mkdir(exist_ok=True)
-    report = {"label": args.label, "overrides": args.set, "machine": f"{platform.machine()}, {os.cpu_count()} cores", "runs": rows, "summary": summary}
+    report = {"label": args.label, "overrides": args.set,
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "runs": rows, "summary": summary}
     (RESULTS / f"{args.label}.json").write_text(json.dumps(report, indent=2))
 
 

