@@ -207,3 +207,13 @@ def test_trainer_and_maker_without_a_config_build_the_job_run_builds(monkeypatch
     assert launch_requests(trainer, "t", ["m"]) == launch_requests(run, "t", ["m"])
     made, ran = (maker_arguments(c, "m", ["t"]) for c in (maker, run))
     assert made["config"] == ran["config"] and made["model_factory"].args == ran["model_factory"].args
+
+
+def test_a_decaying_schedule_spans_the_run_unless_its_length_is_given():
+    config = load_config(None, ["run.steps=30", "grpo.actor_optimizer.schedule=cosine"])
+    assert config.grpo.actor_optimizer.total_steps == 30
+    config = load_config(None, ["run.steps=30", "grpo.actor_optimizer.schedule=linear",
+                                "grpo.actor_optimizer.total_steps=12"])
+    assert config.grpo.actor_optimizer.total_steps == 12
+    constant = load_config(None, ["grpo.actor_optimizer.schedule=constant"])
+    assert constant.grpo.actor_optimizer.total_steps is None

@@ -100,12 +100,19 @@ def test_learning_rate_schedules(schedule, expected):
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [(dict(betas=(0.9, 1.0)), "betas"), (dict(schedule="step"), "schedule"),
-     (dict(schedule="cosine"), "total_steps"),
+     (dict(schedule="cosine", total_steps=0), "total_steps"),
      (dict(weight_decay=-1), "weight_decay"), (dict(max_grad_norm=0), "max_grad_norm")],
 )
 def test_optimizer_config_refuses_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=f"OptimizerConfig.{field}"):
         OptimizerConfig(**kwargs)
+
+
+def test_a_decaying_schedule_without_its_length_is_refused_when_built():
+    from detached_rl.strategies.optim import build_optimizer
+
+    with pytest.raises(ValueError, match="OptimizerConfig.total_steps is required by the 'cosine' schedule"):
+        build_optimizer([torch.nn.Parameter(torch.zeros(2))], OptimizerConfig(schedule="cosine"))
 
 
 GROUP = {"rank": 0, "world_size": 2, "master_addr": "127.0.0.1", "master_port": 29500}

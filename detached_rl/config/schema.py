@@ -203,6 +203,12 @@ class RunConfig:
             self.grpo.check_overlong_buffer(self.sampling.max_new_tokens)
         except ValueError as error:
             raise ValueError(f"RunConfig.grpo: {str(error).removeprefix('GRPOConfig.')}") from None
+        # A decaying learning-rate schedule spans the run unless its length is given.
+        for section, name in ((self.grpo, "actor_optimizer"), (self.ppo, "actor_optimizer"),
+                              (self.ppo, "critic_optimizer")):
+            optimizer = getattr(section, name)
+            if optimizer.schedule != "constant" and optimizer.total_steps is None:
+                setattr(section, name, dataclasses.replace(optimizer, total_steps=self.run.steps))
         if self.grpo.group_size is not None and self.grpo.group_size != self.maker.group_size:
             raise ValueError(f"RunConfig.grpo.group_size {self.grpo.group_size} differs from "
                              f"maker.group_size {self.maker.group_size} (leave it unset: the trainer takes "

@@ -20,7 +20,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     schedule: str = "constant"
     warmup_steps: int = 0
-    total_steps: int | None = None  # needed by linear / cosine decay
+    # Optimizer steps the linear / cosine decay spans (after warm-up it stays at min_lr_ratio); None in a
+    # RunConfig: its run.steps (one optimizer step per training step, the main job's).
+    total_steps: int | None = None
     min_lr_ratio: float = 0.0
     max_grad_norm: float | None = 1.0
 
@@ -36,8 +38,8 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.schedule != "constant" and not self.total_steps:
-            raise ValueError(f"OptimizerConfig.total_steps is required by the {self.schedule!r} schedule")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"OptimizerConfig.total_steps must be >= 1 or None, got {self.total_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"OptimizerConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -49,6 +51,9 @@ class OptimizerConfig:
             return (step + 1) / self.warmup_steps
         if self.schedule == "constant":
             return 1.0
+        if self.total_steps is None:
+            raise ValueError(f"OptimizerConfig.total_steps is required by the {self.schedule!r} schedule "
+                             "(a RunConfig sets it to run.steps)")
         span = max(self.total_steps - self.warmup_steps, 1)
         progress = min((step - self.warmup_steps) / span, 1.0)
         decay = 1.0 - progress if self.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -61,6 +66,7 @@ def build_optimizer(
     """AdamW over `parameters` and its schedule (call `scheduler.step()` after each optimizer step)."""
     if not parameters:
         raise ValueError("build_optimizer: no trainable parameters")
+    config.lr_factor(config.warmup_steps)  # a decaying schedule without its length is refused here
     optimizer = torch.optim.AdamW(
         parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, eps=config.eps
     )
