@@ -2,16 +2,20 @@
 run.
 
     make bench-env    # once: TRL and datasets, into this virtualenv only (the `bench` extra)
-    .venv/bin/python benchmarks/bench_peer_trl.py --steps 10 --repeats 3
+    .venv/bin/python benchmarks/bench_peer_trl.py --steps 10 --repeats 3     # time per step
+    .venv/bin/python benchmarks/bench_peer_trl.py --accuracy --repeats 3 --eval-size 256
+                      # held-out accuracy against wall time: the default job, then TRL for as long
+                      # (peer_trl_timed.py)
 
-The work is the default job's (`detached_rl/configs/run.yaml`), and both sides read it from
+The work is the default job's (`detached_rl/config/run.yaml`), and both sides read it from
 that one config: GRPO on the packaged SmolLM2-135M-Instruct with a peft LoRA adapter (r=16,
 alpha=32, dropout 0, every Linear layer but the output head), the `word_problems` training
 prompts in the same order (the one-maker prompt stream, system message with the worked example
-included), the `answer_line` reward, 2 prompts x 8 answers = 16 samples of at most 40 new tokens
-per optimizer step at temperature 0.8 (top-k and top-p off), one pass over each batch, AdamW
-lr 5e-4 (betas 0.9/0.999, eps 1e-8, no weight decay, constant schedule, gradient norm clipped at
-1.0), PPO clip 0.2, KL coefficient 0.01 with the k3 estimator against the initial policy,
+included), the `answer_line` reward, the job's prompts x answers per step (2 x 8 = 16 samples) of at
+most 40 new tokens at temperature 0.8 (top-k and top-p off), one pass over each batch, AdamW
+(betas 0.9/0.999, eps 1e-8, no weight decay, gradient norm clipped at 1.0) at the job's learning rate
+and schedule (TRL: transformers' `cosine_with_min_lr` for our cosine with a floor, spanning the same
+steps), PPO clip 0.2, the job's KL coefficient (0.1) with the k3 estimator against the initial policy,
 group-normalised advantages (r - mean) / std, token-mean loss, bf16 autocast on the training
 forward passes, float32 generation, dropout off, no gradient checkpointing (TRL's default turns
 it on).
@@ -122,9 +126,8 @@ def check_comparable(config: RunConfig) -> None:
                         "overlong shaping")
     if grpo.train_epochs != 1 or grpo.mini_batch_size not in (None, config.trainer.train_batch_size):
         problems.append("grpo: one pass over one mini-batch per step is assumed")
-    if optimizer.schedule != "constant" or optimizer.warmup_steps:
-        problems.append(f"optimizer schedule {optimizer.schedule} with {optimizer.warmup_steps} "
-                        "warm-up steps")
+    if optimizer.schedule == "linear" and optimizer.min_lr_ratio:
+        problems.append("a linear decay to a floor (TRL's linear decays to 0)")
     if config.trainer.train_batch_size != config.maker.experience_batch_size * config.maker.group_size:
         problems.append("trainer.train_batch_size must equal one maker batch (experience_batch_size "
                         "x group_size)")
@@ -133,6 +136,17 @@ def check_comparable(config: RunConfig) -> None:
     if problems:
         raise SystemExit("bench_peer_trl: the config differs from what the TRL side reproduces: "
                          + "; ".join(problems))
+
+
+def trl_schedule(optimizer: Any) -> dict[str, Any]:
+    """Our learning-rate schedule as transformers' scheduler settings (it spans TRL's max_steps)."""
+    kinds = {"constant": "constant_with_warmup" if optimizer.warmup_steps else "constant",
+             "linear": "linear", "cosine": "cosine_with_min_lr"}
+    settings: dict[str, Any] = {"lr_scheduler_type": kinds[optimizer.schedule],
+                                "warmup_steps": optimizer.warmup_steps}
+    if optimizer.schedule == "cosine":
+        settings["lr_scheduler_kwargs"] = {"min_lr_rate": optimizer.min_lr_ratio}
+    return settings
 
 
 def summarize(values: list[float]) -> dict[str, float]:
@@ -252,7 +266,7 @@ def build_trl_trainer(config: RunConfig, output_dir: str, seed: int, precision: 
         num_generations=config.maker.group_size, shuffle_dataset=False,
         max_completion_length=sampling.max_new_tokens, temperature=sampling.temperature,
         top_k=sampling.top_k, top_p=sampling.top_p, repetition_penalty=1.0,
-        learning_rate=optimizer.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        learning_rate=optimizer.lr, **trl_schedule(optimizer), optim="adamw_torch",
         adam_beta1=optimizer.betas[0], adam_beta2=optimizer.betas[1], adam_epsilon=optimizer.eps,
         weight_decay=optimizer.weight_decay, max_grad_norm=optimizer.max_grad_norm or 0.0,
         beta=grpo.kl_coef, epsilon=grpo.clip_low, epsilon_high=grpo.clip_high or grpo.clip_low,

@@ -101,7 +101,10 @@ def run_trl_timed(seed: int, output: str, eval_size: int, budget_s: float, preci
             if elapsed >= budget_s:
                 control.should_training_stop = True
 
-    trainer = build_trl_trainer(config, str(Path(output) / "trl"), seed, precision, max_steps=400,
+    # A decaying schedule spans the steps of our run, as ours does (TRL, slower per step, is stopped by the
+    # budget first); a constant one leaves the budget alone to stop it.
+    max_steps = config.grpo.actor_optimizer.total_steps or 400
+    trainer = build_trl_trainer(config, str(Path(output) / "trl"), seed, precision, max_steps=max_steps,
                                 callbacks=[Budget()])
     trainer.train()
     elapsed = clock.elapsed()

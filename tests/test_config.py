@@ -190,7 +190,7 @@ def test_a_section_given_in_part_keeps_the_rest_of_the_main_jobs_defaults():
 
     config = from_dict(RunConfig, {"maker": {"group_size": 4}, "grpo": {"algorithm": "dapo"}})
     assert (config.maker.group_size, config.maker.backend, config.maker.wait_for_ack) == (4, "auto", True)
-    assert config.grpo.kl_coef == 0.01 and config.grpo.clip_high == 0.28  # the preset fills what neither says
+    assert config.grpo.kl_coef == 0.1 and config.grpo.clip_high == 0.28  # the preset fills what neither says
     assert load_config(None, ["task.name=addition"]).task.reward == "numeric_answer"  # the task's own reward
 
 

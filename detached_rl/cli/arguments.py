@@ -103,7 +103,9 @@ def config_file(text: str) -> str:
 def check_config_integers(config: Any, path: str = "") -> None:
     """Refuse, naming the dotted key, an integer of a loaded config outside its range
     (see `CONFIG_INT_MINIMUM`)."""
-    for item in dataclasses.fields(config):
+    # `run` first: values of other sections derive from it (a decaying schedule's total_steps is run.steps),
+    # and the key to name is the one the user gave.
+    for item in sorted(dataclasses.fields(config), key=lambda item: bool(path) or item.name != "run"):
         value = getattr(config, item.name)
         key = f"{path}.{item.name}" if path else item.name
         if dataclasses.is_dataclass(value) and not isinstance(value, type):

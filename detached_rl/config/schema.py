@@ -66,7 +66,9 @@ class TaskConfig:
 
     name: str = "word_problems"
     train_size: int = 2048
-    eval_size: int = 64  # held-out problems for `detached-rl run`'s before/after accuracy
+    # Held-out problems `detached-rl run` grades (before, during and after training): at 256 the standard
+    # error of an accuracy near 50 % is 3.1 points, so two runs 10 points apart are told apart.
+    eval_size: int = 256
     seed: int = 0
     reward: str | None = None  # None: the task's own (`TASK_REWARDS`)
     # Prompts from a file (.csv/.jsonl/.json with a `prompt` and an optional `answer`
@@ -102,13 +104,13 @@ class RunSection:
     """
 
     name: str | None = None  # None: "<algorithm>-<model>-<date>-<time>"
-    steps: int = 24
+    steps: int = 28
     makers: int = 2
     output_dir: str = "runs"
     examples: int = 4  # decoded held-out examples shown before/after
     # A held-out curve point every this many steps, graded by the makers while they generate (0: before and
     # after training only); metrics.jsonl, TensorBoard and metrics.png show it.
-    eval_every: int = 8
+    eval_every: int = 14
     # Torch threads per actor (0: torch's default). On 2 cores two trainer threads against two makers spin
     # in OpenMP barriers and run several times slower.
     trainer_threads: int = 1
@@ -151,8 +153,9 @@ class ScorersConfig:
 # preset picked there (e.g. `grpo.algorithm: dapo`) fills in what neither says.
 MAIN_JOB: dict[str, dict[str, Any]] = {
     "sampling": {"max_new_tokens": 40, "temperature": 0.8},
-    # vLLM where it serves the policy; 2 prompts x 8 answers = 16 samples per push, one push in flight; the
-    # next batch once the last is in the buffer (fresher samples).
+    # vLLM where it serves the policy; 2 prompts x 8 answers = 16 samples per push (4 x 4 learned the answer
+    # format more slowly: docs/performance.md, the recipe study), one push in flight; the next batch once the
+    # last is in the buffer (fresher samples).
     "maker": {"backend": "auto", "experience_batch_size": 2, "group_size": 8, "max_pushes_in_flight": 1,
               "wait_for_ack": True},
     # LoRA-only updates pushed while it trains on. Samples at most 1 version old: vLLM makers outrun the
@@ -160,10 +163,13 @@ MAIN_JOB: dict[str, dict[str, Any]] = {
     # (one push per maker): makers wait instead of generating samples that would go stale.
     "trainer": {"train_batch_size": 16, "weight_sync": "lora", "overlap_weight_push": True,
                 "max_staleness": 1, "buffer_max_samples": 32},
-    # token-mean: no per-sequence length normalisation (short answers get no extra weight); the trainer's
-    # forward passes in bfloat16.
-    "grpo": {"algorithm": "grpo", "actor_optimizer": {"lr": 5e-4}, "loss_agg": "token-mean",
-             "kl_coef": 0.01, "proximal_recompute": True, "micro_batch_size": 16,
+    # lr 5e-4 decayed along a cosine to 5e-5 by the last step (at a constant 5e-4 the policy peaked, then
+    # collapsed, over 36 steps) and a KL coefficient of 0.1 (at 0.01 one seed in five kept the answer format
+    # and lost its arithmetic): docs/performance.md, the recipe study; token-mean: no per-sequence length
+    # normalisation (short answers get no extra weight); the trainer's forward passes in bfloat16.
+    "grpo": {"algorithm": "grpo", "actor_optimizer": {"lr": 5e-4, "schedule": "cosine", "min_lr_ratio": 0.1},
+             "loss_agg": "token-mean",
+             "kl_coef": 0.1, "proximal_recompute": True, "micro_batch_size": 16,
              "autocast_dtype": "bfloat16"},
 }
 
