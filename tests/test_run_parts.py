@@ -335,3 +335,25 @@ def test_a_run_config_file_round_trips_for_separate_jobs(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(dump_config(config))
     assert load_config(path) == config
+
+
+def test_a_curve_point_starts_when_its_step_is_seen_and_never_once_training_is_over():
+    from detached_rl.cli.held_out import HeldOutCurve
+
+    class Handle:
+        def __init__(self) -> None:
+            self.calls: list[list[int]] = []
+            self.evaluate = self
+
+        def remote(self, chunk):
+            self.calls.append(chunk)
+            return object()
+
+    late, handle = HeldOutCurve(list(range(5)), 1, 3, print), Handle()
+    late.poll(3, {"m": handle}, recorder=None)  # the driver saw the last step first: the after evaluation
+    assert handle.calls == [] and late.due_steps == []
+    curve, first, second = HeldOutCurve(list(range(5)), 2, 6, print), Handle(), Handle()
+    curve.poll(1, {"a": first, "b": second}, recorder=None)
+    assert first.calls == [] and curve.due_steps == [2, 4]
+    curve.poll(3, {"a": first, "b": second}, recorder=None)  # step 2 came due; 3 is what the driver saw
+    assert first.calls == [[0, 1, 2]] and second.calls == [[3, 4]] and curve.due_steps == [4]

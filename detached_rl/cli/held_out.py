@@ -43,6 +43,7 @@ class HeldOutCurve:
         self.problems = list(problems)
         self.job_started = time.monotonic() if job_started is None else job_started
         self.due_steps = curve_steps(every, total_steps)
+        self.total_steps = total_steps
         self.echo = echo
         self.recorded: list[int] = []
         self._pending: tuple[int, float, list[Any]] | None = None
@@ -51,6 +52,9 @@ class HeldOutCurve:
         """Record a point that has been answered; start the next one once `step` reaches it."""
         self.collect(recorder, timeout=0.0)
         if self._pending is not None or not self.due_steps or step < self.due_steps[0] or not makers:
+            return
+        if step >= self.total_steps:  # training is over: the after evaluation is the last point
+            self.due_steps.clear()
             return
         while self.due_steps and self.due_steps[0] <= step:
             self.due_steps.pop(0)
