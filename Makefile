@@ -98,7 +98,7 @@ bench: bench-env
 	$(PY) benchmarks/bench_scaling.py --model tiny --makers 1 2 4 --steps 30 --repeats 3
 	$(PY) benchmarks/bench_scaling.py --model smollm2 --makers 2 --steps 6 --repeats 3
 	$(PY) benchmarks/bench_peer_trl.py --repeats 3
-	$(PY) benchmarks/bench_thin_links.py --rates 20 --modes lora --steps 6   # root: the multi-host harness
+	$(PY) benchmarks/bench_thin_links.py --rates 20 --modes lora --steps 6 --eval-size 64   # root: the multi-host harness
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
