@@ -45,7 +45,6 @@ class HeldOutCurve:
         self.due_steps = curve_steps(every, total_steps)
         self.total_steps = total_steps
         self.echo = echo
-        self.recorded: list[int] = []
         self._pending: tuple[int, float, list[Any]] | None = None
 
     def poll(self, step: int, makers: Mapping[str, Any], recorder: MetricsRecorder) -> None:
@@ -87,7 +86,6 @@ class HeldOutCurve:
                              job_seconds=time.monotonic() - self.job_started)
         step = row.get("eval/policy_version_min", step)  # its step: the oldest weights that answered
         recorder.record(step, row)
-        self.recorded.append(step)
         self.echo(f"held-out at step {step}: {describe(row)}")
 
 
