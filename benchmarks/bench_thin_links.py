@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from detached_rl.cli.reporting import EVAL_ROW
 from detached_rl.cli.run_setup import run_config
 from detached_rl.hosts import Hosts
 from detached_rl.hosts.network import NetworkError, require_tools
@@ -231,7 +232,7 @@ def run_cell(hosts: Hosts, args: argparse.Namespace, mode: str, rate: float | No
         directory = f"{output}/{name}"
         metrics = hosts.run(TRAINER, ["cat", f"{directory}/metrics.jsonl"], check=True).stdout
         (logs / f"{name}.metrics.jsonl").write_text(metrics)
-        rows = read_json_lines(metrics)
+        rows = [row for row in read_json_lines(metrics) if row.get("kind") != EVAL_ROW]  # training steps
         summary_text = hosts.run(TRAINER, ["cat", f"{directory}/summary.json"], check=True).stdout
         (logs / f"{name}.summary.json").write_text(summary_text)
         summary = json.loads(summary_text)

@@ -109,8 +109,13 @@ def test_the_job_reports_and_writes_config_metrics_and_results(installed_run):
     assert "grpo" in (directory / "config.yaml").read_text()
     rows = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
-    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
-    assert all("reward/mean" in row for row in rows)
+    training = [row for row in rows if row.get("kind") != "eval"]
+    assert [row["step"] for row in training] == list(range(1, STEPS + 1))
+    assert all("reward/mean" in row for row in training)
+    # the held-out evaluations are rows too: before (step 0) and after (the last step)
+    evaluations = [row for row in rows if row.get("kind") == "eval"]
+    assert [(row["step"], row["eval/label"]) for row in evaluations] == [(0, "before training"),
+                                                                          (STEPS, "after training")]
     evaluation = json.loads((directory / "eval.json").read_text())
     assert len(evaluation["before"]) == len(evaluation["after"]) == 4
     assert {r["policy_version"] for r in evaluation["after"]} == {STEPS}
