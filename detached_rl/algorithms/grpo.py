@@ -108,6 +108,7 @@ class GRPOLearner(EpochsFromConfig):
                 p.requires_grad_(False)
             self.reference = Actor(plain.to(strategy.device).eval(), self.policy.tokenizer)
         self.optimizer_steps = 0
+        self.order_generator = torch.Generator().manual_seed(self.config.seed)  # mini-batch order
         self.steps = 0
         unwrapped = self.strategy.unwrap(self.actor).model
         self.num_parameters = sum(p.numel() for p in unwrapped.parameters())
@@ -146,7 +147,7 @@ class GRPOLearner(EpochsFromConfig):
         """Everything training changes: policy, reference (Polyak-updated), optimizer, schedule, counters."""
         return {"actor": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "steps": self.steps,
-                "optimizer_steps": self.optimizer_steps,
+                "optimizer_steps": self.optimizer_steps, "order_generator": self.order_generator.get_state(),
                 "reference": self.reference.state_dict() if self.reference is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -155,6 +156,8 @@ class GRPOLearner(EpochsFromConfig):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps, self.optimizer_steps = state["steps"], state["optimizer_steps"]
+        if "order_generator" in state:  # checkpoints before it drew from torch's global generator
+            self.order_generator.set_state(state["order_generator"])
         if self.reference is not None and state["reference"] is not None:
             self.reference.load_state_dict(state["reference"])
 
@@ -249,7 +252,7 @@ class GRPOLearner(EpochsFromConfig):
         self.actor.train()
         for micro, weight, mini_tokens, last in micro_batches(
             batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size, config.loss_agg,
-            share=self.strategy.gradient_share,
+            share=self.strategy.gradient_share, generator=self.order_generator,
         ):
             micro_metrics = self._micro_step(micro, weight)
             losses.append(micro_metrics[names.LOSS_TOTAL])

@@ -88,6 +88,7 @@ class GRPOConfig:
     micro_batch_size: int = 8
     mini_batch_size: int | None = None
     train_epochs: int = 1
+    seed: int = 0  # the order of samples in mini-batches (the learner's own generator, checkpointed)
     # Forward passes on the trainer under torch.autocast to this dtype (e.g. "bfloat16": ~1.8x faster
     # training of SmolLM2 on CPUs with AMX); weights, gradients and the optimizer stay in their dtype.
     autocast_dtype: str | None = None

@@ -82,6 +82,7 @@ class PPOConfig:
     micro_batch_size: int = 8
     mini_batch_size: int | None = None  # samples per optimizer step; None: the whole batch
     train_epochs: int = 1
+    seed: int = 0  # the order of samples in mini-batches (the learner's own generator, checkpointed)
     tis_cap: float | None = 2.0  # truncated importance weight cap for corrected batches; None: weights 1
     # Stale, multi-pass or other-engine batches (`needs_behaviour_correction`): recompute the "old" log-probs
     # with the trainer's weights (the proximal policy), weight tokens by truncated importance weights and
@@ -150,6 +151,7 @@ def ppo_advantages(batch: ExperienceBatch,
 def micro_batches(
     batch: ExperienceBatch, epochs: int, mini_batch_size: int | None, micro_batch_size: int,
     loss_agg: str = "token-mean", share: Callable[[float], float] | None = None,
+    generator: torch.Generator | None = None,
 ) -> Iterator[tuple[ExperienceBatch, float, int, bool]]:
     """(micro-batch, loss weight, mini-batch tokens, last micro-batch of its mini-batch) over shuffled epochs.
 
@@ -158,14 +160,16 @@ def micro_batches(
     sequences for the "seq-mean-*" modes (they average over sequences). An optimizer step
     belongs after each `last`. `share` (a strategy's `gradient_share`) scales each mini-batch so
     that data-parallel ranks holding different amounts of data still average over all of it;
-    it is called once per mini-batch, on every rank alike.
+    it is called once per mini-batch, on every rank alike. `generator` (a CPU one) draws each epoch's
+    order; None: torch's global one.
     """
     mini_size = mini_batch_size or batch.size
     by_tokens = loss_agg == "token-mean"
     lengths = batch.response_mask.sum(1).tolist()  # read back once: token counts are host arithmetic below
     for _ in range(epochs):
-        # The CPU generator on every device: the same order on CPU and GPU, restored by checkpoints.
-        order = torch.randperm(batch.size, device="cpu").tolist()
+        # A CPU generator on every device: the same order on CPU and GPU. The order decides the summation
+        # order of the gradient, so a generator nothing else draws from keeps two runs bit-identical.
+        order = torch.randperm(batch.size, device="cpu", generator=generator).tolist()
         for mini_start in range(0, batch.size, mini_size):
             rows = order[mini_start : mini_start + mini_size]
             tokens = sum(lengths[row] for row in rows)
@@ -243,6 +247,7 @@ class PPOLearner(EpochsFromConfig):
         self.critic, self.critic_optimizer, self.critic_scheduler = strategy.prepare_training(
             critic, self.config.critic_optimizer)
         self.optimizer_steps = 0
+        self.order_generator = torch.Generator().manual_seed(self.config.seed)  # mini-batch order
 
     def make_batch(self, sample: Callable[[int], list[Experience]], size: int
                    ) -> tuple[list[Experience], dict[str, float]]:
@@ -265,7 +270,7 @@ class PPOLearner(EpochsFromConfig):
                 "critic_optimizer": self.critic_optimizer.state_dict(),
                 "actor_scheduler": self.actor_scheduler.state_dict(),
                 "critic_scheduler": self.critic_scheduler.state_dict(),
-                "optimizer_steps": self.optimizer_steps}
+                "optimizer_steps": self.optimizer_steps, "order_generator": self.order_generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
@@ -274,6 +279,8 @@ class PPOLearner(EpochsFromConfig):
         for name in ("actor_optimizer", "critic_optimizer", "actor_scheduler", "critic_scheduler"):
             getattr(self, name).load_state_dict(state[name])
         self.optimizer_steps = state["optimizer_steps"]
+        if "order_generator" in state:  # checkpoints before it drew from torch's global generator
+            self.order_generator.set_state(state["order_generator"])
 
     @property
     def engine(self) -> str:
@@ -311,7 +318,7 @@ class PPOLearner(EpochsFromConfig):
         self.critic.train()
         for micro, weight, mini_tokens, last in micro_batches(
             batch, config.train_epochs, config.mini_batch_size, config.micro_batch_size, config.loss_agg,
-            share=self.strategy.gradient_share,
+            share=self.strategy.gradient_share, generator=self.order_generator,
         ):
             micro_metrics = self._micro_step(micro, weight)
             losses.append(micro_metrics[names.LOSS_TOTAL])
