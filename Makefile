@@ -71,7 +71,7 @@ demo: install
 # `make test PYTEST_ARGS='-m "not install"'` leaves it out.
 PYTEST_ARGS ?=
 test: system-tools install colossalai
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The GPU lane (docs/gpu.md): the non-Ray tests with their models and data on CUDA, the Ray tests' trainers and
 # makers asking Ray for shares of the GPU (`--device`, tests/conftest.py). Refuses where torch sees no CUDA device.

@@ -13,7 +13,9 @@ baseline, measured in the same run on the same cluster, is the same job with its
 
 Per cell: h1's link counters (`Hosts.counters`, the bridge port's own byte counts) before and after the
 run, divided by the weight versions the trainer pushed (0 to the last `policy_version`);
-one update's bytes (`weight_sync/bytes` in the run's metrics.jsonl) and the ratio of the two; delivery time
+one update's bytes as the makers are sent it (`weight_sync/bytes/wire/...` in the run's metrics.jsonl: in
+the dtype they serve, bf16 for vLLM makers, a delta where one is sent; else `weight_sync/bytes`, the
+trainer's) and the ratio of the two; delivery time
 (a watcher on h0 polls every actor's status every 0.5 s: from the poll that first shows the trainer at
 version v to the one that first shows a maker holding v or newer, acknowledged or swapped in; median and
 max over makers and versions; the trainer's `weight_sync/push_s` beside it, which with overlapped pushes,
@@ -148,7 +150,8 @@ def figures(rows: list[dict[str, Any]], summary: dict[str, Any], events: list[di
     # a row may lack the weight_sync/* keys of its step
     keys = ("weight_sync/version", "policy_version")
     pushed = 1 + int(max(row.get(key, 0.0) for row in rows for key in keys))
-    update = statistics.median(row["weight_sync/bytes"] for row in rows if "weight_sync/bytes" in row)
+    update = statistics.median(sent_bytes(row) for row in rows if "weight_sync/bytes" in row)
+    trainer_update = statistics.median(row["weight_sync/bytes"] for row in rows if "weight_sync/bytes" in row)
     maker_names = [f"{name}-maker-{i}" for i in range(makers)]
     received = [max((e.get("received") or 0 for e in events if e.get("name") == m), default=0)
                 for m in maker_names]
@@ -161,7 +164,8 @@ def figures(rows: list[dict[str, Any]], summary: dict[str, Any], events: list[di
         "link_in_bytes": link["received"], "link_out_bytes": link["sent"],
         "versions_pushed": pushed, "updates_acknowledged_per_maker": received,
         "link_in_per_version": link["received"] / pushed,
-        "update_bytes": update, "link_per_update_ratio": link["received"] / pushed / update,
+        "update_bytes": update, "trainer_update_bytes": trainer_update,
+        "link_per_update_ratio": link["received"] / pushed / update,
         "delivery_s_median": statistics.median(waits) if waits else float("nan"),
         "delivery_s_max": max(waits, default=float("nan")), "delivery_samples": len(waits),
         # the trainer's own time to offer (overlapped pushes, the default) or deliver an update
@@ -172,6 +176,16 @@ def figures(rows: list[dict[str, Any]], summary: dict[str, Any], events: list[di
         "dropped_stale": max(row.get("buffer/dropped_stale", 0.0) for row in rows),
         "held_out_lift_points": lift, "run_seconds": summary.get("seconds", float("nan")),
     }
+
+
+def sent_bytes(row: dict[str, Any]) -> float:
+    """One version's bytes as the makers are sent it: a delta's, else the update in their wire dtype, else
+    the trainer's own update."""
+    for prefix in ("weight_sync/bytes/wire/delta/", "weight_sync/bytes/wire/"):
+        sizes = [value for key, value in row.items() if key.startswith(prefix)]
+        if sizes:
+            return min(sizes)
+    return row["weight_sync/bytes"]
 
 
 def read_json_lines(text: str) -> list[dict[str, Any]]:
@@ -381,9 +395,9 @@ def report(table: list[dict[str, Any]], args: argparse.Namespace) -> None:
                   + ", ".join(f"{run['steps_per_s']:.3f}" if "steps_per_s" in run else "failed"
                               for run in cell["runs"]))
     print("MB in/version: h1's link, bytes into the makers' host during the run / versions pushed "
-          "(0..last);\nratio: that / one update (weight_sync/bytes); delivery: median / max s from the "
-          "trainer at v\nto a maker holding v or newer (status polled every 0.5 s); stale: mean/max "
-          "staleness, samples dropped\nstale; lift: held-out accuracy after - before, points")
+          "(0..last);\nratio: that / one update as sent (its wire dtype, bf16 for vLLM makers); delivery: "
+          "median / max s from the trainer at v\nto a maker holding v or newer (status polled every 0.5 s); "
+          "stale: mean/max staleness, samples dropped\nstale; lift: held-out accuracy after - before, points")
 
 
 def main() -> None:

@@ -118,6 +118,9 @@ class HFGenerationBackend:
         self.eos_token_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
         self.encode_prompts = encode_prompts
         self.weight_sink: WeightSink = weight_sink if weight_sink is not None else ModuleWeightSink(model)
+        # The dtype `from_actor` cast the policy to (its `dtype` option), or None: the maker's receiver then
+        # casts the trainer's updates to it, and the trainer may send them in it.
+        self.stored_dtype: torch.dtype | None = None
 
     @property
     def engine(self) -> str:
@@ -136,8 +139,8 @@ class HFGenerationBackend:
         `cache_implementation`: "dynamic" (HF's default) or "static" (a preallocated KV cache that HF
         compiles on CUDA; prompts are then not shared across a group's rows). `dtype`: cast the generating
         model to this dtype ("auto": bfloat16 on a CUDA device that supports it, unchanged elsewhere);
-        None leaves it as loaded. A cast maker also needs `MakerConfig.weight_cast_dtype` to take the
-        trainer's float32 weights.
+        None leaves it as loaded. A model cast here is the backend's `stored_dtype`: its maker casts the
+        trainer's float32 weights to it (as with `MakerConfig.weight_cast_dtype`).
         """
         if lora_mode not in LORA_MODES:
             raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {lora_mode!r}")
@@ -157,13 +160,17 @@ class HFGenerationBackend:
         elif lora_backend(actor.model) is not None:
             sink = LoraModuleSink(actor.model)
         generation_dtype = resolve_generation_dtype(actor.model, dtype)
+        loaded = next((p.dtype for p in actor.model.parameters() if p.is_floating_point()), None)
         if generation_dtype is not None:
             actor.model.to(generation_dtype)  # in place: the sink then writes (casts) into the cast weights
         tokenizer = actor.tokenizer
-        return cls(actor.model, tokenizer.pad_token_id, tokenizer.eos_token_id,
-                   share_prompts=actor.share_prompts,
-                   encode_prompts=actor.encode_prompts, weight_sink=sink,
-                   cache_implementation=cache_implementation)
+        backend = cls(actor.model, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                      share_prompts=actor.share_prompts,
+                      encode_prompts=actor.encode_prompts, weight_sink=sink,
+                      cache_implementation=cache_implementation)
+        if generation_dtype is not None and generation_dtype != loaded:
+            backend.stored_dtype = generation_dtype
+        return backend
 
     def generate_text(self, prompts: Sequence[Prompt],
                       sampling: SamplingConfig | None = None) -> GenerationOutput:

@@ -9,7 +9,10 @@ How it fits the seam of `detached_rl.generation.base`:
   weights are then loaded from memory through the same path a full update takes.
 * Weight updates go through the backend's `weight_sink`, a host mirror of the policy under the
   trainer's state-dict names (so `layout`/`state`, manifest checks and fingerprints work as for the
-  HF backend): `write` copies into the mirror; `commit` (under the generation lock) makes the
+  HF backend), stored in the engine's dtype where that is narrower (bf16: `stored_dtype`, except in merge
+  mode): the engine casts every weight it loads to its dtype anyway, so the mirror holds exactly what is
+  served, a trainer may send updates in that dtype (half the bytes of float32), and the maker's receiver
+  casts float32 updates to it. `write` copies into the mirror; `commit` (under the generation lock) makes the
   engine serve it. Weights are reloaded with vLLM's layer-wise in-place reload
   (`Worker.reload_weights`, which re-runs `process_weights_after_loading`: on CPU the linear
   layers are prepacked, so a plain `model.load_weights` after start-up does not work), which also
@@ -54,6 +57,17 @@ from detached_rl.models.lora import lora_backend
 __all__ = ["VLLMBackend", "VLLMLoraSink", "VLLMWeightSink", "vllm_available"]
 
 VLLM_DTYPES = ("bfloat16", "float32", "float16")
+
+
+def mirror_dtype(model: nn.Module, engine_dtype: str, lora_mode: str) -> torch.dtype | None:
+    """The dtype to store the host mirror of `model` in: the engine's, where it is narrower than the model's
+    widest floating dtype; None to leave it (merge mode merges W0 + s·B·A in the model's dtype, and the
+    engine rounds that sum, not its parts)."""
+    if lora_backend(model) is not None and lora_mode == "merge":
+        return None
+    engine = getattr(torch, engine_dtype)
+    widest = max((p.element_size() for p in model.parameters() if p.is_floating_point()), default=0)
+    return engine if engine.itemsize < widest else None
 
 
 def vllm_available() -> bool:
@@ -146,10 +160,13 @@ class VLLMBackend:
     def __init__(self, llm: Any, pad_token_id: int, eos_token_id: int | Sequence[int], *,
                  encode_prompts: Callable[[Sequence[Prompt]], list[torch.Tensor]] | None = None,
                  weight_sink: VLLMWeightSink | VLLMLoraSink | None = None, share_prompts: bool = True,
-                 workdir: str | None = None, dtype: str = "bfloat16") -> None:
+                 workdir: str | None = None, dtype: str = "bfloat16",
+                 stored_dtype: torch.dtype | None = None) -> None:
         self.llm = llm
         _LIVE_ENGINE[:] = [weakref.ref(self)]
         self.dtype = dtype
+        # The dtype the weight sink's mirror stores (the engine's, where narrower than the policy's), or None.
+        self.stored_dtype = stored_dtype
         self.pad_token_id = pad_token_id
         self.eos_token_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
         self.encode_prompts = encode_prompts
@@ -183,8 +200,9 @@ class VLLMBackend:
                    gpu_memory_utilization: float = 0.3, lora_versions_kept: int = 2) -> VLLMBackend:
         """A vLLM engine serving `actor`'s weights (options: `MakerConfig.backend_options`).
 
-        `dtype`: the engine's dtype (the trainer's tensors are cast on load, so the receiver needs no
-        `weight_cast_dtype`). `kv_cache_gb`: the KV cache (vLLM's `kv_cache_memory_bytes`, on CPU and GPU; on
+        `dtype`: the engine's dtype; where it is narrower than the policy's, the host mirror is cast to it
+        in place (`stored_dtype`; not in merge mode, which merges in the policy's dtype). `kv_cache_gb`: the
+        KV cache (vLLM's `kv_cache_memory_bytes`, on CPU and GPU; on
         CPU an exported `VLLM_CPU_KVCACHE_SPACE` wins). `lora_mode` (LoRA policies): "keep" serves the base
         weights plus one vLLM adapter per version, keeping the last `lora_versions_kept` registered; "merge"
         serves W = W0 + s·B·A, reloaded on every update (for what keep mode refuses: DoRA, fan_in_fan_out,
@@ -202,6 +220,9 @@ class VLLMBackend:
         from vllm import LLM
 
         model = actor.model
+        stored_dtype = mirror_dtype(model, dtype, lora_mode)
+        if stored_dtype is not None:
+            model.to(stored_dtype)  # in place, before any sink or layout reads it
         keep: KeepModeLayout | None = None
         engine_options: dict[str, Any] = {}
         mirror: WeightSink
@@ -264,7 +285,8 @@ class VLLMBackend:
             raise
         tokenizer = actor.tokenizer
         return cls(llm, tokenizer.pad_token_id, tokenizer.eos_token_id, encode_prompts=actor.encode_prompts,
-                   weight_sink=sink, share_prompts=actor.share_prompts, workdir=workdir, dtype=dtype)
+                   weight_sink=sink, share_prompts=actor.share_prompts, workdir=workdir, dtype=dtype,
+                   stored_dtype=stored_dtype)
 
     def close(self) -> None:
         """Shut the engine down and remove keep mode's adapters and the RAM-backed directory (idempotent)."""

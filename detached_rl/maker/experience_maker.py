@@ -120,7 +120,10 @@ class ExperienceMaker:
         self.backend: GenerationBackend = build_generation_backend(
             self.config.backend, actor, lora_mode=self.config.lora_mode, options=self.config.backend_kwargs()
         )
-        cast = getattr(torch, self.config.weight_cast_dtype) if self.config.weight_cast_dtype else None
+        # Weights stored narrower than they came (a vLLM engine's bf16, an HF `dtype` option) take the
+        # trainer's float32 updates cast, and may be sent them in that dtype (`WeightReceiver.serving_dtype`).
+        cast = (getattr(torch, self.config.weight_cast_dtype) if self.config.weight_cast_dtype
+                else getattr(self.backend, "stored_dtype", None))
         # A LoRA policy's sink refuses LoRA updates computed against another base than the one it serves
         # (a maker that casts weights fingerprints its base cast to its coarsest stored dtype, as its
         # trainer does).
