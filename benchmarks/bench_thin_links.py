@@ -349,7 +349,7 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
             size.plot(x, [c["link_in_per_version"] / 1e6 for c in cells], "o-", color=color,
                       label=f"{mode}: on the link")
             size.plot(x, [c["update_bytes"] / 1e6 for c in cells], "x:", color=color,
-                      label=f"{mode}: one update (weight_sync/bytes)")
+                      label=f"{mode}: one update as sent")
         for base in (c for c in table if c["mode"] == mode and not c["rate_mbit"] and "steps_per_s" in c):
             speed.axhline(base["steps_per_s"], linestyle="--", color=color, label=f"{mode}, one host")
     for axis, label in ((speed, "trainer steps/s"), (size, "MB into the makers' host per version")):
