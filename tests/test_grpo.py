@@ -258,7 +258,8 @@ def test_the_mini_batch_order_is_the_learners_own_seeded_and_checkpointed():
         return [exp(float(i % 2), str(i // 2), length=1 + 3 * (i % 4), version=0) for i in range(8)]
 
     def trained(global_seed, seed=0, steps=2, state=None):
-        grpo = learner(micro_batch_size=3, train_epochs=2, seed=seed, actor_optimizer=OptimizerConfig(lr=1e-2))
+        grpo = learner(micro_batch_size=3, train_epochs=2, seed=seed,
+                       actor_optimizer=OptimizerConfig(lr=1e-2))
         if state is not None:
             grpo.load_state_dict(state)
         torch.manual_seed(global_seed)
