@@ -348,9 +348,11 @@ def test_generation_dtype_casts_the_generating_model_and_auto_keeps_float32_off_
     auto = HFGenerationBackend.from_actor(Actor(model, tokenizer), dtype="auto")
     on_cuda = lane_device().type == "cuda" and torch.cuda.is_bf16_supported()
     assert next(auto.model.parameters()).dtype == (torch.bfloat16 if on_cuda else torch.float32)
+    assert auto.stored_dtype == (torch.bfloat16 if on_cuda else None)  # what its maker casts updates to
     model, tokenizer = tiny_lm("llama", seed=0)
     cast = HFGenerationBackend.from_actor(Actor(model, tokenizer), dtype="bfloat16")
     assert cast.model is model and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert cast.stored_dtype == torch.bfloat16
     assert {layout.dtype for layout in cast.weight_sink.layout().values()} == {torch.bfloat16}
     out = cast.generate_text(PROMPTS, WARPED)
     for ids, log_probs in zip(out.response_ids, out.log_probs, strict=True):

@@ -92,7 +92,7 @@ def test_a_bf16_vllm_maker_is_sent_bf16_adapters_and_serves_what_float32_ones_gi
             assert trainer.latest_update.manifest.kind == "lora"
             # What the engine loaded for this version, against the trainer's float32 adapter as the engine
             # would round it (vLLM casts an adapter to its dtype when it loads one).
-            served = load_file(os.path.join(sink._current.path, "adapter_model.safetensors"))
+            served = load_file(os.path.join(sink.serving_request.lora_path, "adapter_model.safetensors"))
             trained = learner.policy.model.state_dict()
             assert any(not torch.equal(trained[key], adapter[key]) for key in adapter)  # it trained
             for key, peft_key in sink.spec.adapter_names.items():
