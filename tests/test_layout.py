@@ -15,6 +15,8 @@ ALLOWED = {
     "core": set(),
     # The multi-host harness: namespaces, links and Ray nodes driven by subprocess, nothing of the toolkit.
     "hosts": set(),
+    # Starting a Ray node bound to its address (`detached-rl node`): `ray start` and the bind shim.
+    "node": set(),
     "rewards": {"core"},
     "strategies": {"core"},
     "models": {"core"},
@@ -29,7 +31,7 @@ ALLOWED = {
                "trainer", "config"},
     "cli": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
             "trainer",
-            "config", "actors"},
+            "config", "actors", "node"},
     # Migration paths for other systems' users: thin shells over everything below, the
     # CLI's job helpers included.
     "compat": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",

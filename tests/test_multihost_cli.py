@@ -2,7 +2,8 @@
 
 Four hosts: h0 (the head; the trainer job, by custom resource), h1 (the maker job), h2 (the desk: a Ray
 node that runs neither job, only the commands typed there) and h3 (a laptop: no Ray node at all). Every
-node is started with its ports pinned (docs/multi-host.md), token authentication on. `status`, `inspect`,
+node is started as docs/multi-host.md says, with `detached-rl node`: ports pinned, token authentication on,
+listening on its host's address only. `status`, `inspect`,
 `export` and `stop` typed on the desk work through the Ray client (`ray://10.213.0.1:10001`) and through
 the head's address (`10.213.0.1:6379`); an export lands on the desk. On the laptop only the Ray client
 works, and the direct address is refused saying so. Which sockets the nodes listen on, and a driver
@@ -19,6 +20,7 @@ import time
 import pytest
 
 from detached_rl.hosts import Hosts
+from detached_rl.node import NodePorts
 
 from .multihost import hosts_fixture, tiny_config_path
 
@@ -26,16 +28,9 @@ pytestmark = [pytest.mark.multihost]
 
 TRAINER, MAKER, DESK, LAPTOP = 0, 1, 2, 3
 HOME = "/tmp/drl-hostfs/home"
-# The ports docs/multi-host.md pins on every node: then each port Ray listens on for other hosts is known.
-PINNED_PORTS = {"--node-manager-port": 6380, "--object-manager-port": 6381,
-                "--dashboard-agent-grpc-port": 6382, "--dashboard-agent-listen-port": 6383,
-                "--runtime-env-agent-port": 6384,
-                "--metrics-export-port": 6385, "--min-worker-port": 11000, "--max-worker-port": 11099}
-PINNED = [f"{flag}={port}" for flag, port in PINNED_PORTS.items()]
-WORKER_PORTS = range(PINNED_PORTS["--min-worker-port"], PINNED_PORTS["--max-worker-port"] + 1)
-HEAD_ONLY_PORTS = {6379, 10001, 44217, 44227}  # GCS, Ray client; the autoscaler's and dashboard's metrics
-hosts = hosts_fixture(4, resources={TRAINER: {"trainer_host": 1}, MAKER: {"maker_host": 1}},
-                      node_args={i: PINNED for i in range(3)}, bare={LAPTOP})
+# The ports `detached-rl node` pins on every node (docs/multi-host.md section 6).
+PORTS = NodePorts()
+hosts = hosts_fixture(4, resources={TRAINER: {"trainer_host": 1}, MAKER: {"maker_host": 1}}, bare={LAPTOP})
 NAMESPACE = ["--namespace", "desk_test"]
 TINY = ["--config", tiny_config_path(), "--set", "namespace=desk_test"]
 SAMPLES = 8  # the maker's 2 batches of 4 prompts, 1 answer each (examples/jobs/tiny.yaml)
@@ -117,20 +112,21 @@ def test_status_inspect_export_and_stop_from_the_desk_through_both_addresses(hos
     assert "stopped t" in stopped.stdout, stopped.stdout  # none left: the laptop's status below says so
 
 
-def test_every_port_open_to_other_hosts_is_a_pinned_one(hosts: Hosts) -> None:
-    """With the pinned ports of docs/multi-host.md, each socket a node listens on for other hosts is on a
-    port the document lists (so a firewall that opens just those between the hosts is complete); the Ray
-    client server listens on the head's address and loopback only."""
-    allowed = set(PINNED_PORTS.values()) | set(WORKER_PORTS)
-    for index in (TRAINER, MAKER):
+def test_every_node_listens_on_its_own_address_and_pinned_ports_only(hosts: Hosts) -> None:
+    """Nodes started with `detached-rl node`: no socket of any node listens on all interfaces (0.0.0.0 or
+    [::]), each one open to other hosts is on the host's own address and on a port docs/multi-host.md lists
+    (so a firewall that opens just those between the hosts is complete); the Ray client server listens on
+    the head's address and loopback only."""
+    for index in (TRAINER, MAKER, DESK):
         table = listeners(hosts, index)
         print(f"h{index} listens on: " + ", ".join(f"{a}:{p} ({n})" for a, p, n in table))
+        wide = [row for row in table if row[0] in ("*", "0.0.0.0", "::")]
+        assert not wide, f"h{index} listens on all interfaces: {wide}"
         open_to_hosts = [(a, p, n) for a, p, n in table if a not in ("127.0.0.1", "::1")]
-        unexpected = [row for row in open_to_hosts
-                      if row[1] not in allowed | (HEAD_ONLY_PORTS if index == 0 else set())]
+        assert {a for a, _, _ in open_to_hosts} == {hosts.host(index).address}, open_to_hosts
+        unexpected = [row for row in open_to_hosts if row[1] not in PORTS.of_node(head=index == 0)]
         assert not unexpected, unexpected
-        assert {a for a, p, _ in open_to_hosts} <= {hosts.host(index).address, "*", "0.0.0.0", "::"}
-    client = {a for a, p, _ in listeners(hosts, 0) if p == 10001}
+    client = {a for a, p, _ in listeners(hosts, 0) if p == PORTS.client}
     assert client == {hosts.host(0).address, "127.0.0.1"}, client
 
 

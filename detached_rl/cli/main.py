@@ -410,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds to wait for each actor to drain")
     _cluster_options(stop)
     stop.set_defaults(handler=_stop)
+    from detached_rl.cli.node import add_node_command
+
+    add_node_command(commands)
     return parser
 
 

@@ -1,5 +1,6 @@
-"""A Ray cluster over the hosts of a `Network`: the head on host 0, a worker node on each other host,
-token authentication on, every process owned by the harness and stopped by pid."""
+"""A Ray cluster over the hosts of a `Network`: the head on host 0, a worker node on each other host, each
+started with `detached-rl node` (token authentication on, ports pinned, listening on the host's address
+only), every process owned by the harness and stopped by pid."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class Hosts:
                  cpus: dict[int, float] | None = None, resources: dict[int, dict[str, float]] | None = None,
                  labels: dict[int, dict[str, str]] | None = None, object_store_mb: int = 1024,
                  token: bool = True, prefix: str | None = None, workdir: Path | None = None,
-                 node_args: dict[int, list[str]] | None = None, bare: set[int] | None = None) -> None:
+                 node_args: dict[int, list[str]] | None = None, bare: set[int] | None = None,
+                 bind_to_address: bool = True) -> None:
         if bare and 0 in bare:
             raise HostsError("host 0 runs the head: it cannot be bare (without a Ray node)")
         self.prefix = prefix or f"drlh-{uuid.uuid4().hex[:6]}"
@@ -54,7 +56,9 @@ class Hosts:
         self.cpus = cpus or {}
         self.resources = resources or {}
         self.labels = labels or {}
-        self.node_args = node_args or {}  # more `ray start` options of host i (e.g. pinned ports)
+        self.node_args = node_args or {}  # more `ray start` options of host i (after `detached-rl node --`)
+        # False: the nodes keep Ray's own binding (servers on all interfaces), `--listen-on-all-interfaces`
+        self.bind_to_address = bind_to_address
         self.bare = set(bare or ())  # hosts without a Ray node (a laptop with the CLI only)
         self.object_store_mb = object_store_mb
         self.token = secrets.token_hex(32) if token else None
@@ -135,26 +139,30 @@ class Hosts:
         return self.network.counters(self.host(index))
 
     # -- Ray nodes ------------------------------------------------------------------------------------
-    def _node_args(self, index: int) -> list[str]:
+    def node_command(self, index: int) -> list[str]:
+        """The `detached-rl node` argv of host `index`: the head on host 0, else a worker joining it; bound
+        to the host's address, ports pinned (the command's defaults), the cluster's token required."""
         host = self.host(index)
-        args = [f"--node-ip-address={host.address}", f"--num-cpus={self.cpus.get(index, 2)}",
-                f"--object-store-memory={self.object_store_mb * 2 ** 20}",
-                "--disable-usage-stats"]
+        command = [str(tool_bin() / "detached-rl"), "node", f"--node-ip-address={host.address}",
+                   f"--num-cpus={self.cpus.get(index, 2)}"]
+        if index == 0:
+            command += ["--head", f"--port={RAY_PORT}", f"--ray-client-server-port={CLIENT_PORT}"]
+        else:
+            command.append(f"--address={self.head_address}")
         if self.resources.get(index):
-            args.append(f"--resources={json.dumps(self.resources[index])}")
+            command.append(f"--resources={json.dumps(self.resources[index])}")
         if self.labels.get(index):
-            args.append("--labels=" + ",".join(f"{k}={v}" for k, v in self.labels[index].items()))
-        return [*args, *self.node_args.get(index, [])]
+            command.append("--labels=" + ",".join(f"{k}={v}" for k, v in self.labels[index].items()))
+        if not self.token:
+            command.append("--no-token")
+        if not self.bind_to_address:
+            command.append("--listen-on-all-interfaces")
+        return [*command, "--", f"--object-store-memory={self.object_store_mb * 2 ** 20}",
+                "--disable-usage-stats", *self.node_args.get(index, [])]
 
     def start_node(self, index: int) -> None:
-        """Start host `index`'s Ray node: the head on host 0, else a worker joining it."""
-        ray = str(tool_bin() / "ray")
-        if index == 0:
-            args = [ray, "start", "--head", f"--port={RAY_PORT}", f"--ray-client-server-port={CLIENT_PORT}",
-                    "--include-dashboard=false", *self._node_args(0)]
-        else:
-            args = [ray, "start", f"--address={self.head_address}", *self._node_args(index)]
-        self.run(index, args, timeout=180, check=True)
+        """Start host `index`'s Ray node with `detached-rl node`, as a user on that host would."""
+        self.run(index, self.node_command(index), timeout=360, check=True)
 
     def kill_node(self, index: int, sig: int = signal.SIGKILL) -> list[int]:
         """Kill every process of host `index` but its anchor (its raylet, workers, agents): the machine

@@ -1,0 +1,88 @@
+"""`detached-rl node`: start a Ray node of a multi-host cluster (the head, or a worker joining it) listening
+on its own address only, token authentication on, every port pinned (docs/multi-host.md section 2)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from detached_rl.cli.arguments import EXIT_ERROR, int_at_least, non_negative_float
+from detached_rl.node import NodeError, NodeSpec, start_node
+
+PORT = int_at_least(1, 65535)
+
+
+def _mapping(text: str, option: str) -> dict[str, str]:
+    """"key=value,key2=value2" -> dict; refuses naming the option."""
+    pairs = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, equals, value = item.partition("=")
+        if not equals or not key:
+            raise NodeError(f"{option}: {item!r} is not KEY=VALUE")
+        pairs[key] = value
+    return pairs
+
+
+def _resources(text: str) -> dict[str, float]:
+    """--resources as `ray start` takes it (a JSON object of amounts)."""
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise NodeError(f"--resources is not JSON ({error.msg}): e.g. '{{\"maker_host\": 1}}'") from error
+    amounts = parsed.values() if isinstance(parsed, dict) else ()
+    if not isinstance(parsed, dict) or not all(isinstance(v, int | float) and v >= 0 for v in amounts):
+        raise NodeError("--resources must map names to non-negative amounts, e.g. '{\"maker_host\": 1}'")
+    return {str(key): float(value) for key, value in parsed.items()}
+
+
+def add_node_command(commands: argparse._SubParsersAction) -> None:
+    """Register `detached-rl node`."""
+    node = commands.add_parser(
+        "node", help="start a Ray node of a multi-host cluster listening on its own address only",
+        description="Start the head (--head) or a worker node (--address HEAD:PORT) with `ray start`: token "
+                    "authentication required, ports pinned (docs/multi-host.md section 6), every socket "
+                    "bound to --node-ip-address and 127.0.0.1 (Ray 2.60 binds its servers to all "
+                    "interfaces; a preloaded bind shim, built once with the C compiler, binds them here). "
+                    "More `ray start` options after `--`; stop the node with `ray stop`.")
+    where = node.add_mutually_exclusive_group(required=True)
+    where.add_argument("--head", action="store_true", help="start the head node")
+    where.add_argument("--address", default=None, help="join the head at HOST:PORT (its GCS)")
+    node.add_argument("--node-ip-address", required=True,
+                      help="this host's address, the one the other hosts reach it at; the node listens there")
+    node.add_argument("--port", type=PORT, default=6379, help="the head's GCS port (default 6379)")
+    node.add_argument("--ray-client-server-port", type=PORT, default=10001,
+                      help="the head's Ray client port (default 10001)")
+    node.add_argument("--resources", default=None, help="custom resources, JSON: '{\"maker_host\": 1}'")
+    node.add_argument("--labels", default=None, help="node labels: role=maker,zone=a")
+    node.add_argument("--num-cpus", type=non_negative_float, default=None)
+    node.add_argument("--num-gpus", type=non_negative_float, default=None)
+    node.add_argument("--dashboard", action="store_true",
+                      help="start the dashboard on the head (127.0.0.1:8265; needed by `ray job submit`)")
+    node.add_argument("--listen-on-all-interfaces", action="store_true",
+                      help="keep Ray's own binding (its servers on 0.0.0.0): no bind shim, no compiler")
+    node.add_argument("--no-token", action="store_true", help="start without token authentication")
+    node.add_argument("ray_start", nargs=argparse.REMAINDER,
+                      help="-- then more `ray start` options (e.g. -- --object-store-memory=2000000000)")
+    node.set_defaults(handler=run_node)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    """Handler of `detached-rl node`."""
+    extra = list(args.ray_start)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    try:
+        spec = NodeSpec(node_ip_address=args.node_ip_address,
+                        head_address=None if args.head else args.address,
+                        resources=_resources(args.resources) if args.resources else None,
+                        labels=_mapping(args.labels, "--labels") if args.labels else None,
+                        num_cpus=args.num_cpus, num_gpus=args.num_gpus, dashboard=args.dashboard,
+                        listen_on_all_interfaces=args.listen_on_all_interfaces,
+                        require_token=not args.no_token, extra=extra)
+        spec.ports.gcs, spec.ports.client = args.port, args.ray_client_server_port
+        print(start_node(spec))
+    except NodeError as error:
+        print(f"detached-rl: error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    return 0

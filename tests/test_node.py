@@ -1,0 +1,169 @@
+"""`detached-rl node` without Ray: the bind shim (built with the real compiler, preloaded into a real child
+process), the listening-socket table, and the checks and `ray start` command the node is started with."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from detached_rl.cli.main import main
+from detached_rl.node import NodeError, NodePorts, NodeSpec, build_bind_shim, listening_sockets, start_node
+from detached_rl.node.listening import parse_table
+from detached_rl.node.shim import ADDRESS_VARIABLE, preloaded
+from detached_rl.node.start import check_node_address, check_token, ray_start_command
+
+PROBE = """
+import json, socket
+bound = {}
+four = socket.socket(); four.bind(("", 0)); bound["ipv4 wildcard"] = four.getsockname()[0]
+both = socket.socket(socket.AF_INET6); both.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+both.bind(("::", 0)); bound["dual-stack wildcard"] = both.getsockname()[0]
+only6 = socket.socket(socket.AF_INET6); only6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+only6.bind(("::", 0)); bound["ipv6-only wildcard"] = only6.getsockname()[0]
+given = socket.socket(); given.bind(("127.0.0.1", 0)); bound["explicit"] = given.getsockname()[0]
+print(json.dumps(bound))
+"""
+
+
+@pytest.fixture(scope="module")
+def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shim, built once for the module with this machine's compiler."""
+    return build_bind_shim(tmp_path_factory.mktemp("shim"))
+
+
+def bound_in_child(environment: dict[str, str]) -> dict[str, str]:
+    """Where a child Python's sockets end up bound, in `environment`."""
+    result = subprocess.run([sys.executable, "-c", PROBE], env=environment, capture_output=True, text=True,
+                            timeout=60, check=True)
+    return json.loads(result.stdout)
+
+
+def test_the_shim_binds_wildcards_to_the_node_address_and_leaves_the_rest(shim: Path) -> None:
+    """Preloaded with an address (127.0.0.2: on the loopback interface of every Linux host), a child's
+    wildcard binds land on it (IPv4-mapped for a dual-stack socket, ::1 for an IPv6-only one); an explicit
+    address is kept; without the variable nothing changes."""
+    base = {"PATH": os.environ["PATH"]}
+    with_shim = bound_in_child(preloaded(base, shim, "127.0.0.2"))
+    assert with_shim == {"ipv4 wildcard": "127.0.0.2", "dual-stack wildcard": "::ffff:127.0.0.2",
+                         "ipv6-only wildcard": "::1", "explicit": "127.0.0.1"}
+    without_address = bound_in_child({**base, "LD_PRELOAD": str(shim)})
+    assert without_address["ipv4 wildcard"] == "0.0.0.0" and without_address["dual-stack wildcard"] == "::"
+
+
+def test_the_shim_is_built_once_and_kept_with_other_preloads(shim: Path, tmp_path: Path) -> None:
+    """A second build returns the same file untouched; the shim goes first in LD_PRELOAD, the user's stay."""
+    before = shim.stat().st_mtime_ns
+    assert build_bind_shim(shim.parent) == shim and shim.stat().st_mtime_ns == before
+    environment = preloaded({"LD_PRELOAD": "/usr/lib/other.so"}, shim, "10.0.0.5")
+    assert environment["LD_PRELOAD"] == f"{shim} /usr/lib/other.so"
+    assert environment[ADDRESS_VARIABLE] == "10.0.0.5"
+
+
+def test_without_a_compiler_the_build_is_refused_naming_the_way_out(tmp_path: Path) -> None:
+    """No CC and no cc/gcc on PATH: a NodeError that says what to install and how to do without."""
+    with pytest.raises(NodeError, match="C compiler") as refused:
+        build_bind_shim(tmp_path, environment={"PATH": str(tmp_path)})
+    assert "--listen-on-all-interfaces" in str(refused.value) and "gcc" in str(refused.value)
+
+
+def test_listening_sockets_are_read_from_proc_with_their_addresses() -> None:
+    """Sockets this process listens on appear with their address and port; wildcard ones as 0.0.0.0/::."""
+    with socket.socket() as local, socket.socket() as wide:
+        local.bind(("127.0.0.1", 0))
+        local.listen()
+        wide.bind(("0.0.0.0", 0))
+        wide.listen()
+        table = listening_sockets()
+        assert ("127.0.0.1", local.getsockname()[1]) in table
+        assert ("0.0.0.0", wide.getsockname()[1]) in table
+
+
+def test_the_proc_table_parser_reads_mapped_ipv6_and_skips_other_states() -> None:
+    """A tcp6 row of ::ffff:10.213.0.1:6379 (LISTEN) reads as 10.213.0.1; an established row is skipped."""
+    header = "  sl  local_address                         remote_address                        st\n"
+    mapped = "0000000000000000FFFF00000100D50A"  # ::ffff:10.213.0.1, 32-bit words little-endian
+    rows = (f"   0: {mapped}:18EB 00000000000000000000000000000000:0000 0A\n"
+            f"   1: 00000000000000000000000000000000:2711 00000000000000000000000000000000:0000 0A\n"
+            f"   2: {mapped}:18EC 0000000000000000FFFF00000200D50A:9C40 01\n")
+    assert parse_table(header + rows) == [("10.213.0.1", 6379), ("::", 10001)]
+
+
+def test_a_node_address_must_be_one_of_this_host() -> None:
+    """Wildcards, non-addresses and addresses of other hosts are refused, naming the option."""
+    for address, reason in (("0.0.0.0", "means every interface"), ("eth0", "is not an IP address"),
+                            ("192.0.2.77", "is not an address of this host"),
+                            ("::1", "IPv6 node address is not supported")):
+        with pytest.raises(NodeError, match=reason) as refused:
+            check_node_address(address, listen_on_all_interfaces=False)
+        assert "--node-ip-address" in str(refused.value)
+    check_node_address("127.0.0.1", listen_on_all_interfaces=False)
+
+
+def test_a_node_needs_token_authentication_unless_told_otherwise(tmp_path: Path) -> None:
+    """Without RAY_AUTH_MODE=token, or with it and no token anywhere: refused, naming the variables."""
+    with pytest.raises(NodeError, match="RAY_AUTH_MODE is not 'token'.*--no-token"):
+        check_token({"HOME": str(tmp_path)}, head=True)
+    with pytest.raises(NodeError, match="neither RAY_AUTH_TOKEN nor .*ray get-auth-token --generate"):
+        check_token({"HOME": str(tmp_path), "RAY_AUTH_MODE": "token"}, head=True)
+    check_token({"HOME": str(tmp_path), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "a" * 64}, head=False)
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("b" * 64)
+    check_token({"HOME": str(tmp_path), "RAY_AUTH_MODE": "token"}, head=False)
+
+
+def test_ray_start_gets_every_port_pinned_and_the_users_options_last() -> None:
+    """The head: GCS, client, dashboard off and every pinned port; a worker: the head's address. Options
+    after `--` come last, and a port given there is the one the node is checked on."""
+    head = ray_start_command(NodeSpec("10.0.0.5", resources={"trainer_host": 1}, labels={"role": "trainer"}))
+    for expected in ("--head", "--port=6379", "--ray-client-server-port=10001", "--include-dashboard=false",
+                     "--node-manager-port=6380", "--object-manager-port=6381", "--min-worker-port=11000",
+                     "--max-worker-port=11099", "--metrics-export-port=6385", "--labels=role=trainer",
+                     '--resources={"trainer_host": 1}', "--node-ip-address=10.0.0.5"):
+        assert expected in head, expected
+    worker = ray_start_command(NodeSpec("10.0.0.6", head_address="10.0.0.5:6379", extra=["--num-gpus=1"]))
+    assert "--address=10.0.0.5:6379" in worker and "--head" not in worker and worker[-1] == "--num-gpus=1"
+    ports = NodePorts().overridden(["--node-manager-port", "7000", "--max-worker-port=12000"])
+    assert ports.node_manager == 7000 and 12000 in ports.of_node(head=False)
+    assert 6379 not in ports.of_node(head=False)
+    with pytest.raises(NodeError, match="--object-manager-port takes a port number"):
+        NodePorts().overridden(["--object-manager-port=any"])
+
+
+def test_a_node_found_listening_on_all_interfaces_is_reported(tmp_path: Path) -> None:
+    """When a node's port listens on 0.0.0.0 after `ray start` (the shim did not take), `start_node` fails
+    naming the socket. The command's stand-in opens that socket here; the real `ray start` runs in the
+    multi-host tests."""
+    opened: list[socket.socket] = []
+
+    def ray_start(command: list[str], **options: object) -> subprocess.CompletedProcess[str]:
+        assert options["env"][ADDRESS_VARIABLE] == "127.0.0.1"  # type: ignore[index]
+        wide = socket.socket()
+        wide.bind(("0.0.0.0", 0))
+        wide.listen()
+        opened.append(wide)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    spec = NodeSpec("127.0.0.1", require_token=False,
+                    extra=["--min-worker-port=1", "--max-worker-port=65535"])
+    try:
+        with pytest.raises(NodeError, match=r"listens on all interfaces at 0\.0\.0\.0:\d+"):
+            start_node(spec, {**os.environ, "DETACHED_RL_CACHE_DIR": str(tmp_path)}, runner=ray_start)
+    finally:
+        for wide in opened:
+            wide.close()
+
+
+def test_the_command_refuses_bad_options_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """`detached-rl node` with a wildcard address or malformed resources: exit 2, the option named."""
+    assert main(["node", "--head", "--node-ip-address", "0.0.0.0", "--no-token"]) == 2
+    assert "--node-ip-address 0.0.0.0 means every interface" in capsys.readouterr().err
+    assert main(["node", "--head", "--node-ip-address", "127.0.0.1", "--resources", "{maker"]) == 2
+    assert "--resources is not JSON" in capsys.readouterr().err
+    assert main(["node", "--head", "--node-ip-address", "127.0.0.1", "--labels", "role"]) == 2
+    assert "--labels: 'role' is not KEY=VALUE" in capsys.readouterr().err
