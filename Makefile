@@ -20,25 +20,26 @@ export TOKENIZERS_PARALLELISM := false
 install: $(STAMP)
 
 # The multi-host harness and its tests (detached_rl/hosts, tests/test_hosts.py, tests/test_multihost_*.py) build
-# hosts from network namespaces with `ip` and `tc` (iproute2), as root; `unshare`, `nsenter` (util-linux) and
-# `mount` are essential packages on Debian. As root on a machine without them: apt-get install iproute2.
-IPROUTE_TOOLS ?= ip tc
+# hosts from network namespaces with `ip` and `tc` (iproute2), as root, and start each host's Ray node with
+# `detached-rl node`, which builds its bind shim with the C compiler (cc: gcc, libc6-dev); `unshare`, `nsenter`
+# (util-linux) and `mount` are essential packages on Debian. As root on a machine without them: apt-get install.
+SYSTEM_TOOLS ?= ip:iproute2 tc:iproute2 cc:gcc cc:libc6-dev
 SYSTEM_PATH := $(PATH):/usr/sbin:/sbin
 system-tools:
-	@missing=""; for tool in $(IPROUTE_TOOLS); do PATH="$(SYSTEM_PATH)" command -v $$tool >/dev/null 2>&1 || \
-		missing="$$missing $$tool"; done; \
-	if [ -z "$$missing" ]; then exit 0; fi; \
+	@packages=""; for pair in $(SYSTEM_TOOLS); do tool=$${pair%%:*}; package=$${pair#*:}; \
+		PATH="$(SYSTEM_PATH)" command -v $$tool >/dev/null 2>&1 || packages="$$packages $$package"; done; \
+	if [ -z "$$packages" ]; then exit 0; fi; \
 	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
-		echo "make: note: the multi-host tests need$$missing (iproute2) and root: as root, apt-get install" \
-			"iproute2 (Debian/Ubuntu; other systems: their iproute2 package), or leave those tests out with" \
+		echo "make: note: the multi-host tests need root and$$packages: as root, apt-get install$$packages" \
+			"(Debian/Ubuntu; other systems: their packages of ip, tc and cc), or leave those tests out with" \
 			"PYTEST_ARGS='-m \"not multihost\"'"; exit 0; fi; \
-	echo "installing iproute2 (missing:$$missing) for the multi-host tests"; \
+	echo "installing$$packages for the multi-host tests"; \
 	export DEBIAN_FRONTEND=noninteractive; \
-	apt-get install -y -q --no-install-recommends iproute2 >/dev/null 2>&1 || \
-		{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends iproute2 >/dev/null; } || \
-		{ echo "make: apt-get install iproute2 failed"; exit 1; }; \
-	for tool in $(IPROUTE_TOOLS); do PATH="$(SYSTEM_PATH)" command -v $$tool >/dev/null 2>&1 || \
-		{ echo "make: iproute2 is installed but $$tool is still missing"; exit 1; }; done
+	apt-get install -y -q --no-install-recommends $$packages >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $$packages >/dev/null; } || \
+		{ echo "make: apt-get install$$packages failed"; exit 1; }; \
+	for pair in $(SYSTEM_TOOLS); do tool=$${pair%%:*}; PATH="$(SYSTEM_PATH)" command -v $$tool >/dev/null 2>&1 || \
+		{ echo "make: $${pair#*:} is installed but $$tool is still missing"; exit 1; }; done
 
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 12))' >/dev/null 2>&1 || \
