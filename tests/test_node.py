@@ -15,20 +15,57 @@ import pytest
 from detached_rl.cli.main import main
 from detached_rl.node import NodeError, NodePorts, NodeSpec, build_bind_shim, listening_sockets, start_node
 from detached_rl.node.listening import parse_table
-from detached_rl.node.shim import ADDRESS_VARIABLE, preloaded
+from detached_rl.node.shim import ADDRESS_VARIABLE, PORTS_VARIABLE, preloaded
 from detached_rl.node.start import check_node_address, check_token, ray_start_command
 
 PROBE = """
-import json, socket
+import json, os, socket
+node, other = (int(port) for port in os.environ["PROBE_PORTS"].split(","))
 bound = {}
-four = socket.socket(); four.bind(("", 0)); bound["ipv4 wildcard"] = four.getsockname()[0]
+four = socket.socket(); four.bind(("", node)); bound["ipv4 wildcard"] = four.getsockname()[0]
+four.close()
 both = socket.socket(socket.AF_INET6); both.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-both.bind(("::", 0)); bound["dual-stack wildcard"] = both.getsockname()[0]
+both.bind(("::", node)); bound["dual-stack wildcard"] = both.getsockname()[0]
 only6 = socket.socket(socket.AF_INET6); only6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-only6.bind(("::", 0)); bound["ipv6-only wildcard"] = only6.getsockname()[0]
-given = socket.socket(); given.bind(("127.0.0.1", 0)); bound["explicit"] = given.getsockname()[0]
+only6.bind(("::", other)); bound["ipv6-only wildcard, not a node port"] = only6.getsockname()[0]
+only6.close()
+only6 = socket.socket(socket.AF_INET6); only6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+only6.bind(("::", node + 1)); bound["ipv6-only wildcard"] = only6.getsockname()[0]
+given = socket.socket(); given.bind(("127.0.0.1", node + 2)); bound["explicit"] = given.getsockname()[0]
+elsewhere = socket.socket(); elsewhere.bind(("", other))
+bound["not a node port"] = elsewhere.getsockname()[0]
+ephemeral = socket.socket(); ephemeral.bind(("", 0)); bound["ephemeral"] = ephemeral.getsockname()[0]
 print(json.dumps(bound))
 """
+STORE = """
+import datetime, os, torch.distributed as dist
+port = int(os.environ["PROBE_PORTS"].split(",")[1])
+server = dist.TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=20), wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", port, 2, False, datetime.timedelta(seconds=20))
+client.set("key", "value")
+print(server.get("key").decode())
+"""
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` ports free on loopback and wildcard now, each with its next two free too."""
+    found: list[int] = []
+    while len(found) < count:
+        with socket.socket() as probe:
+            probe.bind(("0.0.0.0", 0))
+            port = probe.getsockname()[1]
+        if port + 2 < 65536 and all(_free(port + step) for step in (1, 2)):
+            found.append(port)
+    return found
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
 
 
 @pytest.fixture(scope="module")
@@ -37,32 +74,46 @@ def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_bind_shim(tmp_path_factory.mktemp("shim"))
 
 
-def bound_in_child(environment: dict[str, str]) -> dict[str, str]:
-    """Where a child Python's sockets end up bound, in `environment`."""
-    result = subprocess.run([sys.executable, "-c", PROBE], env=environment, capture_output=True, text=True,
-                            timeout=60, check=True)
-    return json.loads(result.stdout)
+def in_child(code: str, environment: dict[str, str]) -> str:
+    """What a child Python running `code` in `environment` prints."""
+    result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
 
 
-def test_the_shim_binds_wildcards_to_the_node_address_and_leaves_the_rest(shim: Path) -> None:
-    """Preloaded with an address (127.0.0.2: on the loopback interface of every Linux host), a child's
-    wildcard binds land on it (IPv4-mapped for a dual-stack socket, ::1 for an IPv6-only one); an explicit
-    address is kept; without the variable nothing changes."""
-    base = {"PATH": os.environ["PATH"]}
-    with_shim = bound_in_child(preloaded(base, shim, "127.0.0.2"))
-    assert with_shim == {"ipv4 wildcard": "127.0.0.2", "dual-stack wildcard": "::ffff:127.0.0.2",
-                         "ipv6-only wildcard": "::1", "explicit": "127.0.0.1"}
-    without_address = bound_in_child({**base, "LD_PRELOAD": str(shim)})
+def test_the_shim_binds_wildcards_on_node_ports_to_the_node_address_and_leaves_the_rest(shim: Path) -> None:
+    """Preloaded with an address (127.0.0.2: on the loopback interface of every Linux host) and the node's
+    ports, a child's wildcard binds on those ports land on the address (IPv4-mapped for a dual-stack socket,
+    ::1 for an IPv6-only one); an explicit address, another port and an ephemeral one are kept; without
+    the address nothing changes."""
+    node, other = free_ports(2)
+    base = {"PATH": os.environ["PATH"], "PROBE_PORTS": f"{node},{other}"}
+    bound = json.loads(in_child(PROBE, preloaded(base, shim, "127.0.0.2", range(node, node + 3))))
+    assert bound == {"ipv4 wildcard": "127.0.0.2", "dual-stack wildcard": "::ffff:127.0.0.2",
+                     "ipv6-only wildcard, not a node port": "::", "ipv6-only wildcard": "::1",
+                     "explicit": "127.0.0.1", "not a node port": "0.0.0.0", "ephemeral": "0.0.0.0"}
+    every_port = json.loads(in_child(PROBE, preloaded(base, shim, "127.0.0.2")))
+    assert every_port["not a node port"] == "127.0.0.2" and every_port["ephemeral"] == "127.0.0.2"
+    without_address = json.loads(in_child(PROBE, {**base, "LD_PRELOAD": str(shim)}))
     assert without_address["ipv4 wildcard"] == "0.0.0.0" and without_address["dual-stack wildcard"] == "::"
+
+
+def test_a_torch_store_on_loopback_works_in_a_nodes_process(shim: Path) -> None:
+    """A TCPStore (vLLM's and torch's rendezvous) binds all interfaces and is reached on 127.0.0.1: on a
+    port that is not the node's it keeps working under the shim (with every port taken, it could not)."""
+    node, other = free_ports(2)
+    base = {"PATH": os.environ["PATH"], "PROBE_PORTS": f"{node},{other}"}
+    assert in_child(STORE, preloaded(base, shim, "127.0.0.2", [node])).strip() == "value"
 
 
 def test_the_shim_is_built_once_and_kept_with_other_preloads(shim: Path, tmp_path: Path) -> None:
     """A second build returns the same file untouched; the shim goes first in LD_PRELOAD, the user's stay."""
     before = shim.stat().st_mtime_ns
     assert build_bind_shim(shim.parent) == shim and shim.stat().st_mtime_ns == before
-    environment = preloaded({"LD_PRELOAD": "/usr/lib/other.so"}, shim, "10.0.0.5")
+    environment = preloaded({"LD_PRELOAD": "/usr/lib/other.so"}, shim, "10.0.0.5", {6379, 6380, 6381, 10001})
     assert environment["LD_PRELOAD"] == f"{shim} /usr/lib/other.so"
-    assert environment[ADDRESS_VARIABLE] == "10.0.0.5"
+    assert environment[ADDRESS_VARIABLE] == "10.0.0.5" and environment[PORTS_VARIABLE] == "6379-6381,10001"
 
 
 def test_without_a_compiler_the_build_is_refused_naming_the_way_out(tmp_path: Path) -> None:
@@ -150,7 +201,7 @@ def test_a_node_found_listening_on_all_interfaces_is_reported(tmp_path: Path) ->
         return subprocess.CompletedProcess(command, 0, "", "")
 
     spec = NodeSpec("127.0.0.1", require_token=False,
-                    extra=["--min-worker-port=1", "--max-worker-port=65535"])
+                    extra=["--min-worker-port=1", "--max-worker-port=65535"])  # every port is the node's
     try:
         with pytest.raises(NodeError, match=r"listens on all interfaces at 0\.0\.0\.0:\d+"):
             start_node(spec, {**os.environ, "DETACHED_RL_CACHE_DIR": str(tmp_path)}, runner=ray_start)

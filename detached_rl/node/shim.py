@@ -1,5 +1,6 @@
 """The bind shim (bind_shim.c): built once per source version with the system's C compiler, preloaded into a
-Ray node's processes so that what Ray would bind to all interfaces is bound to the node's address."""
+Ray node's processes so that what Ray would bind to all interfaces on the node's ports is bound to the node's
+address."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import hashlib
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("bind_shim.c")
 # The variable the shim reads: the IPv4 address that replaces a wildcard bind.
 ADDRESS_VARIABLE = "DETACHED_RL_BIND_ADDRESS"
+# ... and the ports it does so on (the node's own; unset: every port).
+PORTS_VARIABLE = "DETACHED_RL_BIND_PORTS"
 BUILD_TIMEOUT_S = 120.0
 
 
@@ -69,7 +72,24 @@ def build_bind_shim(directory: Path | None = None, environment: Mapping[str, str
     return target
 
 
-def preloaded(environment: Mapping[str, str], shim: Path, address: str) -> dict[str, str]:
-    """`environment` with the shim preloaded (before any LD_PRELOAD already set) and bound to `address`."""
+def port_ranges(ports: Iterable[int]) -> str:
+    """{6379, 6380, 6381, 10001} -> "6379-6381,10001" (the shim's DETACHED_RL_BIND_PORTS)."""
+    ranges: list[list[int]] = []
+    for port in sorted(set(ports)):
+        if ranges and port == ranges[-1][1] + 1:
+            ranges[-1][1] = port
+        else:
+            ranges.append([port, port])
+    return ",".join(f"{low}" if low == high else f"{low}-{high}" for low, high in ranges)
+
+
+def preloaded(environment: Mapping[str, str], shim: Path, address: str,
+              ports: Iterable[int] | None = None) -> dict[str, str]:
+    """`environment` with the shim preloaded (before any LD_PRELOAD already set), binding wildcard binds on
+    `ports` (None: every port) to `address`."""
     preload = " ".join(part for part in (str(shim), environment.get("LD_PRELOAD", "")) if part)
-    return {**environment, "LD_PRELOAD": preload, ADDRESS_VARIABLE: address}
+    result = {**environment, "LD_PRELOAD": preload, ADDRESS_VARIABLE: address}
+    result.pop(PORTS_VARIABLE, None)
+    if ports is not None:
+        result[PORTS_VARIABLE] = port_ranges(ports)
+    return result

@@ -157,7 +157,8 @@ def node_environment(spec: NodeSpec, environment: Mapping[str, str]) -> dict[str
                        for name, variable in HEAD_PORT_VARIABLES.items()})
     if spec.listen_on_all_interfaces:
         return result
-    return preloaded(result, build_bind_shim(environment=environment), spec.node_ip_address)
+    return preloaded(result, build_bind_shim(environment=environment), spec.node_ip_address,
+                     spec.ports.of_node(spec.head))
 
 
 def describe(spec: NodeSpec) -> str:
