@@ -184,9 +184,8 @@ def init_local_ray(namespace: str, **options: Any) -> None:
     """Start an embedded single-node Ray bound to 127.0.0.1 (nothing listens on other interfaces).
 
     RAY_AUTH_MODE is left as the user set it; unset, Ray 2.60 turns token auth on for a new local
-    cluster and keeps its token in ~/.ray/auth_token. For a real multi-node cluster, start it with
-    `ray start --head --node-ip-address=<private address>` on a trusted network, token auth on and its
-    ports pinned behind a firewall (docs/multi-host.md).
+    cluster and keeps its token in ~/.ray/auth_token. For a real multi-node cluster, start each node with
+    `detached-rl node` (token auth on, ports pinned, bound to the node's private address; docs/multi-host.md).
     """
     # Ray replaces a loopback node address by the machine's external one unless this is "0"; every GCS,
     # raylet, agent and worker socket then binds to that address or to all interfaces. The processes Ray
