@@ -102,6 +102,15 @@ def test_the_installed_package_is_the_one_that_ran_and_its_requirements_hold(ins
     step([str(installed_run["python"]), "-m", "pip", "check"], work, env, 300)
 
 
+def test_the_installed_package_ships_and_builds_the_bind_shim_of_detached_rl_node(installed_run):
+    """`detached-rl node` needs bind_shim.c (package data): the installed package builds it."""
+    work, env = installed_run["work"], installed_run["env"]
+    built = step([str(installed_run["python"]), "-c", "import sys; from pathlib import Path; "
+                  "from detached_rl.node import build_bind_shim; print(build_bind_shim(Path(sys.argv[1])))",
+                  str(work / "shim")], work, env, 180).stdout.strip()
+    assert Path(built).is_file() and Path(built).parent == work / "shim", built
+
+
 def test_the_job_reports_and_writes_config_metrics_and_results(installed_run):
     directory, stdout = installed_run["directory"], installed_run["stdout"]
     assert "held-out before training: accuracy" in stdout and "held-out after training: accuracy" in stdout
