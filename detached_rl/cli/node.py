@@ -8,7 +8,7 @@ import json
 import sys
 
 from detached_rl.cli.arguments import EXIT_ERROR, int_at_least, non_negative_float
-from detached_rl.node import NodeError, NodeSpec, start_node
+from detached_rl.node import NodeError, NodePorts, NodeSpec, start_node
 
 PORT = int_at_least(1, 65535)
 
@@ -79,8 +79,8 @@ def run_node(args: argparse.Namespace) -> int:
                         labels=_mapping(args.labels, "--labels") if args.labels else None,
                         num_cpus=args.num_cpus, num_gpus=args.num_gpus, dashboard=args.dashboard,
                         listen_on_all_interfaces=args.listen_on_all_interfaces,
-                        require_token=not args.no_token, extra=extra)
-        spec.ports.gcs, spec.ports.client = args.port, args.ray_client_server_port
+                        require_token=not args.no_token, extra=extra,
+                        ports=NodePorts(gcs=args.port, client=args.ray_client_server_port))
         print(start_node(spec))
     except NodeError as error:
         print(f"detached-rl: error: {error}", file=sys.stderr)

@@ -4,6 +4,7 @@ interfaces; then check the node's listening sockets and say where it listens."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import ipaddress
 import json
@@ -186,7 +187,7 @@ def start_node(spec: NodeSpec, environment: Mapping[str, str] | None = None, run
     """Start the node of `spec` with `ray start`, check that none of its ports listens on all interfaces
     and return what it listens on. Raises `NodeError` (naming the option, variable or socket) otherwise."""
     environment = dict(os.environ if environment is None else environment)
-    spec.ports = spec.ports.overridden(spec.extra)
+    spec = dataclasses.replace(spec, ports=spec.ports.overridden(spec.extra))  # the caller's stays as given
     if "--block" in spec.extra:
         raise NodeError("--block is not taken after `--`: detached-rl node returns once the node runs and "
                         "its sockets are checked (run it under your supervisor, or use ray start --block)")
