@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from detached_rl.hosts import Hosts
 from detached_rl.node import NodePorts
 
+from .hosts import Hosts
 from .multihost import hosts_fixture, tiny_config_path
 
 pytestmark = [pytest.mark.multihost]

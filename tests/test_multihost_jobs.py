@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from detached_rl.hosts import Hosts
-
+from .hosts import Hosts
 from .multihost import hosts_fixture, tiny_config_path
 
 pytestmark = [pytest.mark.multihost]
