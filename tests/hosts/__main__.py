@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             # this install's scripts first (`detached-rl`, `ray`), as on the hosts of `Hosts.run`
             env = {"PATH": f"{tool_bin()}:{os.environ.get('PATH', '/usr/bin:/bin')}",
                    "HOME": "/tmp/drl-hostfs/home", "LANG": "C.UTF-8", "RAY_USAGE_STATS_ENABLED": "0"}
+            if os.environ.get("PYTHONPATH"):  # the same code on every host, as in `Hosts.environment`
+                env["PYTHONPATH"] = os.environ["PYTHONPATH"]
             if state.get("token"):
                 env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=state["token"])
             argv_ = ["nsenter", f"--target={anchor}", "--net", "--mount", "--pid", "--", "env", "-i",
