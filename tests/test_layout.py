@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "detached_rl"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
 
 # Which layers each layer may import (besides itself). Read top-down: cli may use everything, core nothing.
 ALLOWED = {
@@ -47,24 +48,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imports_of(path: Path) -> set[str]:
-    """Every module this file imports, at the top or inside functions (not under `if TYPE_CHECKING`)."""
+    """Every module this file imports: at the top, inside functions and under `if TYPE_CHECKING` (a type-only
+    import is a dependency too; a cycle through one is still a cycle)."""
     tree = ast.parse(path.read_text())
     found: set[str] = set()
     this = module_name(path)
     package = this if path.name == "__init__.py" else this.rpartition(".")[0]
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -74,10 +65,6 @@ def imports_of(path: Path) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
     return found
 
 
@@ -113,10 +100,17 @@ def test_layers_import_only_downwards() -> None:
     assert bad == []
 
 
-def test_no_import_cycles() -> None:
-    """No module reaches itself through imports (function-level imports included; sub-package `__init__` edges
-    excluded, since importing a.b.c runs a/__init__ and a/b/__init__ without depending on them)."""
-    graph = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in internal_graph().items()}
+# TODO(lead): trainer cycles. Type-only imports close these with trainer.core; they go with the weights
+# package (then `test_known_cycles_still_exist` fails: delete this allow-list).
+KNOWN_CYCLES = {
+    ("detached_rl.trainer.batches", "detached_rl.trainer.core"),
+    ("detached_rl.trainer.checkpointing", "detached_rl.trainer.core"),
+    ("detached_rl.trainer.core", "detached_rl.trainer.weight_delivery"),
+}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import cycle found by a depth-first walk of `graph` (module -> the modules it imports)."""
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
@@ -134,7 +128,39 @@ def test_no_import_cycles() -> None:
     for module in sorted(graph):
         if module not in state:
             walk(module, [])
-    assert cycles == []
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    """No module reaches itself through imports (function-level and type-only imports included; sub-package
+    `__init__` edges excluded, since importing a.b.c runs a/__init__ and a/b/__init__ without depending on
+    them)."""
+    graph = {m: {t for t in targets if not m.startswith(t + ".")
+                 and tuple(sorted((m, t))) not in KNOWN_CYCLES}
+             for m, targets in internal_graph().items()}
+    assert find_cycles(graph) == []
+
+
+def test_known_cycles_still_exist() -> None:
+    """Each allowed cycle is still there (an entry whose cycle is gone must go too)."""
+    graph = internal_graph()
+    gone = sorted(pair for pair in KNOWN_CYCLES
+                  if not (pair[1] in graph[pair[0]] and pair[0] in graph[pair[1]]))
+    assert gone == []
+
+
+def test_no_import_cycles_among_benchmarks() -> None:
+    """No benchmark script imports one that imports it back (shared parts live in a module of their own)."""
+    scripts = {path.stem: path for path in BENCHMARKS.glob("*.py")}
+    graph = {}
+    for name, path in scripts.items():
+        tree = ast.parse(path.read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+        graph[name] = {m for m in imported if m in scripts and m != name}
+    assert find_cycles(graph) == []
 
 
 @pytest.mark.parametrize("layer", sorted(RAY_FREE))

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
-
-if TYPE_CHECKING:
-    from detached_rl.core.experience import Experience
 
 TOKEN_FIELDS = ("values", "ref_log_probs", "advantages", "returns")
 """Optional per-response-token float fields, present on all samples of a batch or none."""
@@ -42,6 +39,33 @@ MAX_NAME_BYTES = 256
 MAX_INFO_BYTES = 64 * 1024
 """JSON bytes allowed in `info`: decoded text and reward components fit easily;
 megabytes do not belong here."""
+
+
+class CheckedSample(Protocol):
+    """What the checks read of a sample: `Experience`'s fields (a dataclass's) and its response length."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    log_probs: torch.Tensor
+    reward: torch.Tensor
+    policy_version: int
+    maker: str
+    id: str
+    values: torch.Tensor | None
+    ref_log_probs: torch.Tensor | None
+    advantages: torch.Tensor | None
+    returns: torch.Tensor | None
+    group_id: str | None
+    info: dict[str, Any]
+
+    @property
+    def response_length(self) -> int:
+        """Number of response tokens."""
+        ...
+
+
+Sample = TypeVar("Sample", bound=CheckedSample)
 
 
 class ExperienceValidationError(ValueError):
@@ -70,7 +94,7 @@ class _Bound:
 _LOG_PROBS = _Bound(LOG_PROB_BOUND, "LOG_PROB_BOUND: no sampled token is that unlikely")
 
 
-def validate_experience(exp: Experience, vocab_size: int | None, max_abs_reward: float) -> Experience:
+def validate_experience(exp: Sample, vocab_size: int | None, max_abs_reward: float) -> Sample:
     """`Experience.validate`: raise `ExperienceValidationError` naming the first
     bad field; else return `exp`."""
     if not (isinstance(max_abs_reward, int | float) and 0 < max_abs_reward <= MAX_ABS_REWARD_LIMIT):

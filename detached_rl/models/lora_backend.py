@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import loralib
 import peft
 from peft.tuners.lora import LoraLayer as PeftLoraLayer
 from torch import nn
 
-if TYPE_CHECKING:
-    from detached_rl.models.lora import LoraSettings
+from detached_rl.models.lora_settings import LoraSettings
 
 # apply_lora keeps the resolved LoraSettings of a loralib model here (peft keeps its own peft_config).
 SETTINGS_ATTR = "_detached_rl_lora_settings"
