@@ -16,6 +16,9 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
+from detached_rl.core.limits import DEFAULT_MAX_ABS_REWARD as DEFAULT_MAX_ABS_REWARD
+from detached_rl.core.limits import MAX_ABS_REWARD_LIMIT
+
 TOKEN_FIELDS = ("values", "ref_log_probs", "advantages", "returns")
 """Optional per-response-token float fields, present on all samples of a batch or none."""
 
@@ -24,11 +27,6 @@ _LOG_PROB_SLACK = 1e-4  # log-probs are <= 0; allow float rounding above zero.
 
 TRAINING_DTYPE = torch.float32
 """The dtype `collate` casts every float field to: the one its values must be finite in."""
-DEFAULT_MAX_ABS_REWARD = 1e4
-"""The replay buffer's default bound on |reward| (`TrainerConfig.max_abs_reward`)."""
-MAX_ABS_REWARD_LIMIT = 1e8
-"""The largest `max_abs_reward` allowed, and `validate`'s default: with it, the largest estimate
-(`ESTIMATE_SCALE` times it) squared and summed over a batch's tokens stays far inside float32."""
 ESTIMATE_SCALE = 1e6
 """values, returns and advantages may be this many times `max_abs_reward` (a return sums many rewards)."""
 LOG_PROB_BOUND = 1e4

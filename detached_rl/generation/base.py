@@ -41,11 +41,7 @@ from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, TensorLay
 if TYPE_CHECKING:
     from detached_rl.models.actor import Prompt
 
-# How a maker serves a LoRA policy: "keep" the adapter modules, or "merge" them into plain weights.
-LORA_MODES = ("keep", "merge")
-
 __all__ = [
-    "LORA_MODES",
     "GenerationBackend",
     "GenerationOutput",
     "ModuleWeightSink",
