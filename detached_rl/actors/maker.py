@@ -37,6 +37,7 @@ from detached_rl.core.prompts import PromptSource
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.transfer import TransferProgress
 from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
+from detached_rl.maker.config import ATTACH_TIMEOUT_S
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
 from detached_rl.maker.loop import MakerLoop, take_offered
 from detached_rl.maker.pusher import ExperiencePusher
@@ -66,7 +67,7 @@ class MakerShell:
         config: MakerConfig | None = None,
         namespace: str | None = None,
         strategy_factory: Callable[[], Strategy] | None = None,
-        attach_timeout_s: float = 120.0,
+        attach_timeout_s: float = ATTACH_TIMEOUT_S,
         resume_on_restart: bool = True,
         state_path: str | None = None,
     ) -> None:
