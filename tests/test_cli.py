@@ -167,7 +167,7 @@ def one_error_line(capsys) -> str:
     ("args", "message"),
     [
         (["run", "--set", "run.steps=99999999999999999999999"], "run.steps: must be <= 1000000000"),
-        (["run", "--set", "model.lora.r=-1"], "model.lora.r: must be >= 1, got -1"),
+        (["run", "--set", "model.lora.r=-1"], "model.lora.r: must be an int >= 1, got -1"),  # LoraSettings
         (["run", "--set", "maker.seed=-5"], "maker.seed: must be >= 0, got -5"),
         (["run", "--set", "trainer.buffer_max_bytes=1152921504606846976"],
          "trainer.buffer_max_bytes: must be <="),
