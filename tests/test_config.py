@@ -286,3 +286,23 @@ def test_a_decaying_schedule_spans_the_run_unless_its_length_is_given():
     assert config.grpo.actor_optimizer.total_steps == 12
     constant = load_config(None, ["grpo.actor_optimizer.schedule=constant"])
     assert constant.grpo.actor_optimizer.total_steps is None
+
+
+def test_the_torch_free_names_are_what_the_code_runs():
+    """Each name a config may pick resolves to what runs it, and the dtype names are torch's floating ones."""
+    import torch
+
+    from detached_rl.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_uses_critic
+    from detached_rl.core.limits import FLOAT_DTYPES
+    from detached_rl.generation.registry import GENERATION_BACKENDS, backend_factory
+    from detached_rl.strategies.base import Strategy
+    from detached_rl.strategies.registry import STRATEGIES
+
+    assert all(callable(ADVANTAGE_ESTIMATORS[name]) for name in ADVANTAGE_ESTIMATORS)
+    assert all(callable(POLICY_LOSSES[name]) for name in POLICY_LOSSES)
+    assert [name for name in ADVANTAGE_ESTIMATORS if estimator_uses_critic(name)] == ["gae"]
+    assert all(issubclass(STRATEGIES[name], Strategy) for name in STRATEGIES)
+    assert all(callable(backend_factory(name)) for name in GENERATION_BACKENDS)
+    assert all(getattr(torch, name).is_floating_point for name in FLOAT_DTYPES)
+    with pytest.raises(ConfigError, match="maker.weight_cast_dtype: 'int8' is not a floating torch dtype"):
+        load_config(None, ["maker.weight_cast_dtype=int8"])
