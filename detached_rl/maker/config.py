@@ -16,11 +16,11 @@ from detached_rl.core.labels import check_label_selector
 from detached_rl.core.resources import check_amount, check_resources
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.transfer import check_stall_s
-from detached_rl.core.weight_receiver import DEFAULT_MAX_VERSION_JUMP, DEFAULT_MAX_WEIGHT_CHANGE
 from detached_rl.generation.base import LORA_MODES
 from detached_rl.generation.registry import GENERATION_BACKENDS
 from detached_rl.generation.vllm_config import VLLMConfig, vllm_config_with
 from detached_rl.maker.pusher import PUSH_POLICIES
+from detached_rl.weights.receiver import DEFAULT_MAX_VERSION_JUMP, DEFAULT_MAX_WEIGHT_CHANGE
 
 # What a maker asks its LoRA trainers for when it registers (`MakerConfig.first_update`).
 FIRST_UPDATES = ("adapter", "full")

@@ -11,8 +11,8 @@ from detached_rl.core.labels import check_label_selector
 from detached_rl.core.replay_buffer import check_max_abs_reward
 from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_amount, check_resources
 from detached_rl.core.transfer import check_stall_s
-from detached_rl.core.weight_sync import KINDS as WEIGHT_SYNC_KINDS
 from detached_rl.core.wire_compression import check_compression
+from detached_rl.weights.update import KINDS as WEIGHT_SYNC_KINDS
 
 
 @dataclass
@@ -35,7 +35,7 @@ class TrainerConfig:
     # "lora": send only trainable tensors (LoRA adapters) after the first full update
     weight_sync: str = "full"
     # With weight_sync "full": makers that serve bf16 (any dtype narrower than the trainer's) get each version
-    # as the bf16 values that changed since the one they hold, where that is smaller (`core.weight_encoding`).
+    # as the bf16 values that changed since the one they hold, where that is smaller (`weights.encoding`).
     sparse_deltas: bool = True
     # An update a maker answers about but is not receiving (its intake busy, its generation lock held) fails
     # after this long; a non-overlapped step waits at most this long for its makers' acknowledgements.
