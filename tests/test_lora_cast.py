@@ -175,7 +175,8 @@ def test_uncast_makers_keep_exact_fingerprints():
     assert maker.base_fingerprint == trainer.weights.base_fingerprint and ":" not in maker.base_fingerprint
     metadata = trainer.weights.latest_update.manifest.metadata
     assert sent_base_fingerprint(metadata, None) == trainer.weights.base_fingerprint
-    assert sent_base_fingerprint(metadata, torch.bfloat16) == trainer.weights.cast_base_fingerprints["bfloat16"]
+    cast = trainer.weights.cast_base_fingerprints
+    assert sent_base_fingerprint(metadata, torch.bfloat16) == cast["bfloat16"]
     assert set(metadata["base_fingerprints"]) == {"bfloat16", "float16", "float32"}
 
 

@@ -161,7 +161,8 @@ def test_a_real_maker_waits_for_its_first_weights_before_generating(executor):
     assert not maker.synced
     stop = threading.Event()
     loop = MakerLoop(maker, stop)
-    timer = later(0.5, lambda: maker.subscriber.take_offered([trainer.weights.register("maker_0")], store.fetch))
+    timer = later(0.5, lambda: maker.subscriber.take_offered([trainer.weights.register("maker_0")],
+                                                             store.fetch))
     start = time.monotonic()
     try:
         made = loop.run(pusher_to(executor, trainer.push_experience, maker.config, stop), num_batches=1)

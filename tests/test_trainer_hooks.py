@@ -118,7 +118,8 @@ def test_register_makers_adds_names() -> None:
     core = ppo_core()
     core.weights.add_makers(["m0", "m1"])
     core.weights.add_makers(iter(["m1", "m2"]))
-    assert core.weights.makers == {"m0", "m1", "m2"} and core.weights.makers_of_this_rank() == ["m0", "m1", "m2"]
+    assert core.weights.makers == {"m0", "m1", "m2"}
+    assert core.weights.makers_of_this_rank() == ["m0", "m1", "m2"]
 
 
 def grpo_learner(**config: Any) -> GRPOLearner:

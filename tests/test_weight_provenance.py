@@ -310,7 +310,8 @@ def test_a_makers_registration_is_the_reset_and_pushes_are_not():
         maker.apply_weight_update(update(16, "run-a"), store.fetch)
     maker.subscriber.take_offered([update(1, "run-b")], store.fetch)  # registered with the resumed trainer
     assert (maker.policy_version, maker.receiver.trainer_run) == (1, "run-b")
-    maker.subscriber.take_offered([update(500, "run-b")], store.fetch)  # registering again after a long absence
+    # registering again after a long absence
+    maker.subscriber.take_offered([update(500, "run-b")], store.fetch)
     assert maker.policy_version == 500
     with pytest.raises(ValueError, match="max_version_jump"):
         MakerConfig(max_version_jump=0)

@@ -242,7 +242,7 @@ class MakerShell:
         generation batches (at once when none is being generated), so the trainer never waits for a batch
         to end."""
         with self._receiving([update]) as fetch:
-            return self.core.apply_weight_update(update, fetch, swap="at_safe_point")
+            return self.core.subscriber.receive(update, fetch)
 
     @contextlib.contextmanager
     def _receiving(self, updates: Sequence[WeightUpdate | None]) -> Iterator[Callable[[Any], Any]]:

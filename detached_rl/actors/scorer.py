@@ -106,13 +106,6 @@ class ScorerWorker:
         """The fetch a registration's answer is pulled with (stalls fail it after `weight_timeout_s`)."""
         yield ray_fetch(self.core.weight_timeout_s)
 
-    def apply_weight_update_local(self, update: WeightUpdate, reset: bool = False) -> ApplyResult:
-        try:
-            return self.core.apply_weight_update(update, ray_fetch(self.core.weight_timeout_s), reset=reset)
-        except Exception as error:
-            self.last_error = f"weight update v{update.manifest.version}: {error}"
-            raise
-
     @ray.method(concurrency_group="score")
     def score(self, request: ScoreRequest, timeout: float = 300.0) -> ScoreAnswer:
         """Answer one maker's request (merged with others that arrive meanwhile)."""
@@ -121,7 +114,14 @@ class ScorerWorker:
     @ray.method(concurrency_group="model_io")
     def apply_weight_update(self, update: WeightUpdate) -> ApplyResult:
         """Critic: take the `critic/` tensors of a trainer's update (refused as a whole on any error)."""
-        return self.apply_weight_update_local(update)
+        fetch = ray_fetch(self.core.weight_timeout_s)
+        try:
+            if self.core.subscriber is None:  # refused, naming the role
+                return self.core.apply_weight_update(update, fetch)
+            return self.core.subscriber.receive(update, fetch)
+        except Exception as error:
+            self.last_error = f"weight update v{update.manifest.version}: {error}"
+            raise
 
     @ray.method(concurrency_group="control")
     def group_info(self) -> dict[str, Any]:

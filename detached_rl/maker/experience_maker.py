@@ -141,7 +141,7 @@ class ExperienceMaker:
             max_weight_change=self.config.max_weight_change, lock_timeout=self.config.weight_timeout_s,
         )
         # Registration and its answer go through the weight path's subscriber, pushes through the same intake.
-        self.subscriber = WeightSubscriber(self.receiver, self.apply_weight_update,
+        self.subscriber = WeightSubscriber(self.receiver, self._take_update,
                                            lambda: self.registration_fingerprint)
         self.batches = 0
         self.samples_made = 0
@@ -200,6 +200,11 @@ class ExperienceMaker:
             if isinstance(error, OffTrainerError) and not reset:
                 self.resync_reason = self.last_error
             raise
+
+    def _take_update(self, update: WeightUpdate, fetch: Fetch, *, reset: bool = False) -> ApplyResult:
+        """The subscriber's intake: a registration's answer swapped in now, a push at the next safe point (the
+        trainer never waits for a batch)."""
+        return self.apply_weight_update(update, fetch, reset=reset, swap="now" if reset else "at_safe_point")
 
     def add_callbacks(self, *callbacks: BatchCallback) -> None:
         """Call these (in order) around every batch `make_experience` makes; see `BatchCallback`."""

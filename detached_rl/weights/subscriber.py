@@ -1,5 +1,6 @@
 """The maker and scorer side of the weight path: register with trainers, take the newest version offered (an
-explicit reset), and receive the versions they push — all through one `WeightReceiver`.
+explicit reset), and receive the versions they push (`receive`) — all through one `WeightReceiver`, which
+verifies, stages and swaps.
 
 `WeightSubscriber` is built from explicit dependencies: the receiver (the version held, the trainer run
 followed, the dtype served), the holder's one intake (`apply`, which may take only its part of an update),
@@ -76,6 +77,10 @@ class WeightSubscriber:
         """
         update = self.choose(offered, force)
         return None if update is None else self.apply(update, fetch, reset=True)
+
+    def receive(self, update: WeightUpdate, fetch: Fetch) -> ApplyResult:
+        """Take a version a trainer pushed (checked against the run and version held, never a reset)."""
+        return self.apply(update, fetch, reset=False)
 
     def subscribe(self, ask: Ask, receiving: Receiving, runs_of: RunsOf | None = None,
                   force: bool = False) -> ApplyResult | None:
