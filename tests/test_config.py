@@ -247,11 +247,12 @@ def test_the_config_loads_no_torch():
 
 def test_the_weight_paths_own_defaults_equal_the_configs():
     """TODO(lead): the weight modules keep their own copies of these until they import `core.limits`."""
-    from detached_rl.core import limits, weight_provenance, weight_sync, weight_verify
+    from detached_rl.core import limits
+    from detached_rl.weights import provenance, update, verify
 
-    assert weight_sync.KINDS == limits.WEIGHT_SYNC_KINDS
-    assert weight_provenance.DEFAULT_MAX_VERSION_JUMP == limits.DEFAULT_MAX_VERSION_JUMP
-    assert weight_verify.DEFAULT_MAX_WEIGHT_CHANGE == limits.DEFAULT_MAX_WEIGHT_CHANGE
+    assert update.KINDS == limits.WEIGHT_SYNC_KINDS
+    assert provenance.DEFAULT_MAX_VERSION_JUMP == limits.DEFAULT_MAX_VERSION_JUMP
+    assert verify.DEFAULT_MAX_WEIGHT_CHANGE == limits.DEFAULT_MAX_WEIGHT_CHANGE
 
 
 def test_a_section_given_in_part_keeps_the_rest_of_the_main_jobs_defaults():

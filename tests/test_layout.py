@@ -21,25 +21,30 @@ ALLOWED = {
     "rewards": {"core"},
     "strategies": {"core"},
     "models": {"core"},
-    "generation": {"core", "models"},
+    # The weight path: publisher (trainer side), subscriber and receiver (maker and scorer side), the update
+    # protocol, its checks and its wire; Ray only in weights.ray_wire.
+    "weights": {"core", "models"},
+    "generation": {"core", "models", "weights"},
     "algorithms": {"core", "models", "strategies"},
-    "scorer": {"core", "models"},
-    "maker": {"core", "models", "generation", "rewards", "strategies", "scorer"},
-    "trainer": {"core", "algorithms", "models", "strategies"},
-    "config": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
-               "trainer"},
-    "actors": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
-               "trainer", "config"},
-    "cli": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
-            "trainer",
-            "config", "actors", "node"},
+    "scorer": {"core", "models", "weights"},
+    "maker": {"core", "models", "weights", "generation", "rewards", "strategies", "scorer"},
+    "trainer": {"core", "algorithms", "models", "weights", "strategies"},
+    "config": {"core", "algorithms", "models", "weights", "generation", "rewards", "strategies", "scorer",
+               "maker", "trainer"},
+    "actors": {"core", "algorithms", "models", "weights", "generation", "rewards", "strategies", "scorer",
+               "maker", "trainer", "config"},
+    "cli": {"core", "algorithms", "models", "weights", "generation", "rewards", "strategies", "scorer",
+            "maker", "trainer", "config", "actors", "node"},
     # Migration paths for other systems' users: thin shells over everything below, the
     # CLI's job helpers included.
-    "compat": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
-               "trainer", "config", "actors", "cli"},
+    "compat": {"core", "algorithms", "models", "weights", "generation", "rewards", "strategies", "scorer",
+               "maker", "trainer", "config", "actors", "cli"},
 }
 # Ray-free layers: everything with logic is a plain class or function, testable without a cluster.
-RAY_FREE = {"core", "rewards", "models", "generation", "algorithms", "scorer", "maker", "trainer", "config"}
+RAY_FREE = {"core", "rewards", "models", "weights", "generation", "algorithms", "scorer", "maker", "trainer",
+            "config"}
+# The Ray modules of otherwise Ray-free layers.
+RAY_WIRES = {"detached_rl.weights.ray_wire"}
 
 
 def module_name(path: Path) -> str:
@@ -168,9 +173,29 @@ def test_plain_layers_do_not_import_ray(layer: str) -> None:
     """Only actors/ and cli/ talk to Ray; the logic below them is testable without a cluster."""
     users = sorted(
         module_name(path) for path in (PACKAGE / layer).rglob("*.py")
-        if any(m == "ray" or m.startswith("ray.") for m in imports_of(path))
+        if module_name(path) not in RAY_WIRES
+        and any(m == "ray" or m.startswith("ray.") for m in imports_of(path))
     )
     assert users == []
+
+
+# Who may build or send a weight update: the weights package alone (issue 36).
+WEIGHT_PATH_CALLS = ("build_update", "build_weight_update", "dispatch_weight_update", "put_chunk",
+                     "send_weight_update")
+
+
+def test_only_the_weights_package_builds_or_sends_updates() -> None:
+    """No module outside `detached_rl/weights/` calls what builds, stores or sends a weight update."""
+    callers = []
+    for path in PACKAGE.rglob("*.py"):
+        if module_name(path).startswith("detached_rl.weights"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+                if name in WEIGHT_PATH_CALLS:
+                    callers.append(f"{module_name(path)}:{node.lineno} {name}")
+    assert callers == []
 
 
 def test_public_names_keep_working() -> None:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from detached_rl.core.replay_buffer import NEWER_THAN_TRAINER
-from detached_rl.core.weight_sync import ApplyResult, Fetch, WeightUpdate
 from detached_rl.maker.experience_maker import ExperienceMaker
 from detached_rl.maker.pusher import ExperiencePusher
 
@@ -31,34 +30,6 @@ ACK_POLL_S = 1.0
 STALL_UPDATES = 3
 # Weight of the newest interval in the running estimate of the time between two weight updates.
 INTERVAL_WEIGHT = 0.25
-
-
-def update_to_apply(offered: Sequence[WeightUpdate | None], policy_version: int,
-                    trainer_run: str | None, force: bool = False) -> WeightUpdate | None:
-    """The update a maker should take of those its trainers offer, or None.
-
-    The newest one, if it is newer than the maker's weights or comes from a trainer run the maker
-    does not follow (a trainer resumed from a checkpoint restarts at an older version); with `force`
-    (a maker that found itself off its trainers' weights), also if it is older.
-    """
-    updates = [update for update in offered if update is not None]
-    if not updates:
-        return None
-    newest = max(updates, key=lambda update: update.manifest.version)
-    new_run = newest.manifest.metadata.get("trainer_run") not in (None, trainer_run)
-    version = newest.manifest.version
-    return newest if version > policy_version or new_run or (force and version != policy_version) else None
-
-
-def take_offered(maker: ExperienceMaker, offered: Sequence[WeightUpdate | None], fetch: Fetch,
-                 force: bool = False) -> ApplyResult | None:
-    """Apply the update `update_to_apply` chooses (pulling its chunks with `fetch`); None if none is chosen.
-
-    `offered` are the answers of the maker's own registration with its trainers, so the update is
-    applied as an explicit reset: the maker follows that trainer run from then on, at that version.
-    """
-    update = update_to_apply(offered, maker.policy_version, maker.receiver.trainer_run, force)
-    return None if update is None else maker.apply_weight_update(update, fetch, reset=True)
 
 
 class MakerLoop:

@@ -38,7 +38,7 @@ class TrainerConfig:
     # "lora": send only trainable tensors (LoRA adapters) after the first full update
     weight_sync: str = "full"
     # With weight_sync "full": makers that serve bf16 (any dtype narrower than the trainer's) get each version
-    # as the bf16 values that changed since the one they hold, where that is smaller (`core.weight_encoding`).
+    # as the bf16 values that changed since the one they hold, where that is smaller (`weights.encoding`).
     sparse_deltas: bool = True
     # An update a maker answers about but is not receiving (its intake busy, its generation lock held) fails
     # after this long; a non-overlapped step waits at most this long for its makers' acknowledgements.

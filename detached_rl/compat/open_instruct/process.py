@@ -15,7 +15,6 @@ import torch
 
 from detached_rl.actors.placement import actor_device
 from detached_rl.actors.trainer import TRAINER_GROUPS, GRPOTrainerShell
-from detached_rl.actors.transport import dispatch_weight_update, put_chunk
 from detached_rl.compat.open_instruct.config import (
     ModelConfig,
     _args,
@@ -44,6 +43,7 @@ from detached_rl.models.export import save_merged
 from detached_rl.strategies import NaiveStrategy, Strategy
 from detached_rl.strategies.hardware import device_peak
 from detached_rl.trainer.config import TrainerConfig
+from detached_rl.weights.ray_wire import ray_send_update
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
             raise ValueError(f"{directory}: only ranks {[r for r, f in enumerate(every) if f]} have "
                              f"checkpoint state; every one of the {len(every)} ranks needs its rank_<r> "
                              "folder")
-        core.load_checkpoint(directory, put_chunk)
+        core.load_checkpoint(directory, self.put_chunk)
         return StepsDone(core.policy_version, self._client_state(Path(directory), core.policy_version))
 
     def _client_state(self, directory: Path, version: int) -> dict[str, Any] | None:
@@ -208,7 +208,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
                 raise ValueError(f"maker {maker!r} is not in Ray namespace {self.namespace!r}, where learner "
                                  f"{self.name!r} sends weights: create it with .options(name={maker!r}, "
                                  f"namespace={self.namespace!r})") from None
-        core.register_makers(names)
+        core.weights.add_makers(names)
 
     @ray.method(concurrency_group="compute")
     def step(self) -> tuple[dict[str, float], dict[str, list[int]]]:
@@ -233,12 +233,8 @@ class PolicyTrainerProcess(GRPOTrainerShell):
 
         `model_step` is accepted for open-instruct's signature: the update carries the policy version.
         """
-        core = self.trainer_core()
-
-        def send(update: Any, makers: list[str]) -> Mapping[str, Any]:
-            return dispatch_weight_update(update, makers, self.namespace, self.config.weight_push_timeout_s)
-
-        return core.sync_weights(put_chunk, send)
+        send = ray_send_update(self.namespace, self.config.weight_push_timeout_s)
+        return self.trainer_core().weights.publish(self.put_chunk, send)
 
     @ray.method(concurrency_group="compute")
     def update_ref_policy(self) -> None:

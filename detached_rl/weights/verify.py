@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from detached_rl.core.weight_encoding import INDICES, MASK, VALUES, apply_mask, apply_sparse
-from detached_rl.core.weight_sink import TensorLayout, WeightSink
-from detached_rl.core.weight_sync import (
+from detached_rl.weights.encoding import INDICES, MASK, VALUES, apply_mask, apply_sparse
+from detached_rl.weights.sink import TensorLayout, WeightSink
+from detached_rl.weights.update import (
     ENCODINGS,
     UPDATE_KINDS,
     ApplyResult,
