@@ -105,15 +105,6 @@ def test_layers_import_only_downwards() -> None:
     assert bad == []
 
 
-# TODO(lead): trainer cycles. Type-only imports close these with trainer.core; they go with the weights
-# package (then `test_known_cycles_still_exist` fails: delete this allow-list).
-KNOWN_CYCLES = {
-    ("detached_rl.trainer.batches", "detached_rl.trainer.core"),
-    ("detached_rl.trainer.checkpointing", "detached_rl.trainer.core"),
-    ("detached_rl.trainer.core", "detached_rl.trainer.weight_delivery"),
-}
-
-
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Each import cycle found by a depth-first walk of `graph` (module -> the modules it imports)."""
     state: dict[str, int] = {}
@@ -140,18 +131,8 @@ def test_no_import_cycles() -> None:
     """No module reaches itself through imports (function-level and type-only imports included; sub-package
     `__init__` edges excluded, since importing a.b.c runs a/__init__ and a/b/__init__ without depending on
     them)."""
-    graph = {m: {t for t in targets if not m.startswith(t + ".")
-                 and tuple(sorted((m, t))) not in KNOWN_CYCLES}
-             for m, targets in internal_graph().items()}
+    graph = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in internal_graph().items()}
     assert find_cycles(graph) == []
-
-
-def test_known_cycles_still_exist() -> None:
-    """Each allowed cycle is still there (an entry whose cycle is gone must go too)."""
-    graph = internal_graph()
-    gone = sorted(pair for pair in KNOWN_CYCLES
-                  if not (pair[1] in graph[pair[0]] and pair[0] in graph[pair[1]]))
-    assert gone == []
 
 
 def test_no_import_cycles_among_benchmarks() -> None:

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# The setting's names and check (torch-free, for the run config), importable from here too.
+from detached_rl.core.limits import COMPRESSIONS as COMPRESSIONS
+from detached_rl.core.limits import check_compression as check_compression
+
 ZLIB_LEVEL = 1  # higher levels gain ~1 % here and cost 3-5x the time
 
 
