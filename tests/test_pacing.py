@@ -114,9 +114,10 @@ def test_the_trainers_acknowledgement_paces_its_makers():
 
 
 class VersionOnly:
-    """What `MakerLoop`'s waits read of a maker: its config, weights version and resync reason."""
+    """What `MakerLoop`'s waits read of a maker: its name, config, weights version and resync reason."""
 
     def __init__(self, version: int = 0) -> None:
+        self.name = "maker_0"
         self.config = MakerConfig(weight_timeout_s=1000.0, resync_after_s=1000.0)
         self.policy_version = version
         self.resync_reason: str | None = None
@@ -177,6 +178,38 @@ def test_without_an_interval_known_a_paced_wait_waits_for_its_timeout():
     assert time.now == pytest.approx(7.0, abs=0.05)
     assert loop.fresh_waits["stalled"] == 0 and loop.fresh_waits["timed_out"] == 1
 
+
+
+def test_a_paced_wait_with_a_known_pace_generates_at_the_stall_and_never_resyncs_for_being_quiet():
+    # One symptom, one behaviour: updates every 20 s that stop. The stall rule is due 20 s x (3 + 3 missing)
+    # after the last update; resync_after_s (30 s) passes long before and, the pace being known, resyncs
+    # nothing (before the one wait policy, it registered again at 30 s and then gave up at the stall anyway).
+    maker = VersionOnly()
+    maker.config.resync_after_s = 30.0
+    time = FakeTime()
+    registered: list[float] = []
+    loop = MakerLoop(maker, threading.Event(), sleep=time.sleep, clock=lambda: time.now,
+                     resync=lambda: registered.append(time.now))
+    for version in range(1, 4):
+        time.now += 20.0
+        maker.policy_version = version
+        loop.observe_version()
+    assert not loop.wait_for_version(6, paced=True)
+    assert time.now == pytest.approx(60.0 + 20.0 * (STALL_UPDATES + 3), abs=0.05)
+    assert registered == [] and loop.resyncs == 0 and loop.fresh_waits["stalled"] == 1
+
+
+def test_a_wait_without_a_pace_resyncs_once_when_quiet_then_times_out():
+    maker = VersionOnly()
+    maker.config.resync_after_s, maker.config.weight_timeout_s = 30.0, 100.0
+    time = FakeTime()
+    registered: list[float] = []
+    loop = MakerLoop(maker, threading.Event(), sleep=time.sleep, clock=lambda: time.now,
+                     resync=lambda: registered.append(time.now))
+    assert not loop.wait_for_version(2, paced=True)  # no update ever came: no pace to stall by
+    assert registered == [pytest.approx(30.0, abs=0.05)] and loop.resyncs == 1 and maker.resync_reason is None
+    assert time.now == pytest.approx(100.0, abs=0.05)
+    assert loop.fresh_waits["timed_out"] == 1 and loop.fresh_waits["stalled"] == 0
 
 # ----------------------------------------------------------------------------- N makers against one trainer
 
