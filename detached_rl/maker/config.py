@@ -62,8 +62,9 @@ class MakerConfig:
     # tensor's RMS, floored at 0.01): an optimizer step moves weights by about its learning rate.
     # None: no bound.
     max_weight_change: float | None = DEFAULT_MAX_WEIGHT_CHANGE
-    # A maker that asked for newer weights (to keep its samples trainable) and got none this long registers
-    # with its trainers again and takes what they offer (e.g. a trainer resumed from a checkpoint).
+    # A maker waiting for newer weights that got none this long registers with its trainers again and takes
+    # what they offer (e.g. a trainer resumed from a checkpoint); not where updates came at a known pace and
+    # stopped: that wait ends by the stall rule instead (the one wait policy, `maker/wait_policy.py`).
     resync_after_s: float = 30.0
     # Tag each sample with the weights' fingerprint (costs a checksum).
     record_weights_fingerprint: bool = False
