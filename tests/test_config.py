@@ -245,16 +245,6 @@ def test_the_config_loads_no_torch():
     assert out.stdout.strip() == "[]", out.stderr
 
 
-def test_the_weight_paths_own_defaults_equal_the_configs():
-    """TODO(lead): the weight modules keep their own copies of these until they import `core.limits`."""
-    from detached_rl.core import limits
-    from detached_rl.weights import provenance, update, verify
-
-    assert update.KINDS == limits.WEIGHT_SYNC_KINDS
-    assert provenance.DEFAULT_MAX_VERSION_JUMP == limits.DEFAULT_MAX_VERSION_JUMP
-    assert verify.DEFAULT_MAX_WEIGHT_CHANGE == limits.DEFAULT_MAX_WEIGHT_CHANGE
-
-
 def test_a_section_given_in_part_keeps_the_rest_of_the_main_jobs_defaults():
     from detached_rl.config import from_dict
 

@@ -22,8 +22,6 @@ FLOAT_DTYPES = ("float32", "float", "float16", "half", "bfloat16", "float64", "d
                 "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 """torch's floating dtypes by the names `getattr(torch, name)` takes (what a maker may cast weights to)."""
 
-# TODO(lead): the weight path's own copies (weights/update.KINDS, the DEFAULT_MAX_* of weights/provenance and
-# weights/verify) should import these; until then a test holds them equal.
 WEIGHT_SYNC_KINDS = ("full", "lora")
 """What a trainer syncs (`TrainerConfig.weight_sync`)."""
 DEFAULT_MAX_VERSION_JUMP = 1000

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from detached_rl.weights.update import OffTrainerError, WeightManifest, WeightUpdateError
 
-# Trainers push every `update_steps` steps; a push that skips more versions than this is no push of theirs.
-DEFAULT_MAX_VERSION_JUMP = 1000
-
 
 def check_version(version: object) -> int:
     """`version` if it is a non-negative integer; `WeightUpdateError` otherwise."""

@@ -19,8 +19,9 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from detached_rl.core.limits import DEFAULT_MAX_VERSION_JUMP, DEFAULT_MAX_WEIGHT_CHANGE
 from detached_rl.weights.encoding import base_lookup, check_delta_base, widest_stored_dtype
-from detached_rl.weights.provenance import DEFAULT_MAX_VERSION_JUMP, check_provenance, check_version
+from detached_rl.weights.provenance import check_provenance, check_version
 from detached_rl.weights.sink import WeightSink, commit_update, left_unchanged, sinks_of
 from detached_rl.weights.update import (
     ApplyResult,
@@ -33,7 +34,6 @@ from detached_rl.weights.update import (
     tensor_entries,
 )
 from detached_rl.weights.verify import (
-    DEFAULT_MAX_WEIGHT_CHANGE,
     Progress,
     StagedUpdate,
     UpdatePlan,

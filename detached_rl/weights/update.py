@@ -27,7 +27,9 @@ import torch
 import xxhash
 from torch import Tensor
 
-KINDS = ("full", "lora")  # what a trainer syncs (`TrainerConfig.weight_sync`)
+from detached_rl.core.limits import WEIGHT_SYNC_KINDS
+
+KINDS = WEIGHT_SYNC_KINDS  # what a trainer syncs (`TrainerConfig.weight_sync`)
 # What an update may be: a "delta" is a full update sent as the elements changed since a base version
 # (`weights.encoding`).
 UPDATE_KINDS = (*KINDS, "delta")
