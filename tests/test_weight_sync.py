@@ -290,7 +290,7 @@ def test_fetch_timeout_refused(trainer, maker) -> None:
         return store.fetch(ref)
 
     _assert_refused(maker, update, slow_fetch, r"chunk \d+ \(of \d+\): timed out", timeout=0.1)
-    assert 1 <= sum(store.fetches.values()) < update.manifest.num_chunks  # stopped before the end (load-proof)
+    assert 1 <= sum(store.fetches.values()) < update.manifest.num_chunks  # stopped before the end
 
 
 def _assert_refused(maker, update, fetch, message: str, timeout: float | None = None) -> None:
