@@ -198,3 +198,25 @@ def test_public_names_keep_working() -> None:
     assert callable(algorithms.policy_loss) and callable(rewards.numeric_answer_reward)
     assert hasattr(strategies, "NaiveStrategy") and hasattr(models, "Actor")
     assert callable(detached_rl.start_trainer_group)
+
+
+# Ray's private internals: used in one module only (issue 36), so a Ray release is one file to check.
+RAY_PRIVATE = ("ray._private", "ray_constants", "_actor_id", "ray._raylet")  # exact names
+RAY_SEAM = PACKAGE / "actors" / "ray_seam.py"
+
+
+def test_ray_internals_only_in_the_seam() -> None:
+    """`ray._private`, `ray_constants`, `_actor_id` and `ray._raylet` appear (in code) only in
+    actors/ray_seam.py."""
+    users = []
+    for path in PACKAGE.rglob("*.py"):
+        if path == RAY_SEAM:
+            continue
+        tree = ast.parse(path.read_text())
+        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)
+                 for alias in node.names}
+        names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        if any(name in RAY_PRIVATE or name.startswith(("ray._private.", "ray._raylet.")) for name in names):
+            users.append(module_name(path))
+    assert users == []

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from detached_rl.actors.ray_seam import actor_node_ip
 from detached_rl.core.namespace import DEFAULT_NAMESPACE
 from detached_rl.core.transfer import TransferProgress, split_chunk
 from detached_rl.weights.ray_wire import PiecedChunk, node_ip, pull
@@ -139,11 +140,4 @@ class IncomingPushes:
 
 def actor_host(name: str, namespace: str, timeout: float = 5.0) -> str | None:
     """The IP of the node the named actor lives on (from Ray's state API), None if unknown; for messages."""
-    try:
-        from ray.util.state import get_actor
-
-        actor_id = ray.get_actor(name, namespace=namespace)._actor_id.hex()
-        node_id = get_actor(actor_id, timeout=timeout).node_id
-        return next((node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id), None)
-    except Exception:  # noqa: BLE001 - gone, or the state API is unreachable: the message says unknown
-        return None
+    return actor_node_ip(name, namespace, timeout)
