@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from detached_rl.actors.transport import resolve_namespace
@@ -268,11 +269,13 @@ def test_a_step_that_gets_no_batch_says_which_namespace_makers_must_push_in():
                                        response_length=4)
     learner = PolicyTrainerProcess(1, 0, 0, None, None, args, stream, VLLMConfig(), name="learner_0",
                                    namespace="mine")
+    learner.put_chunk = lambda chunk: chunk  # its version-0 update stays in this process (no Ray)
     learner.from_pretrained(args, ModelConfig("tiny"))
     expected = (r"are the makers running\?.* Learner 'learner_0' is in Ray namespace 'mine': makers find it "
                 r"there by name \(create them with \.options\(name=\.\.\., namespace='mine'\)\)\.$")
     with pytest.raises(TimeoutError, match=expected):
         learner.step()
+    assert not ray.is_initialized()
 
 
 # ---------------------------------------------------------------------------------------------- on Ray
