@@ -52,7 +52,12 @@ from detached_rl.compat.open_instruct import (
     trainer_config_from,
     training_step_metrics,
 )
-from detached_rl.compat.open_instruct.namespaces import is_anonymous, learner_namespace, maker_advice
+from detached_rl.compat.open_instruct.namespaces import (
+    is_anonymous,
+    learner_namespace,
+    maker_advice,
+    no_batch_advice,
+)
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.maker.experience_maker import MakerModels
 from detached_rl.models import tiny_causal_lm
@@ -261,6 +266,9 @@ def test_a_learner_is_created_where_it_looks_and_a_maker_elsewhere_is_told_the_e
         "ray.init(namespace='detached_rl')")
     assert "; it is in namespace 'other': create it" in maker_advice("m", "l", "ns", ["other"])
     assert "; no Ray namespace holds an actor of that name: create it" in maker_advice("m", "l", "ns", [])
+    assert no_batch_advice("learner_0", "ns", ["maker 'm' is not in Ray namespace 'ns', ..."]) == (
+        "Learner 'learner_0' is in Ray namespace 'ns': makers find it there by name (create them with "
+        ".options(name=..., namespace='ns')). Refused: maker 'm' is not in Ray namespace 'ns', ....")
 
 
 def test_a_step_that_gets_no_batch_says_which_namespace_makers_must_push_in():

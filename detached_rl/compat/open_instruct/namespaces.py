@@ -70,6 +70,13 @@ def maker_advice(maker: str, learner: str, namespace: str, found_in: list[str]) 
             f"ray.init(namespace={namespace!r})")
 
 
+def no_batch_advice(learner: str, namespace: str, refused: list[str]) -> str:
+    """What a learner's step that got no batch adds: where makers must be, and the makers it `refused`."""
+    return (f"Learner {learner!r} is in Ray namespace {namespace!r}: makers find it there by name (create "
+            f"them with .options(name=..., namespace={namespace!r}))."
+            + "".join(f" Refused: {advice}." for advice in refused))
+
+
 def misplaced_maker(maker: str, learner: str, namespace: str) -> str | None:
     """None when Ray namespace `namespace` holds maker `maker` (or Ray is not running); else
     `maker_advice`."""

@@ -37,7 +37,11 @@ from detached_rl.compat.open_instruct.learner import (
     matmul_dtype,
     open_instruct_step_metrics,
 )
-from detached_rl.compat.open_instruct.namespaces import LearnerActorClass, misplaced_maker
+from detached_rl.compat.open_instruct.namespaces import (
+    LearnerActorClass,
+    misplaced_maker,
+    no_batch_advice,
+)
 from detached_rl.core.checkpoint import has_checkpoint, load_state, save_atomic
 from detached_rl.models.export import save_merged
 from detached_rl.strategies import NaiveStrategy, Strategy
@@ -227,7 +231,8 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         try:
             metrics = core.step()
         except TimeoutError as error:  # no batch: say where makers must be to push here
-            raise TimeoutError(f"{error} {self._where_makers_push()}") from error
+            advice = no_batch_advice(self.name, self.namespace, list(self._misplaced.values()))
+            raise TimeoutError(f"{error} {advice}") from error
         learner: ObservedGRPOLearner = core.learner  # type: ignore[assignment]
         out = open_instruct_step_metrics(metrics, self.algorithm.kl_coef, self.algorithm.kl_kind)
         prompts, responses = learner.last_prompt_lengths, learner.last_response_lengths
@@ -235,11 +240,6 @@ class PolicyTrainerProcess(GRPOTrainerShell):
                     NUM_PARAMS: float(learner.num_parameters),
                     PEAK_FLOPS: device_peak(core.strategy.device, matmul_dtype(learner)).value})
         return out, {PROMPT_LENGTHS: list(prompts), RESPONSE_LENGTHS: list(responses)}
-
-    def _where_makers_push(self) -> str:
-        refused = "".join(f" Refused: {advice}." for advice in self._misplaced.values())
-        return (f"Learner {self.name!r} is in Ray namespace {self.namespace!r}: makers find it there by name "
-                f"(create them with .options(name=..., namespace={self.namespace!r})).{refused}")
 
     @ray.method(concurrency_group="compute")
     def broadcast_to_vllm(self, model_step: int | None = None) -> dict[str, float]:
