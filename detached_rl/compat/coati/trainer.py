@@ -15,7 +15,7 @@ from detached_rl.actors.transport import attach
 from detached_rl.algorithms.ppo import PPOConfig
 from detached_rl.compat.coati.callbacks import Callbacks, PerformanceEvaluator
 from detached_rl.compat.coati.peers import _actor_name, _names, _namespace
-from detached_rl.compat.coati.rounds import CoatiRounds, CoatiSession
+from detached_rl.compat.coati.rounds import CoatiRounds, CoatiSession, training_batch
 from detached_rl.compat.coati.saving import save_critic, save_model
 from detached_rl.compat.coati.settings import (
     COATI_METRICS,
@@ -122,9 +122,12 @@ class CoatiPPOTrainer(PPOTrainerShell):
 
     @ray.method(concurrency_group="compute")
     def training_step(self, experience: Any) -> dict[str, float]:
-        """Train on one batch (a list of `Experience`, or one); returns {"actor_loss", "critic_loss"}."""
+        """Train on one batch (a list of `Experience`, or one); returns {"actor_loss", "critic_loss"}.
+
+        Anything else (coati's own batched `Experience` included) is refused naming the element and field.
+        """
         core = self.trainer_core()
-        self.session.inject(list(experience) if isinstance(experience, list | tuple) else [experience])
+        self.session.inject(training_batch(experience, core))
         metrics = coati_metrics(core.train_step())
         return {alias: metrics[alias] for alias in COATI_METRICS}
 
