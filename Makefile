@@ -19,10 +19,11 @@ export TOKENIZERS_PARALLELISM := false
 
 install: $(STAMP)
 
-# The multi-host harness and its tests (detached_rl/hosts, tests/test_hosts.py, tests/test_multihost_*.py) build
-# hosts from network namespaces with `ip` and `tc` (iproute2), as root, and start each host's Ray node with
-# `detached-rl node`, which builds its bind shim with the C compiler (cc: gcc, libc6-dev); `unshare`, `nsenter`
-# (util-linux) and `mount` are essential packages on Debian. As root on a machine without them: apt-get install.
+# The multi-host harness and its tests (tests/hosts, tests/test_hosts.py, tests/test_multihost_*.py) build hosts
+# from network namespaces with `ip` and `tc` (iproute2), as root; `unshare`, `nsenter` (util-linux) and `mount`
+# are essential packages on Debian. Only the tests of `detached-rl node --bind-to-address` (tests/test_node.py,
+# tests/test_hosts.py, and test_install's shim build) need the C compiler (cc: gcc, libc6-dev) for its bind
+# shim. As root on a machine without them: apt-get install.
 SYSTEM_TOOLS ?= ip:iproute2 tc:iproute2 cc:gcc cc:libc6-dev
 SYSTEM_PATH := $(PATH):/usr/sbin:/sbin
 system-tools:

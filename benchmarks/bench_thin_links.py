@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_thin_links.py --rates 20 --modes lora  # make bench: one cell + baseline
     .venv/bin/python benchmarks/bench_thin_links.py --config examples/jobs/tiny.yaml --rates 100,20  # quick
 
-Needs root (the multi-host harness, `detached_rl/hosts/`: network namespaces, `tc tbf`). Two hosts: h0
+Needs root (the multi-host harness, `tests/hosts/`: network namespaces, `tc tbf`). Two hosts: h0
 (label role=trainer) and h1 (role=maker), h1's link shaped to each rate in turn. Each cell is one
 `detached-rl run --address <head> --makers 2` typed on h0 with `trainer_group.label_selector={role:
 trainer}` and `maker.label_selector={role: maker}`: trainer and driver on h0, both makers on h1. The
@@ -46,8 +46,11 @@ from typing import Any
 
 from detached_rl.cli.reporting import EVAL_ROW
 from detached_rl.cli.run_setup import run_config
-from detached_rl.hosts import Hosts
-from detached_rl.hosts.network import NetworkError, require_tools
+
+# The harness is test support in the repository (tests/hosts/), not part of the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.hosts import Hosts  # noqa: E402
+from tests.hosts.network import NetworkError, require_tools  # noqa: E402
 
 TRAINER, MAKER = 0, 1
 HOME = "/tmp/drl-hostfs/home"

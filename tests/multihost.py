@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 
-from detached_rl.hosts import Hosts
-from detached_rl.hosts.network import NetworkError, require_tools
-
 from .conftest import ROOT
+from .hosts import Hosts
+from .hosts.network import NetworkError, require_tools
 
 
 def hosts_fixture(count: int = 2, **options: Any) -> Callable[..., Iterator[Hosts]]:

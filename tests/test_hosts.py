@@ -1,11 +1,14 @@
-"""The multi-host harness itself (detached_rl.hosts): teardown after a failing body, each host's own files,
-links that carry what is sent and are shaped both ways, an unplugged link, and `python -m detached_rl.hosts`.
+"""The multi-host harness itself (tests/hosts): teardown after a failing body, each host's own files, links
+that carry what is sent and are shaped both ways, an unplugged link, the node commands, and `python -m
+tests.hosts`.
 
-Mostly without Ray (`Hosts(...).up(nodes=False)`); one test starts Ray nodes to see them torn down.
+Mostly without Ray (`Hosts(...).up(nodes=False)`); one test starts Ray nodes with `detached-rl node
+--bind-to-address`, sees them listen on their hosts' addresses only, and sees them torn down.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -16,9 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from detached_rl.hosts import Hosts
-from detached_rl.hosts.cluster import tear_down
-from detached_rl.hosts.network import HOST_ROOT, RAY_TMP, NetworkError, require_tools
+from detached_rl.node import NodePorts
+from detached_rl.node.listening import WILDCARDS, parse_table
+
+from .conftest import ROOT
+from .hosts import Hosts, HostsError
+from .hosts.cluster import tear_down
+from .hosts.network import HOST_ROOT, RAY_TMP, NetworkError, require_tools
 
 pytestmark = [pytest.mark.multihost]
 
@@ -123,12 +130,29 @@ def qdisc(namespace: str, device: str) -> dict:
     return json.loads(shown)[0]
 
 
-def test_namespaces_links_and_every_process_are_gone_after_the_body_raises() -> None:
-    """A test body raising inside `with Hosts(...)`: its namespaces (with their veths), anchors, Ray nodes
-    and a process the test started on a host are all gone, and so is the work directory."""
+def listening(hosts: Hosts, index: int) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket on host `index`, read from its /proc/net."""
+    found = []
+    for table in ("tcp", "tcp6"):
+        found += parse_table(hosts.run(index, ["cat", f"/proc/net/{table}"], check=True).stdout)
+    return found
+
+
+def test_bound_nodes_listen_on_their_address_and_all_is_gone_after_the_body_raises() -> None:
+    """Nodes started with `detached-rl node --bind-to-address` (the bind shim preloaded into every Ray
+    process) listen on their host's address, none of their ports on all interfaces. Then a test body raising
+    inside `with Hosts(...)`: its namespaces (with their veths), anchors, Ray nodes and a process the test
+    started on a host are all gone, and so is the work directory."""
     tools_or_fail()
-    built = Hosts(2, rates_mbit={1: 50}, cpus={0: 1, 1: 1}, object_store_mb=100)
+    built = Hosts(2, rates_mbit={1: 50}, cpus={0: 1, 1: 1}, object_store_mb=100, bind_to_address=True)
     with pytest.raises(RuntimeError, match="the test failed"), built:
+        for index in (0, 1):
+            address, ports = built.host(index).address, NodePorts().of_node(head=index == 0)
+            table = listening(built, index)
+            assert [row for row in table if row[1] in ports and row[0] in WILDCARDS] == [], table
+            assert (address, NodePorts().node_manager) in table, table
+            assert f"listening on {address} and 127.0.0.1 only" in built.node_reports[index]
+        assert (built.host(0).address, NodePorts().gcs) in listening(built, 0)
         # The hosts' namespaces live while a process is in them; the switch's has none, only its name.
         names = [host.namespace for host in built.hosts] + [built.network.switch]
         inodes = namespace_inodes(names[:-1])
@@ -145,6 +169,31 @@ def test_namespaces_links_and_every_process_are_gone_after_the_body_raises() -> 
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [name for name in names if name in listed]
     assert not built.workdir.exists()
+
+
+def test_a_node_is_started_with_detached_rl_node_or_plain_ray_start(tmp_path: Path) -> None:
+    """The harness's node commands (nothing started): `detached-rl node` with the token required and
+    `--bind-to-address` when asked, the `ray start` options after `--`; plain `ray start` with the same
+    address, head ports, CPUs, resources and labels and nothing of detached-rl's. A starter it does not know,
+    or the shim with plain `ray start`, is refused naming the field."""
+    layout = {"cpus": {1: 3}, "resources": {1: {"maker_host": 1.0}}, "labels": {1: {"role": "maker"}}}
+    ours = Hosts(2, workdir=tmp_path / "a", bind_to_address=True, **layout)  # type: ignore[arg-type]
+    plain = Hosts(2, workdir=tmp_path / "b", start_with="ray start", **layout)  # type: ignore[arg-type]
+    head, worker = ours.node_command(0), ours.node_command(1)
+    assert head[1:3] == ["node", "--node-ip-address=10.213.0.1"] and "--head" in head
+    assert "--bind-to-address" in worker and "--no-token" not in worker
+    assert worker.index("--") < worker.index("--disable-usage-stats")
+    plain_head, plain_worker = plain.node_command(0), plain.node_command(1)
+    assert Path(plain_head[0]).name == "ray" and plain_head[1:3] == ["start", "--node-ip-address=10.213.0.1"]
+    assert {"--head", "--port=6379", "--ray-client-server-port=10001"} <= set(plain_head)
+    assert {"--address=10.213.0.1:6379", "--node-ip-address=10.213.0.2", "--num-cpus=3",
+            '--resources={"maker_host": 1.0}', "--labels=role=maker"} <= set(plain_worker)
+    assert not {"--", "--bind-to-address", "--no-token"} & set(plain_worker)
+    assert not [arg for arg in plain_worker if arg.startswith(("--node-manager-port", "--min-worker-port"))]
+    with pytest.raises(HostsError, match="start_with='kuberay'"):
+        Hosts(2, workdir=tmp_path / "c", start_with="kuberay")
+    with pytest.raises(HostsError, match="bind_to_address=True .* not with start_with='ray start'"):
+        Hosts(2, workdir=tmp_path / "d", start_with="ray start", bind_to_address=True)
 
 
 def test_each_host_sees_its_own_files(hosts: Hosts) -> None:
@@ -206,39 +255,40 @@ def test_an_unplugged_link_carries_nothing_until_plugged_back(hosts: Hosts) -> N
 
 
 def test_the_script_builds_hosts_runs_commands_on_them_and_removes_them(tmp_path: Path) -> None:
-    """`python -m detached_rl.hosts up`, `exec` (from a shell whose PATH lacks this install: it still finds
-    detached-rl) and `down`, as a person types them."""
+    """`python -m tests.hosts up`, `exec` (from a shell whose PATH lacks this install: it still finds
+    detached-rl) and `down`, as a person types them in the repository."""
     tools_or_fail()
-    script = [sys.executable, "-m", "detached_rl.hosts"]
+    script = [sys.executable, "-m", "tests.hosts"]
+    in_repository = functools.partial(subprocess.run, cwd=ROOT)
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8"}
-    up = subprocess.run([*script, "up", "--hosts", "2", "--no-ray", "--rate", "1=30"], capture_output=True,
-                        text=True, timeout=120, env=env)
+    up = in_repository([*script, "up", "--hosts", "2", "--no-ray", "--rate", "1=30"], capture_output=True,
+                       text=True, timeout=120, env=env)
     assert up.returncode == 0, up.stderr
     layout = json.loads(up.stdout[:up.stdout.index("\n}") + 2])
     workdir = Path(layout["workdir"])
     try:
         assert layout["hosts"] == ["10.213.0.1", "10.213.0.2"] and layout["head"] == "10.213.0.1:6379"
-        assert f"python -m detached_rl.hosts down {workdir}" in up.stdout
-        address = subprocess.run([*script, "exec", str(workdir), "1", "--", "ip", "-4", "-o", "addr", "show",
-                                  "dev", "eth0"], capture_output=True, text=True, timeout=60, env=env)
+        assert f"python -m tests.hosts down {workdir}" in up.stdout
+        address = in_repository([*script, "exec", str(workdir), "1", "--", "ip", "-4", "-o", "addr", "show",
+                                 "dev", "eth0"], capture_output=True, text=True, timeout=60, env=env)
         assert "10.213.0.2/24" in address.stdout, address.stdout + address.stderr
-        version = subprocess.run([*script, "exec", str(workdir), "0", "--", "detached-rl", "--version"],
-                                 capture_output=True, text=True, timeout=120, env=env)
+        version = in_repository([*script, "exec", str(workdir), "0", "--", "detached-rl", "--version"],
+                                capture_output=True, text=True, timeout=120, env=env)
         assert version.returncode == 0 and version.stdout.startswith("detached-rl "), version.stderr
         # Only the first "--" separates; the command's own arguments are passed as typed.
-        echoed = subprocess.run([*script, "exec", str(workdir), "1", "--", "echo", "a", "--", "b"],
-                                capture_output=True, text=True, timeout=60, env=env)
+        echoed = in_repository([*script, "exec", str(workdir), "1", "--", "echo", "a", "--", "b"],
+                               capture_output=True, text=True, timeout=60, env=env)
         assert echoed.stdout.strip() == "a -- b", echoed.stdout + echoed.stderr
-        wrong = subprocess.run([*script, "exec", str(workdir), "2", "--", "true"], capture_output=True,
-                               text=True, timeout=60, env=env)
+        wrong = in_repository([*script, "exec", str(workdir), "2", "--", "true"], capture_output=True,
+                              text=True, timeout=60, env=env)
         assert wrong.returncode != 0 and "there are hosts 0 to 1" in wrong.stderr, wrong.stderr
         state = json.loads((workdir / "network.json").read_text())
         names = [host["namespace"] for host in state["hosts"]] + [state["switch"]]
         inodes = namespace_inodes(names[:-1])
         anchors = [host["anchor_pid"] for host in state["hosts"]]
         assert qdisc(names[1], "eth0")["kind"] == "tbf"
-        down = subprocess.run([*script, "down", str(workdir)], capture_output=True, text=True, timeout=120,
-                              env=env)
+        down = in_repository([*script, "down", str(workdir)], capture_output=True, text=True, timeout=120,
+                             env=env)
         assert down.returncode == 0, down.stderr
         assert not workdir.exists() and not inodes & live_namespace_inodes()
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

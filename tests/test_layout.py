@@ -14,8 +14,6 @@ BENCHMARKS = PACKAGE.parent / "benchmarks"
 # Which layers each layer may import (besides itself). Read top-down: cli may use everything, core nothing.
 ALLOWED = {
     "core": set(),
-    # The multi-host harness: namespaces, links and Ray nodes driven by subprocess, nothing of the toolkit.
-    "hosts": set(),
     # Starting a Ray node bound to its address (`detached-rl node`): `ray start` and the bind shim.
     "node": set(),
     "rewards": {"core"},

@@ -3,7 +3,7 @@
 Four hosts: h0 (the head; the trainer job, by custom resource), h1 (the maker job), h2 (the desk: a Ray
 node that runs neither job, only the commands typed there) and h3 (a laptop: no Ray node at all). Every
 node is started as docs/multi-host.md says, with `detached-rl node`: ports pinned, token authentication on,
-listening on its host's address only. `status`, `inspect`,
+Ray's own binding (tests/test_hosts.py runs nodes with `--bind-to-address`). `status`, `inspect`,
 `export` and `stop` typed on the desk work through the Ray client (`ray://10.213.0.1:10001`) and through
 the head's address (`10.213.0.1:6379`); an export lands on the desk. On the laptop only the Ray client
 works, and the direct address is refused saying so. Which sockets the nodes listen on, and a driver
@@ -19,15 +19,17 @@ import time
 
 import pytest
 
-from detached_rl.hosts import Hosts
 from detached_rl.node import NodePorts
+from detached_rl.node.shim import port_ranges
 
+from .hosts import Hosts
 from .multihost import hosts_fixture, tiny_config_path
 
 pytestmark = [pytest.mark.multihost]
 
 TRAINER, MAKER, DESK, LAPTOP = 0, 1, 2, 3
 HOME = "/tmp/drl-hostfs/home"
+WILDCARDS = {"*", "0.0.0.0", "::"}  # all interfaces, as `ss` writes them
 # The ports `detached-rl node` pins on every node (docs/multi-host.md section 6).
 PORTS = NodePorts()
 hosts = hosts_fixture(4, resources={TRAINER: {"trainer_host": 1}, MAKER: {"maker_host": 1}}, bare={LAPTOP})
@@ -112,22 +114,25 @@ def test_status_inspect_export_and_stop_from_the_desk_through_both_addresses(hos
     assert "stopped t" in stopped.stdout, stopped.stdout  # none left: the laptop's status below says so
 
 
-def test_every_node_listens_on_its_own_address_and_pinned_ports_only(hosts: Hosts) -> None:
-    """Nodes started with `detached-rl node`: no socket of any node listens on all interfaces (0.0.0.0 or
-    [::]), each one open to other hosts is on the host's own address and on a port docs/multi-host.md lists
-    (so a firewall that opens just those between the hosts is complete); the Ray client server listens on
-    the head's address and loopback only."""
+def test_every_node_listens_on_pinned_ports_only_and_its_report_names_what_a_firewall_must_guard(
+        hosts: Hosts) -> None:
+    """Nodes started with `detached-rl node` (Ray's own binding): every socket open to other hosts, on the
+    host's address or on all interfaces, is on a port docs/multi-host.md lists (so a firewall that opens just
+    those between the hosts is complete); what the command printed names the ports it found on all
+    interfaces (the raylet's among them) and every port a firewall must guard."""
     for index in (TRAINER, MAKER, DESK):
         table = listeners(hosts, index)
         print(f"h{index} listens on: " + ", ".join(f"{a}:{p} ({n})" for a, p, n in table))
-        wide = [row for row in table if row[0] in ("*", "0.0.0.0", "::")]
-        assert not wide, f"h{index} listens on all interfaces: {wide}"
         open_to_hosts = [(a, p, n) for a, p, n in table if a not in ("127.0.0.1", "::1")]
-        assert {a for a, _, _ in open_to_hosts} == {hosts.host(index).address}, open_to_hosts
-        unexpected = [row for row in open_to_hosts if row[1] not in PORTS.of_node(head=index == 0)]
+        assert {a for a, _, _ in open_to_hosts} <= {hosts.host(index).address, *WILDCARDS}, open_to_hosts
+        pinned = PORTS.of_node(head=index == 0)
+        unexpected = [row for row in open_to_hosts if row[1] not in pinned]
         assert not unexpected, unexpected
-    client = {a for a, p, _ in listeners(hosts, 0) if p == PORTS.client}
-    assert client == {hosts.host(0).address, "127.0.0.1"}, client
+        report = hosts.node_reports[index]
+        found = report.split("on all interfaces at ports ", 1)[1].split("\n", 1)[0]
+        assert any(int(low) <= PORTS.node_manager <= int(high or low)
+                   for low, _, high in (part.partition("-") for part in found.split(","))), report
+        assert f"a firewall must let only the cluster's hosts reach ports {port_ranges(pinned)} " in report
 
 
 def test_on_a_host_without_a_node_the_ray_client_works_and_a_direct_address_is_refused(hosts: Hosts) -> None:

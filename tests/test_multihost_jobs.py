@@ -4,6 +4,9 @@ with its actors on other hosts than its driver, and what each of them keeps on w
 Three hosts: h0 (the head, role=trainer, resource trainer_host), h1 (role=maker, resource maker_host; its
 link shaped to 20 Mbit/s) and h2 (role=desk: a node where the user types; nothing is placed there). Each
 host's /tmp/drl-hostfs is its own, so where a file lands shows on which host the code that wrote it ran.
+Every node is started with plain `ray start` (Ray's own ports and binding, token auth on), as KubeRay or a
+Slurm script starts one: the jobs need nothing of `detached-rl node` (tests/test_multihost_cli.py runs on
+nodes it started).
 """
 
 from __future__ import annotations
@@ -16,14 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from detached_rl.hosts import Hosts
-
+from .hosts import Hosts
 from .multihost import hosts_fixture, tiny_config_path
 
 pytestmark = [pytest.mark.multihost]
 
 TRAINER, MAKER, DESK = 0, 1, 2
-hosts = hosts_fixture(3, rates_mbit={MAKER: 20},
+hosts = hosts_fixture(3, rates_mbit={MAKER: 20}, start_with="ray start",
                       resources={TRAINER: {"trainer_host": 1}, MAKER: {"maker_host": 1}},
                       labels={TRAINER: {"role": "trainer"}, MAKER: {"role": "maker"}, DESK: {"role": "desk"}})
 HOME = "/tmp/drl-hostfs/home"  # every host's home: the same path, different files on each host
@@ -115,6 +117,7 @@ def test_tiny_jobs_placed_by_labels_keep_checkpoints_and_state_on_their_hosts(ho
     """Trainer and maker jobs typed on the desk run on the hosts their labels name, across h1's 20 Mbit/s
     link; relative --checkpoint-dir and --state-dir are on the actors' hosts; --resume-from is checked
     there."""
+    assert all("Ray runtime started" in report for report in hosts.node_reports.values())  # plain ray start
     tiny = ["--config", tiny_config_path()]
     cli(hosts, DESK, "trainer", "--name", "t", "--steps", "6", *tiny, "--set", ON_TRAINER_HOST,
         "--checkpoint-every", "3", "--checkpoint-dir", "checkpoints")

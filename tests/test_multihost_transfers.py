@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 
-from detached_rl.hosts import Hosts
-
+from .hosts import Hosts
 from .multihost import hosts_fixture, tiny_config_path
 from .test_multihost_faults import Probe, ok, wait_for
 

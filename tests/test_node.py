@@ -1,5 +1,6 @@
-"""`detached-rl node` without Ray: the bind shim (built with the real compiler, preloaded into a real child
-process), the listening-socket table, and the checks and `ray start` command the node is started with."""
+"""`detached-rl node` without Ray: the bind shim of `--bind-to-address` (built with the real compiler,
+preloaded into a real child process), the listening-socket table, the checks and `ray start` command the node
+is started with, and the socket audit after the start (a report by default, a failure with the shim)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from detached_rl.cli.main import main
+from detached_rl.cli.main import build_parser, main
 from detached_rl.node import NodeError, NodePorts, NodeSpec, build_bind_shim, listening_sockets, start_node
 from detached_rl.node.listening import parse_table
 from detached_rl.node.shim import ADDRESS_VARIABLE, PORTS_VARIABLE, preloaded
-from detached_rl.node.start import check_node_address, check_token, ray_start_command
+from detached_rl.node.start import check_node_address, check_token, describe, ray_start_command
 
 PROBE = """
 import json, os, socket
@@ -118,9 +119,9 @@ def test_the_shim_is_built_once_and_kept_with_other_preloads(shim: Path, tmp_pat
 
 def test_without_a_compiler_the_build_is_refused_naming_the_way_out(tmp_path: Path) -> None:
     """No CC and no cc/gcc on PATH: a NodeError that says what to install and how to do without."""
-    with pytest.raises(NodeError, match="C compiler") as refused:
+    with pytest.raises(NodeError, match="--bind-to-address needs a C compiler") as refused:
         build_bind_shim(tmp_path, environment={"PATH": str(tmp_path)})
-    assert "--listen-on-all-interfaces" in str(refused.value) and "gcc" in str(refused.value)
+    assert "leave out --bind-to-address" in str(refused.value) and "gcc" in str(refused.value)
 
 
 def test_listening_sockets_are_read_from_proc_with_their_addresses() -> None:
@@ -146,14 +147,17 @@ def test_the_proc_table_parser_reads_mapped_ipv6_and_skips_other_states() -> Non
 
 
 def test_a_node_address_must_be_one_of_this_host() -> None:
-    """Wildcards, non-addresses and addresses of other hosts are refused, naming the option."""
+    """Wildcards, non-addresses and addresses of other hosts are refused, naming the option; an IPv6 address
+    only with --bind-to-address (the shim binds IPv4)."""
     for address, reason in (("0.0.0.0", "means every interface"), ("eth0", "is not an IP address"),
                             ("192.0.2.77", "is not an address of this host"),
-                            ("::1", "IPv6 node address is not supported")):
+                            ("::1", "--bind-to-address does not support an IPv6 node address")):
         with pytest.raises(NodeError, match=reason) as refused:
-            check_node_address(address, listen_on_all_interfaces=False)
+            check_node_address(address, bind_to_address=True)
         assert "--node-ip-address" in str(refused.value)
-    check_node_address("127.0.0.1", listen_on_all_interfaces=False)
+    check_node_address("127.0.0.1", bind_to_address=True)
+    if socket.has_ipv6 and Path("/proc/net/if_inet6").exists():
+        check_node_address("::1", bind_to_address=False)
 
 
 def test_a_node_needs_token_authentication_unless_told_otherwise(tmp_path: Path) -> None:
@@ -186,28 +190,76 @@ def test_ray_start_gets_every_port_pinned_and_the_users_options_last() -> None:
         NodePorts().overridden(["--object-manager-port=any"])
 
 
-def test_a_node_found_listening_on_all_interfaces_is_reported(tmp_path: Path) -> None:
-    """When a node's port listens on 0.0.0.0 after `ray start` (the shim did not take), `start_node` fails
-    naming the socket. The command's stand-in opens that socket here; the real `ray start` runs in the
-    multi-host tests."""
-    opened: list[socket.socket] = []
+class FakeRayStart:
+    """A stand-in for `ray start` that opens one socket on all interfaces (as Ray's own binding does) and
+    keeps the environment it was given; the real `ray start` runs in the multi-host tests."""
 
-    def ray_start(command: list[str], **options: object) -> subprocess.CompletedProcess[str]:
-        assert options["env"][ADDRESS_VARIABLE] == "127.0.0.1"  # type: ignore[index]
+    def __init__(self) -> None:
+        self.opened: list[socket.socket] = []
+        self.environment: dict[str, str] = {}
+
+    def __call__(self, command: list[str], **options: object) -> subprocess.CompletedProcess[str]:
+        self.environment = dict(options["env"])  # type: ignore[call-overload]
         wide = socket.socket()
         wide.bind(("0.0.0.0", 0))
         wide.listen()
-        opened.append(wide)
+        self.opened.append(wide)
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    spec = NodeSpec("127.0.0.1", require_token=False,
-                    extra=["--min-worker-port=1", "--max-worker-port=65535"])  # every port is the node's
+    def port(self) -> int:
+        """The port of the socket it opened."""
+        return self.opened[0].getsockname()[1]
+
+    def close(self) -> None:
+        """Close what it opened."""
+        for wide in self.opened:
+            wide.close()
+
+
+# every port is the node's, so the stand-in's socket is on one of them
+EVERY_PORT = ["--min-worker-port=1", "--max-worker-port=65535"]
+
+
+def in_ranges(port: int, ranges: str) -> bool:
+    """Whether `port` is in "6379-6381,10001"."""
+    bounds = [part.partition("-") for part in ranges.split(",")]
+    return any(int(low) <= port <= int(high or low) for low, _, high in bounds)
+
+
+def test_by_default_a_node_needs_no_compiler_and_its_wildcard_listeners_are_reported(tmp_path: Path) -> None:
+    """Without --bind-to-address: no shim is built (no compiler on PATH) or preloaded; the node's port found
+    on all interfaces is reported, not refused, with the ports a firewall must guard."""
+    ray_start = FakeRayStart()
+    spec = NodeSpec("127.0.0.1", require_token=False, extra=EVERY_PORT)
+    try:
+        report = start_node(spec, {"PATH": str(tmp_path), "HOME": str(tmp_path)}, runner=ray_start)
+        port = ray_start.port()
+    finally:
+        ray_start.close()
+    assert "LD_PRELOAD" not in ray_start.environment and ADDRESS_VARIABLE not in ray_start.environment
+    assert not list(tmp_path.iterdir())  # nothing built
+    first, second = report.splitlines()[:2]
+    assert "with Ray's own binding: on all interfaces at ports" in first
+    assert in_ranges(port, first.rpartition("ports ")[2]), (port, first)
+    assert "a firewall must let only the cluster's hosts reach ports 1-65535" in second
+    assert "--bind-to-address" in second
+    guarded = NodeSpec("10.0.0.5")
+    assert ("reach ports 6379-6385,10001,11000-11099,44217,44227 "
+            in describe(guarded, [("0.0.0.0", 6379)]))
+
+
+def test_with_bind_to_address_a_node_found_listening_on_all_interfaces_is_refused(tmp_path: Path) -> None:
+    """With --bind-to-address the shim is preloaded, and a node port on 0.0.0.0 after `ray start` (the shim
+    did not take) fails `start_node`, naming the socket."""
+    ray_start = FakeRayStart()
+    spec = NodeSpec("127.0.0.1", require_token=False, bind_to_address=True, extra=EVERY_PORT)
     try:
         with pytest.raises(NodeError, match=r"listens on all interfaces at 0\.0\.0\.0:\d+"):
             start_node(spec, {**os.environ, "DETACHED_RL_CACHE_DIR": str(tmp_path)}, runner=ray_start)
     finally:
-        for wide in opened:
-            wide.close()
+        ray_start.close()
+    assert ray_start.environment[ADDRESS_VARIABLE] == "127.0.0.1"
+    assert ray_start.environment["LD_PRELOAD"].startswith(str(tmp_path))
 
 
 def test_the_command_refuses_bad_options_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -218,3 +270,12 @@ def test_the_command_refuses_bad_options_in_one_line(capsys: pytest.CaptureFixtu
     assert "--resources is not JSON" in capsys.readouterr().err
     assert main(["node", "--head", "--node-ip-address", "127.0.0.1", "--labels", "role"]) == 2
     assert "--labels: 'role' is not KEY=VALUE" in capsys.readouterr().err
+    assert main(["node", "--head", "--node-ip-address", "127.0.0.1", "--listen-on-all-interfaces"]) == 2
+    assert "--listen-on-all-interfaces is gone: Ray's own binding is the default" in capsys.readouterr().err
+
+
+def test_the_commands_default_ports_are_the_nodes() -> None:
+    """`detached-rl node`'s --port and --ray-client-server-port default to NodePorts' (one source)."""
+    args = build_parser().parse_args(["node", "--head", "--node-ip-address", "127.0.0.1"])
+    assert (args.port, args.ray_client_server_port) == (NodePorts().gcs, NodePorts().client)
+    assert not args.bind_to_address

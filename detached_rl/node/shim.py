@@ -1,6 +1,6 @@
-"""The bind shim (bind_shim.c): built once per source version with the system's C compiler, preloaded into a
-Ray node's processes so that what Ray would bind to all interfaces on the node's ports is bound to the node's
-address."""
+"""The bind shim (bind_shim.c) of `detached-rl node --bind-to-address`: built once per source version with
+the system's C compiler, preloaded into a Ray node's processes so that what Ray would bind to all interfaces
+on the node's ports is bound to the node's address."""
 
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ def find_compiler(environment: Mapping[str, str] | None = None) -> str:
     for candidate in (environment.get("CC"), "cc", "gcc"):
         if candidate and (found := shutil.which(candidate, path=path)):
             return found
-    raise NodeError("binding a Ray node to its address needs a C compiler to build detached-rl's bind shim "
-                    "once (none found: set CC, or apt-get install gcc libc6-dev); or start the node with "
-                    "--listen-on-all-interfaces to keep Ray's own binding (docs/multi-host.md section 6)")
+    raise NodeError("--bind-to-address needs a C compiler to build detached-rl's bind shim once (none "
+                    "found: set CC, or apt-get install gcc libc6-dev); or leave out --bind-to-address: Ray's "
+                    "own binding with token auth and a firewall (docs/multi-host.md section 6)")
 
 
 def build_bind_shim(directory: Path | None = None, environment: Mapping[str, str] | None = None) -> Path:

@@ -1,6 +1,7 @@
-"""Start a Ray node as docs/multi-host.md section 2 says: `ray start` with token authentication required,
-every port pinned, and (unless asked otherwise) the bind shim preloaded so that nothing listens on all
-interfaces; then check the node's listening sockets and say where it listens."""
+"""Start a Ray node as docs/multi-host.md section 2 says: `ray start` with token authentication required and
+every port pinned (with `--bind-to-address`, also the bind shim preloaded so that nothing listens on all
+interfaces); then check the node's listening sockets and say where it listens and what a firewall must
+guard."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from detached_rl.node.listening import wildcard_listeners
-from detached_rl.node.shim import NodeError, build_bind_shim, preloaded
+from detached_rl.node.shim import NodeError, build_bind_shim, port_ranges, preloaded
 
 START_TIMEOUT_S = 300.0
 # `ray start` flags of each pinned port (a flag also given after `--` overrides the default here).
@@ -81,7 +82,7 @@ class NodeSpec:
     num_cpus: float | None = None
     num_gpus: float | None = None
     dashboard: bool = False
-    listen_on_all_interfaces: bool = False
+    bind_to_address: bool = False  # preload the bind shim (needs a C compiler); else Ray's own binding
     require_token: bool = True
     extra: list[str] = field(default_factory=list)  # more `ray start` options, given after `--`
 
@@ -91,7 +92,7 @@ class NodeSpec:
         return self.head_address is None
 
 
-def check_node_address(address: str, listen_on_all_interfaces: bool) -> None:
+def check_node_address(address: str, bind_to_address: bool) -> None:
     """Refuse a `--node-ip-address` that names no single address of this host."""
     try:
         parsed = ipaddress.ip_address(address)
@@ -101,9 +102,9 @@ def check_node_address(address: str, listen_on_all_interfaces: bool) -> None:
     if parsed.is_unspecified:
         raise NodeError(f"--node-ip-address {address} means every interface: give the address the other "
                         "hosts reach this one at")
-    if parsed.version == 6 and not listen_on_all_interfaces:
-        raise NodeError(f"--node-ip-address {address}: binding to an IPv6 node address is not "
-                        "supported; give the node's IPv4 address, or add --listen-on-all-interfaces")
+    if parsed.version == 6 and bind_to_address:
+        raise NodeError(f"--node-ip-address {address}: --bind-to-address does not support an IPv6 node "
+                        "address; give the node's IPv4 address, or leave out --bind-to-address")
     family = socket.AF_INET6 if parsed.version == 6 else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         try:
@@ -151,26 +152,31 @@ def ray_start_command(spec: NodeSpec, ray: str = "ray") -> list[str]:
 
 
 def node_environment(spec: NodeSpec, environment: Mapping[str, str]) -> dict[str, str]:
-    """The environment `ray start` runs in: the head's metrics ports pinned, the bind shim preloaded."""
+    """The environment `ray start` runs in: the head's metrics ports pinned; with `bind_to_address` the bind
+    shim preloaded (built here, the only step that needs a C compiler)."""
     result = dict(environment)
     if spec.head:
         result.update({variable: str(getattr(spec.ports, name))
                        for name, variable in HEAD_PORT_VARIABLES.items()})
-    if spec.listen_on_all_interfaces:
+    if not spec.bind_to_address:
         return result
     return preloaded(result, build_bind_shim(environment=environment), spec.node_ip_address,
                      spec.ports.of_node(spec.head))
 
 
-def describe(spec: NodeSpec) -> str:
-    """What the started node listens on, for the user."""
+def describe(spec: NodeSpec, wide: Sequence[tuple[str, int]] = ()) -> str:
+    """What the started node listens on, for the user: with `bind_to_address` its own address; else the
+    node's ports found on all interfaces (`wide`) and every port a firewall must guard."""
     ports = spec.ports
-    where = ("all interfaces (--listen-on-all-interfaces)" if spec.listen_on_all_interfaces
-             else f"{spec.node_ip_address} and 127.0.0.1 only")
-    pinned = sorted(spec.ports.of_node(spec.head) - set(range(ports.min_worker, ports.max_worker + 1)))
-    lines = [f"{'head' if spec.head else 'worker'} node started on {spec.node_ip_address}, listening on "
-             f"{where}: ports {', '.join(map(str, pinned))} and {ports.min_worker}-{ports.max_worker} "
-             "(workers)"]
+    guarded = port_ranges(ports.of_node(spec.head))  # worker ports included
+    role = f"{'head' if spec.head else 'worker'} node started on {spec.node_ip_address}"
+    if spec.bind_to_address:
+        lines = [f"{role}, listening on {spec.node_ip_address} and 127.0.0.1 only: ports {guarded}"]
+    else:
+        found = port_ranges(port for _, port in wide) or "none yet"
+        lines = [f"{role}, with Ray's own binding: on all interfaces at ports {found}",
+                 f"a firewall must let only the cluster's hosts reach ports {guarded} (docs/multi-host.md "
+                 "section 6); --bind-to-address binds them to the node's address instead"]
     if spec.head:
         lines.append("join it from another host: detached-rl node --address "
                      f"{spec.node_ip_address}:{ports.gcs} --node-ip-address <that host's address>")
@@ -184,14 +190,15 @@ Runner = Callable[..., subprocess.CompletedProcess[str]]
 
 def start_node(spec: NodeSpec, environment: Mapping[str, str] | None = None, runner: Runner = subprocess.run,
                proc_net: Path = Path("/proc/self/net")) -> str:
-    """Start the node of `spec` with `ray start`, check that none of its ports listens on all interfaces
-    and return what it listens on. Raises `NodeError` (naming the option, variable or socket) otherwise."""
+    """Start the node of `spec` with `ray start`, read which of its ports listen on all interfaces and return
+    what it listens on. Raises `NodeError` (naming the option, variable or socket) where it cannot start, or
+    where a node started with `bind_to_address` listens on all interfaces."""
     environment = dict(os.environ if environment is None else environment)
     spec = dataclasses.replace(spec, ports=spec.ports.overridden(spec.extra))  # the caller's stays as given
     if "--block" in spec.extra:
         raise NodeError("--block is not taken after `--`: detached-rl node returns once the node runs and "
                         "its sockets are checked (run it under your supervisor, or use ray start --block)")
-    check_node_address(spec.node_ip_address, spec.listen_on_all_interfaces)
+    check_node_address(spec.node_ip_address, spec.bind_to_address)
     if spec.require_token:
         check_token(environment, spec.head)
     ray = shutil.which("ray", path=environment.get("PATH")) or "ray"
@@ -204,10 +211,9 @@ def start_node(spec: NodeSpec, environment: Mapping[str, str] | None = None, run
     if result.returncode != 0:
         raise NodeError(f"`ray start` exited {result.returncode}: "
                         f"{(result.stderr or result.stdout).strip()[-1500:]}")
-    if not spec.listen_on_all_interfaces:
-        wide = wildcard_listeners(spec.ports.of_node(spec.head), proc_net)
-        if wide:
-            shown = ", ".join(f"{address}:{port}" for address, port in wide)
-            raise NodeError(f"the node started but listens on all interfaces at {shown}: the bind shim did "
-                            "not take (is LD_PRELOAD cleared for Ray's processes?); stop it with `ray stop`")
-    return describe(spec)
+    wide = wildcard_listeners(spec.ports.of_node(spec.head), proc_net)
+    if wide and spec.bind_to_address:
+        shown = ", ".join(f"{address}:{port}" for address, port in wide)
+        raise NodeError(f"the node started but listens on all interfaces at {shown}: the bind shim did "
+                        "not take (is LD_PRELOAD cleared for Ray's processes?); stop it with `ray stop`")
+    return describe(spec, wide)

@@ -111,7 +111,7 @@ class Network:
         require_tools()
         HOST_ROOT.mkdir(parents=True, exist_ok=True)
         RAY_TMP.mkdir(parents=True, exist_ok=True)
-        self.save()  # first, so that `python -m detached_rl.hosts down` finds what a failed create left
+        self.save()  # first, so that `python -m tests.hosts down` finds what a failed create left
         ip_command("ip", "netns", "add", self.switch)
         ip_command("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         ip_command("ip", "-n", self.switch, "link", "set", "br0", "up")
@@ -173,7 +173,7 @@ class Network:
         return {"sent": int(stats["rx"]["bytes"]), "received": int(stats["tx"]["bytes"])}
 
     def save(self) -> None:
-        """Record the layout in `workdir/network.json` (what `python -m detached_rl.hosts down` reads)."""
+        """Record the layout in `workdir/network.json` (what `python -m tests.hosts down` reads)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         state = {"prefix": self.prefix, "owner": os.getpid(), "switch": self.switch,
                  "hosts": [{"namespace": h.namespace, "address": h.address, "anchor_pid": h.anchor_pid,

@@ -1,6 +1,7 @@
 """A Ray cluster over the hosts of a `Network`: the head on host 0, a worker node on each other host, each
-started with `detached-rl node` (token authentication on, ports pinned, listening on the host's address
-only), every process owned by the harness and stopped by pid."""
+started with `detached-rl node` (token authentication on, ports pinned; `bind_to_address`: listening on the
+host's address only) or with plain `ray start` (as KubeRay or a Slurm script does), every process owned by
+the harness and stopped by pid."""
 
 from __future__ import annotations
 
@@ -17,10 +18,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from detached_rl.hosts.network import HOST_ROOT, Host, Network, NetworkError, destroy_namespaces
+from detached_rl.node import NodePorts
 
-RAY_PORT = 6379
-CLIENT_PORT = 10001
+from .network import HOST_ROOT, Host, Network, NetworkError, destroy_namespaces
+
+RAY_PORT = NodePorts().gcs
+CLIENT_PORT = NodePorts().client
+# How a host's Ray node is started: `detached-rl node` (docs/multi-host.md section 2), or `ray start` with
+# Ray's defaults but the head's ports, the host's address and what the test asks for (CPUs, resources,
+# labels).
+NODE_STARTERS = ("detached-rl node", "ray start")
 
 
 class HostsError(NetworkError):
@@ -45,9 +52,14 @@ class Hosts:
                  labels: dict[int, dict[str, str]] | None = None, object_store_mb: int = 1024,
                  token: bool = True, prefix: str | None = None, workdir: Path | None = None,
                  node_args: dict[int, list[str]] | None = None, bare: set[int] | None = None,
-                 bind_to_address: bool = True) -> None:
+                 start_with: str = "detached-rl node", bind_to_address: bool = False) -> None:
         if bare and 0 in bare:
             raise HostsError("host 0 runs the head: it cannot be bare (without a Ray node)")
+        if start_with not in NODE_STARTERS:
+            raise HostsError(f"start_with={start_with!r}: a node is started with one of {NODE_STARTERS}")
+        if bind_to_address and start_with != "detached-rl node":
+            raise HostsError("bind_to_address=True is `detached-rl node --bind-to-address`: not with "
+                             f"start_with={start_with!r}")
         self.prefix = prefix or f"drlh-{uuid.uuid4().hex[:6]}"
         # short: Ray's socket paths have a length limit of about 100 characters
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix=f"{self.prefix}-", dir="/tmp"))
@@ -57,8 +69,10 @@ class Hosts:
         self.resources = resources or {}
         self.labels = labels or {}
         self.node_args = node_args or {}  # more `ray start` options of host i (after `detached-rl node --`)
-        # False: the nodes keep Ray's own binding (servers on all interfaces), `--listen-on-all-interfaces`
+        self.start_with = start_with
+        # True: `detached-rl node --bind-to-address` (the bind shim); False: Ray's own binding
         self.bind_to_address = bind_to_address
+        self.node_reports: dict[int, str] = {}  # what each host's node command printed when it started
         self.bare = set(bare or ())  # hosts without a Ray node (a laptop with the CLI only)
         self.object_store_mb = object_store_mb
         self.token = secrets.token_hex(32) if token else None
@@ -86,9 +100,12 @@ class Hosts:
 
     # -- commands -------------------------------------------------------------------------------------
     def environment(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """A plain shell's environment on a host: PATH, HOME (on the host), locale and the cluster's token."""
+        """A plain shell's environment on a host: PATH, HOME (on the host), locale and the cluster's token;
+        the caller's PYTHONPATH too, so that every host runs the same code (a shared install, like NFS)."""
         env = {"PATH": f"{tool_bin()}:/usr/local/bin:/usr/bin:/bin", "HOME": str(HOST_ROOT / "home"),
                "LANG": "C.UTF-8", "RAY_USAGE_STATS_ENABLED": "0"}
+        if os.environ.get("PYTHONPATH"):
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         if self.token:
             env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
         env.update(extra or {})
@@ -140,11 +157,15 @@ class Hosts:
 
     # -- Ray nodes ------------------------------------------------------------------------------------
     def node_command(self, index: int) -> list[str]:
-        """The `detached-rl node` argv of host `index`: the head on host 0, else a worker joining it; bound
-        to the host's address, ports pinned (the command's defaults), the cluster's token required."""
+        """The argv that starts host `index`'s Ray node: the head on host 0, else a worker joining it. With
+        `detached-rl node`: ports pinned (the command's defaults), the cluster's token required; with `ray
+        start`: Ray's own defaults (ports, dashboard) but the head's two ports and the host's address."""
         host = self.host(index)
-        command = [str(tool_bin() / "detached-rl"), "node", f"--node-ip-address={host.address}",
-                   f"--num-cpus={self.cpus.get(index, 2)}"]
+        if self.start_with == "ray start":
+            command = [str(tool_bin() / "ray"), "start", f"--node-ip-address={host.address}"]
+        else:
+            command = [str(tool_bin() / "detached-rl"), "node", f"--node-ip-address={host.address}"]
+        command.append(f"--num-cpus={self.cpus.get(index, 2)}")
         if index == 0:
             command += ["--head", f"--port={RAY_PORT}", f"--ray-client-server-port={CLIENT_PORT}"]
         else:
@@ -153,16 +174,20 @@ class Hosts:
             command.append(f"--resources={json.dumps(self.resources[index])}")
         if self.labels.get(index):
             command.append("--labels=" + ",".join(f"{k}={v}" for k, v in self.labels[index].items()))
+        ray_options = [f"--object-store-memory={self.object_store_mb * 2 ** 20}", "--disable-usage-stats",
+                       *self.node_args.get(index, [])]
+        if self.start_with == "ray start":
+            return [*command, *ray_options]
         if not self.token:
             command.append("--no-token")
-        if not self.bind_to_address:
-            command.append("--listen-on-all-interfaces")
-        return [*command, "--", f"--object-store-memory={self.object_store_mb * 2 ** 20}",
-                "--disable-usage-stats", *self.node_args.get(index, [])]
+        if self.bind_to_address:
+            command.append("--bind-to-address")
+        return [*command, "--", *ray_options]
 
     def start_node(self, index: int) -> None:
-        """Start host `index`'s Ray node with `detached-rl node`, as a user on that host would."""
-        self.run(index, self.node_command(index), timeout=360, check=True)
+        """Start host `index`'s Ray node as a user on that host would (`node_command`); what it printed is
+        kept in `node_reports[index]`."""
+        self.node_reports[index] = self.run(index, self.node_command(index), timeout=360, check=True).stdout
 
     def kill_node(self, index: int, sig: int = signal.SIGKILL) -> list[int]:
         """Kill every process of host `index` but its anchor (its raylet, workers, agents): the machine

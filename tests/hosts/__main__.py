@@ -1,4 +1,5 @@
-"""`python -m detached_rl.hosts up|exec|down`: several hosts with a Ray node each on this machine (root)."""
+"""`python -m tests.hosts up|exec|down`, typed in the repository: several hosts with a Ray node each on this
+machine (root)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from detached_rl.hosts.cluster import Hosts, tear_down, tool_bin
-from detached_rl.hosts.network import NetworkError
+from .cluster import Hosts, tear_down, tool_bin
+from .network import NetworkError
 
 
 def _pairs(values: list[str], convert: type = float) -> dict[int, object]:
@@ -30,7 +31,7 @@ def _mapping(text: str) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
-    parser = argparse.ArgumentParser(prog="python -m detached_rl.hosts", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tests.hosts", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="build N hosts, shape their links, start a Ray node on each")
     up.add_argument("--hosts", type=int, default=2)
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--labels", action="append", default=[], metavar="HOST=KEY:VALUE,...")
     up.add_argument("--no-token", action="store_true", help="start the cluster without token auth")
     up.add_argument("--no-ray", action="store_true", help="only the hosts and their links, no Ray nodes")
+    up.add_argument("--ray-start", action="store_true",
+                    help="start the nodes with plain `ray start` instead of `detached-rl node`")
+    up.add_argument("--bind-to-address", action="store_true",
+                    help="detached-rl node --bind-to-address: the nodes listen on their host's address only")
     run = commands.add_parser("exec", help="run a command on a host: exec WORKDIR HOST -- command ...")
     run.add_argument("workdir", type=Path)
     run.add_argument("host", type=int)
@@ -52,14 +57,15 @@ def main(argv: list[str] | None = None) -> int:
             resources = {i: {k: float(v) for k, v in _mapping(str(t)).items()}
                          for i, t in _pairs(args.resources, str).items()}
             hosts = Hosts(args.hosts, _pairs(args.rate), cpus=_pairs(args.cpus),  # type: ignore[arg-type]
-                          resources=resources, token=not args.no_token,
+                          resources=resources, token=not args.no_token, bind_to_address=args.bind_to_address,
+                          start_with="ray start" if args.ray_start else "detached-rl node",
                           labels={i: _mapping(str(t)) for i, t in _pairs(args.labels, str).items()})
             hosts.up(nodes=not args.no_ray)
             print(json.dumps({"workdir": str(hosts.workdir), "head": hosts.head_address,
                               "client": hosts.client_address,
                               "hosts": [h.address for h in hosts.hosts]}, indent=1))
-            print(f"run on host 1: python -m detached_rl.hosts exec {hosts.workdir} 1 -- detached-rl status "
-                  f"--address {hosts.head_address}\ntear down:     python -m detached_rl.hosts down "
+            print(f"run on host 1: python -m tests.hosts exec {hosts.workdir} 1 -- detached-rl status "
+                  f"--address {hosts.head_address}\ntear down:     python -m tests.hosts down "
                   f"{hosts.workdir}")
             return 0
         if args.command == "exec":
@@ -74,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             # this install's scripts first (`detached-rl`, `ray`), as on the hosts of `Hosts.run`
             env = {"PATH": f"{tool_bin()}:{os.environ.get('PATH', '/usr/bin:/bin')}",
                    "HOME": "/tmp/drl-hostfs/home", "LANG": "C.UTF-8", "RAY_USAGE_STATS_ENABLED": "0"}
+            if os.environ.get("PYTHONPATH"):  # the same code on every host, as in `Hosts.environment`
+                env["PYTHONPATH"] = os.environ["PYTHONPATH"]
             if state.get("token"):
                 env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=state["token"])
             argv_ = ["nsenter", f"--target={anchor}", "--net", "--mount", "--pid", "--", "env", "-i",
@@ -82,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         tear_down(args.workdir)
         print(f"removed {args.workdir}")
         return 0
-    except (NetworkError, OSError) as error:
+    except (NetworkError, OSError) as error:  # HostsError is a NetworkError
         print(f"hosts: error: {error}", file=sys.stderr)
         return 2
 
