@@ -43,14 +43,14 @@ from transformers import GenerationConfig
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
 from detached_rl.core.experience import Experience
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.weight_receiver import WeightReceiver
-from detached_rl.core.weight_sink import ModuleWeightSink
-from detached_rl.core.weight_sync import build_weight_update
 from detached_rl.generation.base import left_pad
 from detached_rl.generation.hf import STATIC_CACHE_BUCKET, HFGenerationBackend
 from detached_rl.models import Actor, load_causal_lm
 from detached_rl.strategies.hardware import device_name, memory_bandwidth
 from detached_rl.strategies.naive import NaiveStrategy
+from detached_rl.weights.receiver import WeightReceiver
+from detached_rl.weights.sink import ModuleWeightSink
+from detached_rl.weights.update import build_weight_update
 
 NO_STOP = (-1,)  # a stop token id no model emits: every row decodes every step
 

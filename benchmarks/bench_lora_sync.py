@@ -24,12 +24,12 @@ from pathlib import Path
 import ray
 import torch
 
-from detached_rl.actors.transport import fetch_chunk, put_chunk
 from detached_rl.cli.jobs import init_local_ray
-from detached_rl.core.weight_receiver import WeightReceiver
-from detached_rl.core.weight_sync import build_weight_update
 from detached_rl.models import LoraSettings, apply_lora, load_smollm2
 from detached_rl.models.lora_merge import LoraMergeTarget
+from detached_rl.weights.ray_wire import fetch_chunk, put_chunk
+from detached_rl.weights.receiver import WeightReceiver
+from detached_rl.weights.update import build_weight_update
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 SETTINGS = LoraSettings(r=8, alpha=16, target_modules=("q_proj", "v_proj"))

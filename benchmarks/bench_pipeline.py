@@ -72,8 +72,8 @@ def one_process(config: RunConfig, steps: int, bound_steps: int) -> dict[str, fl
                                                     sampling=config.sampling),
                           config.trainer)
     store = InProcessStore()
-    trainer.build_update(store.put)
-    maker.apply_weight_update(trainer.register_maker("maker"), store.fetch)
+    trainer.weights.snapshot(store.put)
+    maker.apply_weight_update(trainer.weights.register("maker"), store.fetch)
 
     def deliver(update, makers):
         return {name: maker.apply_weight_update(update, store.fetch) for name in makers}
@@ -83,7 +83,7 @@ def one_process(config: RunConfig, steps: int, bound_steps: int) -> dict[str, fl
         trainer.push_experience(maker.make_experience())
         generated = time.perf_counter()
         trainer.train_step()
-        trainer.sync_weights(store.put, deliver)
+        trainer.weights.publish(store.put, deliver)
         return generated - start, time.perf_counter() - generated
 
     ends = []

@@ -33,10 +33,10 @@ from pathlib import Path
 import ray
 import torch
 
-from detached_rl.actors.transport import PiecedChunk, fetch_chunk, put_chunk
 from detached_rl.cli.jobs import init_local_ray
-from detached_rl.core.weight_receiver import WeightReceiver
-from detached_rl.core.weight_sync import build_weight_update
+from detached_rl.weights.ray_wire import PiecedChunk, fetch_chunk, put_chunk
+from detached_rl.weights.receiver import WeightReceiver
+from detached_rl.weights.update import build_weight_update
 
 PUT = put_chunk  # how chunks are stored (`--piece-mb`)
 

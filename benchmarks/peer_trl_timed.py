@@ -9,7 +9,7 @@ budget, counted from before it loads the model: it trains until the budget is sp
 past it) and is graded at the half and at the end with the clock stopped (grading is not charged to TRL).
 
 Both final models are graded again by one grader, outside the clocks: greedy answers of Hugging Face
-`generate` in float32 to the same held-out problems (`bench_peer_trl.held_out_accuracy`; ours: the merged
+`generate` in float32 to the same held-out problems (`peer_trl_common.held_out_accuracy`; ours: the merged
 model the job exported). That figure, "accuracy at equal wall time", is the comparison; each side's own
 curve is kept for the plot (ours graded by its makers' engine, vLLM in bf16 where installed, so its
 curve's level may differ from the common grader's by the engines' difference).
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_peer_trl import build_trl_trainer, held_out_accuracy
+from peer_trl_common import build_trl_trainer, held_out_accuracy
 
 from detached_rl.cli.reporting import read_metrics
 from detached_rl.cli.run import run_config, run_job

@@ -10,12 +10,15 @@ __version__ = "0.1.0"
 # optional CPU 4-bit kernel package is missing; nothing here quantises to 4 bits.
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
-from detached_rl.core.experience import Experience, ExperienceValidationError  # noqa: E402 - after the logger
-from detached_rl.core.experience_batch import ExperienceBatch, collate, uncollate  # noqa: E402
-from detached_rl.core.replay_buffer import ReplayBuffer  # noqa: E402
-
-# Ray is imported only when an actor name is first used, so `import detached_rl` stays light.
+# Each name is imported on first use: `import detached_rl` (and so `detached_rl.config`) loads neither torch
+# nor Ray.
 _LAZY = {
+    "Experience": "detached_rl.core.experience",
+    "ExperienceValidationError": "detached_rl.core.experience",
+    "ExperienceBatch": "detached_rl.core.experience_batch",
+    "collate": "detached_rl.core.experience_batch",
+    "uncollate": "detached_rl.core.experience_batch",
+    "ReplayBuffer": "detached_rl.core.replay_buffer",
     "ExperienceMakerHolder": "detached_rl.actors",
     "DetachedPPOTrainer": "detached_rl.actors",
     "DetachedGRPOTrainer": "detached_rl.actors",
@@ -25,7 +28,7 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    """Import the Ray actor classes on first use."""
+    """Import the public names on first use."""
     if name in _LAZY:
         import importlib
 

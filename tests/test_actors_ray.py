@@ -11,14 +11,15 @@ from detached_rl import Experience
 from detached_rl.actors.group import start_trainer_group, stop_trainer_group
 from detached_rl.actors.maker import ExperienceMakerHolder
 from detached_rl.actors.trainer import DetachedPPOTrainer
-from detached_rl.actors.transport import attach, put_chunk
+from detached_rl.actors.transport import attach
 from detached_rl.algorithms.ppo import PPOConfig
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.replay_buffer import RejectedPushError
-from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update
 from detached_rl.maker.experience_maker import MakerConfig
 from detached_rl.models import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
+from detached_rl.weights.ray_wire import put_chunk
+from detached_rl.weights.update import WeightUpdateError, build_weight_update
 
 from .helpers import (
     arithmetic_prompts,

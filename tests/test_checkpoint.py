@@ -140,7 +140,8 @@ def test_resume_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, algorith
     resumed = make_trainer(algorithm)
     resumed.load_checkpoint(tmp_path / "ckpt", store.put)
     assert resumed.policy_version == 2 and len(resumed.buffer) == len(pushes[-1])
-    assert resumed.latest_update.manifest.kind == "full" and resumed.latest_update.manifest.version == 2
+    latest = resumed.weights.latest_update.manifest
+    assert latest.kind == "full" and latest.version == 2
     resumed.buffer.clear()  # the straight run never saw that extra push
     run(resumed, 2, 4)
     for (name, a), (_, b) in zip(straight.learner.state_dict()["actor"].items(),

@@ -49,6 +49,30 @@ def test_every_command_has_help_and_a_scorers_command_without_groups_is_refused(
     assert "no scorer groups configured: set maker.reward_scorer" in capsys.readouterr().err
 
 
+def test_the_defaults_the_help_names_are_the_configs_and_the_actors(monkeypatch):
+    """The CLI copies no default: `--help` names `RunConfig()`'s; the maker's attach wait is the actor's."""
+    import dataclasses
+    import inspect
+
+    from detached_rl.actors.maker import MakerShell
+    from detached_rl.cli.main import build_parser
+    from detached_rl.config import RunConfig
+    from detached_rl.maker.config import ATTACH_TIMEOUT_S
+
+    real = RunConfig()
+    shifted = dataclasses.replace(
+        real, run=dataclasses.replace(real.run, steps=97, makers=5),
+        trainer_group=dataclasses.replace(real.trainer_group, placement_strategy="SPREAD"))
+    monkeypatch.setattr("detached_rl.cli.main.RunConfig", lambda: shifted)
+    commands = build_parser()._subparsers._group_actions[0].choices
+    helps = {(name, action.dest): action.help
+             for name, parser in commands.items() for action in parser._actions}
+    assert "(default 97)" in helps["run", "steps"] and "(default 5)" in helps["run", "makers"]
+    assert "(default SPREAD)" in helps["trainer", "placement"]
+    assert f"(default {real.maker.backend})" in helps["maker", "backend"]
+    assert inspect.signature(MakerShell).parameters["attach_timeout_s"].default == ATTACH_TIMEOUT_S
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -143,7 +167,7 @@ def one_error_line(capsys) -> str:
     ("args", "message"),
     [
         (["run", "--set", "run.steps=99999999999999999999999"], "run.steps: must be <= 1000000000"),
-        (["run", "--set", "model.lora.r=-1"], "model.lora.r: must be >= 1, got -1"),
+        (["run", "--set", "model.lora.r=-1"], "model.lora.r: must be an int >= 1, got -1"),  # LoraSettings
         (["run", "--set", "maker.seed=-5"], "maker.seed: must be >= 0, got -5"),
         (["run", "--set", "trainer.buffer_max_bytes=1152921504606846976"],
          "trainer.buffer_max_bytes: must be <="),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from detached_rl.algorithms.ppo import PPOLearner
 from detached_rl.compat import coati
-from detached_rl.compat.coati.rounds import CoatiSession
+from detached_rl.compat.coati.rounds import CoatiSession, training_batch
 from detached_rl.models import Actor, Critic, LoraSettings, apply_lora, tiny_causal_lm
 from detached_rl.models.lora import lora_backend
 from detached_rl.models.scalar_heads import backbone_of
@@ -230,6 +231,34 @@ def test_coati_fit_rounds_rerun_batches_and_push_at_round_ends() -> None:
     assert sum(call[0] == "on_batch_end" for call in recorder.calls) == 8
 
 
+def coati_experience() -> SimpleNamespace:
+    """coati's own `Experience` (coati is not installed: its fields): one batch of padded sequences."""
+    return SimpleNamespace(sequences=torch.ones(2, 5, dtype=torch.long), action_log_probs=torch.zeros(2, 3),
+                           values=torch.zeros(2), reward=torch.zeros(2), advantages=torch.zeros(2),
+                           attention_mask=torch.ones(2, 5), action_mask=torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_training_step_takes_experience_and_refuses_anything_else_naming_element_and_field() -> None:
+    actor, critic = trainer_models()
+    core = CoatiSession().install(TrainerCore("t", PPOLearner(actor, critic, NaiveStrategy(device="cpu")),
+                                              TrainerConfig(train_batch_size=2)))
+    good = [make_experience(values=torch.zeros(2)), make_experience(values=torch.zeros(2))]
+    assert training_batch(good, core) == good and training_batch(tuple(good), core) == good
+    assert training_batch(good[0], core) == [good[0]]
+    refusal = (r"^training_step: experience\[0\] is coati's batched Experience \(SimpleNamespace with "
+               r"sequences, action_log_probs, attention_mask, action_mask\), which this trainer does not")
+    with pytest.raises(TypeError, match=refusal):
+        training_batch([coati_experience()], core)
+    with pytest.raises(ValueError, match="^training_step: experience is empty"):
+        training_batch([], core)
+    with pytest.raises(ValueError, match=r"^training_step: experience at index 1 of 2 .*: expected an "
+                                         r"Experience \(exactly that class\), got SimpleNamespace$"):
+        training_batch([good[0], SimpleNamespace(prompt_ids=torch.ones(2))], core)
+    with pytest.raises(ValueError, match=r"^training_step: .*Experience\.reward: has non-finite values"):
+        training_batch([make_experience(reward=float("nan"), values=torch.zeros(2))], core)
+    assert core.policy_version == 0 and len(core.buffer) == 0
+
+
 # ---------------------------------------------------------------- on Ray
 @pytest.fixture(scope="module")
 def gpu_cluster(cluster_marker):
@@ -337,6 +366,8 @@ def test_buffer_methods_and_training_step(gpu_cluster, unit_trainer) -> None:
     assert ray.get(trainer.buffer_get_length.remote()) == 2  # batches of train_batch_size, as coati counted
     losses = ray.get(trainer.training_step.remote([sample(), sample()]))
     assert set(losses) == {"actor_loss", "critic_loss"}
+    with pytest.raises(TypeError, match="experience\\[0\\] is coati's batched Experience"):
+        ray.get(trainer.training_step.remote([coati_experience()]))
     assert all(torch.isfinite(torch.tensor(list(losses.values()))))
     ray.kill(trainer)
 

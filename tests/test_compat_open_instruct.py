@@ -14,11 +14,14 @@ import pickle
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
+from detached_rl.actors.transport import resolve_namespace
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
 from detached_rl.compat.open_instruct import (
     CHECKPOINT_COMPLETE_MARKER,
@@ -48,6 +51,12 @@ from detached_rl.compat.open_instruct import (
     polyak_update_ref_policy,
     trainer_config_from,
     training_step_metrics,
+)
+from detached_rl.compat.open_instruct.namespaces import (
+    is_anonymous,
+    learner_namespace,
+    maker_advice,
+    no_batch_advice,
 )
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.maker.experience_maker import MakerModels
@@ -241,6 +250,42 @@ def test_from_pretrained_returns_the_steps_done_as_an_int_that_carries_the_saved
     assert StepsDone(0) + 1 == 1 and StepsDone(0).checkpoint_state is None
 
 
+def test_a_learner_is_created_where_it_looks_and_a_maker_elsewhere_is_told_the_exact_change():
+    anonymous = str(uuid.uuid4())
+    assert is_anonymous(anonymous) and not is_anonymous("detached_rl") and not is_anonymous(str(uuid.uuid1()))
+    # Given none, where every actor looks (`resolve_namespace`); given one, in .options or to the constructor.
+    assert learner_namespace(None, None, "learner l") == resolve_namespace(None)
+    assert learner_namespace("mine", None, "l") == learner_namespace(None, "mine", "l") == "mine"
+    with pytest.raises(ValueError, match=r"^learner l: \.options\(namespace='a'\) and namespace='b' differ"):
+        learner_namespace("a", "b", "learner l")
+    assert maker_advice("engine_0", "learner_0", "detached_rl", [anonymous]) == (
+        "maker 'engine_0' is not in Ray namespace 'detached_rl', where learner 'learner_0' sends it weights "
+        f"and makers find learners; it is in the anonymous namespace '{anonymous}' of a plain ray.init() "
+        "(actors created with .options(name=...) and no namespace land there): create it with "
+        ".options(name='engine_0', namespace='detached_rl'), or name the namespace in the driver: "
+        "ray.init(namespace='detached_rl')")
+    assert "; it is in namespace 'other': create it" in maker_advice("m", "l", "ns", ["other"])
+    assert "; no Ray namespace holds an actor of that name: create it" in maker_advice("m", "l", "ns", [])
+    assert no_batch_advice("learner_0", "ns", ["maker 'm' is not in Ray namespace 'ns', ..."]) == (
+        "Learner 'learner_0' is in Ray namespace 'ns': makers find it there by name (create them with "
+        ".options(name=..., namespace='ns')). Refused: maker 'm' is not in Ray namespace 'ns', ....")
+
+
+def test_a_step_that_gets_no_batch_says_which_namespace_makers_must_push_in():
+    args = ExperimentConfig(num_training_steps=1, backend_timeout=0.02)  # minutes: a 1.2 s wait for a batch
+    stream = StreamingDataLoaderConfig(num_unique_prompts_rollout=1, num_samples_per_prompt_rollout=2,
+                                       response_length=4)
+    learner = PolicyTrainerProcess(1, 0, 0, None, None, args, stream, VLLMConfig(), name="learner_0",
+                                   namespace="mine")
+    learner.put_chunk = lambda chunk: chunk  # its version-0 update stays in this process (no Ray)
+    learner.from_pretrained(args, ModelConfig("tiny"))
+    expected = (r"are the makers running\?.* Learner 'learner_0' is in Ray namespace 'mine': makers find it "
+                r"there by name \(create them with \.options\(name=\.\.\., namespace='mine'\)\)\.$")
+    with pytest.raises(TimeoutError, match=expected):
+        learner.step()
+    assert not ray.is_initialized()
+
+
 # ---------------------------------------------------------------------------------------------- on Ray
 def maker_models(path: str) -> MakerModels:
     """A maker's models: the policy from `path` and the token reward."""
@@ -400,9 +445,14 @@ def test_learner_requests_the_cluster_can_never_place_are_refused_before_any_ran
     assert not named & {"gpu_learner_0", "wide_learner_0", "lone", "pg_learner_0"}
 
 
-#: A driver as a user writes it from the seeds: a plain `ray.init()` (anonymous namespace), positional calls.
+#: A driver as a user writes it from the seeds, under a plain `ray.init()` (an anonymous namespace). Seed 000:
+#: a learner created as its page does, but for the Ray name makers push to (`ray.remote(num_gpus=1)(...)`
+#: becomes `.options(num_gpus=..., name=...)`), keyword arguments, `from_pretrained`,
+#: `setup_model_update_group`, `step`, `broadcast_to_vllm`; a maker created like the learner, without a
+#: namespace, is refused saying what to change, and the change is made as said. Seed 002: a `ModelGroup` and
+#: `one_training_step` with positional arguments.
 PLAIN_DRIVER = """
-import functools, json, sys, time
+import functools, json, re, sys, time
 import ray
 from detached_rl.actors.maker import ExperienceMakerHolder
 from detached_rl.compat.open_instruct import (ExperimentConfig, ModelConfig, ModelGroup,
@@ -413,45 +463,100 @@ from tests.test_compat_open_instruct import maker_models
 
 address, base, root = sys.argv[1:4]
 ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
+report = {"driver_namespace": ray.get_runtime_context().namespace}
 args = ExperimentConfig(lr_scheduler_type="constant", num_training_steps=1, per_device_train_batch_size=4,
                         backend_timeout=3, seed=1)
 stream = StreamingDataLoaderConfig(num_unique_prompts_rollout=1, num_samples_per_prompt_rollout=4,
                                    response_length=6, filter_zero_std_samples=False)
 vllm = VLLMConfig()
+
+def engine(name, trainers, **options):
+    return ExperienceMakerHolder.options(name=name, **options).remote(
+        name, trainers, functools.partial(maker_models, base), CyclingPrompts(arithmetic_prompts()),
+        maker_config_from(stream, vllm))
+
+def failure(call):
+    try:
+        ray.get(call, timeout=180)
+    except ray.exceptions.RayTaskError as error:
+        return str(error)
+    return None
+
+# ---- seed 000
+learner = PolicyTrainerRayProcess.options(num_gpus=0, name="learner_0").remote(
+    world_size=1, rank=0, local_rank=0, master_addr=None, master_port=None, args=args,
+    streaming_config=stream, vllm_config=vllm, data_prep_actor_name="data_prep_actor", tokenizer=None)
+steps_done = ray.get(learner.from_pretrained.remote(
+    args=args, model_config=ModelConfig(base), beaker_config=None, wandb_url="", tokenizer=None), timeout=180)
+misplaced = engine("engine_0", ["learner_0"])  # no namespace, as the learner: the driver's anonymous one
+misplaced.start.remote()  # it finds learner_0, which refuses its registration
+deadline = time.monotonic() + 180
+while (status := ray.get(misplaced.status.remote(), timeout=60))["state"] == "running" \
+        and time.monotonic() < deadline:
+    time.sleep(0.2)
+report["registration_refused"] = status["last_error"]
+report["setup_refused"] = failure(learner.setup_model_update_group.remote([misplaced]))
+ray.kill(misplaced)
+advised = re.search(r"create it with \\.options\\(name='engine_0', namespace='([^']+)'\\)",
+                    report["setup_refused"])
+vllm_engines = [engine("engine_0", ["learner_0"], namespace=advised.group(1))]  # as the refusal said
+try:
+    ray.get(learner.setup_model_update_group.remote(vllm_engines), timeout=180)
+    vllm_engines[0].start.remote()
+    metrics, array_metrics = ray.get(learner.step.remote(), timeout=240)
+    report["seed_000"] = {"steps_done": steps_done, "loss": metrics["loss/policy_avg"],
+                          "responses": len(array_metrics["batch/response_lengths"]),
+                          "updated": ray.get(learner.broadcast_to_vllm.remote(), timeout=180)[
+                              "weight_sync/makers_updated"],
+                          "engine_version": ray.get(vllm_engines[0].status.remote(), timeout=60)[
+                              "policy_version"]}
+finally:
+    ray.kill(vllm_engines[0])
+    ray.get(learner.shutdown.remote(), timeout=60)
+    ray.kill(learner)
+
+# ---- seed 002
 group = ModelGroup(None, PolicyTrainerRayProcess, [1], False, args, stream, vllm, "data_prep_actor", None,
                    name="plain_learner")
-engine = None
+maker = None
 try:
     resume = ray.get(group.models[0].from_pretrained.remote(args, ModelConfig(base), None, "", None),
                      timeout=180) + 1
-    engine = ExperienceMakerHolder.options(name="plain_engine_0", namespace=group.namespace).remote(
-        "plain_engine_0", group.names, functools.partial(maker_models, base),
-        CyclingPrompts(arithmetic_prompts()), maker_config_from(stream, vllm))
-    ray.get(group.models[0].setup_model_update_group.remote([engine]), timeout=180)
-    engine.start.remote()
+    maker = engine("plain_engine_0", group.names, namespace=group.namespace)
+    ray.get(group.models[0].setup_model_update_group.remote([maker]), timeout=180)
+    maker.start.remote()
     now = time.perf_counter()
     tokens = one_training_step(args, stream, group, None, {}, 4, resume, 0, now, None, now, "", None, None,
                                log_metrics=lambda metrics: None)
-    print(json.dumps({"namespace": group.namespace, "resume": resume, "tokens": tokens}))
-except BaseException:
-    if engine is not None:
-        print("maker status:", ray.get(engine.status.remote(), timeout=30), file=sys.stderr)
-    raise
+    report["seed_002"] = {"namespace": group.namespace, "resume": resume, "tokens": tokens}
 finally:
-    if engine is not None:
-        ray.kill(engine)
+    if maker is not None:
+        ray.kill(maker)
     group.stop()
+print(json.dumps(report))
 """
 
 
 @pytest.mark.ray
-def test_a_plain_ray_init_driver_trains_with_learners_and_makers_in_the_detached_rl_namespace(ray_cluster,
-                                                                                               base_model):
+def test_the_seeds_driver_code_under_a_plain_ray_init_trains_and_a_maker_elsewhere_is_told_where(ray_cluster,
+                                                                                                 base_model):
     root = str(Path(__file__).resolve().parents[1])
     address = ray_cluster.get_runtime_context().gcs_address
     env = {**os.environ, "PYTHONPATH": root}
     result = subprocess.run([sys.executable, "-c", PLAIN_DRIVER, address, base_model, root], env=env,
-                            cwd=root, capture_output=True, text=True, timeout=420)
+                            cwd=root, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["namespace"] == "detached_rl" and report["resume"] == 1 and report["tokens"] > 0
+    anonymous = report["driver_namespace"]
+    assert is_anonymous(anonymous)
+    # The maker landed in the driver's anonymous namespace, the learner in "detached_rl": both refusals say
+    # where each is and the exact change.
+    for refusal in (report["registration_refused"], report["setup_refused"]):
+        assert "maker 'engine_0' is not in Ray namespace 'detached_rl', where learner 'learner_0'" in refusal
+        assert f"it is in the anonymous namespace '{anonymous}' of a plain ray.init()" in refusal
+        assert "create it with .options(name='engine_0', namespace='detached_rl')" in refusal
+    seed_000 = report["seed_000"]
+    assert seed_000["steps_done"] == 0 and math.isfinite(seed_000["loss"]) and seed_000["responses"] == 4
+    assert seed_000["updated"] == 1 and seed_000["engine_version"] == 1
+    seed_002 = report["seed_002"]
+    assert (seed_002["namespace"], seed_002["resume"]) == ("detached_rl", 1) and seed_002["tokens"] > 0

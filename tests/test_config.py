@@ -161,7 +161,9 @@ def test_the_config_package_has_no_import_cycle_not_even_for_type_hints():
     folder = Path(package.__file__).parent
     graph = {f"detached_rl.config.{path.stem}": _config_imports(path) for path in folder.glob("*.py")
              if path.stem != "__init__"}
-    assert graph["detached_rl.config.schema"] == set()  # RunConfig is data: the factories build from it
+    # RunConfig is data (built with the plain-data conversion alone): the factories build from it.
+    assert graph["detached_rl.config.schema"] == {"detached_rl.config.convert"}
+    assert graph["detached_rl.config.convert"] == set()
     assert "detached_rl.config.schema" in graph["detached_rl.config.factories"]
 
     def reaches(start: str, target: str, seen: frozenset = frozenset()) -> bool:
@@ -171,18 +173,76 @@ def test_the_config_package_has_no_import_cycle_not_even_for_type_hints():
     assert [module for module in graph if reaches(module, module)] == []
 
 
-def test_run_yaml_states_the_defaults_of_runconfig():
-    from detached_rl.cli.run import DEFAULT_RUN_CONFIG
-    from detached_rl.config import from_dict, read_yaml
-    from detached_rl.config.schema import MAIN_JOB
+def _leaves(data: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every key path of nested mappings down to a value that is no mapping."""
+    return [path for key, value in data.items()
+            for path in (_leaves(value, (*prefix, key)) if isinstance(value, dict) else [(*prefix, key)])]
 
-    stated = read_yaml(DEFAULT_RUN_CONFIG)
-    assert from_dict(RunConfig, stated) == RunConfig() == load_config()  # laid over them, it changes nothing
-    for section, settings in MAIN_JOB.items():  # and it states each main-job setting of other layers' classes
-        assert {key: stated[section].get(key) for key in settings} == settings, section
+
+def test_the_recipe_states_only_where_the_main_job_departs_from_the_library_defaults():
+    """run.yaml holds each main-job value once: a setting of a class below the config layer that differs from
+    that class's default (so no value is stated twice, and none is a copy)."""
+    import dataclasses
+
+    from detached_rl.config import main_job
+    from detached_rl.config.schema import main_job_section
+
+    recipe = main_job()
+    assert {"sampling", "maker", "trainer", "grpo"} <= set(recipe)  # the recipe is not empty
+    for path in _leaves(recipe):
+        section = type(getattr(RunConfig(), path[0]))
+        job, library = main_job_section(section, path[0]), section()
+        for key in path[1:-1]:
+            job, library = getattr(job, key), getattr(library, key)
+        assert dataclasses.is_dataclass(job), path
+        assert not type(job).__module__.startswith("detached_rl.config."), f"{path}: the config's own class"
+        assert getattr(job, path[-1]) != getattr(library, path[-1]), f"{'.'.join(path)} states the default"
+
+
+def test_runconfig_and_every_command_start_from_the_recipe_file(tmp_path, monkeypatch):
+    """The recipe is loaded, not a copy: a value changed in the file is what `RunConfig()` and `load_config`
+    give."""
+    from detached_rl.config import schema
+
     defaults = RunConfig()
+    assert defaults == load_config()
+    assert defaults.model.lora.r == 16 and defaults.sampling.max_new_tokens == 40
     assert (defaults.algorithm, defaults.model.policy, defaults.task.name, defaults.maker.backend) == (
         "grpo", "smollm2", "word_problems", "auto")
+    changed = tmp_path / "run.yaml"
+    changed.write_text(schema.RECIPE.read_text().replace("max_new_tokens: 40", "max_new_tokens: 24"))
+    monkeypatch.setattr(schema, "RECIPE", changed)
+    schema._recipe.cache_clear()
+    try:
+        assert RunConfig().sampling.max_new_tokens == load_config().sampling.max_new_tokens == 24
+    finally:
+        schema._recipe.cache_clear()
+
+
+def test_one_lora_settings_type_for_the_config_the_models_and_check():
+    """`model.lora` is the `LoraSettings` that `apply_lora` takes (no second LoRA settings type)."""
+    import detached_rl.config as config_package
+    from detached_rl.models.lora_settings import LoraSettings
+
+    assert isinstance(RunConfig().model.lora, LoraSettings) and not hasattr(config_package, "LoraConfig")
+    lora = load_config(None, ["model.lora.bias=lora_only", "model.lora.dropout=0.1"]).model.lora
+    assert (lora.bias, lora.dropout, lora.r) == ("lora_only", 0.1, 16)  # every LoraSettings field is a key
+    with pytest.raises(ConfigError, match="model.lora.backend: must be one of"):
+        load_config(None, ["model.lora.backend=qlora"])
+
+
+def test_the_config_loads_no_torch():
+    """Importing the config, building `RunConfig()` and loading overrides imports neither torch nor Ray."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import detached_rl.config.schema; "
+            "from detached_rl.config import RunConfig, load_config, dump_config; "
+            "dump_config(RunConfig()); load_config(None, ['trainer_group.strategy=ddp', "
+            "'grpo.advantage_estimator=rloo', 'maker.backend=vllm', 'model.lora.r=4']); "
+            "print(sorted(m for m in ('torch', 'ray', 'transformers', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stderr
 
 
 def test_a_section_given_in_part_keeps_the_rest_of_the_main_jobs_defaults():
@@ -217,3 +277,23 @@ def test_a_decaying_schedule_spans_the_run_unless_its_length_is_given():
     assert config.grpo.actor_optimizer.total_steps == 12
     constant = load_config(None, ["grpo.actor_optimizer.schedule=constant"])
     assert constant.grpo.actor_optimizer.total_steps is None
+
+
+def test_the_torch_free_names_are_what_the_code_runs():
+    """Each name a config may pick resolves to what runs it, and the dtype names are torch's floating ones."""
+    import torch
+
+    from detached_rl.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_uses_critic
+    from detached_rl.core.limits import FLOAT_DTYPES
+    from detached_rl.generation.registry import GENERATION_BACKENDS, backend_factory
+    from detached_rl.strategies.base import Strategy
+    from detached_rl.strategies.registry import STRATEGIES
+
+    assert all(callable(ADVANTAGE_ESTIMATORS[name]) for name in ADVANTAGE_ESTIMATORS)
+    assert all(callable(POLICY_LOSSES[name]) for name in POLICY_LOSSES)
+    assert [name for name in ADVANTAGE_ESTIMATORS if estimator_uses_critic(name)] == ["gae"]
+    assert all(issubclass(STRATEGIES[name], Strategy) for name in STRATEGIES)
+    assert all(callable(backend_factory(name)) for name in GENERATION_BACKENDS)
+    assert all(getattr(torch, name).is_floating_point for name in FLOAT_DTYPES)
+    with pytest.raises(ConfigError, match="maker.weight_cast_dtype: 'int8' is not a floating torch dtype"):
+        load_config(None, ["maker.weight_cast_dtype=int8"])

@@ -131,11 +131,11 @@ def _scenarios(strategy: DDPStrategy) -> dict[str, Any]:
     try:
         core = TrainerCore(f"t{rank}",
                            GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), strategy, GRPOConfig()))
-        core.makers.update({f"maker_{rank}", f"maker_{rank + 2}"})
+        core.weights.makers.update({f"maker_{rank}", f"maker_{rank + 2}"})
         puts: list[int] = []
-        update, _ = core.build_update(lambda chunk: puts.append(len(chunk)) or len(puts))
-        results["sharded"] = {"makers": core.makers_of_this_rank(), "puts": sum(puts),
-                              "specs": len(update.manifest.tensors), "pushes": core.pushes_weights}
+        update, _ = core.weights.snapshot(lambda chunk: puts.append(len(chunk)) or len(puts))
+        results["sharded"] = {"makers": core.weights.makers_of_this_rank(), "puts": sum(puts),
+                              "specs": len(update.manifest.tensors), "pushes": core.weights.pushes_weights}
         del core
     finally:
         del strategy.shards_weights

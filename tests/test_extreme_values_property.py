@@ -21,10 +21,10 @@ from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.experience import DEFAULT_MAX_ABS_REWARD, ESTIMATE_SCALE, LOG_PROB_BOUND
 from detached_rl.core.replay_buffer import RejectedPushError
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.weight_sync import count_nonfinite
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
+from detached_rl.weights.update import count_nonfinite
 
 from .helpers import ObjectStore, naive_strategy, tiny_actor_critic, tiny_policy
 
@@ -103,7 +103,7 @@ def corrupt(data: st.DataObject, exp: Experience) -> str:
 
 
 def weights_finite(trainer: TrainerCore) -> bool:
-    return not any(count_nonfinite(p) for model in trainer.synced_models().values()
+    return not any(count_nonfinite(p) for model in trainer.weights.synced_models().values()
                    for p in model.state_dict().values())
 
 
@@ -172,5 +172,5 @@ def test_extreme_values_never_poison_the_weights(runs, algorithm):
     print(f"{algorithm}: {run.generated} experiences in {run.pushes} pushes, {run.refused} refused, "
           f"{run.steps} steps, {run.trainer.skipped_steps} skipped")
     assert run.generated >= 1000 and run.steps >= 15 and run.refused >= 20
-    run.trainer.build_update(run.store.put)  # the weights are sent: every tensor finite
+    run.trainer.weights.snapshot(run.store.put)  # the weights are sent: every tensor finite
     assert weights_finite(run.trainer) and json.dumps(run.trainer.status())

@@ -12,8 +12,6 @@ from detached_rl.core.experience import Experience
 from detached_rl.core.experience_batch import collate
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.sampling import token_log_probs
-from detached_rl.core.weight_receiver import WeightReceiver
-from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update
 from detached_rl.generation import (
     GENERATION_BACKENDS,
     GenerationBackend,
@@ -36,6 +34,8 @@ from detached_rl.models import (
     lora_config_dict,
     tiny_causal_lm,
 )
+from detached_rl.weights.receiver import WeightReceiver
+from detached_rl.weights.update import WeightUpdateError, build_weight_update
 
 from .helpers import ObjectStore, arithmetic_prompts, lane_device, naive_strategy, tiny_lm, tiny_maker_models
 

@@ -178,19 +178,19 @@ def test_grpo_learns_a_verifiable_preference_in_a_few_dozen_steps():
     grpo = GRPOLearner(Actor(*tiny_causal_lm("llama", seed=0)), naive_strategy(), config)
     trainer = TrainerCore("trainer", grpo, TrainerConfig(train_batch_size=16))
     store = ObjectStore()
-    trainer.build_update(store.put)
+    trainer.weights.snapshot(store.put)
     maker = ExperienceMaker(
         "maker", MakerModels(actor=Actor(*tiny_causal_lm("llama", seed=3)), reward=LowTokenReward()),
         CyclingPrompts(arithmetic_prompts()),
         MakerConfig(experience_batch_size=2, group_size=8, sampling=SAMPLING),
         strategy=naive_strategy(),
     )
-    maker.apply_weight_update(trainer.register_maker("maker"), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker"), store.fetch)
     rewards = []
     for _ in range(30):
         trainer.push_experience(maker.make_experience())
         rewards.append(trainer.train_step()["reward/mean"])
-        trainer.sync_weights(store.put, lambda u, makers: {m: maker.apply_weight_update(u, store.fetch)
+        trainer.weights.publish(store.put, lambda u, makers: {m: maker.apply_weight_update(u, store.fetch)
                                                             for m in makers})
     start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"mean reward {start:.2f} -> {end:.2f}")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "detached_rl"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
 
 # Which layers each layer may import (besides itself). Read top-down: cli may use everything, core nothing.
 ALLOWED = {
@@ -18,25 +19,30 @@ ALLOWED = {
     "rewards": {"core"},
     "strategies": {"core"},
     "models": {"core"},
-    "generation": {"core", "models"},
+    # The weight path: publisher (trainer side), subscriber and receiver (maker and scorer side), the update
+    # protocol, its checks and its wire; Ray only in weights.ray_wire.
+    "weights": {"core", "models"},
+    "generation": {"core", "models", "weights"},
     "algorithms": {"core", "models", "strategies"},
-    "scorer": {"core", "models"},
-    "maker": {"core", "models", "generation", "rewards", "strategies", "scorer"},
-    "trainer": {"core", "algorithms", "models", "strategies"},
-    "config": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
-               "trainer"},
-    "actors": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
-               "trainer", "config"},
-    "cli": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
-            "trainer",
-            "config", "actors", "node"},
+    "scorer": {"core", "models", "weights"},
+    "maker": {"core", "models", "weights", "generation", "rewards", "strategies", "scorer"},
+    "trainer": {"core", "algorithms", "models", "weights", "strategies"},
+    "config": {"core", "algorithms", "models", "weights", "generation", "rewards", "strategies", "scorer",
+               "maker", "trainer"},
+    "actors": {"core", "algorithms", "models", "weights", "generation", "rewards", "strategies", "scorer",
+               "maker", "trainer", "config"},
+    "cli": {"core", "algorithms", "models", "weights", "generation", "rewards", "strategies", "scorer",
+            "maker", "trainer", "config", "actors", "node"},
     # Migration paths for other systems' users: thin shells over everything below, the
     # CLI's job helpers included.
-    "compat": {"core", "algorithms", "models", "generation", "rewards", "strategies", "scorer", "maker",
-               "trainer", "config", "actors", "cli"},
+    "compat": {"core", "algorithms", "models", "weights", "generation", "rewards", "strategies", "scorer",
+               "maker", "trainer", "config", "actors", "cli"},
 }
 # Ray-free layers: everything with logic is a plain class or function, testable without a cluster.
-RAY_FREE = {"core", "rewards", "models", "generation", "algorithms", "scorer", "maker", "trainer", "config"}
+RAY_FREE = {"core", "rewards", "models", "weights", "generation", "algorithms", "scorer", "maker", "trainer",
+            "config"}
+# The Ray modules of otherwise Ray-free layers.
+RAY_WIRES = {"detached_rl.weights.ray_wire"}
 
 
 def module_name(path: Path) -> str:
@@ -45,24 +51,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imports_of(path: Path) -> set[str]:
-    """Every module this file imports, at the top or inside functions (not under `if TYPE_CHECKING`)."""
+    """Every module this file imports: at the top, inside functions and under `if TYPE_CHECKING` (a type-only
+    import is a dependency too; a cycle through one is still a cycle)."""
     tree = ast.parse(path.read_text())
     found: set[str] = set()
     this = module_name(path)
     package = this if path.name == "__init__.py" else this.rpartition(".")[0]
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -72,10 +68,6 @@ def imports_of(path: Path) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
     return found
 
 
@@ -111,10 +103,8 @@ def test_layers_import_only_downwards() -> None:
     assert bad == []
 
 
-def test_no_import_cycles() -> None:
-    """No module reaches itself through imports (function-level imports included; sub-package `__init__` edges
-    excluded, since importing a.b.c runs a/__init__ and a/b/__init__ without depending on them)."""
-    graph = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in internal_graph().items()}
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import cycle found by a depth-first walk of `graph` (module -> the modules it imports)."""
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
@@ -132,7 +122,29 @@ def test_no_import_cycles() -> None:
     for module in sorted(graph):
         if module not in state:
             walk(module, [])
-    assert cycles == []
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    """No module reaches itself through imports (function-level and type-only imports included; sub-package
+    `__init__` edges excluded, since importing a.b.c runs a/__init__ and a/b/__init__ without depending on
+    them)."""
+    graph = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in internal_graph().items()}
+    assert find_cycles(graph) == []
+
+
+def test_no_import_cycles_among_benchmarks() -> None:
+    """No benchmark script imports one that imports it back (shared parts live in a module of their own)."""
+    scripts = {path.stem: path for path in BENCHMARKS.glob("*.py")}
+    graph = {}
+    for name, path in scripts.items():
+        tree = ast.parse(path.read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+        graph[name] = {m for m in imported if m in scripts and m != name}
+    assert find_cycles(graph) == []
 
 
 @pytest.mark.parametrize("layer", sorted(RAY_FREE))
@@ -140,9 +152,29 @@ def test_plain_layers_do_not_import_ray(layer: str) -> None:
     """Only actors/ and cli/ talk to Ray; the logic below them is testable without a cluster."""
     users = sorted(
         module_name(path) for path in (PACKAGE / layer).rglob("*.py")
-        if any(m == "ray" or m.startswith("ray.") for m in imports_of(path))
+        if module_name(path) not in RAY_WIRES
+        and any(m == "ray" or m.startswith("ray.") for m in imports_of(path))
     )
     assert users == []
+
+
+# Who may build or send a weight update: the weights package alone (issue 36).
+WEIGHT_PATH_CALLS = ("build_update", "build_weight_update", "dispatch_weight_update", "put_chunk",
+                     "send_weight_update")
+
+
+def test_only_the_weights_package_builds_or_sends_updates() -> None:
+    """No module outside `detached_rl/weights/` calls what builds, stores or sends a weight update."""
+    callers = []
+    for path in PACKAGE.rglob("*.py"):
+        if module_name(path).startswith("detached_rl.weights"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+                if name in WEIGHT_PATH_CALLS:
+                    callers.append(f"{module_name(path)}:{node.lineno} {name}")
+    assert callers == []
 
 
 def test_public_names_keep_working() -> None:
@@ -164,3 +196,25 @@ def test_public_names_keep_working() -> None:
     assert callable(algorithms.policy_loss) and callable(rewards.numeric_answer_reward)
     assert hasattr(strategies, "NaiveStrategy") and hasattr(models, "Actor")
     assert callable(detached_rl.start_trainer_group)
+
+
+# Ray's private internals: used in one module only (issue 36), so a Ray release is one file to check.
+RAY_PRIVATE = ("ray._private", "ray_constants", "_actor_id", "ray._raylet")  # exact names
+RAY_SEAM = PACKAGE / "actors" / "ray_seam.py"
+
+
+def test_ray_internals_only_in_the_seam() -> None:
+    """`ray._private`, `ray_constants`, `_actor_id` and `ray._raylet` appear (in code) only in
+    actors/ray_seam.py."""
+    users = []
+    for path in PACKAGE.rglob("*.py"):
+        if path == RAY_SEAM:
+            continue
+        tree = ast.parse(path.read_text())
+        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)
+                 for alias in node.names}
+        names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        if any(name in RAY_PRIVATE or name.startswith(("ray._private.", "ray._raylet.")) for name in names):
+            users.append(module_name(path))
+    assert users == []

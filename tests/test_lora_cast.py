@@ -10,10 +10,12 @@ import torch
 
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.prompts import CyclingPrompts
-from detached_rl.core.weight_sync import WeightUpdateError, state_fingerprint
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.models import SamplingConfig
-from detached_rl.models.lora_merge import (
+from detached_rl.strategies.optim import OptimizerConfig
+from detached_rl.trainer.config import TrainerConfig
+from detached_rl.trainer.core import TrainerCore
+from detached_rl.weights.base_fingerprint import (
     base_fingerprint,
     base_state_fingerprint,
     cast_base_fingerprints,
@@ -21,9 +23,7 @@ from detached_rl.models.lora_merge import (
     lowest_precision_dtype,
     sent_base_fingerprint,
 )
-from detached_rl.strategies.optim import OptimizerConfig
-from detached_rl.trainer.config import TrainerConfig
-from detached_rl.trainer.core import TrainerCore
+from detached_rl.weights.update import WeightUpdateError, state_fingerprint
 
 from .helpers import (
     ObjectStore,
@@ -55,7 +55,7 @@ def make_trainer():
                          PPOConfig(sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-2)))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8, weight_sync="lora"))
     store = ObjectStore()
-    trainer.build_update(store.put)  # version 0: LoRA-only too (makers with another base get a full one)
+    trainer.weights.snapshot(store.put)  # version 0: LoRA-only too (makers with another base get a full one)
     return trainer, store
 
 
@@ -73,7 +73,7 @@ def casting_maker(name, dtype, mode="keep", seed=0):
 def synced_maker(trainer, store, name, dtype):
     """A casting maker with the trainer's base that applied what registration offered it."""
     maker = casting_maker(name, dtype)
-    maker.apply_weight_update(trainer.register_maker(name, maker.base_fingerprint, store.put), store.fetch)
+    maker.apply_weight_update(trainer.weights.register(name, maker.base_fingerprint, store.put), store.fetch)
     return maker
 
 
@@ -81,7 +81,7 @@ def train_and_sync(trainer, store, makers):
     """One training step on the first maker's experience, then a weight update applied by every maker."""
     trainer.push_experience(makers[0].make_experience())
     trainer.train_step()
-    return trainer.sync_weights(store.put, lambda update, names: {
+    return trainer.weights.publish(store.put, lambda update, names: {
         maker.name: maker.apply_weight_update(update, store.fetch) for maker in makers})
 
 
@@ -92,17 +92,17 @@ def test_a_casting_maker_with_the_trainers_base_takes_lora_only_updates_from_the
     maker = casting_maker("maker_0", dtype, mode)
     assert maker.base_fingerprint.startswith(f"{dtype}:")
     # Same base, cast: it matches before any update (a maker loaded from the trainer's checkpoint in bf16).
-    assert maker.base_fingerprint == trainer.cast_base_fingerprints[dtype]
-    first = trainer.register_maker("maker_0", maker.base_fingerprint, store.put)
+    assert maker.base_fingerprint == trainer.weights.cast_base_fingerprints[dtype]
+    first = trainer.weights.register("maker_0", maker.base_fingerprint, store.put)
     assert first.manifest.kind == "lora"  # the base never crosses: the maker proved it holds it
     maker.apply_weight_update(first, store.fetch, reset=True)
     assert maker.policy_version == 0
     # Recomputed over the cast bytes it now holds, the fingerprint still matches the trainer's cast one.
-    assert maker.base_fingerprint == trainer.cast_base_fingerprints[dtype]
+    assert maker.base_fingerprint == trainer.weights.cast_base_fingerprints[dtype]
     trainer_model = trainer.learner.actor.model
     for step in range(3):
         metrics = train_and_sync(trainer, store, [maker])
-        update = trainer.latest_update
+        update = trainer.weights.latest_update
         assert update.manifest.kind == "lora"
         assert metrics["weight_sync/makers_updated"] == 1 and metrics["weight_sync/makers_failed"] == 0
         assert maker.policy_version == step + 1
@@ -118,20 +118,20 @@ def test_a_casting_maker_with_the_trainers_base_takes_lora_only_updates_from_the
 def test_reconnecting_with_the_same_base_gets_lora_only_and_another_base_a_full_update(dtype):
     trainer, store = make_trainer()
     maker = casting_maker("maker_0", dtype)
-    maker.apply_weight_update(trainer.register_maker("maker_0", maker.base_fingerprint, store.put),
+    maker.apply_weight_update(trainer.weights.register("maker_0", maker.base_fingerprint, store.put),
                               store.fetch)
     train_and_sync(trainer, store, [maker])
-    lora_update = trainer.latest_update
+    lora_update = trainer.weights.latest_update
     assert lora_update.manifest.kind == "lora" and maker.policy_version == 1
 
     # The same maker registers again (a reconnect): LoRA-only, in the dtype it serves (wire_variants).
-    again = trainer.register_maker("maker_0", maker.base_fingerprint, store.put)
+    again = trainer.weights.register("maker_0", maker.base_fingerprint, store.put)
     assert again.manifest.kind == "lora" and again.version == lora_update.version
     assert again.manifest.metadata["wire_dtype"] == dtype
     # A fresh maker with the same base in the same dtype (a restarted one): LoRA-only, and it serves the
     # trainer's weights once it applied it.
     fresh = casting_maker("maker_1", dtype)
-    offered = trainer.register_maker("maker_1", fresh.base_fingerprint, store.put)
+    offered = trainer.weights.register("maker_1", fresh.base_fingerprint, store.put)
     assert offered.manifest.kind == "lora"
     fresh.apply_weight_update(offered, store.fetch)
     assert torch.equal(logits_of(fresh.backend.model), logits_of(maker.backend.model))
@@ -142,13 +142,13 @@ def test_reconnecting_with_the_same_base_gets_lora_only_and_another_base_a_full_
     with pytest.raises(WeightUpdateError, match="base fingerprint mismatch"):
         stranger.apply_weight_update(lora_update, store.fetch)
     assert stranger.policy_version == -1 and torch.equal(before, logits_of(stranger.backend.model))
-    offered = trainer.register_maker("maker_2", stranger.base_fingerprint, store.put)
+    offered = trainer.weights.register("maker_2", stranger.base_fingerprint, store.put)
     assert offered.manifest.kind == "full"
     stranger.apply_weight_update(offered, store.fetch)
-    assert stranger.base_fingerprint == trainer.cast_base_fingerprints[dtype]
+    assert stranger.base_fingerprint == trainer.weights.cast_base_fingerprints[dtype]
     # From then on it follows LoRA-only updates like the others.
     train_and_sync(trainer, store, [maker, fresh, stranger])
-    assert trainer.latest_update.manifest.kind == "lora"
+    assert trainer.weights.latest_update.manifest.kind == "lora"
     assert {m.policy_version for m in (maker, fresh, stranger)} == {2}
     assert torch.equal(logits_of(stranger.backend.model), logits_of(maker.backend.model))
 
@@ -161,9 +161,9 @@ def test_a_maker_with_a_slightly_different_base_is_not_taken_for_the_trainer():
     with torch.no_grad():
         maker.backend.weight_sink.state()[key][0, 0] += 0.05
     maker.base_check.refresh_fingerprint()  # the base changed outside the receiver: fingerprint it again
-    assert maker.base_fingerprint != trainer.cast_base_fingerprints["bfloat16"]
+    assert maker.base_fingerprint != trainer.weights.cast_base_fingerprints["bfloat16"]
     train_and_sync(trainer, store, [synced_maker(trainer, store, "maker_1", "bfloat16")])
-    assert trainer.register_maker("maker_0", maker.base_fingerprint, store.put).manifest.kind == "full"
+    assert trainer.weights.register("maker_0", maker.base_fingerprint, store.put).manifest.kind == "full"
 
 
 def test_uncast_makers_keep_exact_fingerprints():
@@ -172,10 +172,11 @@ def test_uncast_makers_keep_exact_fingerprints():
                             CyclingPrompts(arithmetic_prompts()),
                             MakerConfig(experience_batch_size=8, sampling=SAMPLING),
                             strategy=naive_strategy())
-    assert maker.base_fingerprint == trainer.base_fingerprint and ":" not in maker.base_fingerprint
-    metadata = trainer.latest_update.manifest.metadata
-    assert sent_base_fingerprint(metadata, None) == trainer.base_fingerprint
-    assert sent_base_fingerprint(metadata, torch.bfloat16) == trainer.cast_base_fingerprints["bfloat16"]
+    assert maker.base_fingerprint == trainer.weights.base_fingerprint and ":" not in maker.base_fingerprint
+    metadata = trainer.weights.latest_update.manifest.metadata
+    assert sent_base_fingerprint(metadata, None) == trainer.weights.base_fingerprint
+    cast = trainer.weights.cast_base_fingerprints
+    assert sent_base_fingerprint(metadata, torch.bfloat16) == cast["bfloat16"]
     assert set(metadata["base_fingerprints"]) == {"bfloat16", "float16", "float32"}
 
 
@@ -224,11 +225,11 @@ def test_a_trainer_answers_a_dtype_beyond_the_common_ones_on_demand():
     train_and_sync(trainer, store, [synced_maker(trainer, store, "maker_0", "bfloat16")])
     model = trainer.learner.actor.model
     wanted = base_fingerprint(model, torch.float64)
-    assert "float64" not in trainer.latest_update.manifest.metadata["base_fingerprints"]
-    offered = trainer.register_maker("maker_9", wanted, store.put)
-    assert offered.manifest.kind == "lora" and offered.chunk_refs == trainer.latest_update.chunk_refs
+    assert "float64" not in trainer.weights.latest_update.manifest.metadata["base_fingerprints"]
+    offered = trainer.weights.register("maker_9", wanted, store.put)
+    assert offered.manifest.kind == "lora" and offered.chunk_refs == trainer.weights.latest_update.chunk_refs
     assert sent_base_fingerprint(offered.manifest.metadata, torch.float64) == wanted
-    assert trainer.register_maker("maker_9", "float64:" + "0" * 64, store.put).manifest.kind == "full"
+    assert trainer.weights.register("maker_9", "float64:" + "0" * 64, store.put).manifest.kind == "full"
 
 
 def test_a_maker_that_asks_for_the_whole_model_first_gets_it_then_lora_only_updates():
@@ -237,8 +238,8 @@ def test_a_maker_that_asks_for_the_whole_model_first_gets_it_then_lora_only_upda
     maker = casting_maker("maker_0", "bfloat16")
     maker.config.first_update = "full"
     assert maker.registration_fingerprint is None and maker.base_fingerprint is not None
-    first = trainer.register_maker("maker_0", maker.registration_fingerprint, store.put)
-    assert first.manifest.kind == "full" and trainer.latest_update.manifest.kind == "lora"
+    first = trainer.weights.register("maker_0", maker.registration_fingerprint, store.put)
+    assert first.manifest.kind == "full" and trainer.weights.latest_update.manifest.kind == "lora"
     maker.apply_weight_update(first, store.fetch, reset=True)
     train_and_sync(trainer, store, [maker])
-    assert trainer.latest_update.manifest.kind == "lora" and maker.policy_version == 1
+    assert trainer.weights.latest_update.manifest.kind == "lora" and maker.policy_version == 1

@@ -8,8 +8,6 @@ import re
 import pytest
 import torch
 
-from detached_rl.core.weight_receiver import WeightReceiver
-from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update
 from detached_rl.generation.hf import HFGenerationBackend, LoraModuleSink, MergedLoraSink
 from detached_rl.generation.vllm_lora import KeepModeLayout, engine_lora_rank
 from detached_rl.models import (
@@ -21,6 +19,8 @@ from detached_rl.models import (
     tiny_causal_lm,
 )
 from detached_rl.models.lora import check_lora_config, check_lora_update
+from detached_rl.weights.receiver import WeightReceiver
+from detached_rl.weights.update import WeightUpdateError, build_weight_update
 
 from .helpers import ObjectStore
 

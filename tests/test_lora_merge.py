@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detached_rl.core.weight_receiver import WeightReceiver
-from detached_rl.core.weight_sync import build_weight_update
 from detached_rl.models import LoraSettings, apply_lora, lora_state_dict, tiny_causal_lm
-from detached_rl.models.lora_merge import LoraMergeTarget, base_fingerprint, base_keys
+from detached_rl.models.lora_backend import base_keys
+from detached_rl.models.lora_merge import LoraMergeTarget
+from detached_rl.weights.base_fingerprint import base_fingerprint
+from detached_rl.weights.receiver import WeightReceiver
+from detached_rl.weights.update import build_weight_update
 
 from .helpers import has_lora_modules, lane_device, model_device
 

@@ -9,14 +9,14 @@ import torch
 
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.prompts import CyclingPrompts
-from detached_rl.core.weight_sink import ModuleWeightSink
-from detached_rl.core.weight_sync import OffTrainerError, WeightUpdateError, build_weight_update
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
 from detached_rl.models import Actor, Critic, LoraSettings, SamplingConfig, apply_lora
-from detached_rl.models.base_fingerprint import BaseCheckedSink, base_fingerprint, base_keys
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
+from detached_rl.weights.base_fingerprint import BaseCheckedSink, base_fingerprint, base_keys
+from detached_rl.weights.sink import ModuleWeightSink
+from detached_rl.weights.update import OffTrainerError, WeightUpdateError, build_weight_update
 
 from .helpers import (
     LowTokenReward,
@@ -41,7 +41,7 @@ def make_lora_pair(backend, mode, maker_seed=3):
                          PPOConfig(sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-2)))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8, weight_sync="lora"))
     store = ObjectStore()
-    trainer.build_update(store.put)
+    trainer.weights.snapshot(store.put)
     maker = ExperienceMaker("maker_0", lora_maker_models(backend, seed=maker_seed),
                             CyclingPrompts(arithmetic_prompts()),
                             MakerConfig(experience_batch_size=8, sampling=SAMPLING, lora_mode=mode),
@@ -60,17 +60,17 @@ def logits_of(model):
 def test_five_lora_updates_keep_the_maker_exactly_on_the_trainer(backend, mode):
     trainer, maker, store = make_lora_pair(backend, mode)
     # Another seed: the maker's base differs, so registration hands it a full update first.
-    first = trainer.register_maker("maker_0", maker.base_fingerprint, store.put)
+    first = trainer.weights.register("maker_0", maker.base_fingerprint, store.put)
     assert first.manifest.kind == "full"
     maker.apply_weight_update(first, store.fetch)
-    assert maker.base_fingerprint == trainer.base_fingerprint
+    assert maker.base_fingerprint == trainer.weights.base_fingerprint
     trainer_model = trainer.learner.actor.model
     for step in range(5):
         trainer.push_experience(maker.make_experience())
         trainer.train_step()
-        metrics = trainer.sync_weights(store.put, lambda u, makers: {
+        metrics = trainer.weights.publish(store.put, lambda u, makers: {
             m: maker.apply_weight_update(u, store.fetch) for m in makers})
-        update = trainer.latest_update
+        update = trainer.weights.latest_update
         assert update.manifest.kind == "lora" and update.manifest.metadata["lora"]["r"] == 4
         assert maker.policy_version == step + 1 and metrics["weight_sync/makers_updated"] == 1
         difference = (logits_of(maker.backend.model) - logits_of(trainer_model)).abs().max().item()
@@ -81,12 +81,12 @@ def test_five_lora_updates_keep_the_maker_exactly_on_the_trainer(backend, mode):
 
 def test_lora_update_is_refused_when_the_base_differs():
     trainer, maker, store = make_lora_pair("peft", "keep")
-    maker.apply_weight_update(trainer.register_maker("maker_0", maker.base_fingerprint, store.put),
+    maker.apply_weight_update(trainer.weights.register("maker_0", maker.base_fingerprint, store.put),
                               store.fetch)
     trainer.push_experience(maker.make_experience())
     trainer.train_step()
-    trainer.sync_weights(store.put, lambda u, makers: {})
-    lora_update = trainer.latest_update
+    trainer.weights.publish(store.put, lambda u, makers: {})
+    lora_update = trainer.weights.latest_update
     stranger = ExperienceMaker("maker_1", lora_maker_models("peft", seed=9),
                                CyclingPrompts(arithmetic_prompts()),
                                MakerConfig(experience_batch_size=8, sampling=SAMPLING),
@@ -97,23 +97,23 @@ def test_lora_update_is_refused_when_the_base_differs():
     assert stranger.policy_version == -1 and torch.equal(before, logits_of(stranger.backend.model))
     assert "base fingerprint mismatch" in stranger.resync_reason  # registering again fixes it
     # Registration knows: a matching base gets the LoRA update, any other base a full one.
-    assert trainer.register_maker("maker_0", maker.base_fingerprint, store.put) is lora_update
-    assert trainer.register_maker("maker_1", stranger.base_fingerprint, store.put).manifest.kind == "full"
+    assert trainer.weights.register("maker_0", maker.base_fingerprint, store.put) is lora_update
+    assert trainer.weights.register("maker_1", stranger.base_fingerprint, store.put).manifest.kind == "full"
 
 
 def test_a_lora_update_behind_a_waiting_full_one_is_checked_against_that_full_ones_base():
     trainer, maker, store = make_lora_pair("peft", "keep")  # the maker's base differs from the trainer's
     push = functools.partial(maker.apply_weight_update, fetch=store.fetch, swap="at_safe_point")
     with maker.generation_lock:  # mid-batch: the registration's full update waits for the safe point
-        assert push(trainer.register_maker("maker_0", maker.base_fingerprint, store.put)).staged
-    assert maker.receiver.pending_version == 0 and maker.base_fingerprint != trainer.base_fingerprint
+        assert push(trainer.weights.register("maker_0", maker.base_fingerprint, store.put)).staged
+    assert maker.receiver.pending_version == 0 and maker.base_fingerprint != trainer.weights.base_fingerprint
     trainer.policy_version += 1  # a training step (what it trains does not matter here)
-    lora_update, _ = trainer.build_update(store.put)
+    lora_update, _ = trainer.weights.snapshot(store.put)
     assert lora_update.manifest.kind == "lora"
     # The receiver swaps the waiting full update in first, then checks the LoRA update against that base.
     result = push(lora_update)
     assert result.applied and maker.policy_version == 1 and maker.receiver.pending_version is None
-    assert maker.base_fingerprint == trainer.base_fingerprint and maker.receiver.swapped == 2
+    assert maker.base_fingerprint == trainer.weights.base_fingerprint and maker.receiver.swapped == 2
     assert torch.equal(logits_of(maker.backend.model), logits_of(trainer.learner.actor.model))
 
 
@@ -140,13 +140,13 @@ def test_the_base_check_is_the_policy_sinks_and_fingerprints_again_only_after_a_
 
 def test_rank_mismatch_is_refused_with_the_key_named():
     trainer, maker, store = make_lora_pair("peft", "keep")
-    maker.apply_weight_update(trainer.register_maker("maker_0", None, store.put), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker_0", None, store.put), store.fetch)
     # The same adapter at rank 8 instead of 4: every A and B has the wrong shape.
     actor_state = {k: torch.zeros(8, v.shape[1], device=v.device) if "lora_A" in k
                    else torch.zeros(v.shape[0], 8, device=v.device) if "lora_B" in k else v
-                   for k, v in trainer.synced_state(trainable_only=True)["actor"].items()}
+                   for k, v in trainer.weights.synced_state(trainable_only=True)["actor"].items()}
     bad, _ = build_weight_update({"actor": actor_state}, 1, store.put, kind="lora",
-                                 metadata={"base_fingerprint": trainer.base_fingerprint,
+                                 metadata={"base_fingerprint": trainer.weights.base_fingerprint,
                                            "trainer_run": trainer.run_id})
     before = logits_of(maker.backend.model)
     with pytest.raises(WeightUpdateError, match="shape mismatch.*lora_A"):
@@ -185,8 +185,8 @@ def test_smollm2_lora_update_is_under_one_percent_of_a_full_update():
     learner = PPOLearner(Actor(policy, tokenizer), critic, naive_strategy(), PPOConfig())
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(weight_sync="lora"))
     store = ObjectStore()
-    full, full_stats = trainer.build_update(store.put)
-    lora, lora_stats = trainer.build_update(store.put)
+    full, full_stats = trainer.weights.snapshot(store.put)
+    lora, lora_stats = trainer.weights.snapshot(store.put)
     assert full.manifest.kind == "full" and lora.manifest.kind == "lora"
     adapter_bytes = sum(p.numel() * p.element_size() for p in policy.parameters() if p.requires_grad)
     head_bytes = sum(p.numel() * p.element_size() for p in critic.head.parameters())
@@ -213,13 +213,13 @@ def ppo_pair(actor: Actor, critic: Critic,
         critic_optimizer=OptimizerConfig(lr=1e-2)))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8, weight_sync="lora"))
     store = ObjectStore()
-    trainer.build_update(store.put)
+    trainer.weights.snapshot(store.put)
     maker_actor, _ = lora_actor_critic("peft", seed=0)
     models = MakerModels(actor=maker_actor, critic=maker_critic.to(lane_device()), reward=LowTokenReward())
     maker = ExperienceMaker("maker_0", models, CyclingPrompts(arithmetic_prompts()),
                             MakerConfig(experience_batch_size=8, sampling=SAMPLING),
                             strategy=naive_strategy())
-    maker.apply_weight_update(trainer.register_maker("maker_0", maker.base_fingerprint, store.put),
+    maker.apply_weight_update(trainer.weights.register("maker_0", maker.base_fingerprint, store.put),
                               store.fetch)
     return trainer, maker, store
 
@@ -231,7 +231,7 @@ def trainable_bytes(model: torch.nn.Module) -> int:
 def sync_once(trainer: TrainerCore, maker: ExperienceMaker, store: ObjectStore) -> dict[str, float]:
     trainer.push_experience(maker.make_experience())
     trainer.train_step()
-    return trainer.sync_weights(store.put, lambda u, makers: {m: maker.apply_weight_update(u, store.fetch)
+    return trainer.weights.publish(store.put, lambda u, makers: {m: maker.apply_weight_update(u, store.fetch)
                                                               for m in makers})
 
 
@@ -239,9 +239,9 @@ def sync_once(trainer: TrainerCore, maker: ExperienceMaker, store: ObjectStore) 
 def test_a_lora_critic_trains_and_its_lora_updates_carry_adapters_and_head(backend):
     actor, critic = lora_critic_models(backend, seed=0)
     trainer, maker, store = ppo_pair(actor, critic, lora_critic_models(backend, seed=0)[1])
-    assert trainer.synced_in_full == {}
+    assert trainer.weights.synced_in_full == {}
     metrics = sync_once(trainer, maker, store)
-    assert trainer.latest_update.manifest.kind == "lora" and maker.policy_version == 1
+    assert trainer.weights.latest_update.manifest.kind == "lora" and maker.policy_version == 1
     whole = sum(t.numel() * t.element_size() for t in critic.state_dict().values())
     assert metrics["weight_sync/bytes/critic"] == trainable_bytes(critic) < whole / 10
     assert metrics["weight_sync/bytes/actor"] == trainable_bytes(actor)
@@ -256,15 +256,16 @@ def test_lora_updates_carry_a_trained_critic_without_lora_whole_and_a_frozen_one
     with caplog.at_level(logging.WARNING, logger="detached_rl.trainer.core"):
         trainer, maker, store = ppo_pair(actor, critic, lora_actor_critic("peft", seed=0)[1])
     size = trainable_bytes(critic)
-    assert trainer.synced_in_full == {"critic": size}
+    assert trainer.weights.synced_in_full == {"critic": size}
     assert "critic has no LoRA" in caplog.text and "weight_sync/bytes/critic" in caplog.text
     # the critic changes every step: it ships every time, and says so
     metrics = sync_once(trainer, maker, store)
-    assert metrics["weight_sync/bytes/critic"] == size and trainer.latest_update.manifest.kind == "lora"
+    assert metrics["weight_sync/bytes/critic"] == size
+    assert trainer.weights.latest_update.manifest.kind == "lora"
 
     critic.requires_grad_(False)  # frozen: after the full update a LoRA-only update carries none of it
-    metrics = trainer.sync_weights(store.put, lambda u, makers: {})
-    update = trainer.latest_update
+    metrics = trainer.weights.publish(store.put, lambda u, makers: {})
+    update = trainer.weights.latest_update
     assert update.manifest.kind == "lora" and metrics["weight_sync/bytes/actor"] > 0
     assert metrics["weight_sync/bytes/critic"] == 0
     assert not any(spec.name.startswith("critic/") for spec in update.manifest.tensors)

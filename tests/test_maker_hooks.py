@@ -12,7 +12,6 @@ from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.prompts import CyclingPrompts, PromptBatch, PromptItem
 from detached_rl.maker.config import MakerConfig as ConfigFromItsModule
 from detached_rl.maker.experience_maker import BatchCallback, ExperienceMaker, MakerConfig
-from detached_rl.maker.loop import take_offered
 from detached_rl.models import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
@@ -31,8 +30,8 @@ def maker(synced: bool = True) -> ExperienceMaker:
         learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=SAMPLING))
         trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=4))
         store = ObjectStore()
-        trainer.build_update(store.put)
-        take_offered(made, [trainer.register_maker("maker_0")], store.fetch)
+        trainer.weights.snapshot(store.put)
+        made.subscriber.take_offered([trainer.weights.register("maker_0")], store.fetch)
     return made
 
 

@@ -15,13 +15,14 @@ import torch
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
-from detached_rl.core.weight_sync import ApplyResult, build_weight_update
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
-from detached_rl.maker.loop import MakerLoop, take_offered, update_to_apply
+from detached_rl.maker.loop import MakerLoop
 from detached_rl.maker.pusher import ExperiencePusher
 from detached_rl.models import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
+from detached_rl.weights.subscriber import update_to_apply
+from detached_rl.weights.update import ApplyResult, build_weight_update
 
 from .helpers import (
     ObjectStore,
@@ -136,13 +137,13 @@ def real_pair(**maker_config) -> tuple[ExperienceMaker, TrainerCore, ObjectStore
     learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8))
     store = ObjectStore()
-    trainer.build_update(store.put)
+    trainer.weights.snapshot(store.put)
     return maker, trainer, store
 
 
 def test_a_real_maker_stops_after_num_batches_and_saves_its_state_after_every_batch(executor):
     maker, trainer, store = real_pair()
-    take_offered(maker, [trainer.register_maker("maker_0")], store.fetch)
+    maker.subscriber.take_offered([trainer.weights.register("maker_0")], store.fetch)
     saved: list[dict] = []
     stop = threading.Event()
     loop = MakerLoop(maker, stop, save_state=saved.append)
@@ -160,7 +161,8 @@ def test_a_real_maker_waits_for_its_first_weights_before_generating(executor):
     assert not maker.synced
     stop = threading.Event()
     loop = MakerLoop(maker, stop)
-    timer = later(0.5, lambda: take_offered(maker, [trainer.register_maker("maker_0")], store.fetch))
+    timer = later(0.5, lambda: maker.subscriber.take_offered([trainer.weights.register("maker_0")],
+                                                             store.fetch))
     start = time.monotonic()
     try:
         made = loop.run(pusher_to(executor, trainer.push_experience, maker.config, stop), num_batches=1)
@@ -172,10 +174,10 @@ def test_a_real_maker_waits_for_its_first_weights_before_generating(executor):
 
 def test_take_offered_applies_only_an_update_worth_taking():
     maker, trainer, store = real_pair()
-    assert take_offered(maker, [None, None], store.fetch) is None and not maker.synced
-    update = trainer.register_maker("maker_0")
-    assert take_offered(maker, [None, update], store.fetch).applied and maker.policy_version == 0
-    assert take_offered(maker, [update], store.fetch) is None  # not newer, same trainer run
+    assert maker.subscriber.take_offered([None, None], store.fetch) is None and not maker.synced
+    update = trainer.weights.register("maker_0")
+    assert maker.subscriber.take_offered([None, update], store.fetch).applied and maker.policy_version == 0
+    assert maker.subscriber.take_offered([update], store.fetch) is None  # not newer, same trainer run
 
 
 # ----------------------------------------------------------------------------- which offered update to take
@@ -367,23 +369,23 @@ def test_a_run_that_registers_again_no_longer_shows_the_earlier_error(executor):
 def test_a_maker_registering_again_clears_the_trainers_error_about_it_and_no_other():
     _, trainer, store = real_pair()
     for name in ("maker_0", "maker_1", "maker_2"):
-        trainer.register_maker(name)
+        trainer.weights.register(name)
 
     def send_update(update, makers):  # maker_1 and maker_2 died before this update reached them
         return {name: ApplyResult(True, update.manifest.version) if name == "maker_0"
                 else ConnectionError(f"{name} died") for name in makers}
 
-    trainer.sync_weights(store.put, send_update)
+    trainer.weights.publish(store.put, send_update)
     assert trainer.last_error == ("weight update to maker_1: maker_1 died; "
                                   "weight update to maker_2: maker_2 died")
-    trainer.register_maker("maker_1")  # its replacement registers under the same name
+    trainer.weights.register("maker_1")  # its replacement registers under the same name
     assert trainer.last_error == "weight update to maker_2: maker_2 died"
-    trainer.register_maker("maker_2")
+    trainer.weights.register("maker_2")
     assert trainer.last_error is None and trainer.status()["last_error"] is None
     # Another error since (the trainer's own) stays, whoever registers.
-    trainer.sync_weights(store.put, send_update)
+    trainer.weights.publish(store.put, send_update)
     trainer.last_error = "RuntimeError: the step failed"
-    trainer.register_maker("maker_1")
+    trainer.weights.register("maker_1")
     assert trainer.last_error == "RuntimeError: the step failed"
 
 

@@ -13,12 +13,12 @@ from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.core.replay_buffer import RejectedPushError
 from detached_rl.core.staleness import oldest_useful_version
-from detached_rl.core.weight_sync import WeightUpdateError, state_fingerprint
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.models import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
-from detached_rl.trainer.weight_push import WeightPushQueue
+from detached_rl.weights.push_queue import WeightPushQueue
+from detached_rl.weights.update import WeightUpdateError, state_fingerprint
 
 from .helpers import (
     ObjectStore,
@@ -43,7 +43,7 @@ def make_pair(batch_size=4, group_size=1, record=True, maker_seed=7, **trainer_k
     learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=SAMPLING, kl_coef=0.01))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(**{"train_batch_size": 8, **trainer_kwargs}))
     store = ObjectStore()
-    trainer.build_update(store.put)
+    trainer.weights.snapshot(store.put)
     return maker, trainer, store
 
 
@@ -77,10 +77,10 @@ def test_maker_generates_only_after_receiving_the_trainer_weights():
     with pytest.raises(RuntimeError, match="no complete weights"):
         maker.make_experience()
     # The maker was built from another seed: the first update makes it the trainer's policy.
-    assert maker.receiver.fingerprint != state_fingerprint(trainer.synced_state())
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    assert maker.receiver.fingerprint != state_fingerprint(trainer.weights.synced_state())
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     assert maker.synced and maker.policy_version == 0
-    assert maker.receiver.fingerprint == state_fingerprint(trainer.synced_state())
+    assert maker.receiver.fingerprint == state_fingerprint(trainer.weights.synced_state())
     experiences = maker.make_experience()
     assert len(experiences) == 4 and all(e.policy_version == 0 and e.maker == "maker_0" for e in experiences)
     for e in experiences:
@@ -90,16 +90,16 @@ def test_maker_generates_only_after_receiving_the_trainer_weights():
 
 def test_train_sync_loop_keeps_maker_and_trainer_in_step():
     maker, trainer, store = make_pair()
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     for step in range(3):
         for _ in range(2):
             assert trainer.push_experience(maker.make_experience()).accepted == 4
         metrics = trainer.train_step()
         assert metrics["policy_version"] == step + 1 and metrics["samples"] == 8
-        metrics.update(trainer.sync_weights(store.put, deliver(maker, store)))
+        metrics.update(trainer.weights.publish(store.put, deliver(maker, store)))
         assert metrics["weight_sync/makers_updated"] == 1 and metrics["weight_sync/bytes"] > 0
         assert maker.policy_version == trainer.policy_version == step + 1
-        assert maker.receiver.fingerprint == state_fingerprint(trainer.synced_state())
+        assert maker.receiver.fingerprint == state_fingerprint(trainer.weights.synced_state())
     stats = trainer.buffer.stats()
     assert stats["received"] == 24 and stats["sampled"] == 24 and stats["accounting_ok"]
 
@@ -107,8 +107,8 @@ def test_train_sync_loop_keeps_maker_and_trainer_in_step():
 def test_generation_never_mixes_two_weight_versions():
     """Weights change continuously while the maker generates; each sample's weights match its version."""
     maker, trainer, store = make_pair(batch_size=2)
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
-    fingerprints = {0: state_fingerprint(trainer.synced_state())}
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
+    fingerprints = {0: state_fingerprint(trainer.weights.synced_state())}
     weights = {0: {k: v.clone() for k, v in trainer.learner.actor.model.state_dict().items()}}
     done = threading.Event()
 
@@ -118,9 +118,9 @@ def test_generation_never_mixes_two_weight_versions():
                 for p in trainer.learner.actor.parameters():
                     p.data.add_(0.001 * version)
                 trainer.policy_version = version
-            fingerprints[version] = state_fingerprint(trainer.synced_state())
+            fingerprints[version] = state_fingerprint(trainer.weights.synced_state())
             weights[version] = {k: v.clone() for k, v in trainer.learner.actor.model.state_dict().items()}
-            update, _ = trainer.build_update(store.put)
+            update, _ = trainer.weights.snapshot(store.put)
             maker.apply_weight_update(update, store.fetch)
         done.set()
 
@@ -148,7 +148,7 @@ def test_generation_never_mixes_two_weight_versions():
 
 def test_fit_runs_against_a_producing_maker_thread():
     maker, trainer, store = make_pair()
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     stop = threading.Event()
 
     def produce():
@@ -174,7 +174,7 @@ def test_fit_runs_against_a_producing_maker_thread():
 
 def test_overlapped_weight_push_is_acknowledged_by_the_end_of_fit():
     maker, trainer, store = make_pair(overlap_weight_push=True)
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     model_io = ThreadPoolExecutor(max_workers=1)  # the maker actor's model_io thread
     sent = []
 
@@ -195,7 +195,7 @@ def test_overlapped_weight_push_is_acknowledged_by_the_end_of_fit():
 
 def test_malformed_push_is_refused_whole_and_changes_nothing():
     maker, trainer, store = make_pair()
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     good = maker.make_experience()
     trainer.push_experience(good[:2])
     before = trainer.buffer.stats()
@@ -217,10 +217,10 @@ def test_malformed_push_is_refused_whole_and_changes_nothing():
 
 def test_bad_weight_update_leaves_the_maker_serving_its_version():
     maker, trainer, store = make_pair()
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     fingerprint = maker.receiver.fingerprint
     trainer.policy_version = 1
-    update, _ = trainer.build_update(store.put)
+    update, _ = trainer.weights.snapshot(store.put)
     chunk = store.objects[update.chunk_refs[0]]
     key = next(iter(chunk))
     chunk[key] = chunk[key].clone()
@@ -234,7 +234,7 @@ def test_bad_weight_update_leaves_the_maker_serving_its_version():
 
 def test_groups_are_tagged_and_configs_are_validated():
     maker, trainer, store = make_pair(batch_size=2, group_size=3)
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     experiences = maker.make_experience()
     assert len(experiences) == 6
     groups = [e.group_id for e in experiences]
@@ -258,7 +258,7 @@ def test_maker_state_resumes_the_prompt_cursor(tmp_path):
     from detached_rl.core.checkpoint import load_state, save_atomic
 
     maker, trainer, store = make_pair()
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     maker.make_experience()
     save_atomic(maker.state_dict(), tmp_path / "maker")
     expected = [item.prompt for item in maker.prompts.next_batch(6)]
@@ -281,13 +281,13 @@ def test_stop_while_waiting_for_data_ends_the_run_cleanly_and_bad_arguments_fail
 
 def test_gone_makers_are_forgotten_and_a_resume_keeps_live_pushes(tmp_path):
     maker, trainer, store = make_pair()
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
-    trainer.register_maker("maker_gone")
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
+    trainer.weights.register("maker_gone")
     for _ in range(2):
         trainer.push_experience(maker.make_experience())
     trainer.train_step()
-    trainer.sync_weights(store.put, deliver(maker, store, gone={"maker_gone"}))
-    assert trainer.makers == {"maker_0"} and "no maker named 'maker_gone'" in trainer.last_error
+    trainer.weights.publish(store.put, deliver(maker, store, gone={"maker_gone"}))
+    assert trainer.weights.makers == {"maker_0"} and "no maker named 'maker_gone'" in trainer.last_error
     trainer.save_checkpoint(tmp_path / "ckpt")
     live = maker.make_experience()
     trainer.push_experience(live)  # acknowledged after the checkpoint, before the resume
@@ -298,7 +298,7 @@ def test_gone_makers_are_forgotten_and_a_resume_keeps_live_pushes(tmp_path):
 
 def test_a_plain_send_update_is_wrapped_into_the_push_queue_once():
     maker, trainer, store = make_pair()
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     calls = []
 
     def send_update(update, makers):  # what a layer may still pass: one call per maker, through the queue
@@ -309,9 +309,9 @@ def test_a_plain_send_update_is_wrapped_into_the_push_queue_once():
         for _ in range(2):  # a step's 8 samples
             trainer.push_experience(maker.make_experience())
         trainer.train_step()
-        metrics = trainer.sync_weights(store.put, send_update)
+        metrics = trainer.weights.publish(store.put, send_update)
         assert metrics["weight_sync/makers_updated"] == 1 and maker.policy_version == trainer.policy_version
-    queue = trainer.delivery.queue
+    queue = trainer.weights.queue
     assert calls == [["maker_0"], ["maker_0"]] and queue is not None and queue.sent == 2
     assert trainer.status()["weight_push"]["acked"] == {"maker_0": 2}
 
@@ -320,7 +320,7 @@ def test_evaluate_grades_greedy_answers_and_leaves_counters_and_cursor_alone():
     maker, trainer, store = make_pair()
     with pytest.raises(RuntimeError, match="no complete weights"):
         maker.evaluate(arithmetic_prompts(2))
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     cursor = maker.prompts.state_dict()
     problems = arithmetic_prompts(5)
     first, second = maker.evaluate(problems, batch_size=2), maker.evaluate(problems, batch_size=5)
@@ -349,7 +349,7 @@ def test_oldest_useful_version_counts_the_step_under_way_and_the_queue():
 def test_a_maker_waiting_for_the_acknowledged_version_never_generates_stale_batches():
     maker, trainer, store = make_pair(max_staleness=1, buffer_max_samples=16)
     assert trainer.push_experience([]).oldest_useful_version is None  # outside fit: no bound to wait for
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     train_step = trainer.learner.train_step
 
     # the maker outruns the trainer, so the queue fills and the bound binds
@@ -399,9 +399,9 @@ def test_with_top_k_the_reference_scores_every_sampled_token_and_trains():
     learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=sampling, kl_coef=0.1))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8))
     store = ObjectStore()
-    trainer.build_update(store.put)
+    trainer.weights.snapshot(store.put)
     # the policy now differs from ref
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     experiences = maker.make_experience() + maker.make_experience()
     assert all(bool(torch.isfinite(e.ref_log_probs).all()) for e in experiences)
     assert all(math.isfinite(e.info["kl"]) for e in experiences)

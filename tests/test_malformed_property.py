@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 
 from detached_rl import Experience, ReplayBuffer
 from detached_rl.core.replay_buffer import RejectedPushError
-from detached_rl.core.weight_receiver import WeightReceiver
-from detached_rl.core.weight_sync import (
+from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
+from detached_rl.weights.receiver import WeightReceiver
+from detached_rl.weights.update import (
     WeightUpdate,
     WeightUpdateError,
     build_weight_update,
     state_fingerprint,
 )
-from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
 
 from .helpers import ObjectStore, lane_device, make_experience
 

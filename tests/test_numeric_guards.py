@@ -25,10 +25,10 @@ from detached_rl.core.experience import (
 )
 from detached_rl.core.replay_buffer import RejectedPushError, ReplayBuffer
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.weight_sync import NonFiniteWeightsError, build_weight_update, count_nonfinite
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore, info_means
+from detached_rl.weights.update import NonFiniteWeightsError, build_weight_update, count_nonfinite
 
 from .helpers import ObjectStore, make_experience, naive_strategy, tiny_actor_critic, tiny_policy
 
@@ -265,7 +265,7 @@ def snapshot(trainer: TrainerCore) -> dict:
     learner = trainer.learner
     optimizers = ([learner.optimizer] if hasattr(learner, "optimizer")
                   else [learner.actor_optimizer, learner.critic_optimizer])
-    weights = {f"{name}/{key}": tensor.clone() for name, model in trainer.synced_models().items()
+    weights = {f"{name}/{key}": tensor.clone() for name, model in trainer.weights.synced_models().items()
                for key, tensor in model.state_dict().items()}
     return {"weights": weights, "optimizers": [copy.deepcopy(o.state_dict()) for o in optimizers]}
 
@@ -281,7 +281,7 @@ def same(a, b) -> bool:
 
 
 def all_finite(trainer: TrainerCore) -> bool:
-    return not any(count_nonfinite(t) for model in trainer.synced_models().values()
+    return not any(count_nonfinite(t) for model in trainer.weights.synced_models().values()
                    for t in model.state_dict().values())
 
 
@@ -307,7 +307,7 @@ def test_a_step_with_a_nonfinite_loss_is_skipped_counted_and_training_goes_on(al
     metrics = trainer.train_step()
     assert metrics["train/skipped_steps"] == 0 and trainer.skipped_steps == 1
     assert not same(snapshot(trainer)["weights"], before["weights"]) and all_finite(trainer)
-    trainer.build_update(ObjectStore().put)  # the weights after a skip are sent as usual
+    trainer.weights.snapshot(ObjectStore().put)  # the weights after a skip are sent as usual
 
 
 def test_fit_over_a_poisoned_batch_ends_done_and_reports_the_skip():

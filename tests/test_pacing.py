@@ -1,10 +1,11 @@
 """Pacing makers against what the trainer can train (issue 26.6): the acknowledgement's
 `oldest_useful_version` counts the batches other makers were told to generate (`GenerationLedger`), and a
-maker's wait for those weights gives up when weight updates stop coming (`MakerLoop.stalled`).
+maker's wait for those weights gives up when weight updates stop coming (the wait policy's stall rule,
+`detached_rl/maker/wait_policy.py`).
 
 `simulate` runs N makers and one trainer in virtual time, without Ray or threads, over the real
 `ReplayBuffer`, the real acknowledgement (the trainer's `GenerationLedger`, or the rule before it:
-`oldest_useful_version` of the buffer's size) and the real stall guard of `MakerLoop`. Makers do what
+`oldest_useful_version` of the buffer's size) and the real wait policy of `MakerLoop`. Makers do what
 `MakerLoop` does with the default job's settings (`detached_rl/config/run.yaml`: 16 samples per push and
 per step, `max_staleness` 1, a buffer of 32, `wait_for_ack`, one push in flight): generate with the newest
 weights they hold, push, retry a full push with the pusher's backoff, wait for the acknowledged version,
@@ -35,7 +36,8 @@ from detached_rl.core.staleness import (
     paced_version,
 )
 from detached_rl.maker.experience_maker import MakerConfig
-from detached_rl.maker.loop import STALL_UPDATES, MakerLoop
+from detached_rl.maker.loop import MakerLoop
+from detached_rl.maker.wait_policy import STALL_UPDATES, Decision
 from detached_rl.models import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
@@ -112,9 +114,10 @@ def test_the_trainers_acknowledgement_paces_its_makers():
 
 
 class VersionOnly:
-    """What `MakerLoop`'s waits read of a maker: its config, weights version and resync reason."""
+    """What `MakerLoop`'s waits read of a maker: its name, config, weights version and resync reason."""
 
     def __init__(self, version: int = 0) -> None:
+        self.name = "maker_0"
         self.config = MakerConfig(weight_timeout_s=1000.0, resync_after_s=1000.0)
         self.policy_version = version
         self.resync_reason: str | None = None
@@ -143,7 +146,7 @@ def test_a_paced_wait_gives_up_when_weight_updates_stop_coming():
         maker.policy_version = version
         loop.observe_version()
     assert loop.update_interval == pytest.approx(2.0)
-    assert not loop.wait_or_resync(6, paced=True)
+    assert not loop.wait_for_version(6, paced=True)
     # Gave up 2 s x (STALL_UPDATES + 3 versions missing) after the last update, with no resync and no error.
     assert time.now == pytest.approx(6.0 + 2.0 * (STALL_UPDATES + 3), abs=0.05)
     assert loop.fresh_waits["stalled"] == 1 and loop.resyncs == 0 and maker.resync_reason is None
@@ -160,7 +163,7 @@ def test_a_paced_wait_goes_on_while_updates_come_and_an_unpaced_one_is_as_before
     loop = MakerLoop(maker, threading.Event(), sleep=time.sleep, clock=lambda: time.now)
     loop.observe_version()
     maker.config.resync_after_s = 12.0  # a paced wait that sees updates is not "none came": no resync
-    assert loop.wait_or_resync(10, paced=True)
+    assert loop.wait_for_version(10, paced=True)
     assert loop.resyncs == 0 and loop.fresh_waits["stalled"] == 0
     assert time.now == pytest.approx(50.0, abs=0.05)
     # Without `paced` (the catch-up after a stale push): no stall guard, the timeout counts from the start.
@@ -172,8 +175,41 @@ def test_without_an_interval_known_a_paced_wait_waits_for_its_timeout():
     time = FakeTime()
     loop = MakerLoop(maker, threading.Event(), sleep=time.sleep, clock=lambda: time.now)
     assert not loop.wait_for_version(3, timeout=7.0, paced=True)
-    assert time.now == pytest.approx(7.0, abs=0.05) and loop.fresh_waits["stalled"] == 0
+    assert time.now == pytest.approx(7.0, abs=0.05)
+    assert loop.fresh_waits["stalled"] == 0 and loop.fresh_waits["timed_out"] == 1
 
+
+
+def test_a_paced_wait_with_a_known_pace_generates_at_the_stall_and_never_resyncs_for_being_quiet():
+    # One symptom, one behaviour: updates every 20 s that stop. The stall rule is due 20 s x (3 + 3 missing)
+    # after the last update; resync_after_s (30 s) passes long before and, the pace being known, resyncs
+    # nothing (before the one wait policy, it registered again at 30 s and then gave up at the stall anyway).
+    maker = VersionOnly()
+    maker.config.resync_after_s = 30.0
+    time = FakeTime()
+    registered: list[float] = []
+    loop = MakerLoop(maker, threading.Event(), sleep=time.sleep, clock=lambda: time.now,
+                     resync=lambda: registered.append(time.now))
+    for version in range(1, 4):
+        time.now += 20.0
+        maker.policy_version = version
+        loop.observe_version()
+    assert not loop.wait_for_version(6, paced=True)
+    assert time.now == pytest.approx(60.0 + 20.0 * (STALL_UPDATES + 3), abs=0.05)
+    assert registered == [] and loop.resyncs == 0 and loop.fresh_waits["stalled"] == 1
+
+
+def test_a_wait_without_a_pace_resyncs_once_when_quiet_then_times_out():
+    maker = VersionOnly()
+    maker.config.resync_after_s, maker.config.weight_timeout_s = 30.0, 100.0
+    time = FakeTime()
+    registered: list[float] = []
+    loop = MakerLoop(maker, threading.Event(), sleep=time.sleep, clock=lambda: time.now,
+                     resync=lambda: registered.append(time.now))
+    assert not loop.wait_for_version(2, paced=True)  # no update ever came: no pace to stall by
+    assert registered == [pytest.approx(30.0, abs=0.05)] and loop.resyncs == 1 and maker.resync_reason is None
+    assert time.now == pytest.approx(100.0, abs=0.05)
+    assert loop.fresh_waits["timed_out"] == 1 and loop.fresh_waits["stalled"] == 0
 
 # ----------------------------------------------------------------------------- N makers against one trainer
 
@@ -206,6 +242,7 @@ class SimMaker:
     resync_reason: str | None = None
     config: MakerConfig = field(default_factory=MakerConfig)
     target: int | None = None  # the version it waits for
+    waiting_since: float = 0.0  # when that wait began
     token: int = 0  # tells a wait's scheduled stall check from an older wait's
     batch: list[Experience] = field(default_factory=list)
     backoff: float = 0.05
@@ -261,7 +298,7 @@ def simulate(scenario: Scenario, paced: bool) -> dict[str, Any]:
             else:
                 schedule_stall_check(i)
 
-    def schedule_stall_check(i: int) -> None:  # when MakerLoop's polling wait would find `stalled` true
+    def schedule_stall_check(i: int) -> None:  # when MakerLoop's polling wait could first be told to generate
         maker = makers[i]
         deadline = loops[i].stall_deadline(maker.target) if paced and maker.target is not None else None
         if deadline is not None:
@@ -273,7 +310,7 @@ def simulate(scenario: Scenario, paced: bool) -> dict[str, Any]:
         maker = makers[i]
         if maker.target is None or maker.token != token:
             return
-        if loops[i].stalled(maker.target):
+        if loops[i].decide(maker.target, maker.waiting_since, paced=True) is Decision.GENERATE:
             stalls += 1
             loops[i].give_up_waiting()
             maker.target = None
@@ -311,7 +348,7 @@ def simulate(scenario: Scenario, paced: bool) -> dict[str, Any]:
         if maker.policy_version >= needed:
             generate(now, i)
         else:
-            maker.target = needed
+            maker.target, maker.waiting_since = needed, now
             loops[i].observe_version()
             schedule_stall_check(i)
 

@@ -551,7 +551,7 @@ def test_a_push_that_was_never_sent_may_go_to_another_trainer(executor):
 
 def test_a_weight_update_error_while_registering_again_is_retried_not_rejected(executor):
     """`submit` registers with a restarted trainer before it sends; taking that trainer's weights may fail."""
-    from detached_rl.core.weight_sync import WeightUpdateError
+    from detached_rl.weights.update import WeightUpdateError
 
     buffer = ReplayBuffer()
     healthy = submitter(executor, {"t0": buffer})

@@ -14,14 +14,14 @@ import pytest
 
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.prompts import CyclingPrompts
-from detached_rl.core.weight_sync import WeightUpdate
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
-from detached_rl.maker.loop import MakerLoop, take_offered
+from detached_rl.maker.loop import MakerLoop
 from detached_rl.maker.pusher import ExperiencePusher
 from detached_rl.models import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
-from detached_rl.trainer.weight_push import WeightPushQueue
+from detached_rl.weights.push_queue import WeightPushQueue
+from detached_rl.weights.update import WeightUpdate
 
 from .helpers import (
     ObjectStore,
@@ -44,7 +44,7 @@ def new_trainer(store: ObjectStore) -> TrainerCore:
                            overlap_weight_push=True,
                            batch_timeout_s=BATCH_TIMEOUT_S, weight_push_timeout_s=30.0)
     trainer = TrainerCore("trainer_0", learner, config)
-    trainer.build_update(store.put)  # version 0 of a new run, as the actor does when it starts
+    trainer.weights.snapshot(store.put)  # version 0 of a new run, as the actor does when it starts
     return trainer
 
 
@@ -70,8 +70,8 @@ class Wiring:
     def register(self, force: bool = False) -> None:
         """What `ExperienceMakerHolder._attach_trainers` does: register, take the offer as a reset."""
         trainer = self.trainer
-        offered = trainer.register_maker("maker_0", self.maker.base_fingerprint, self.store.put)
-        take_offered(self.maker, [offered], self.store.fetch, force)
+        offered = trainer.weights.register("maker_0", self.maker.base_fingerprint, self.store.put)
+        self.maker.subscriber.take_offered([offered], self.store.fetch, force)
         self.registered_with = trainer
 
     def submit(self, name: str, experiences: list) -> Future:
@@ -114,7 +114,7 @@ def resume_with_maker_registered_first(wiring: Wiring, checkpoints: str) -> dict
     wiring.fit(3, checkpoint_every=1, checkpoint_dir=checkpoints)
     wait_for(lambda: wiring.maker.policy_version == 3, "the maker to serve version 3")
     wiring.trainer = new_trainer(wiring.store)  # the trainer job restarted: a new process, a new run
-    wait_for(lambda: "maker_0" in wiring.trainer.makers, "the maker to register with the new trainer")
+    wait_for(lambda: "maker_0" in wiring.trainer.weights.makers, "the maker to register with the new trainer")
     # it took the new run's only weights: those of before the checkpoint
     assert wiring.maker.policy_version == 0
     return wiring.fit(8, checkpoint_every=1, checkpoint_dir=checkpoints, resume_from=checkpoints)
@@ -149,7 +149,7 @@ def test_a_maker_pushed_a_forged_far_future_version_registers_again_and_follows_
     wiring.register()
     wiring.start()
     wiring.fit(2)
-    real = wiring.trainer.latest_update
+    real = wiring.trainer.weights.latest_update
     # A well-formed update with valid checksums, 999 versions ahead (under max_version_jump): it is taken.
     forged = WeightUpdate(dataclasses.replace(real.manifest, version=2 + 999), real.chunk_refs)
     result = wiring.send("maker_0", forged).result(timeout=30)

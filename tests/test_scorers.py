@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from detached_rl.core.prompts import CyclingPrompts
-from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update, restrict_update
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
 from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
 from detached_rl.scorer.batching import RequestBatcher
 from detached_rl.scorer.core import Scorer
 from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest, ScoreRequestError, merge_requests
 from detached_rl.scorer.service import LocalScoring
+from detached_rl.weights.update import WeightUpdateError, build_weight_update, restrict_update
 
 from .helpers import (
     LowTokenReward,

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from detached_rl.config import RunConfig, load_config, maker_factory, trainer_factory
-from detached_rl.core.weight_sync import build_weight_update
 from detached_rl.maker.experience_maker import ExperienceMaker
 from detached_rl.strategies import NaiveStrategy
+from detached_rl.weights.update import build_weight_update
 
 from .conftest import ROOT
 from .helpers import ObjectStore, wait_for

@@ -10,12 +10,12 @@ import torch
 
 from detached_rl.actors.group import placement_group_name, start_trainer_group, stop_trainer_group
 from detached_rl.actors.trainer import DetachedGRPOTrainer
-from detached_rl.actors.transport import fetch_chunk
 from detached_rl.algorithms.grpo import GRPOConfig
 from detached_rl.models import SamplingConfig
 from detached_rl.strategies import colossalai_available
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
+from detached_rl.weights.ray_wire import fetch_chunk
 
 from .helpers import gpu_options, group_gpus_per_rank, make_experience, tiny_policy
 

@@ -12,12 +12,12 @@ from detached_rl import Experience
 from detached_rl.actors.trainer import GRPOTrainerShell, PPOTrainerShell
 from detached_rl.algorithms.grpo import LOG_RATIO_CLAMP, GRPOConfig, GRPOLearner
 from detached_rl.algorithms.ppo import PPOLearner
-from detached_rl.core.weight_sync import ApplyResult
 from detached_rl.models import Actor, SamplingConfig, tiny_causal_lm
 from detached_rl.strategies import Strategy
 from detached_rl.trainer.batches import BatchSource
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCallback, TrainerCore
+from detached_rl.weights.update import ApplyResult
 
 from .helpers import ObjectStore, make_experience, naive_strategy, tiny_actor_critic
 
@@ -61,7 +61,7 @@ def test_step_records_history_counters_and_callbacks_without_a_push() -> None:
     assert core.state == "training" and core.policy_version == 1 and core.samples_trained == 2
     assert list(core.history) == [metrics] and metrics["hooked"] == 1.0
     assert recorder.calls == [("start", 0), ("end", 1, 2)]
-    assert core.latest_update is None  # no weight push
+    assert core.weights.latest_update is None  # no weight push
 
 
 def test_step_failure_sets_state_and_last_error() -> None:
@@ -116,9 +116,10 @@ def test_fit_push_when_and_push_callbacks() -> None:
 
 def test_register_makers_adds_names() -> None:
     core = ppo_core()
-    core.register_makers(["m0", "m1"])
-    core.register_makers(iter(["m1", "m2"]))
-    assert core.makers == {"m0", "m1", "m2"} and core.makers_of_this_rank() == ["m0", "m1", "m2"]
+    core.weights.add_makers(["m0", "m1"])
+    core.weights.add_makers(iter(["m1", "m2"]))
+    assert core.weights.makers == {"m0", "m1", "m2"}
+    assert core.weights.makers_of_this_rank() == ["m0", "m1", "m2"]
 
 
 def grpo_learner(**config: Any) -> GRPOLearner:
@@ -161,7 +162,8 @@ def test_shell_hooks_build_make_learner_trainer_core(monkeypatch: pytest.MonkeyP
     import detached_rl.actors.trainer as trainer_actor
 
     # The shell stores version 0's chunks with `ray.put`, which would start a Ray cluster in this process.
-    monkeypatch.setattr(trainer_actor, "put_chunk", ObjectStore().put)
+    store = ObjectStore()
+    monkeypatch.setattr(trainer_actor, "chunk_store", lambda *settings: store.put)
     built: list[Strategy] = []
 
     class Shell(GRPOTrainerShell):
@@ -187,7 +189,7 @@ def test_a_step_row_appears_in_the_history_with_its_push_metrics_never_before() 
     it, so no reader ever sees it without them (it did, whenever a push took longer than a poll)."""
     core = ppo_core()
     core.push_experience(samples(8))
-    core.register_makers(["m"])
+    core.weights.add_makers(["m"])
     seen_during_push: list[int] = []
 
     def send_update(update, makers):

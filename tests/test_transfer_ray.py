@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from detached_rl.actors.transport import PiecedChunk, fetch_chunk, node_ip, put_chunk, tracked_fetch
 from detached_rl.core.chunk_codec import encode_chunk
 from detached_rl.core.transfer import TransferStalled
-from detached_rl.core.weight_sync import WeightManifest, WeightUpdate
 from detached_rl.core.wire_compression import CompressedPiece
+from detached_rl.weights.ray_wire import PiecedChunk, fetch_chunk, node_ip, put_chunk, tracked_fetch
+from detached_rl.weights.update import WeightManifest, WeightUpdate
 
 pytestmark = pytest.mark.ray
 
@@ -74,18 +74,19 @@ def test_a_piece_that_never_arrives_fails_the_update_as_stalled(ray_cluster) -> 
 
 def test_a_push_in_pieces_arrives_whole_and_its_progress_is_shown_meanwhile(ray_cluster, monkeypatch) -> None:
     import detached_rl.actors.transport as transport
+    import detached_rl.weights.ray_wire as ray_wire
 
     payload = {"experiences": [weights(), weights()], "note": "é"}
     stored = dataclasses.replace(transport.put_payload(payload, piece_bytes=100_000), host="10.213.0.2")
     incoming = transport.IncomingPushes()
     seen = []
-    real_wait = transport._wait_local
+    real_wait = ray_wire._wait_local
 
     def wait_and_look(refs: list, timeout: float) -> list:  # the real wait; a look at the progress first
         seen.append(incoming.progress("m"))
         return real_wait(refs, timeout)
 
-    monkeypatch.setattr(transport, "_wait_local", wait_and_look)
+    monkeypatch.setattr(ray_wire, "_wait_local", wait_and_look)
     got = incoming.pull(stored, "m", 5.0)
     assert got["note"] == "é" and all(torch.equal(got["experiences"][1][k], v) for k, v in weights().items())
     assert len(seen) >= len(stored.refs) > 1 and seen[0]["host"] == node_ip()

@@ -22,12 +22,12 @@ if not vllm_available():
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from detached_rl.core.sampling import SamplingConfig, process_logits, token_log_probs  # noqa: E402
-from detached_rl.core.weight_sink import SinkCommit  # noqa: E402
 from detached_rl.generation import GenerationBackend  # noqa: E402
 from detached_rl.generation.hf import HFGenerationBackend  # noqa: E402
 from detached_rl.generation.vllm import VLLMBackend  # noqa: E402
 from detached_rl.models.actor import Actor  # noqa: E402
 from detached_rl.models.loaders import tiny_causal_lm  # noqa: E402
+from detached_rl.weights.sink import SinkCommit  # noqa: E402
 
 # float32 engine: the log-probs then match the trainer's float32 recompute up to kernel rounding.
 LOG_PROB_TOLERANCE = 1e-3

@@ -23,13 +23,13 @@ if not vllm_available():
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from detached_rl.core.sampling import SamplingConfig, process_logits, token_log_probs  # noqa: E402
-from detached_rl.core.weight_receiver import WeightReceiver  # noqa: E402
-from detached_rl.core.weight_sync import WeightUpdateError, build_weight_update  # noqa: E402
 from detached_rl.generation.hf import HFGenerationBackend  # noqa: E402
 from detached_rl.generation.vllm import VLLMBackend, VLLMLoraSink  # noqa: E402
 from detached_rl.models.actor import Actor  # noqa: E402
 from detached_rl.models.loaders import tiny_causal_lm  # noqa: E402
 from detached_rl.models.lora import LoraSettings, apply_lora, lora_config_dict, lora_state_dict  # noqa: E402
+from detached_rl.weights.receiver import WeightReceiver  # noqa: E402
+from detached_rl.weights.update import WeightUpdateError, build_weight_update  # noqa: E402
 
 from .helpers import ObjectStore  # noqa: E402
 

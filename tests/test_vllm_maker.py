@@ -52,7 +52,7 @@ def pair():
                                                                 actor_optimizer=OptimizerConfig(lr=1e-2)))
     trainer = TrainerCore("trainer", learner, TrainerConfig(train_batch_size=8, weight_sync="lora"))
     store = ObjectStore()
-    trainer.build_update(store.put)
+    trainer.weights.snapshot(store.put)
     maker = ExperienceMaker(
         "maker", MakerModels(actor=lora_actor(seed=0), reward=LowTokenReward()),  # the trainer's base
         CyclingPrompts(arithmetic_prompts()),
@@ -62,7 +62,7 @@ def pair():
         strategy=naive_strategy())
     # First contact: the engine's own base is the trainer's (its fingerprint, from the engine's weights), so
     # only the adapter crosses.
-    first = trainer.register_maker("maker", maker.registration_fingerprint, store.put)
+    first = trainer.weights.register("maker", maker.registration_fingerprint, store.put)
     assert first.manifest.kind == "lora"
     maker.apply_weight_update(first, store.fetch, reset=True)
     yield maker, trainer, store
@@ -89,7 +89,7 @@ def test_experience_carries_the_engine_and_trains(pair):
 
 def test_continuous_generation_during_lora_updates_never_mixes_versions(pair):
     maker, trainer, store = pair
-    update, _ = trainer.build_update(store.put)  # the maker catches up with the trained version first
+    update, _ = trainer.weights.snapshot(store.put)  # the maker catches up with the trained version first
     maker.apply_weight_update(update, store.fetch)
     assert maker.policy_version == trainer.policy_version
     adapters = {trainer.policy_version: lora_state_dict(trainer.learner.actor.model)}
@@ -106,7 +106,7 @@ def test_continuous_generation_during_lora_updates_never_mixes_versions(pair):
                                 p.add_(0.05 * torch.randn_like(p))
                     trainer.policy_version += 1
                     adapters[trainer.policy_version] = lora_state_dict(trainer.learner.actor.model)
-                update, _ = trainer.build_update(store.put)
+                update, _ = trainer.weights.snapshot(store.put)
                 assert update.manifest.kind == "lora"
                 maker.apply_weight_update(update, store.fetch)
         except BaseException as error:  # noqa: BLE001 - reported by the main thread

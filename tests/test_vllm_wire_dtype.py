@@ -61,7 +61,7 @@ def test_a_bf16_vllm_maker_is_sent_bf16_adapters_and_serves_what_float32_ones_gi
                           GRPOConfig(sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-2)))
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8, weight_sync="lora"))
     store = ObjectStore()
-    trainer.build_update(store.put)
+    trainer.weights.snapshot(store.put)
     maker = ExperienceMaker("maker_0", MakerModels(actor=copy.deepcopy(policy), reward=LowTokenReward()),
                             CyclingPrompts(arithmetic_prompts()),
                             MakerConfig(experience_batch_size=2, group_size=4, sampling=SAMPLING,
@@ -74,8 +74,8 @@ def test_a_bf16_vllm_maker_is_sent_bf16_adapters_and_serves_what_float32_ones_gi
         assert maker.receiver.serving_dtype == "bfloat16"
         assert {layout.dtype for layout in sink.layout().values()} == {torch.bfloat16}
         # its own base, proved by fingerprint: the first update is the adapter alone, in bf16
-        assert maker.base_fingerprint == trainer.cast_base_fingerprints["bfloat16"]
-        first = trainer.register_maker("maker_0", maker.base_fingerprint, store.put,
+        assert maker.base_fingerprint == trainer.weights.cast_base_fingerprints["bfloat16"]
+        first = trainer.weights.register("maker_0", maker.base_fingerprint, store.put,
                                        serving_dtype=maker.receiver.serving_dtype)
         assert first.manifest.kind == "lora" and first.manifest.metadata["wire_dtype"] == "bfloat16"
         maker.apply_weight_update(first, store.fetch, reset=True)
@@ -86,10 +86,10 @@ def test_a_bf16_vllm_maker_is_sent_bf16_adapters_and_serves_what_float32_ones_gi
         for step in range(1, 3):
             trainer.push_experience(maker.make_experience())
             trainer.train_step()
-            trainer.sync_weights(store.put, lambda update, names: {
+            trainer.weights.publish(store.put, lambda update, names: {
                 name: maker.apply_weight_update(update, store.fetch) for name in names})
             assert maker.policy_version == step
-            assert trainer.latest_update.manifest.kind == "lora"
+            assert trainer.weights.latest_update.manifest.kind == "lora"
             # What the engine loaded for this version, against the trainer's float32 adapter as the engine
             # would round it (vLLM casts an adapter to its dtype when it loads one).
             served = load_file(os.path.join(sink.serving_request.lora_path, "adapter_model.safetensors"))

@@ -1,4 +1,4 @@
-"""Compact encodings (`core.weight_encoding`): updates in a maker's serving dtype and sparse deltas are exact:
+"""Compact encodings (`weights.encoding`): updates in a maker's serving dtype and sparse deltas are exact:
 the weights a maker stores after them equal, bit for bit, those it stores after the plain fp32 full update."""
 
 import dataclasses
@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from detached_rl.core.weight_encoding import INDICES, MASK, VALUES, Snapshot, build_variants, encode_sparse
-from detached_rl.core.weight_receiver import WeightReceiver
-from detached_rl.core.weight_sync import (
+from detached_rl.weights.encoding import INDICES, MASK, VALUES, Snapshot, build_variants, encode_sparse
+from detached_rl.weights.receiver import WeightReceiver
+from detached_rl.weights.update import (
     NonFiniteWeightsError,
     OffTrainerError,
     WeightUpdate,

@@ -10,19 +10,18 @@ import pytest
 import torch
 
 from detached_rl.core.prompts import CyclingPrompts
-from detached_rl.core.weight_receiver import WeightReceiver
-from detached_rl.core.weight_sink import ModuleWeightSink
-from detached_rl.core.weight_sync import (
+from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
+from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
+from detached_rl.weights.base_fingerprint import BaseCheckedSink, base_fingerprint, base_keys
+from detached_rl.weights.receiver import WeightReceiver
+from detached_rl.weights.sink import ModuleWeightSink
+from detached_rl.weights.update import (
     OffTrainerError,
     WeightUpdate,
     WeightUpdateError,
     build_weight_update,
     tensor_checksum,
 )
-from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
-from detached_rl.maker.loop import take_offered
-from detached_rl.models import LoraSettings, apply_lora, tiny_causal_lm
-from detached_rl.models.base_fingerprint import BaseCheckedSink, base_fingerprint, base_keys
 
 from .helpers import (
     ObjectStore,
@@ -302,16 +301,17 @@ def test_a_makers_registration_is_the_reset_and_pushes_are_not():
     def update(version: int, run: str) -> WeightUpdate:
         return build_weight_update(state, version, store.put, metadata={"trainer_run": run})[0]
 
-    take_offered(maker, [update(5, "run-a")], store.fetch)
+    maker.subscriber.take_offered([update(5, "run-a")], store.fetch)
     assert (maker.policy_version, maker.receiver.trainer_run) == (5, "run-a")
     with pytest.raises(WeightUpdateError, match="trainer_run 'run-b'"):
         maker.apply_weight_update(update(1, "run-b"), store.fetch)  # a push
     assert "trainer_run 'run-b'" in maker.last_error
     with pytest.raises(WeightUpdateError, match="max_version_jump 10"):
         maker.apply_weight_update(update(16, "run-a"), store.fetch)
-    take_offered(maker, [update(1, "run-b")], store.fetch)  # registered with the resumed trainer
+    maker.subscriber.take_offered([update(1, "run-b")], store.fetch)  # registered with the resumed trainer
     assert (maker.policy_version, maker.receiver.trainer_run) == (1, "run-b")
-    take_offered(maker, [update(500, "run-b")], store.fetch)  # registering again after a long absence
+    # registering again after a long absence
+    maker.subscriber.take_offered([update(500, "run-b")], store.fetch)
     assert maker.policy_version == 500
     with pytest.raises(ValueError, match="max_version_jump"):
         MakerConfig(max_version_jump=0)

@@ -6,8 +6,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from detached_rl.core.weight_sync import ApplyResult, WeightManifest, WeightUpdate
-from detached_rl.trainer.weight_push import WeightPushQueue
+from detached_rl.weights.push_queue import WeightPushQueue
+from detached_rl.weights.update import ApplyResult, WeightManifest, WeightUpdate
 
 
 def update(version: int) -> WeightUpdate:

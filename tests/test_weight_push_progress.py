@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from detached_rl.core.transfer import TransferStalled
-from detached_rl.core.weight_sync import ApplyResult, WeightManifest, WeightUpdate
-from detached_rl.trainer.weight_push import WeightPushQueue
+from detached_rl.weights.push_queue import WeightPushQueue
+from detached_rl.weights.update import ApplyResult, WeightManifest, WeightUpdate
 
 STALL = 4.0
 

@@ -9,12 +9,12 @@ import pytest
 
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.prompts import CyclingPrompts
-from detached_rl.core.weight_sync import WeightUpdateError
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.models import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
-from detached_rl.trainer.weight_push import WeightPushQueue
+from detached_rl.weights.push_queue import WeightPushQueue
+from detached_rl.weights.update import WeightUpdateError
 
 from .helpers import ObjectStore, arithmetic_prompts, naive_strategy, tiny_actor_critic, tiny_maker_models
 
@@ -57,8 +57,8 @@ def make_pair(**trainer_kwargs):
               **trainer_kwargs}
     trainer = TrainerCore("trainer_0", learner, TrainerConfig(**config))
     store = ObjectStore()
-    trainer.build_update(store.put)
-    maker.apply_weight_update(trainer.register_maker("maker_0"), store.fetch)
+    trainer.weights.snapshot(store.put)
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     return maker, trainer, store
 
 
@@ -81,7 +81,7 @@ def test_the_trainer_pushes_while_the_maker_is_mid_batch_and_samples_keep_their_
         pushes = []
         for version in (1, 2):
             trainer.train_step()
-            pushes.append(trainer.sync_weights(store.put, queue))
+            pushes.append(trainer.weights.publish(store.put, queue))
             # Acknowledged on receipt, while the batch is still held: the trainer waited for nobody.
             assert queue.wait(HOLD_S) and queue.acked == {"maker_0": version}
             assert generation.is_alive() and not backend.release.is_set()
@@ -100,10 +100,10 @@ def test_the_trainer_pushes_while_the_maker_is_mid_batch_and_samples_keep_their_
     assert maker.status()["weight_updates"] == {"received": 3, "swapped": 2, "superseded": 1,
                                                 "swap_failures": 0,
                                                 "pending_version": None}
-    assert maker.receiver.fingerprint == trainer.fingerprints[2]
+    assert maker.receiver.fingerprint == trainer.weights.fingerprints[2]
     following = maker.make_experience()
     assert {e.policy_version for e in following} == {2}
-    assert {e.info["weights_fingerprint"] for e in following} == {trainer.fingerprints[2]}
+    assert {e.info["weights_fingerprint"] for e in following} == {trainer.weights.fingerprints[2]}
     assert all(begin == end for _, begin, end in backend.seen)
     model_io.shutdown()
 
@@ -117,10 +117,10 @@ def test_an_idle_maker_swaps_a_received_update_in_at_once():
     trainer.push_experience(maker.make_experience())
     trainer.push_experience(maker.make_experience())
     trainer.train_step()
-    update, _ = trainer.build_update(store.put)
+    update, _ = trainer.weights.snapshot(store.put)
     result = maker.apply_weight_update(update, store.fetch, swap="at_safe_point")
     assert result.applied and not result.staged and maker.policy_version == 1
-    assert maker.receiver.fingerprint == trainer.fingerprints[1]
+    assert maker.receiver.fingerprint == trainer.weights.fingerprints[1]
 
 
 def test_an_update_older_than_the_one_waiting_is_refused_and_changes_nothing():
@@ -130,7 +130,7 @@ def test_an_update_older_than_the_one_waiting_is_refused_and_changes_nothing():
         trainer.push_experience(maker.make_experience())
         trainer.push_experience(maker.make_experience())
         trainer.train_step()
-        updates.append(trainer.build_update(store.put)[0])
+        updates.append(trainer.weights.snapshot(store.put)[0])
     with maker.generation_lock:  # mid-batch
         push = functools.partial(maker.apply_weight_update, fetch=store.fetch, swap="at_safe_point")
         assert push(updates[1]).staged
@@ -147,7 +147,7 @@ def test_a_maker_trailing_by_more_than_the_staleness_bound_is_reported_and_not_w
     queue = WeightPushQueue(lambda name, update: never.append(update) or Future(), timeout=HOLD_S)
     for _ in range(3):
         trainer.policy_version += 1  # a training step (what it trains does not matter here)
-        metrics = trainer.sync_weights(store.put, queue)
+        metrics = trainer.weights.publish(store.put, queue)
     # v1 in flight, v3 waiting (v2 replaced): nothing more queued
     assert len(never) == 1 and queue.superseded == 1
     # It registered at v0 (`make_pair`) and acknowledged nothing since: 3 versions behind, the bound is 1.
@@ -166,7 +166,7 @@ def test_a_registration_waiting_for_a_batch_that_never_ends_gives_up_after_the_w
     trainer.push_experience(maker.make_experience())
     trainer.push_experience(maker.make_experience())
     trainer.train_step()
-    update, _ = trainer.build_update(store.put)
+    update, _ = trainer.weights.snapshot(store.put)
     held = HeldBackend(maker)
     held.release.clear()
     with ThreadPoolExecutor(max_workers=1) as pool:

@@ -1,4 +1,4 @@
-"""A trainer's updates in its makers' serving dtypes (`trainer.wire_variants`): a bf16 maker gets bf16
+"""A trainer's updates in its makers' serving dtypes (`weights.wire_variants`): a bf16 maker gets bf16
 updates, full ones as sparse deltas on the version it acknowledged, else the full bf16 update; its weights
 are, bit for bit, those of a bf16 maker given the plain fp32 updates."""
 
@@ -38,7 +38,7 @@ def make_trainer(**config) -> TrainerCore:
 
 
 def register(trainer, store, m):
-    answer = trainer.register_maker(m.name, m.registration_fingerprint, store.put,
+    answer = trainer.weights.register(m.name, m.registration_fingerprint, store.put,
                                     serving_dtype=m.receiver.serving_dtype)
     m.apply_weight_update(answer, store.fetch, reset=True)
     return answer
@@ -54,14 +54,14 @@ def assert_same(a: ExperienceMaker, b: ExperienceMaker) -> None:
 
 def test_a_bf16_maker_gets_bf16_deltas_and_holds_what_the_fp32_updates_give() -> None:
     trainer, store = make_trainer(), ObjectStore()
-    trainer.build_update(store.put)
+    trainer.weights.snapshot(store.put)
     bf16, late, wide = maker("bf16", torch.bfloat16), maker("late", torch.bfloat16), maker("wide", None)
     plain = maker("plain", torch.bfloat16)  # a bf16 maker given the fp32 updates, to compare with
     for m in (bf16, late, wide):
         answer = register(trainer, store, m)
         assert answer.manifest.kind == "full"
         assert answer.manifest.metadata.get("wire_dtype") == (None if m is wide else "bfloat16")
-    plain.apply_weight_update(trainer.latest_update, store.fetch, reset=True)
+    plain.apply_weight_update(trainer.weights.latest_update, store.fetch, reset=True)
     assert_same(bf16, plain)
     got: dict[str, list[str]] = {"bf16": [], "late": [], "wide": []}
 
@@ -79,8 +79,8 @@ def test_a_bf16_maker_gets_bf16_deltas_and_holds_what_the_fp32_updates_give() ->
     for step in range(3):
         trainer.push_experience(wide.make_experience())
         trainer.train_step()
-        metrics = trainer.sync_weights(store.put, send_update)
-        plain.apply_weight_update(trainer.latest_update, store.fetch)
+        metrics = trainer.weights.publish(store.put, send_update)
+        plain.apply_weight_update(trainer.weights.latest_update, store.fetch)
         assert metrics["weight_sync/bytes/wire/delta/bfloat16"] < metrics["weight_sync/bytes/wire/bfloat16"] \
             == metrics["weight_sync/bytes"] / 2
         assert bf16.policy_version == plain.policy_version == step + 1
@@ -89,21 +89,21 @@ def test_a_bf16_maker_gets_bf16_deltas_and_holds_what_the_fp32_updates_give() ->
     # The maker that missed v1 got v2 whole (a delta on v1 would not apply to its v0), then deltas again.
     assert got["late"] == ["delta", "full", "delta"]
     assert_same(late, plain)
-    assert trainer.delivery.wire.sent_fulls_for_deltas == 1
+    assert trainer.weights.wire.sent_fulls_for_deltas == 1
 
 
 def test_without_sparse_deltas_a_bf16_maker_gets_full_bf16_updates() -> None:
     trainer, store = make_trainer(sparse_deltas=False), ObjectStore()
-    trainer.build_update(store.put)
+    trainer.weights.snapshot(store.put)
     bf16, plain = maker("bf16", torch.bfloat16), maker("plain", torch.bfloat16)
     register(trainer, store, bf16)
-    plain.apply_weight_update(trainer.latest_update, store.fetch, reset=True)
+    plain.apply_weight_update(trainer.weights.latest_update, store.fetch, reset=True)
     kinds = []
     trainer.push_experience(plain.make_experience())
     trainer.train_step()
-    trainer.sync_weights(store.put, lambda update, names: {
+    trainer.weights.publish(store.put, lambda update, names: {
         name: kinds.append((update.manifest.kind, update.manifest.metadata.get("wire_dtype")))
         or bf16.apply_weight_update(update, store.fetch) for name in names})
-    plain.apply_weight_update(trainer.latest_update, store.fetch)
+    plain.apply_weight_update(trainer.weights.latest_update, store.fetch)
     assert kinds == [("full", "bfloat16")]
     assert_same(bf16, plain)

@@ -9,13 +9,13 @@ import torch
 
 from detached_rl.actors.maker import ExperienceMakerHolder
 from detached_rl.actors.trainer import DetachedPPOTrainer
-from detached_rl.actors.transport import fetch_chunk
 from detached_rl.algorithms.ppo import PPOConfig
 from detached_rl.core.prompts import CyclingPrompts
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig
 from detached_rl.models import SamplingConfig
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig
+from detached_rl.weights.ray_wire import fetch_chunk
 
 from .helpers import arithmetic_prompts, gpu_options, naive_strategy, tiny_actor_critic, tiny_maker_models
 

@@ -27,20 +27,20 @@ from detached_rl.actors.transport import (
     PIECED_PUSH_BYTES,
     attach,
     get_all,
-    node_ip,
     put_payload,
     resolve_namespace,
-    tracked_fetch,
 )
 from detached_rl.core.checkpoint import has_checkpoint, load_state, save_atomic
 from detached_rl.core.prompts import PromptSource
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.transfer import TransferProgress
-from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
+from detached_rl.maker.config import ATTACH_TIMEOUT_S
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
-from detached_rl.maker.loop import MakerLoop, take_offered
+from detached_rl.maker.loop import MakerLoop
 from detached_rl.maker.pusher import ExperiencePusher
 from detached_rl.strategies import NaiveStrategy, Strategy
+from detached_rl.weights.ray_wire import node_ip, tracked_fetch
+from detached_rl.weights.update import ApplyResult, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class MakerShell:
         config: MakerConfig | None = None,
         namespace: str | None = None,
         strategy_factory: Callable[[], Strategy] | None = None,
-        attach_timeout_s: float = 120.0,
+        attach_timeout_s: float = ATTACH_TIMEOUT_S,
         resume_on_restart: bool = True,
         state_path: str | None = None,
     ) -> None:
@@ -112,22 +112,22 @@ class MakerShell:
         """Find every trainer by name, register with it and start from the newest weights any of them offers
         (with `force`, also from older ones: this maker found its weights off its trainers')."""
         handles = {t: attach(t, self.namespace, self.attach_timeout_s) for t in self.trainer_names}
-        base = self.core.registration_fingerprint
-        dtype = self.core.receiver.serving_dtype
-        offered = get_all([h.register_maker.remote(self.name, base, dtype) for h in handles.values()],
-                          timeout=self.core.config.weight_timeout_s)
-        with self._receiving(offered) as fetch:
-            take_offered(self.core, offered, fetch, force)
-        self._expect_runs([h for h, update in zip(handles.values(), offered, strict=True) if update is None])
+        self._register_with(list(handles.values()), force)
         with self._handles_lock:
             self._handles = dict(handles)
         self.core.last_error = None  # registered again and holding what they gave: earlier errors are over
 
-    def _expect_runs(self, handles: list[Any]) -> None:
-        """Registered with these trainers, which had no weights yet: follow their runs from their first
-        update."""
-        runs = get_all([h.trainer_run.remote() for h in handles], timeout=self.core.config.weight_timeout_s)
-        self.core.expect_runs(runs)
+    def _register_with(self, handles: list[Any], force: bool = False) -> None:
+        """Register with these trainers and take what they offer (`WeightSubscriber.subscribe`)."""
+        timeout = self.core.config.weight_timeout_s
+
+        def ask(fingerprint: str | None, dtype: str | None) -> list[WeightUpdate | None]:
+            return get_all([h.register_maker.remote(self.name, fingerprint, dtype) for h in handles], timeout)
+
+        def runs_of(indices: list[int]) -> list[str]:
+            return get_all([handles[i].trainer_run.remote() for i in indices], timeout)
+
+        self.core.subscriber.subscribe(ask, self._receiving, runs_of, force)
 
     def _connect(self) -> None:
         self._attach_trainers()
@@ -147,13 +147,7 @@ class MakerShell:
             # Said as a ConnectionError: the pusher retries any error `submit` raises (nothing was sent).
             raise ConnectionError(
                 f"trainer {trainer!r} is not running (waiting for it to come back)") from None
-        update = ray.get(handle.register_maker.remote(self.name, self.core.registration_fingerprint,
-                                                      self.core.receiver.serving_dtype),
-                         timeout=self.core.config.weight_timeout_s)
-        with self._receiving([update]) as fetch:
-            take_offered(self.core, [update], fetch)
-        if update is None:
-            self._expect_runs([handle])
+        self._register_with([handle])
         with self._handles_lock:
             self._handles[trainer] = handle
         return handle
@@ -249,7 +243,7 @@ class MakerShell:
         generation batches (at once when none is being generated), so the trainer never waits for a batch
         to end."""
         with self._receiving([update]) as fetch:
-            return self.core.apply_weight_update(update, fetch, swap="at_safe_point")
+            return self.core.subscriber.receive(update, fetch)
 
     @contextlib.contextmanager
     def _receiving(self, updates: Sequence[WeightUpdate | None]) -> Iterator[Callable[[Any], Any]]:

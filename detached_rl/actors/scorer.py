@@ -17,25 +17,27 @@ the trainers push their weight updates to it too, and it keeps only the `critic/
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import ray
 
 from detached_rl.actors.group import ActorGroup, worker_names
 from detached_rl.actors.placement import actor_device
-from detached_rl.actors.transport import attach, get_all, ray_fetch, resolve_namespace
+from detached_rl.actors.transport import attach, get_all, resolve_namespace
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
 from detached_rl.scorer.batching import RequestBatcher
 from detached_rl.scorer.config import SCORER_ROLES, ScorerGroupConfig
 from detached_rl.scorer.core import Scorer
 from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest
 from detached_rl.scorer.service import PendingScores
+from detached_rl.weights.ray_wire import ray_fetch
+from detached_rl.weights.update import ApplyResult, Fetch, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -88,22 +90,21 @@ class ScorerWorker:
     def _register(self, timeout: float) -> None:
         try:
             handles = [attach(t, self.namespace, timeout) for t in self.trainer_names]
-            offered = get_all([h.register_maker.remote(self.name, None) for h in handles], timeout=timeout)
-            updates = [u for u in offered if u is not None]
-            if updates:
-                newest = max(updates, key=lambda u: u.manifest.version)
-                if newest.manifest.version > self.core.version:
-                    self.apply_weight_update_local(newest, reset=True)  # answers this scorer's registration
+
+            def ask(fingerprint: str | None, dtype: str | None) -> list[WeightUpdate | None]:
+                calls = [h.register_maker.remote(self.name, fingerprint, dtype) for h in handles]
+                return get_all(calls, timeout)
+
+            assert self.core.subscriber is not None  # a critic's
+            self.core.subscriber.subscribe(ask, self._receiving)
         except Exception as error:  # noqa: BLE001 - shown by status; requests wait for weights meanwhile
             self.last_error = f"registering with trainers {self.trainer_names}: {error}"
             logger.exception("scorer %s could not register with its trainers", self.name)
 
-    def apply_weight_update_local(self, update: WeightUpdate, reset: bool = False) -> ApplyResult:
-        try:
-            return self.core.apply_weight_update(update, ray_fetch(self.core.weight_timeout_s), reset=reset)
-        except Exception as error:
-            self.last_error = f"weight update v{update.manifest.version}: {error}"
-            raise
+    @contextlib.contextmanager
+    def _receiving(self, offered: Sequence[WeightUpdate | None]) -> Iterator[Fetch]:
+        """The fetch a registration's answer is pulled with (stalls fail it after `weight_timeout_s`)."""
+        yield ray_fetch(self.core.weight_timeout_s)
 
     @ray.method(concurrency_group="score")
     def score(self, request: ScoreRequest, timeout: float = 300.0) -> ScoreAnswer:
@@ -113,7 +114,14 @@ class ScorerWorker:
     @ray.method(concurrency_group="model_io")
     def apply_weight_update(self, update: WeightUpdate) -> ApplyResult:
         """Critic: take the `critic/` tensors of a trainer's update (refused as a whole on any error)."""
-        return self.apply_weight_update_local(update)
+        fetch = ray_fetch(self.core.weight_timeout_s)
+        try:
+            if self.core.subscriber is None:  # refused, naming the role
+                return self.core.apply_weight_update(update, fetch)
+            return self.core.subscriber.receive(update, fetch)
+        except Exception as error:
+            self.last_error = f"weight update v{update.manifest.version}: {error}"
+            raise
 
     @ray.method(concurrency_group="control")
     def group_info(self) -> dict[str, Any]:

@@ -23,25 +23,16 @@ from typing import Any
 import ray
 
 from detached_rl.actors.placement import actor_device
-from detached_rl.actors.transport import (
-    IncomingPushes,
-    actor_host,
-    attach,
-    maker_progress,
-    put_chunk,
-    resolve_namespace,
-    send_weight_update,
-)
+from detached_rl.actors.transport import IncomingPushes, actor_host, attach, resolve_namespace
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
 from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
 from detached_rl.core.replay_buffer import AppendResult
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.transfer import DEFAULT_PIECE_BYTES
-from detached_rl.core.weight_sync import WeightUpdate, state_fingerprint
 from detached_rl.strategies import NaiveStrategy, Strategy, check_strategy_name
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
-from detached_rl.trainer.weight_push import WeightPushQueue
+from detached_rl.weights.ray_wire import chunk_store, ray_push_queue
+from detached_rl.weights.update import WeightUpdate, state_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +64,7 @@ class _TrainerShell:
         self.sampling = sampling  # how makers sample: the learner recomputes log-probs under it
         self.namespace = resolve_namespace(namespace)
         self.config = config or TrainerConfig()
-        pieces, compression = self.config.weight_piece_bytes, self.config.wire_compression
-        # the defaults need no partial (a test may swap put_chunk)
-        self.put_chunk = put_chunk if (pieces, compression) == (DEFAULT_PIECE_BYTES, "auto") else \
-            functools.partial(put_chunk, piece_bytes=pieces, compression=compression)
+        self.put_chunk = chunk_store(self.config.weight_piece_bytes, self.config.wire_compression)
         self.algorithm = algorithm
         self.rank, self.world_size, self.strategy_name = rank, world_size, strategy
         self.model_factory = model_factory
@@ -98,7 +86,7 @@ class _TrainerShell:
         """Build the trainer core over `make_learner(strategy)` and its version-0 update (ready from now
         on)."""
         self.core = TrainerCore(self.name, self.make_learner(strategy), self.config)
-        self.core.build_update(self.put_chunk)  # version 0, offered to makers that register
+        self.core.weights.snapshot(self.put_chunk)  # version 0, offered to makers that register
         self._ready.set()
         return self.core
 
@@ -208,7 +196,8 @@ class _TrainerShell:
                        serving_dtype: str | None = None) -> WeightUpdate | None:
         """Record a maker; returns the weight update it should start from (full unless its base matches), in
         the dtype it serves."""
-        return self.trainer_core().register_maker(maker_name, base_fingerprint, self.put_chunk, serving_dtype)
+        weights = self.trainer_core().weights
+        return weights.register(maker_name, base_fingerprint, self.put_chunk, serving_dtype)
 
     @ray.method(concurrency_group="model_io")
     def policy_version(self) -> int:
@@ -220,12 +209,12 @@ class _TrainerShell:
         """Fingerprint of the weights makers mirror (for tests and audits; checksums every tensor)."""
         core = self.trainer_core()
         with core.weights_lock:
-            return state_fingerprint(core.synced_state())
+            return state_fingerprint(core.weights.synced_state())
 
     @ray.method(concurrency_group="model_io")
     def update_fingerprints(self) -> dict[int, str]:
         """Version -> weights fingerprint of every update sent (with `record_weights_fingerprint`)."""
-        return dict(self.trainer_core().fingerprints)
+        return dict(self.trainer_core().weights.fingerprints)
 
     @ray.method(concurrency_group="compute")
     def fit(self, total_steps: int, update_steps: int = 1, train_epochs: int | None = None,
@@ -236,11 +225,9 @@ class _TrainerShell:
         core = self.trainer_core()
 
         # Asks a maker how its transfer goes once a push is older than the stall interval (slow or dead?).
-        send = WeightPushQueue(functools.partial(send_weight_update, namespace=self.namespace),
-                               self.config.weight_push_timeout_s,
-                               progress=functools.partial(maker_progress, namespace=self.namespace),
-                               stall_timeout=self.config.weight_stall_timeout_s,
-                               locate=functools.partial(actor_host, namespace=self.namespace))
+        send = ray_push_queue(self.namespace, self.config.weight_push_timeout_s,
+                              self.config.weight_stall_timeout_s,
+                              locate=functools.partial(actor_host, namespace=self.namespace))
 
         def stop_makers(makers: list[str]) -> None:
             pending = {}

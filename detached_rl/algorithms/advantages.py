@@ -1,6 +1,6 @@
 """Advantage estimators: GAE (with a critic) and the critic-free group-relative and REINFORCE++ estimators.
 
-Every estimator is one function registered by name with ``register_advantage_estimator`` and has one
+Every estimator is one function registered by name (``detached_rl.algorithms.registry``) and has one
 signature: ``estimator(inputs: AdvantageInputs, settings: AdvantageSettings) -> (advantages, returns)``,
 both token-level [B, T] with 0 at masked positions (``returns`` is the critic's target). A learner
 picks one by its config string through ``get_advantage_estimator``; adding an estimator is writing
@@ -20,8 +20,12 @@ import torch
 from detached_rl.algorithms._common import bool_mask, check_2d, check_choice, check_shape
 from detached_rl.algorithms.masks import broadcast_to_tokens, masked_whiten
 
-#: Group-relative (critic-free) advantage methods of ``group_advantages``.
-ADVANTAGE_METHODS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+# The names and the registry live in `registry` (torch-free, for the configs); importable from here too.
+from detached_rl.algorithms.registry import ADVANTAGE_ESTIMATORS as ADVANTAGE_ESTIMATORS
+from detached_rl.algorithms.registry import ADVANTAGE_METHODS
+from detached_rl.algorithms.registry import estimator_uses_critic as estimator_uses_critic
+from detached_rl.algorithms.registry import get_advantage_estimator as get_advantage_estimator
+from detached_rl.algorithms.registry import register_advantage_estimator as register_advantage_estimator
 
 
 @dataclass(frozen=True)
@@ -48,39 +52,6 @@ class AdvantageSettings:
 
 
 AdvantageEstimator = Callable[[AdvantageInputs, AdvantageSettings], tuple[torch.Tensor, torch.Tensor]]
-
-#: Advantage estimators by config name (see the module docstring for the signature).
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
-_USES_CRITIC: set[str] = set()
-
-
-def register_advantage_estimator(name: str, *, uses_critic: bool = False) -> Callable[[AdvantageEstimator],
-                                                                                      AdvantageEstimator]:
-    """Decorator registering an estimator under `name`; `uses_critic`: it reads `inputs.values`."""
-
-    def register(estimator: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"register_advantage_estimator: {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = estimator
-        if uses_critic:
-            _USES_CRITIC.add(name)
-        return estimator
-
-    return register
-
-
-def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """The estimator registered as `name`; an unknown name is refused with the known ones."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name]
-
-
-def estimator_uses_critic(name: str) -> bool:
-    """Whether the estimator registered as `name` needs a critic's values."""
-    get_advantage_estimator(name)
-    return name in _USES_CRITIC
-
 
 # --------------------------------------------------------------------------- formulas
 
@@ -276,7 +247,6 @@ def _whiten_if_possible(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x * mask
 
 
-@register_advantage_estimator("gae", uses_critic=True)
 def gae_estimator(inputs: AdvantageInputs, settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE(gamma, lambda) over the token rewards and the critic's values (PPO);
     returns = advantages + values."""
@@ -285,26 +255,22 @@ def gae_estimator(inputs: AdvantageInputs, settings: AdvantageSettings) -> tuple
     return compute_gae(inputs.token_rewards, inputs.values, inputs.mask, settings.gamma, settings.lam)
 
 
-@register_advantage_estimator("grpo")
 def grpo_estimator(inputs: AdvantageInputs, settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: (score - group mean) / (group std + eps) at every token of the response."""
     return _group_relative(inputs, settings, "grpo")
 
 
-@register_advantage_estimator("dr_grpo")
 def dr_grpo_estimator(inputs: AdvantageInputs,
                       settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr.GRPO: score - group mean (no division by the std) at every token."""
     return _group_relative(inputs, settings, "dr_grpo")
 
 
-@register_advantage_estimator("rloo")
 def rloo_estimator(inputs: AdvantageInputs, settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: score - mean score of the group's other responses, at every token."""
     return _group_relative(inputs, settings, "rloo")
 
 
-@register_advantage_estimator("reinforce_pp_baseline")
 def reinforce_pp_baseline_estimator(inputs: AdvantageInputs, settings: AdvantageSettings
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group baseline: score - group mean at every token,
@@ -315,7 +281,6 @@ def reinforce_pp_baseline_estimator(inputs: AdvantageInputs, settings: Advantage
     return advantages, returns
 
 
-@register_advantage_estimator("reinforce_pp")
 def reinforce_pp_estimator(inputs: AdvantageInputs,
                            settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: each token's reward to go (KL penalty included in the token

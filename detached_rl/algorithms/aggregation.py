@@ -10,14 +10,7 @@ import torch
 
 from detached_rl.algorithms._common import bool_mask, check_2d, check_choice
 from detached_rl.algorithms.masks import masked_mean, masked_sum
-
-#: Ways to reduce a [B, T] per-token loss to a scalar (see ``aggregate_loss``).
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
+from detached_rl.algorithms.registry import LOSS_AGG_MODES
 
 
 def aggregate_loss(

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from detached_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, ADVANTAGE_METHODS, estimator_uses_critic
-from detached_rl.algorithms.aggregation import LOSS_AGG_MODES
-from detached_rl.algorithms.kl import KL_KINDS
-from detached_rl.algorithms.losses import POLICY_LOSSES
+from detached_rl.algorithms.registry import (
+    ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_METHODS,
+    KL_KINDS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    estimator_uses_critic,
+)
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.strategies.optim import OptimizerConfig
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 import torch
 
 from detached_rl.algorithms._common import LOG_RATIO_CLAMP, check_choice, check_shape
-
-#: Per-token KL estimators (see ``kl_estimate``); "low_var_kl" is verl's name for k3.
-KL_KINDS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "low_var_kl")
+from detached_rl.algorithms.registry import KL_KINDS
 
 # The k3 estimate is clamped to [-_K3_CLAMP, _K3_CLAMP] (verl's low_var_kl).
 _K3_CLAMP = 10.0

@@ -1,7 +1,8 @@
 """Losses: the policy losses (registered by name), the critic's clipped value loss, truncated importance
 weights.
 
-A policy loss is one function registered with ``register_policy_loss`` and has one signature:
+A policy loss is one function registered by name (``detached_rl.algorithms.registry``) and has one
+signature:
 ``loss(log_probs, old_log_probs, advantages, mask, settings: PolicyLossSettings, weights=None)
 -> (scalar loss, stats)``, stats being detached 0-d tensors that include ``clipfrac``,
 ``ratio_mean`` and ``approx_kl``. A learner picks one by its config string through
@@ -20,8 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from detached_rl.algorithms._common import LOG_RATIO_CLAMP, bool_mask, check_choice, check_shape
-from detached_rl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
+from detached_rl.algorithms.aggregation import aggregate_loss
 from detached_rl.algorithms.masks import masked_mean
+
+# The names and the registry live in `registry` (torch-free, for the configs); importable from here too.
+from detached_rl.algorithms.registry import LOSS_AGG_MODES
+from detached_rl.algorithms.registry import POLICY_LOSSES as POLICY_LOSSES
+from detached_rl.algorithms.registry import get_policy_loss as get_policy_loss
+from detached_rl.algorithms.registry import register_policy_loss as register_policy_loss
 
 
 @dataclass(frozen=True)
@@ -36,29 +43,6 @@ class PolicyLossSettings:
 
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-#: Policy losses by config name (see the module docstring for the signature).
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator registering a policy loss under `name`."""
-
-    def register(loss: PolicyLoss) -> PolicyLoss:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"register_policy_loss: {name!r} is already registered")
-        POLICY_LOSSES[name] = loss
-        return loss
-
-    return register
-
-
-def get_policy_loss(name: str) -> PolicyLoss:
-    """The policy loss registered as `name`; an unknown name is refused with the known ones."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
-
 
 def policy_loss(
     log_probs: torch.Tensor,
@@ -129,7 +113,6 @@ def policy_loss(
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
-@register_policy_loss("ppo_clip")
 def ppo_clip_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,

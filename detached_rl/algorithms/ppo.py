@@ -19,22 +19,16 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from detached_rl.algorithms import metrics as names
-from detached_rl.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageInputs,
-    AdvantageSettings,
-    get_advantage_estimator,
-)
-from detached_rl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
-from detached_rl.algorithms.kl import KL_KINDS, kl_estimate
+from detached_rl.algorithms.advantages import AdvantageInputs, AdvantageSettings, get_advantage_estimator
+from detached_rl.algorithms.aggregation import aggregate_loss
+from detached_rl.algorithms.kl import kl_estimate
 from detached_rl.algorithms.learner import EpochsFromConfig
-from detached_rl.algorithms.losses import POLICY_LOSSES, PolicyLossSettings, get_policy_loss, value_loss
+from detached_rl.algorithms.losses import PolicyLossSettings, get_policy_loss, value_loss
 from detached_rl.algorithms.masks import masked_mean, masked_whiten
 from detached_rl.algorithms.mismatch import (
     apply_behaviour_correction,
@@ -44,6 +38,7 @@ from detached_rl.algorithms.mismatch import (
     needs_behaviour_correction,
     trainer_engine,
 )
+from detached_rl.algorithms.ppo_config import PPOConfig
 from detached_rl.algorithms.step_guard import skip_metrics, step_unless_nonfinite
 from detached_rl.core.devices import host_floats
 from detached_rl.core.experience import Experience
@@ -53,70 +48,6 @@ from detached_rl.models.actor import Actor
 from detached_rl.models.scalar_heads import Critic
 from detached_rl.strategies import check_strategy
 from detached_rl.strategies.base import Strategy
-from detached_rl.strategies.optim import OptimizerConfig
-
-KL_MODES = ("reward", "loss")
-
-
-@dataclass
-class PPOConfig:
-    """PPO hyper-parameters; defaults follow common RLHF practice (verl / OpenRLHF)."""
-
-    actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
-    critic_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-5))
-    advantage_estimator: str = "gae"  # a name in ADVANTAGE_ESTIMATORS
-    policy_loss: str = "ppo_clip"  # a name in POLICY_LOSSES
-    clip_low: float = 0.2
-    clip_high: float | None = None
-    dual_clip: float | None = None
-    value_clip: float | None = 0.2
-    value_coef: float = 0.5
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_kind: str = "k1"
-    kl_mode: str = "reward"  # "reward": penalty in the token rewards; "loss": a loss term
-    gamma: float = 1.0
-    lam: float = 0.95
-    whiten_advantages: bool = True
-    loss_agg: str = "token-mean"
-    micro_batch_size: int = 8
-    mini_batch_size: int | None = None  # samples per optimizer step; None: the whole batch
-    train_epochs: int = 1
-    seed: int = 0  # the order of samples in mini-batches (the learner's own generator, checkpointed)
-    tis_cap: float | None = 2.0  # truncated importance weight cap for corrected batches; None: weights 1
-    # Stale, multi-pass or other-engine batches (`needs_behaviour_correction`): recompute the "old" log-probs
-    # with the trainer's weights (the proximal policy), weight tokens by truncated importance weights and
-    # report the mismatch. False: ratios and clipping are taken against the behaviour policy itself.
-    proximal_recompute: bool = True
-    # How the makers sample, for the learner built without an explicit `sampling` (PPOLearner(..., sampling=)
-    # wins). RunConfig keeps its one `sampling` at the top and leaves this None; None
-    # here and there: defaults.
-    sampling: SamplingConfig | None = None
-
-    def __post_init__(self) -> None:
-        if self.kl_mode not in KL_MODES:
-            raise ValueError(f"PPOConfig.kl_mode must be one of {KL_MODES}, got {self.kl_mode!r}")
-        if self.kl_kind not in KL_KINDS:
-            raise ValueError(f"PPOConfig.kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
-        if self.loss_agg not in LOSS_AGG_MODES:
-            raise ValueError(f"PPOConfig.loss_agg must be one of {LOSS_AGG_MODES}, got {self.loss_agg!r}")
-        for name, registry in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
-            if getattr(self, name) not in registry:
-                raise ValueError(f"PPOConfig.{name} must be one of {sorted(registry)}, got "
-                                 f"{getattr(self, name)!r}")
-        for name in ("micro_batch_size", "train_epochs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"PPOConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.mini_batch_size is not None and self.mini_batch_size < 1:
-            raise ValueError(f"PPOConfig.mini_batch_size must be >= 1 or None, got {self.mini_batch_size}")
-        for name in ("kl_coef", "entropy_coef", "value_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"PPOConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError(f"PPOConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
-        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-            raise ValueError("PPOConfig.gamma and PPOConfig.lam must be in [0, 1], got "
-                             f"{self.gamma}, {self.lam}")
 
 
 def shaped_rewards(batch: ExperienceBatch, config: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:

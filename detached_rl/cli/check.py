@@ -39,17 +39,18 @@ class CheckReport:
 
 
 def run_check(
-    model: str = "smollm2",
-    num_prompts: int = 4,
-    group_size: int = 4,
-    max_new_tokens: int = 32,
+    *,
+    model: str,
+    num_prompts: int,
+    group_size: int,
+    max_new_tokens: int,
     learning_rate: float = 1e-4,
     temperature: float = 0.7,
     seed: int = 0,
     device: torch.device | str | None = None,
 ) -> CheckReport:
-    """Generate a GRPO batch with a LoRA policy, take one training step, and report figures (on `device`, by
-    default the first accelerator if present)."""
+    """Generate a GRPO batch with a LoRA policy (`LoraSettings()`), take one training step, and report figures
+    (on `device`, by default the first accelerator if present); `detached-rl check` gives the sizes."""
     report = CheckReport()
     figures = report.figures
     torch.manual_seed(seed)
@@ -57,7 +58,7 @@ def run_check(
     start = time.perf_counter()
     policy, tokenizer = load_causal_lm(model, seed=seed)
     figures["load_s"] = time.perf_counter() - start
-    policy = strategy.prepare_model(apply_lora(policy, LoraSettings(r=8, alpha=16)))
+    policy = strategy.prepare_model(apply_lora(policy, LoraSettings()))
     trainable, total = count_parameters(policy)
     figures.update(model=model, device=str(strategy.device), parameters=total, trainable_parameters=trainable)
     actor = Actor(policy, tokenizer)

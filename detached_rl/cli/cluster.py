@@ -59,9 +59,9 @@ def check_cluster(address: str, timeout: float = AUTH_PROBE_TIMEOUT) -> None:
     import grpc
 
     try:
-        from ray._private.grpc_utils import init_grpc_channel
+        from detached_rl.actors.ray_seam import open_grpc_channel
 
-        channel = init_grpc_channel(address.removeprefix("ray://"))
+        channel = open_grpc_channel(address.removeprefix("ray://"))
     except Exception as error:  # noqa: BLE001 - e.g. RAY_AUTH_MODE=token and no token anywhere
         if "token" in str(error).lower():
             raise JobError(f"cannot join the Ray cluster at {address}: {first_line(error)} ({TOKEN_HINT})") \
@@ -192,10 +192,10 @@ def init_local_ray(namespace: str, **options: Any) -> None:
     # starts read the variable; this one read it when it first imported ray, which may have been before now.
     os.environ[LOCAL_CLUSTER_VARIABLE] = "0"
     import ray
-    from ray._private import ray_constants
 
-    if hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):  # the value taken at import, read at each call
-        ray_constants.ENABLE_RAY_CLUSTER = False
+    from detached_rl.actors.ray_seam import keep_loopback_node_address
+
+    keep_loopback_node_address()
     options.setdefault("dashboard_host", LOCAL_HOST)
     ray.init(address="local", namespace=namespace, _node_ip_address=LOCAL_HOST, **options)
     node_ip = ray.util.get_node_ip_address()

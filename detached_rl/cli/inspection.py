@@ -76,15 +76,15 @@ def actor_table(namespace: str) -> dict[str, dict[str, Any]]:
     is not possible, it returns {} and `status` shows live actors only.
     """
     try:
-        from ray._private.state import state as global_state
         from ray.core.generated import common_pb2, gcs_pb2
 
-        raw_table = global_state._connect_and_get_accessor().get_actor_table(None, None)
+        from detached_rl.actors.ray_seam import gcs_actor_table
+
+        table = gcs_actor_table()
     except Exception:  # noqa: BLE001 - a Ray client, or a Ray whose internals moved: live actors only
         return {}
     newest: dict[str, dict[str, Any]] = {}
-    for raw in raw_table:
-        data = gcs_pb2.ActorTableData.FromString(raw)
+    for data in table:
         if data.ray_namespace != namespace or not data.name:
             continue
         died = data.death_cause.actor_died_error_context if data.HasField("death_cause") else None

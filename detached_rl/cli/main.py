@@ -33,12 +33,15 @@ from detached_rl.cli.command_config import (
     refuse_unloadable_models,
     run_command_config,
 )
+from detached_rl.config.schema import RUN_GPUS, TASKS, RunConfig
+from detached_rl.core.namespace import DEFAULT_NAMESPACE
+from detached_rl.core.resources import PLACEMENT_STRATEGIES
+from detached_rl.maker.config import ATTACH_TIMEOUT_S
+from detached_rl.strategies.registry import STRATEGIES
 
 _config, _run_config = command_config, run_command_config  # the names callers and tests import from here
 
 EXIT_ERROR = 2
-# ExperienceMakerHolder's attach_timeout_s, which `detached-rl maker` leaves as it is
-MAKER_ATTACH_TIMEOUT_S = 120.0
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -79,9 +82,6 @@ def _ppo_on_ray(args: argparse.Namespace) -> int:
 
 
 def _namespace(args: argparse.Namespace) -> str:
-    # Not RunConfig's: reading it imports the models (transformers, peft), seconds for a `status`.
-    from detached_rl.core.namespace import DEFAULT_NAMESPACE
-
     return args.namespace or DEFAULT_NAMESPACE
 
 
@@ -129,7 +129,7 @@ def _maker(args: argparse.Namespace) -> int:
     if missing:  # jobs may start in any order, so not an error; a typo shows here at once
         print(f"detached-rl: warning: no trainer named {', '.join(map(repr, missing))} is running "
               f"in namespace {config.namespace!r} yet; the maker waits for it up to "
-              f"{MAKER_ATTACH_TIMEOUT_S:g} s, then "
+              f"{ATTACH_TIMEOUT_S:g} s, then "
               "stops with an error (see `detached-rl status`)",
               file=sys.stderr)
     return _follow(args.name, config.namespace) if args.wait else 0
@@ -228,26 +228,27 @@ def _cluster_options(
 ) -> None:
     parser.add_argument("--address", default=None, help=address_help)
     parser.add_argument("--namespace", default=None,
-                        help="Ray namespace of the actors (default: detached_rl)")
+                        help=f"Ray namespace of the actors (default: {DEFAULT_NAMESPACE})")
 
 
 def _config_options(parser: argparse.ArgumentParser,
-                    config_help: str = "YAML laid over the defaults, the main job's (stated in "
+                    config_help: str = "YAML laid over the defaults, the main job's (its recipe: "
                                        "detached_rl/config/run.yaml)") -> None:
     parser.add_argument("--config", type=config_file, default=None, help=config_help)
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="override a config value, e.g. --set trainer.train_batch_size=16 (repeatable)")
 
 
-def _backend_option(parser: argparse.ArgumentParser) -> None:
+def _backend_option(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     parser.add_argument("--backend", default=None,
-                        help="the makers' generation backend: auto (default: vllm where it serves the "
-                             "policy, else hf) | hf | vllm (needs the vllm extra; engine settings under "
-                             "maker.vllm, e.g. --set maker.vllm.kv_cache_gb=2)")
+                        help=f"the makers' generation backend (default {defaults.maker.backend}): auto (vllm "
+                             "where it serves the policy, else hf) | hf | vllm (needs the vllm extra; engine "
+                             "settings under maker.vllm, e.g. --set maker.vllm.kv_cache_gb=2)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every sub-command."""
+    """The argument parser of every sub-command; the defaults it names are `RunConfig()`'s."""
+    defaults = RunConfig()
     parser = OneLineParser(prog="detached-rl", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"detached-rl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -258,21 +259,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "makers, grade the held-out split before and after, and write runs/<name>/ (metrics, "
                     "TensorBoard, plot, adapter, merged model). Defaults: SmolLM2-135M-Instruct + LoRA, "
                     "GRPO, arithmetic word problems.")
-    run.add_argument("--steps", type=positive_int, default=None, help="training steps (default 24)")
-    run.add_argument("--makers", type=positive_int, default=None, help="experience makers (default 2)")
-    run.add_argument("--model", default=None,
-                     help="smollm2 (default) | tiny[-<model_type>] | a local model directory")
-    run.add_argument("--task", default=None, choices=("word_problems", "addition"),
-                     help="default word_problems")
+    run.add_argument("--steps", type=positive_int, default=None,
+                     help=f"training steps (default {defaults.run.steps})")
+    run.add_argument("--makers", type=positive_int, default=None,
+                     help=f"experience makers (default {defaults.run.makers})")
+    run.add_argument("--model", default=None, help=f"smollm2 | tiny[-<model_type>] | a local model directory "
+                                                   f"(default {defaults.model.policy})")
+    run.add_argument("--task", default=None, choices=TASKS, help=f"default {defaults.task.name}")
     run.add_argument("--name", default=None,
                      help="run name: actor-name prefix and runs/<name> (default: dated)")
-    run.add_argument("--output", default=None, help="parent directory of the run directory (default runs)")
+    run.add_argument("--output", default=None,
+                     help=f"parent directory of the run directory (default {defaults.run.output_dir})")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run.add_argument("--gpus", default=None, choices=("auto", "manual"),
-                     help="auto (default): trainer and makers share the cluster's GPUs unless the "
-                          "config sets trainer_group.num_gpus_per_rank or maker.num_gpus; manual: only "
-                          "what those say")
-    _backend_option(run)
+    run.add_argument("--gpus", default=None, choices=RUN_GPUS,
+                     help=f"default {defaults.run.gpus}; auto: trainer and makers share the cluster's GPUs "
+                          "unless the config sets trainer_group.num_gpus_per_rank or maker.num_gpus; manual: "
+                          "only what those say")
+    _backend_option(run, defaults)
     _config_options(run)
     _cluster_options(run, "join this Ray cluster (host:port, ray://host:port or auto) instead of starting an "
                           "embedded one on 127.0.0.1")
@@ -300,8 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="load a model, apply LoRA, generate, score and take one GRPO "
                                      "step (no Ray)",
                                 description="End-to-end check of the toolkit's core in one process.")
-    check.add_argument("--model", default="smollm2",
-                       help="smollm2 | tiny[-<model_type>] | a local model directory")
+    check.add_argument("--model", default=defaults.model.policy,
+                       help="smollm2 | tiny[-<model_type>] | a local model directory (default %(default)s)")
     check.add_argument("--prompts", type=positive_int, default=4, help="distinct prompts (default 4)")
     check.add_argument("--group-size", type=positive_int, default=4, help="responses per prompt (default 4)")
     check.add_argument("--max-new-tokens", type=positive_int, default=32,
@@ -315,18 +318,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "1 it starts ranks <name>_0 ... <name>_{N-1} in one placement group, forming one "
                     "process group.")
     trainer.add_argument("--name", required=True, help="actor name (a group's ranks are <name>_<rank>)")
+    group = defaults.trainer_group
     trainer.add_argument("--world-size", type=positive_int, default=None,
-                         help="data-parallel ranks (default 1)")
-    trainer.add_argument("--strategy", default=None,
-                         choices=("naive", "ddp", "colossalai_ddp", "colossalai_zero2", "colossalai_gemini"),
-                         help="how ranks train (default naive; ddp or colossalai_ddp on CPU; "
+                         help=f"data-parallel ranks (default {group.world_size})")
+    trainer.add_argument("--strategy", default=None, choices=tuple(STRATEGIES),
+                         help=f"how ranks train (default {group.strategy}; ddp or colossalai_ddp on CPU; "
                               "zero2/gemini need CUDA)")
-    trainer.add_argument("--placement", default=None,
-                         choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-                         help="placement-group strategy for the ranks (default PACK)")
+    trainer.add_argument("--placement", default=None, choices=PLACEMENT_STRATEGIES,
+                         help=f"placement-group strategy for the ranks (default {group.placement_strategy})")
     trainer.add_argument("--num-gpus-per-rank", type=non_negative_float, default=None,
-                         help="GPUs each rank (a naive trainer: the trainer) asks Ray for; "
-                              "fractions of one GPU allowed (default trainer_group.num_gpus_per_rank, 0)")
+                         help="GPUs each rank (a naive trainer: the trainer) asks Ray for; fractions of one "
+                              "GPU allowed (default trainer_group.num_gpus_per_rank, "
+                              f"{group.num_gpus_per_rank:g})")
     trainer.add_argument("--steps", type=positive_int, default=100, help="training steps (default 100)")
     trainer.add_argument("--update-steps", type=positive_int, default=1,
                          help="push weights every N steps (default 1)")
@@ -349,11 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop after N batches (default: until stopped)")
     maker.add_argument("--num-gpus", type=non_negative_float, default=None,
                        help="GPUs the maker asks Ray for; fractions of one GPU allowed (default "
-                            "maker.num_gpus, 0)")
+                            f"maker.num_gpus, {defaults.maker.num_gpus:g})")
     maker.add_argument("--state-dir", default=None,
                        help="save the prompt cursor to <dir>/<name> after every batch; resume from it "
                             "on (re)start")
-    _backend_option(maker)
+    _backend_option(maker, defaults)
     maker.add_argument("--wait", action="store_true", help="follow the maker until it stops")
     _config_options(maker)
     _cluster_options(maker)

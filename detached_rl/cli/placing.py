@@ -48,12 +48,12 @@ def placement_timeout() -> float:
 def read_rows(namespace: str) -> list[ActorRow]:
     """The named actors of `namespace` in Ray's actor table, read from the GCS (a driver connected
     directly)."""
-    from ray._private.state import state as global_state
     from ray.core.generated import gcs_pb2
 
+    from detached_rl.actors.ray_seam import gcs_actor_table
+
     rows = []
-    for raw in global_state._connect_and_get_accessor().get_actor_table(None, None):
-        data = gcs_pb2.ActorTableData.FromString(raw)
+    for data in gcs_actor_table():
         if data.ray_namespace != namespace or not data.name:
             continue
         rows.append(ActorRow(data.name, gcs_pb2.ActorTableData.ActorState.Name(data.state),

@@ -13,8 +13,8 @@ training), `run_report` (the progress line, summary.json, the before/after table
 entry point, `run_job`, and keeps their public names.
 
 It starts from `RunConfig`'s defaults, as every command does (SmolLM2-135M-Instruct + LoRA, GRPO, word
-problems; `config/run.yaml` states them); `--config` lays a YAML file over them and `--set key.path=value`
-overrides.
+problems: the recipe `config/run.yaml` over the schema's defaults); `--config` lays a YAML file over them and
+`--set key.path=value` overrides.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ from datetime import datetime
 from pathlib import Path
 
 from detached_rl.config import RunConfig, load_config
+from detached_rl.config.schema import RECIPE
 
-DEFAULT_RUN_CONFIG = Path(__file__).parent.parent / "config" / "run.yaml"  # the defaults, stated for reading
+DEFAULT_RUN_CONFIG = RECIPE  # the main job's recipe, which every config is laid over
 
 
 class RunError(RuntimeError):

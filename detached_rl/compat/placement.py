@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 
 import ray
 
@@ -45,9 +45,9 @@ class PlacementCheckedActorClass:
         self.role = role
         self.given = dict(options or {})
 
-    def options(self, **options: Any) -> PlacementCheckedActorClass:
+    def options(self, **options: Any) -> Self:
         """The class with these Ray actor options (over those given before)."""
-        return PlacementCheckedActorClass(self.actor_class, self.role, {**self.given, **options})
+        return type(self)(self.actor_class, self.role, {**self.given, **options})
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         """Create the actor, unless the cluster can never place what it asks for."""

@@ -1,5 +1,5 @@
-"""Typed run configuration: the schema (`schema`), YAML and override loading (`loading`),
-model factories (`factories`)."""
+"""Typed run configuration: the schema and the main job's recipe (`schema`, `run.yaml`), YAML and override
+loading (`loading`, `convert`), model factories (`factories`). Importing it loads no torch."""
 
 from detached_rl.config.factories import maker_factory, scorer_factory, trainer_factory
 from detached_rl.config.loading import (
@@ -15,18 +15,18 @@ from detached_rl.config.schema import (
     TASK_REWARDS,
     TASKS,
     ConfigError,
-    LoraConfig,
     ModelConfig,
     RunConfig,
     RunSection,
     ScorersConfig,
     TaskConfig,
+    main_job,
 )
 
 __all__ = [
-    "ALGORITHMS", "TASKS", "TASK_REWARDS", "ConfigError", "LoraConfig", "ModelConfig", "RunConfig",
+    "ALGORITHMS", "TASKS", "TASK_REWARDS", "ConfigError", "ModelConfig", "RunConfig",
     "RunSection",
     "ScorersConfig", "TaskConfig", "dump_config", "from_dict", "load_config", "merge_mappings",
     "parse_override",
-    "maker_factory", "read_yaml", "scorer_factory", "trainer_factory",
+    "main_job", "maker_factory", "read_yaml", "scorer_factory", "trainer_factory",
 ]

@@ -1,16 +1,19 @@
 """Model factories: build the actors' models from a `RunConfig` (picklable through `functools.partial`).
 
-The schema is data and imports nothing from here; these functions build from it.
+The schema is data and imports nothing from here; these functions build from it, importing the models (torch)
+only when they run.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 from detached_rl.config.schema import ModelConfig, RunConfig, TaskConfig
-from detached_rl.maker.experience_maker import MakerModels
 from detached_rl.rewards.functions import REWARD_FUNCTIONS
+
+if TYPE_CHECKING:
+    from detached_rl.maker.experience_maker import MakerModels
 
 
 def trainer_factory(config: RunConfig) -> functools.partial:
@@ -33,13 +36,13 @@ def scorer_factory(config: RunConfig, role: str) -> functools.partial:
 
 def build_policy(model: ModelConfig):
     """The policy `Actor` (with its LoRA adapter, if configured), from the model config."""
-    from detached_rl.models import Actor, LoraSettings, apply_lora, load_causal_lm
+    from detached_rl.models import Actor, apply_lora, load_causal_lm
     from detached_rl.models.loaders import seeded
 
     policy, tokenizer = load_causal_lm(model.policy, seed=model.seed)
     if model.lora is not None:
         with seeded(model.seed):  # the adapter's random initialisation too: the same config, the same policy
-            policy = apply_lora(policy, LoraSettings(**dataclasses.asdict(model.lora)))
+            policy = apply_lora(policy, model.lora)
     return Actor(policy, tokenizer)
 
 
@@ -63,6 +66,7 @@ def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool =
                        remote_roles: frozenset[str] = frozenset()) -> MakerModels:
     """A maker's policy, reward function and, for PPO, critic and reference model
     (none for `remote_roles`)."""
+    from detached_rl.maker.experience_maker import MakerModels
     from detached_rl.models import Actor, load_causal_lm
 
     if with_critic and "critic" not in remote_roles:

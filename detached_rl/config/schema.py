@@ -2,26 +2,32 @@
 
 `RunConfig` gathers the settings of every part (models, task, sampling, maker, trainer, PPO)
 as dataclasses. Its defaults are the main job's, the one set that every command and `RunConfig()`
-start from: GRPO on SmolLM2-135M-Instruct with a LoRA adapter, word problems, two makers
-(`config/run.yaml` states them for reading; a test holds it to them). `load_config(path, overrides)`
-reads YAML, applies `key.sub=value` overrides from the command line (`detached_rl.config.loading`),
-and refuses unknown keys and bad values with a `ConfigError` that names the dotted key. `RunConfig` also
-hands out the prompt source; the model factories (`detached_rl.config.factories`) build from it.
+start from: GRPO on SmolLM2-135M-Instruct with a LoRA adapter, word problems, two makers. Each value has
+one home: a dataclass default, or, where the main job departs from the default of a class that is not the
+run config's own (sampling, maker, trainer, GRPO, LoRA), the recipe `config/run.yaml`, which every section
+of `RunConfig()` is built from (`main_job`). `load_config(path, overrides)` lays YAML and `key.sub=value`
+overrides over the recipe (`detached_rl.config.loading`) and refuses unknown keys and bad values with a
+`ConfigError` that names the dotted key. `RunConfig` also hands out the prompt source; the model factories
+(`detached_rl.config.factories`) build from it. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import re
-import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from detached_rl.algorithms.grpo import GRPOConfig
-from detached_rl.algorithms.ppo import PPOConfig
+from detached_rl.algorithms.grpo_config import GRPOConfig
+from detached_rl.algorithms.ppo_config import PPOConfig
+from detached_rl.config.convert import ConfigError, from_data, read_yaml
 from detached_rl.core.namespace import DEFAULT_NAMESPACE
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.maker.experience_maker import MakerConfig
+from detached_rl.maker.config import MakerConfig
+from detached_rl.models.lora_settings import LoraSettings
 from detached_rl.rewards.functions import REWARD_FUNCTIONS
 from detached_rl.scorer.config import ScorerGroupConfig
 from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
@@ -30,20 +36,12 @@ TASKS = ("addition", "word_problems")
 TASK_REWARDS = {"addition": "numeric_answer", "word_problems": "answer_line"}  # how each task is graded
 ALGORITHMS = ("ppo", "grpo")
 
+# Where the main job departs from the defaults of the classes below the config layer: sections of plain data
+# that `RunConfig()` and `load_config` build on (`main_job`).
+RECIPE = Path(__file__).with_name("run.yaml")
 
-class ConfigError(ValueError):
-    """A configuration key is unknown or its value is invalid; the message names the dotted key."""
-
-
-@dataclass
-class LoraConfig:
-    """LoRA adapter on the policy (see `detached_rl.models.LoraSettings`)."""
-
-    backend: str = "peft"
-    r: int = 16
-    alpha: float = 32
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] | None = ("all-linear",)  # every Linear layer but the output head
+__all__ = ["ALGORITHMS", "RECIPE", "RUN_GPUS", "TASKS", "TASK_REWARDS", "ConfigError", "ModelConfig",
+           "RunConfig", "RunSection", "ScorersConfig", "TaskConfig", "main_job", "main_job_section"]
 
 
 @dataclass
@@ -56,7 +54,7 @@ class ModelConfig:
     reference: bool = True  # makers hold a frozen copy of the initial policy for the KL term
     # A reward model (spec as `policy`: a scalar head on that backbone) instead of the task's reward function.
     reward_model: str | None = None
-    lora: LoraConfig | None = field(default_factory=LoraConfig)  # None: train the whole policy
+    lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: train the whole policy
     seed: int = 0
 
 
@@ -148,38 +146,23 @@ class ScorersConfig:
     critic: ScorerGroupConfig = field(default_factory=ScorerGroupConfig)
 
 
-# The main job's settings of the sections whose classes live in other layers, where they differ from
-# those classes' own defaults. Data, not instances: `from_dict` lays a config's own data over it, so a
-# preset picked there (e.g. `grpo.algorithm: dapo`) fills in what neither says.
-MAIN_JOB: dict[str, dict[str, Any]] = {
-    "sampling": {"max_new_tokens": 40, "temperature": 0.8},
-    # vLLM where it serves the policy; 2 prompts x 8 answers = 16 samples per push (4 x 4 learned the answer
-    # format more slowly: docs/performance.md, the recipe study), one push in flight; the next batch once the
-    # last is in the buffer (fresher samples).
-    "maker": {"backend": "auto", "experience_batch_size": 2, "group_size": 8, "max_pushes_in_flight": 1,
-              "wait_for_ack": True},
-    # LoRA-only updates pushed while it trains on. Samples at most 1 version old: vLLM makers outrun the
-    # trainer, and at 4 they trained on 3-4 step old samples and learned half as much. A 32-sample buffer
-    # (one push per maker): makers wait instead of generating samples that would go stale.
-    "trainer": {"train_batch_size": 16, "weight_sync": "lora", "overlap_weight_push": True,
-                "max_staleness": 1, "buffer_max_samples": 32},
-    # lr 5e-4 decayed along a cosine to 5e-5 by the last step (at a constant 5e-4 the policy peaked, then
-    # collapsed, over 36 steps) and a KL coefficient of 0.1 (at 0.01 one seed in five kept the answer format
-    # and lost its arithmetic): docs/performance.md, the recipe study; token-mean: no per-sequence length
-    # normalisation (short answers get no extra weight); the trainer's forward passes in bfloat16.
-    "grpo": {"algorithm": "grpo", "actor_optimizer": {"lr": 5e-4, "schedule": "cosine", "min_lr_ratio": 0.1},
-             "loss_agg": "token-mean",
-             "kl_coef": 0.1, "proximal_recompute": True, "micro_batch_size": 16,
-             "autocast_dtype": "bfloat16"},
-}
+@functools.cache
+def _recipe() -> dict[str, Any]:
+    return read_yaml(RECIPE)
+
+
+def main_job() -> dict[str, Any]:
+    """The main job's recipe (`RECIPE`) as plain data, a fresh copy: section -> the settings it changes."""
+    return copy.deepcopy(_recipe())
 
 
 def main_job_section(cls: type, name: str) -> Any:
-    """Section `name` of the main job, built as a `cls` from `MAIN_JOB` (nested sections too)."""
-    hints = typing.get_type_hints(cls)
-    data = {key: hints[key](**value) if isinstance(value, dict) and dataclasses.is_dataclass(hints[key])
-            else value for key, value in MAIN_JOB[name].items()}
-    return cls(**data)
+    """Section `name` of the main job: a `cls` with the recipe's settings, `cls`'s defaults for the rest."""
+    return from_data(cls, main_job().get(name, {}), name)
+
+
+def _recipe_section(cls: type, name: str) -> Any:
+    return field(default_factory=lambda: main_job_section(cls, name))
 
 
 @dataclass
@@ -188,17 +171,17 @@ class RunConfig:
 
     namespace: str = DEFAULT_NAMESPACE
     algorithm: str = "grpo"  # "ppo" (critic, GAE) or "grpo" (the GRPO family, see `grpo.algorithm`)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    sampling: SamplingConfig = field(default_factory=lambda: main_job_section(SamplingConfig, "sampling"))
-    maker: MakerConfig = field(default_factory=lambda: main_job_section(MakerConfig, "maker"))
-    trainer: TrainerConfig = field(default_factory=lambda: main_job_section(TrainerConfig, "trainer"))
-    # ranks, strategy, placement
-    trainer_group: TrainerGroupConfig = field(default_factory=TrainerGroupConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    grpo: GRPOConfig = field(default_factory=lambda: main_job_section(GRPOConfig, "grpo"))
-    run: RunSection = field(default_factory=RunSection)
-    scorers: ScorersConfig = field(default_factory=ScorersConfig)
+    # Each section: its class's defaults with the recipe's settings laid over them.
+    model: ModelConfig = _recipe_section(ModelConfig, "model")
+    task: TaskConfig = _recipe_section(TaskConfig, "task")
+    sampling: SamplingConfig = _recipe_section(SamplingConfig, "sampling")
+    maker: MakerConfig = _recipe_section(MakerConfig, "maker")
+    trainer: TrainerConfig = _recipe_section(TrainerConfig, "trainer")
+    trainer_group: TrainerGroupConfig = _recipe_section(TrainerGroupConfig, "trainer_group")  # ranks
+    ppo: PPOConfig = _recipe_section(PPOConfig, "ppo")
+    grpo: GRPOConfig = _recipe_section(GRPOConfig, "grpo")
+    run: RunSection = _recipe_section(RunSection, "run")
+    scorers: ScorersConfig = _recipe_section(ScorersConfig, "scorers")
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:

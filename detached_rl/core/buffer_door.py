@@ -18,7 +18,6 @@ from typing import Any, NoReturn
 
 from detached_rl.core.experience import Experience
 from detached_rl.core.experience_checks import (
-    MAX_ABS_REWARD_LIMIT,
     TOKEN_FIELDS,
     ExperienceValidationError,
     short_repr,
@@ -43,14 +42,6 @@ def check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
-
-
-def check_max_abs_reward(name: str, value: Any) -> float:
-    """`value` as a bound on |reward|: a number in (0, MAX_ABS_REWARD_LIMIT];
-    else ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_ABS_REWARD_LIMIT:
-        raise ValueError(f"{name} must be a number in (0, {MAX_ABS_REWARD_LIMIT:g}], got {value!r}")
-    return float(value)
 
 
 def check_push_size(count: int, nbytes: int | None, max_samples: int, max_bytes: int) -> None:

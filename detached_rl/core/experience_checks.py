@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from detached_rl.core.experience import Experience
+from detached_rl.core.limits import DEFAULT_MAX_ABS_REWARD as DEFAULT_MAX_ABS_REWARD
+from detached_rl.core.limits import MAX_ABS_REWARD_LIMIT
 
 TOKEN_FIELDS = ("values", "ref_log_probs", "advantages", "returns")
 """Optional per-response-token float fields, present on all samples of a batch or none."""
@@ -27,11 +27,6 @@ _LOG_PROB_SLACK = 1e-4  # log-probs are <= 0; allow float rounding above zero.
 
 TRAINING_DTYPE = torch.float32
 """The dtype `collate` casts every float field to: the one its values must be finite in."""
-DEFAULT_MAX_ABS_REWARD = 1e4
-"""The replay buffer's default bound on |reward| (`TrainerConfig.max_abs_reward`)."""
-MAX_ABS_REWARD_LIMIT = 1e8
-"""The largest `max_abs_reward` allowed, and `validate`'s default: with it, the largest estimate
-(`ESTIMATE_SCALE` times it) squared and summed over a batch's tokens stays far inside float32."""
 ESTIMATE_SCALE = 1e6
 """values, returns and advantages may be this many times `max_abs_reward` (a return sums many rewards)."""
 LOG_PROB_BOUND = 1e4
@@ -42,6 +37,33 @@ MAX_NAME_BYTES = 256
 MAX_INFO_BYTES = 64 * 1024
 """JSON bytes allowed in `info`: decoded text and reward components fit easily;
 megabytes do not belong here."""
+
+
+class CheckedSample(Protocol):
+    """What the checks read of a sample: `Experience`'s fields (a dataclass's) and its response length."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    log_probs: torch.Tensor
+    reward: torch.Tensor
+    policy_version: int
+    maker: str
+    id: str
+    values: torch.Tensor | None
+    ref_log_probs: torch.Tensor | None
+    advantages: torch.Tensor | None
+    returns: torch.Tensor | None
+    group_id: str | None
+    info: dict[str, Any]
+
+    @property
+    def response_length(self) -> int:
+        """Number of response tokens."""
+        ...
+
+
+Sample = TypeVar("Sample", bound=CheckedSample)
 
 
 class ExperienceValidationError(ValueError):
@@ -70,7 +92,7 @@ class _Bound:
 _LOG_PROBS = _Bound(LOG_PROB_BOUND, "LOG_PROB_BOUND: no sampled token is that unlikely")
 
 
-def validate_experience(exp: Experience, vocab_size: int | None, max_abs_reward: float) -> Experience:
+def validate_experience(exp: Sample, vocab_size: int | None, max_abs_reward: float) -> Sample:
     """`Experience.validate`: raise `ExperienceValidationError` naming the first
     bad field; else return `exp`."""
     if not (isinstance(max_abs_reward, int | float) and 0 < max_abs_reward <= MAX_ABS_REWARD_LIMIT):

@@ -28,13 +28,12 @@ from detached_rl.core.buffer_door import (
     RejectedPushError,
     check_groups,
     check_int,
-    check_max_abs_reward,
     check_push,
     check_push_size,
 )
 from detached_rl.core.buffer_stats import describe, summary
 from detached_rl.core.experience import Experience
-from detached_rl.core.experience_checks import DEFAULT_MAX_ABS_REWARD
+from detached_rl.core.limits import DEFAULT_MAX_ABS_REWARD, check_max_abs_reward
 from detached_rl.core.staleness import is_stale
 
 # The door's names, importable from here too: the buffer raises the error, the maker

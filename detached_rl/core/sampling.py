@@ -10,8 +10,12 @@ on the last dimension; filtered entries become -inf.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# The functions import torch where they run: `SamplingConfig` is part of the run config, which loads no torch.
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig | None) -> tor
 
     Greedy decoding (`do_sample=False`) and `sampling=None` leave logits unchanged.
     """
+    import torch
+
     if sampling is None or not sampling.do_sample:
         return logits
     if sampling.temperature != 1.0:
@@ -61,12 +67,16 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig | None) -> tor
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[token] for logits [..., V] and tokens [...], without materialising log_softmax."""
+    import torch
+
     picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dimension; -inf logits (filtered tokens) contribute 0."""
+    import torch
+
     filtered = torch.isinf(logits)
     # Zero the -inf log-probs before the product: exp(-inf) * -inf is NaN in the
     # backward pass even where masked.

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from detached_rl.core.chunk_codec import EncodedChunk
+from detached_rl.core.limits import check_stall_s as check_stall_s
 from detached_rl.core.wire_compression import CompressedPiece, compress_piece, element_size, expand_piece
 
 DEFAULT_PIECE_BYTES = 1 << 20
@@ -244,14 +245,6 @@ class TransferProgress:
         with self._lock:
             return {"key": self.key, "what": self.what, "peer": self.peer, "done": self.done,
                     "total": self.total, "seconds": now - self.start, "idle_s": now - self.last_progress}
-
-
-def check_stall_s(name: str, value: Any) -> float:
-    """`value` as seconds if a finite number > 0, else a ValueError naming `name`."""
-    is_number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not is_number or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
 
 
 # `wait(refs, timeout)` -> the refs that are ready (local) among `refs`; `get(ref)` -> the piece.

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-COMPRESSIONS = ("auto", "zlib", "none")
+# The setting's names and check (torch-free, for the run config), importable from here too.
+from detached_rl.core.limits import COMPRESSIONS as COMPRESSIONS
+from detached_rl.core.limits import check_compression as check_compression
+
 ZLIB_LEVEL = 1  # higher levels gain ~1 % here and cost 3-5x the time
 
 
@@ -69,10 +72,3 @@ def expand_piece(piece: CompressedPiece, lengths: tuple[int, ...], sizes: tuple[
         parts.append(_unplanes(data[offset:offset + length], size))
         offset += length
     return tuple(parts)
-
-
-def check_compression(value: str, field: str) -> str:
-    """`value` if it is one of `COMPRESSIONS`, else a ValueError naming `field`."""
-    if value not in COMPRESSIONS:
-        raise ValueError(f"{field} must be one of {COMPRESSIONS}, got {value!r}")
-    return value

@@ -1,33 +1,29 @@
-"""Generation backends behind `GenerationBackend`, each taking weight updates through its own `WeightSink`."""
+"""Generation backends behind `GenerationBackend`, each taking weight updates through its own `WeightSink`.
 
-from detached_rl.generation.base import (
-    LORA_MODES,
-    GenerationBackend,
-    GenerationOutput,
-    ModuleWeightSink,
-    SinkCommit,
-    TensorLayout,
-    WeightSink,
-    left_pad,
-)
-from detached_rl.generation.hf import HFGenerationBackend, MergedLoraSink
-from detached_rl.generation.registry import GENERATION_BACKENDS, backend_factory, build_generation_backend
-from detached_rl.generation.vllm_config import VLLMConfig, engine_environment
+The names a config picks (backends, LoRA modes) and `VLLMConfig` are torch-free (`registry`, `vllm_config`);
+every public name here is imported on first use.
+"""
 
-__all__ = [
-    "GENERATION_BACKENDS",
-    "LORA_MODES",
-    "GenerationBackend",
-    "GenerationOutput",
-    "HFGenerationBackend",
-    "MergedLoraSink",
-    "ModuleWeightSink",
-    "SinkCommit",
-    "TensorLayout",
-    "VLLMConfig",
-    "WeightSink",
-    "backend_factory",
-    "build_generation_backend",
-    "engine_environment",
-    "left_pad",
-]
+from detached_rl.core.lazy import lazy_exports
+
+# Public name -> its module, imported on first use (importing the package loads no torch).
+_LAZY = {
+    "GenerationBackend": "detached_rl.generation.base",
+    "GenerationOutput": "detached_rl.generation.base",
+    "ModuleWeightSink": "detached_rl.generation.base",
+    "SinkCommit": "detached_rl.generation.base",
+    "TensorLayout": "detached_rl.generation.base",
+    "WeightSink": "detached_rl.generation.base",
+    "left_pad": "detached_rl.generation.base",
+    "HFGenerationBackend": "detached_rl.generation.hf",
+    "MergedLoraSink": "detached_rl.generation.hf",
+    "GENERATION_BACKENDS": "detached_rl.generation.registry",
+    "LORA_MODES": "detached_rl.generation.registry",
+    "backend_factory": "detached_rl.generation.registry",
+    "build_generation_backend": "detached_rl.generation.registry",
+    "VLLMConfig": "detached_rl.generation.vllm_config",
+    "engine_environment": "detached_rl.generation.vllm_config",
+}
+__getattr__ = lazy_exports(__name__, _LAZY)
+
+__all__ = sorted(_LAZY)

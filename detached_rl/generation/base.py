@@ -14,7 +14,7 @@ seam as Hugging Face `generate`. A new backend provides:
   policy's tokenizer (`Actor.encode_prompts`), with `prompt_ids` filled in.
 * `engine`: "<backend>:<dtype>" of the behaviour log-probs ("hf:float32", "vllm:bfloat16"), stamped
   into each experience's `info["engine"]`; trainers correct log-probs of any engine but their own.
-* `weight_sink`: a `WeightSink` (see `detached_rl.core.weight_sync`) that takes the policy's
+* `weight_sink`: a `WeightSink` (see `detached_rl.weights.update`) that takes the policy's
   verified updates under the trainer's state-dict names: `layout` (the keys, shapes and dtypes
   it accepts), `state` (the tensors as served, for fingerprints), `stage` (outside the lock),
   `write` (under the generation lock: in mode "in_place" once per chunk) and `commit` (make
@@ -36,16 +36,12 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
+from detached_rl.weights.sink import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
 
 if TYPE_CHECKING:
     from detached_rl.models.actor import Prompt
 
-# How a maker serves a LoRA policy: "keep" the adapter modules, or "merge" them into plain weights.
-LORA_MODES = ("keep", "merge")
-
 __all__ = [
-    "LORA_MODES",
     "GenerationBackend",
     "GenerationOutput",
     "ModuleWeightSink",

@@ -11,12 +11,13 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from detached_rl.core.devices import to_device
 from detached_rl.core.sampling import SamplingConfig, token_log_probs
-from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, WeightSink
-from detached_rl.generation.base import LORA_MODES, GenerationOutput, left_pad
+from detached_rl.generation.base import GenerationOutput, left_pad
+from detached_rl.generation.registry import LORA_MODES
 from detached_rl.models.actor import Actor, Prompt
 from detached_rl.models.lora import check_lora_update, lora_backend, lora_config_dict
 from detached_rl.models.lora_merge import LoraMergeTarget
 from detached_rl.models.shared_prefix import run_distinct_prompts, supports_shared_prefix
+from detached_rl.weights.sink import ModuleWeightSink, SinkCommit, WeightSink
 
 __all__ = ["CACHE_IMPLEMENTATIONS", "GENERATION_DTYPES", "BehaviourLogProbs", "HFGenerationBackend",
            "LoraModuleSink",

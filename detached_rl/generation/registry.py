@@ -1,4 +1,5 @@
-"""Generation backends by name, for `MakerConfig.backend`: a new backend is one module and one line here."""
+"""Generation backends by name, for `MakerConfig.backend` (a new backend is one module and one line here), and
+the LoRA modes they take (`MakerConfig.lora_mode`); torch-free, so the run config checks both."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from detached_rl.generation.base import GenerationBackend
-
 if TYPE_CHECKING:
+    from detached_rl.generation.base import GenerationBackend
     from detached_rl.models.actor import Actor
 
-BackendFactory = Callable[..., GenerationBackend]
+BackendFactory = Callable[..., "GenerationBackend"]
+# How a maker serves a LoRA policy: "keep" the adapter modules, or "merge" them into plain weights.
+LORA_MODES = ("keep", "merge")
 
 # Name -> factory `(actor, lora_mode="keep", **options) -> GenerationBackend`, or "module:attribute" naming
 # one, imported on first use (so an engine's heavy or optional package loads only when chosen).
@@ -43,6 +45,8 @@ def build_generation_backend(name: str, actor: Actor, lora_mode: str = "keep",
                              options: Mapping[str, Any] | None = None) -> GenerationBackend:
     """Build backend `name` for `actor`; options it does not take are refused naming
     `MakerConfig.backend_options`."""
+    from detached_rl.generation.base import GenerationBackend
+
     factory = backend_factory(name)
     options = dict(options or {})
     try:

@@ -48,11 +48,12 @@ import torch
 from torch import Tensor, nn
 
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
-from detached_rl.generation.base import LORA_MODES, GenerationOutput
+from detached_rl.generation.base import GenerationOutput
+from detached_rl.generation.registry import LORA_MODES
 from detached_rl.generation.vllm_lora import KeepModeLayout, VLLMLoraSink, engine_lora_rank
 from detached_rl.models.actor import Actor, Prompt
 from detached_rl.models.lora import lora_backend
+from detached_rl.weights.sink import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
 
 __all__ = ["VLLMBackend", "VLLMLoraSink", "VLLMWeightSink", "vllm_available"]
 

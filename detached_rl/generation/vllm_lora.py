@@ -38,8 +38,8 @@ from peft.tuners.lora import Linear as PeftLinear
 from peft.tuners.lora import LoraLayer as PeftLoraLayer
 from torch import Tensor, nn
 
-from detached_rl.core.weight_sink import ModuleWeightSink, SinkCommit, SinkUnchanged, TensorLayout
 from detached_rl.models.lora import check_lora_update, lora_backend, lora_config_dict
+from detached_rl.weights.sink import ModuleWeightSink, SinkCommit, SinkUnchanged, TensorLayout
 
 __all__ = ["KeepModeLayout", "VLLMLoraSink", "engine_lora_rank"]
 

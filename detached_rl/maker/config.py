@@ -1,4 +1,4 @@
-"""`MakerConfig`: how a maker generates and talks to trainers.
+"""`MakerConfig`: how a maker generates and talks to trainers (torch-free: part of the run config).
 
 Re-exported by `detached_rl.maker.experience_maker`, where it was defined before.
 """
@@ -10,20 +10,24 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from detached_rl.core.labels import check_label_selector
+from detached_rl.core.limits import (
+    DEFAULT_MAX_VERSION_JUMP,
+    DEFAULT_MAX_WEIGHT_CHANGE,
+    check_float_dtype,
+    check_stall_s,
+)
 from detached_rl.core.resources import check_amount, check_resources
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.transfer import check_stall_s
-from detached_rl.core.weight_receiver import DEFAULT_MAX_VERSION_JUMP, DEFAULT_MAX_WEIGHT_CHANGE
-from detached_rl.generation.base import LORA_MODES
-from detached_rl.generation.registry import GENERATION_BACKENDS
+from detached_rl.generation.registry import GENERATION_BACKENDS, LORA_MODES
 from detached_rl.generation.vllm_config import VLLMConfig, vllm_config_with
-from detached_rl.maker.pusher import PUSH_POLICIES
 
 # What a maker asks its LoRA trainers for when it registers (`MakerConfig.first_update`).
 FIRST_UPDATES = ("adapter", "full")
+PUSH_POLICIES = ("round_robin", "least_full")  # how a maker picks the trainer of its next push
+# How long a maker waits for its trainers and scorer groups to appear by name when it starts
+# (`ExperienceMakerHolder`'s attach_timeout_s).
+ATTACH_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -58,8 +62,9 @@ class MakerConfig:
     # tensor's RMS, floored at 0.01): an optimizer step moves weights by about its learning rate.
     # None: no bound.
     max_weight_change: float | None = DEFAULT_MAX_WEIGHT_CHANGE
-    # A maker that asked for newer weights (to keep its samples trainable) and got none this long registers
-    # with its trainers again and takes what they offer (e.g. a trainer resumed from a checkpoint).
+    # A maker waiting for newer weights that got none this long registers with its trainers again and takes
+    # what they offer (e.g. a trainer resumed from a checkpoint); not where updates came at a known pace and
+    # stopped: that wait ends by the stall rule instead (the one wait policy, `maker/wait_policy.py`).
     resync_after_s: float = 30.0
     # Tag each sample with the weights' fingerprint (costs a checksum).
     record_weights_fingerprint: bool = False
@@ -132,9 +137,7 @@ class MakerConfig:
                 raise ValueError(f"MakerConfig.{name} must be > 0, got {getattr(self, name)}")
         for name in ("weight_stall_timeout_s", "push_stall_timeout_s"):
             check_stall_s(f"MakerConfig.{name}", getattr(self, name))
-        if self.weight_cast_dtype is not None and not isinstance(getattr(torch, self.weight_cast_dtype, None),
-                                                                 torch.dtype):
-            raise ValueError(f"MakerConfig.weight_cast_dtype {self.weight_cast_dtype!r} is not a torch dtype")
+        check_float_dtype(self.weight_cast_dtype, "MakerConfig.weight_cast_dtype")
 
     def backend_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the backend's factory: `backend_options` (vLLM: over the `vllm` section)."""

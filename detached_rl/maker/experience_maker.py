@@ -23,21 +23,22 @@ from detached_rl.core.experience import Experience
 from detached_rl.core.experience_batch import collate
 from detached_rl.core.prompts import PromptSource, as_prompt_item
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.weight_receiver import (
-    WeightReceiver,
-)
-from detached_rl.core.weight_sync import ApplyResult, Fetch, OffTrainerError, WeightUpdate, restrict_update
 from detached_rl.generation.base import GenerationBackend
 from detached_rl.generation.registry import build_generation_backend
 from detached_rl.maker.config import MakerConfig
 from detached_rl.models.actor import Actor, reference_sampling
-from detached_rl.models.base_fingerprint import BaseCheckedSink, base_keys
 from detached_rl.models.lora import lora_backend
 from detached_rl.models.reward import RewardScorer
 from detached_rl.models.scalar_heads import Critic
 from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest
 from detached_rl.scorer.service import PendingScores, ScoringService
 from detached_rl.strategies import NaiveStrategy, Strategy, check_strategy
+from detached_rl.weights.base_fingerprint import BaseCheckedSink, base_keys
+from detached_rl.weights.receiver import (
+    WeightReceiver,
+)
+from detached_rl.weights.subscriber import WeightSubscriber
+from detached_rl.weights.update import ApplyResult, Fetch, OffTrainerError, WeightUpdate, restrict_update
 
 NOT_SYNCED = -1  # receiver version before the first weight update from a trainer
 
@@ -139,6 +140,9 @@ class ExperienceMaker:
             version=NOT_SYNCED, max_version_jump=self.config.max_version_jump,
             max_weight_change=self.config.max_weight_change, lock_timeout=self.config.weight_timeout_s,
         )
+        # Registration and its answer go through the weight path's subscriber, pushes through the same intake.
+        self.subscriber = WeightSubscriber(self.receiver, self._take_update,
+                                           lambda: self.registration_fingerprint)
         self.batches = 0
         self.samples_made = 0
         self.tokens_made = 0
@@ -189,13 +193,18 @@ class ExperienceMaker:
             update, fetch = restrict_update(update, held, fetch)
         try:
             # No deadline over the whole update: the fetch fails a stalled transfer itself, however long a
-            # progressing one takes (`maker.weight_stall_timeout_s`, `actors.transport.tracked_fetch`).
+            # progressing one takes (`maker.weight_stall_timeout_s`, `weights.ray_wire.tracked_fetch`).
             return self.receiver.receive(update, fetch, timeout=None, reset=reset, swap=swap)
         except Exception as error:
             self.last_error = f"weight update v{update.manifest.version}: {error}"
             if isinstance(error, OffTrainerError) and not reset:
                 self.resync_reason = self.last_error
             raise
+
+    def _take_update(self, update: WeightUpdate, fetch: Fetch, *, reset: bool = False) -> ApplyResult:
+        """The subscriber's intake: a registration's answer swapped in now, a push at the next safe point (the
+        trainer never waits for a batch)."""
+        return self.apply_weight_update(update, fetch, reset=reset, swap="now" if reset else "at_safe_point")
 
     def add_callbacks(self, *callbacks: BatchCallback) -> None:
         """Call these (in order) around every batch `make_experience` makes; see `BatchCallback`."""

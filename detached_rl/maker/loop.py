@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from detached_rl.core.replay_buffer import NEWER_THAN_TRAINER
-from detached_rl.core.weight_sync import ApplyResult, Fetch, WeightUpdate
+from detached_rl.maker import wait_policy
 from detached_rl.maker.experience_maker import ExperienceMaker
 from detached_rl.maker.pusher import ExperiencePusher
+from detached_rl.maker.wait_policy import Decision, WaitLimits, WaitState
 
 logger = logging.getLogger(__name__)
 
@@ -25,40 +26,8 @@ NOT_SYNCED_POLL_S = 0.05
 VERSION_POLL_S = 0.02
 # A `wait_for_ack` wait flushes in slices this long, so that a stop request is noticed.
 ACK_POLL_S = 1.0
-# A wait for fresh weights gives up once no newer weights have come for this many update intervals (as the
-# maker saw them), plus one per version still missing: the trainer is then short of samples, because batches
-# it counted on did not come (a maker gone, samples dropped), and this maker generates rather than wait.
-STALL_UPDATES = 3
 # Weight of the newest interval in the running estimate of the time between two weight updates.
 INTERVAL_WEIGHT = 0.25
-
-
-def update_to_apply(offered: Sequence[WeightUpdate | None], policy_version: int,
-                    trainer_run: str | None, force: bool = False) -> WeightUpdate | None:
-    """The update a maker should take of those its trainers offer, or None.
-
-    The newest one, if it is newer than the maker's weights or comes from a trainer run the maker
-    does not follow (a trainer resumed from a checkpoint restarts at an older version); with `force`
-    (a maker that found itself off its trainers' weights), also if it is older.
-    """
-    updates = [update for update in offered if update is not None]
-    if not updates:
-        return None
-    newest = max(updates, key=lambda update: update.manifest.version)
-    new_run = newest.manifest.metadata.get("trainer_run") not in (None, trainer_run)
-    version = newest.manifest.version
-    return newest if version > policy_version or new_run or (force and version != policy_version) else None
-
-
-def take_offered(maker: ExperienceMaker, offered: Sequence[WeightUpdate | None], fetch: Fetch,
-                 force: bool = False) -> ApplyResult | None:
-    """Apply the update `update_to_apply` chooses (pulling its chunks with `fetch`); None if none is chosen.
-
-    `offered` are the answers of the maker's own registration with its trainers, so the update is
-    applied as an explicit reset: the maker follows that trainer run from then on, at that version.
-    """
-    update = update_to_apply(offered, maker.policy_version, maker.receiver.trainer_run, force)
-    return None if update is None else maker.apply_weight_update(update, fetch, reset=True)
 
 
 class MakerLoop:
@@ -85,11 +54,11 @@ class MakerLoop:
         # ones (see `resync_now`).
         self.resync = resync
         self.resyncs = 0
-        # Waits for fresh weights: how many, seconds in all, and how many ended because no weights came.
-        self.fresh_waits = {"waits": 0, "seconds": 0.0, "stalled": 0}
+        # Waits for fresh weights: how many, seconds in all, and how many ended without them because updates
+        # stopped coming (`stalled`) or after `weight_timeout_s` without a newer version (`timed_out`).
+        self.fresh_waits = {"waits": 0, "seconds": 0.0, "stalled": 0, "timed_out": 0}
         self.update_interval: float | None = None  # running estimate of the seconds between weight updates
         self._seen: tuple[int, float] | None = None  # the newest policy version seen, and when first seen
-        self._gave_up = False  # the latest wait ended because weight updates stopped coming (`stalled`)
         self._stalled_since_seen = False  # a wait gave up since the newest version came: an abnormal interval
 
     def run(
@@ -147,36 +116,18 @@ class MakerLoop:
                     stale_seen = stats["dropped_stale_by_trainer"]
                     versions = [t["last_version"] for t in stats["per_trainer"].values() if t["last_version"]]
                     if versions:
-                        self.wait_or_resync(max(versions))
+                        self.wait_for_version(max(versions))
             pusher.flush(timeout=config.push_timeout_s)
         except Exception as error:
             maker.last_error = f"{type(error).__name__}: {error}"
             raise
         return made
 
-    def wait_or_resync(self, version: int, paced: bool = False) -> bool:
-        """Wait for weights of `version` or newer; if none came within `resync_after_s`, register with the
-        trainers again (they may have moved on without this maker, as a trainer resumed from a checkpoint
-        does) and wait out the rest of `weight_timeout_s`. True if they came.
-
-        `paced`: the wait an acknowledgement asks for, which may span several versions: its timeouts count
-        from the newest weights seen, and it ends when weight updates stop coming (`stalled`).
-        """
-        config = self.maker.config
-        first = min(config.resync_after_s, config.weight_timeout_s)
-        came = self.wait_for_version(version, first, paced)
-        if came or self.resync is None or self.stop.is_set() or self._gave_up:
-            return self.maker.policy_version >= version
-        if self.maker.resync_reason is None:
-            self.maker.resync_reason = f"asked for weights v{version} or newer, none came within {first:g} s"
-        self.resync_now()
-        return self.wait_for_version(version, config.weight_timeout_s - first, paced)
-
     def wait_for_fresh_weights(self, version: int) -> bool:
         """Wait for the weights an acknowledgement's `oldest_useful_version` asks for (paced); counted."""
         start = self.clock()
         try:
-            return self.wait_or_resync(version, paced=True)
+            return self.wait_for_version(version, paced=True)
         finally:
             self.fresh_waits["waits"] += 1
             self.fresh_waits["seconds"] += self.clock() - start
@@ -204,45 +155,68 @@ class MakerLoop:
                                         f"{stats['last_error']}")
         return rejected
 
-    def wait_for_version(self, version: int, timeout: float, paced: bool = False) -> bool:
-        """Wait up to `timeout` s (or until `stop`, or a reason to register again) for weights of `version` or
-        newer; True if they came.
+    def wait_for_version(self, version: int, timeout: float | None = None, paced: bool = False) -> bool:
+        """Wait for weights of `version` or newer, doing each poll what the wait policy says
+        (`maker/wait_policy.py`): wait, register again, end the wait (generate) or stop; True if they came.
 
-        `paced`: `timeout` counts from the newest weights seen, and the wait gives up once weight updates
-        have stopped coming (`stalled`).
+        `timeout`: seconds without a newer version before the wait ends (default `weight_timeout_s`).
+        `paced`: the version is an acknowledgement's bound, which the trainer has yet to reach; otherwise a
+        catch-up to a version the trainers hold. A paced wait that ends without its weights is counted in
+        `fresh_waits` (`stalled` or `timed_out`).
         """
-        self._gave_up = False
         self.observe_version()
-        start = self.clock()
-        while (self.maker.policy_version < version and not self.stop.is_set()
-               and self.maker.resync_reason is None):
-            since = max(start, self._seen[1]) if paced and self._seen is not None else start
-            if self.clock() >= since + timeout:
-                break
-            if paced and self.stalled(version):
-                self.give_up_waiting()
-                break
-            self.sleep(VERSION_POLL_S)
+        start, resynced = self.clock(), False
+        while True:
+            state, limits = self.wait_state(version, start, paced, resynced), self.wait_limits(timeout)
+            decision = wait_policy.decide(state, limits)
+            if decision is Decision.WAIT:
+                self.sleep(VERSION_POLL_S)
+            elif decision is Decision.RESYNC:
+                if self.maker.resync_reason is None:
+                    resynced = True
+                    self.maker.resync_reason = (f"asked for weights v{version} or newer, none came within "
+                                                f"{limits.resync_after_s:g} s")
+                self.resync_now()
+            else:
+                if decision is Decision.GENERATE and paced and state.missing:
+                    self.give_up_waiting(timed_out=not wait_policy.stalled(state, limits))
+                return self.maker.policy_version >= version
             self.observe_version()
-        return self.maker.policy_version >= version
 
-    def give_up_waiting(self) -> None:
-        """Record that a wait for fresh weights ended because they stopped coming (`stalled`)."""
-        self._gave_up = self._stalled_since_seen = True
-        self.fresh_waits["stalled"] += 1
+    def decide(self, version: int, start: float, paced: bool = False,
+               timeout: float | None = None) -> Decision:
+        """The wait policy's decision now for a wait for `version` begun at `start` (a time of `clock`)."""
+        return wait_policy.decide(self.wait_state(version, start, paced), self.wait_limits(timeout))
 
-    def stalled(self, version: int) -> bool:
-        """True once past `stall_deadline(version)`."""
-        deadline = self.stall_deadline(version)
-        return deadline is not None and self.clock() > deadline
+    def wait_state(self, version: int, start: float, paced: bool, resynced: bool = False) -> WaitState:
+        """What a wait for `version` begun at `start` sees now (`start`: a time of `clock`)."""
+        now = self.clock()
+        seen_at = start if self._seen is None else self._seen[1]
+        return WaitState(since_update_s=max(now - seen_at, 0.0), update_interval_s=self.update_interval,
+                         missing=max(version - self.maker.policy_version, 0), waited_s=max(now - start, 0.0),
+                         paced=paced, resynced=resynced, resync_asked=self.maker.resync_reason is not None,
+                         stop_asked=self.stop.is_set())
+
+    def wait_limits(self, timeout: float | None = None) -> WaitLimits:
+        """The wait policy's settings from the maker's config (read each poll), `timeout` overriding
+        `weight_timeout_s`."""
+        config = self.maker.config
+        return WaitLimits(resync_after_s=config.resync_after_s,
+                          timeout_s=config.weight_timeout_s if timeout is None else timeout)
+
+    def give_up_waiting(self, timed_out: bool = False) -> None:
+        """Record that a paced wait ended without its weights: they stopped coming (`stalled`), or
+        `timed_out`."""
+        self._stalled_since_seen = True
+        self.fresh_waits["timed_out" if timed_out else "stalled"] += 1
 
     def stall_deadline(self, version: int) -> float | None:
-        """When a wait for `version` has stalled: no newer weights for `STALL_UPDATES` update intervals, plus
-        one per version still missing (the makers due last give up last); None before an interval is known."""
-        if self.update_interval is None or self._seen is None:
+        """When a paced wait for `version` counts as stalled (the wait policy's rule 4, as a time of `clock`);
+        None before an interval is known."""
+        if self._seen is None:
             return None
-        missing = max(version - self.maker.policy_version, 0)
-        return self._seen[1] + (STALL_UPDATES + missing) * self.update_interval
+        after = wait_policy.stall_after_s(self.update_interval, max(version - self.maker.policy_version, 0))
+        return None if after is None else self._seen[1] + after
 
     def observe_version(self) -> None:
         """Note the maker's policy version now; a newer one updates the interval estimate (`update_interval`),

@@ -45,8 +45,8 @@ from typing import Any
 from detached_rl.core.experience import Experience
 from detached_rl.core.replay_buffer import AppendResult
 from detached_rl.core.transfer import check_stall_s, describe_answer, human_bytes
+from detached_rl.maker.config import PUSH_POLICIES
 
-PUSH_POLICIES = ("round_robin", "least_full")  # how a maker picks the trainer of its next push
 DROP_REASONS = ("rejected", "failed", "stopped")
 _COUNTERS = (
     "pushes", "samples_pushed", "acked_pushes", "accepted", "duplicates", "dropped_stale_by_trainer",

@@ -6,51 +6,34 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from detached_rl.core.sampling import SamplingConfig, process_logits  # noqa: E402
-from detached_rl.models.actor import Actor, reference_sampling  # noqa: E402
-from detached_rl.models.loaders import (  # noqa: E402
-    load_causal_lm,
-    load_model_dir,
-    load_smollm2,
-    minilm_dir,
-    smollm2_dir,
-    tiny_causal_lm,
-    tiny_tokenizer,
-)
-from detached_rl.models.lora import (  # noqa: E402
-    LoraSettings,
-    apply_lora,
-    count_parameters,
-    load_lora_state_dict,
-    lora_config_dict,
-    lora_state_dict,
-    merged_model,
-)
-from detached_rl.models.reward import FunctionReward, RetokenizingRewardModel, RewardScorer  # noqa: E402
-from detached_rl.models.scalar_heads import Critic, RewardModel  # noqa: E402
+from detached_rl.core.lazy import lazy_exports  # noqa: E402
 
-__all__ = [
-    "Actor",
-    "Critic",
-    "FunctionReward",
-    "LoraSettings",
-    "RetokenizingRewardModel",
-    "RewardModel",
-    "RewardScorer",
-    "SamplingConfig",
-    "apply_lora",
-    "count_parameters",
-    "load_causal_lm",
-    "load_model_dir",
-    "load_lora_state_dict",
-    "load_smollm2",
-    "lora_config_dict",
-    "lora_state_dict",
-    "merged_model",
-    "minilm_dir",
-    "process_logits",
-    "reference_sampling",
-    "smollm2_dir",
-    "tiny_causal_lm",
-    "tiny_tokenizer",
-]
+# Public name -> its module, imported on first use (importing the package loads no torch).
+_LAZY = {
+    "SamplingConfig": "detached_rl.core.sampling",
+    "process_logits": "detached_rl.core.sampling",
+    "Actor": "detached_rl.models.actor",
+    "reference_sampling": "detached_rl.models.actor",
+    "load_causal_lm": "detached_rl.models.loaders",
+    "load_model_dir": "detached_rl.models.loaders",
+    "load_smollm2": "detached_rl.models.loaders",
+    "minilm_dir": "detached_rl.models.loaders",
+    "smollm2_dir": "detached_rl.models.loaders",
+    "tiny_causal_lm": "detached_rl.models.loaders",
+    "tiny_tokenizer": "detached_rl.models.loaders",
+    "LoraSettings": "detached_rl.models.lora_settings",
+    "apply_lora": "detached_rl.models.lora",
+    "count_parameters": "detached_rl.models.lora",
+    "load_lora_state_dict": "detached_rl.models.lora",
+    "lora_config_dict": "detached_rl.models.lora",
+    "lora_state_dict": "detached_rl.models.lora",
+    "merged_model": "detached_rl.models.lora",
+    "FunctionReward": "detached_rl.models.reward",
+    "RetokenizingRewardModel": "detached_rl.models.reward",
+    "RewardScorer": "detached_rl.models.reward",
+    "Critic": "detached_rl.models.scalar_heads",
+    "RewardModel": "detached_rl.models.scalar_heads",
+}
+__getattr__ = lazy_exports(__name__, _LAZY)
+
+__all__ = sorted(_LAZY)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import loralib
 import peft
 from peft.tuners.lora import LoraLayer as PeftLoraLayer
 from torch import nn
 
-if TYPE_CHECKING:
-    from detached_rl.models.lora import LoraSettings
+from detached_rl.models.lora_settings import LoraSettings
 
 # apply_lora keeps the resolved LoraSettings of a loralib model here (peft keeps its own peft_config).
 SETTINGS_ATTR = "_detached_rl_lora_settings"
@@ -58,3 +55,18 @@ def model_bias(model: nn.Module) -> str:
         return config.bias if config is not None else "none"
     settings = loralib_settings(model)
     return settings.bias if settings is not None else "none"
+
+
+def base_keys(model: nn.Module) -> list[str]:
+    """State-dict keys of the frozen base: every tensor that is no trainable parameter of the LoRA model."""
+    # A merge-mode target (`LoraMergeTarget`) keeps the keys of the LoRA model it was built from.
+    frozen = getattr(model, "frozen_base_keys", None)
+    if frozen is not None:
+        return list(frozen)
+    if lora_backend(model) is None:
+        raise ValueError("model has no LoRA modules")
+    return [
+        key
+        for key, tensor in model.state_dict(keep_vars=True).items()
+        if not (isinstance(tensor, nn.Parameter) and tensor.requires_grad)
+    ]

@@ -25,25 +25,10 @@ from peft.tuners.lora import LoraLayer as PeftLoraLayer
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-# Base fingerprints live in `base_fingerprint`; their names stay importable from here.
-from detached_rl.models.base_fingerprint import (
-    CAST_FINGERPRINT_DTYPES,
-    base_fingerprint,
-    base_keys,
-    base_state_fingerprint,
-    cast_base_fingerprints,
-    dtype_name,
-    fingerprint_cast_dtype,
-    lowest_precision_dtype,
-    sent_base_fingerprint,
-)
 from detached_rl.models.lora import lora_backend, lora_config_dict
+from detached_rl.models.lora_backend import base_keys
 
-__all__ = [
-    "CAST_FINGERPRINT_DTYPES", "LoraMergeTarget", "base_fingerprint", "base_keys", "base_state_fingerprint",
-    "cast_base_fingerprints", "dtype_name", "fingerprint_cast_dtype", "lowest_precision_dtype",
-    "sent_base_fingerprint",
-]
+__all__ = ["LoraMergeTarget"]
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,12 @@ import torch
 
 from detached_rl.core.devices import to_device
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.core.weight_receiver import WeightReceiver
-from detached_rl.core.weight_sync import ApplyResult, Fetch, WeightUpdate, restrict_update
 from detached_rl.models.actor import reference_sampling
 from detached_rl.scorer.config import SCORER_ROLES
 from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest, merge_requests
+from detached_rl.weights.receiver import WeightReceiver
+from detached_rl.weights.subscriber import WeightSubscriber
+from detached_rl.weights.update import ApplyResult, Fetch, WeightUpdate, restrict_update
 
 
 class Scorer:
@@ -48,6 +49,9 @@ class Scorer:
         if role == "critic":
             # Starts below any trainer version: the first update (offered on registration) is always taken.
             self.receiver = WeightReceiver({"critic": self.model}, lock=self.lock, version=-1)
+        # Critic: registers with the trainers and takes their pushes through the weight path's subscriber.
+        self.subscriber = (None if self.receiver is None
+                           else WeightSubscriber(self.receiver, self.apply_weight_update))
         self.requests = 0
         self.batches = 0
         self.rows = 0

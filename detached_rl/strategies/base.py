@@ -195,3 +195,14 @@ class Strategy(ABC):
                 raise ValueError(f"{path}: the checkpoint holds no optimizer state")
             optimizer.load_state_dict(state["optimizer"])
         return state["extra"]
+
+
+def check_strategy(value: Any, where: str = "strategy") -> Strategy:
+    """`value` when it is a `Strategy` instance; else TypeError naming `where` (a
+    name or a factory is refused)."""
+    if not isinstance(value, Strategy):
+        hint = " (call make_strategy(name) for one by name)" if isinstance(value, str) else \
+            " (call the factory and pass what it returns)" if callable(value) else ""
+        raise TypeError(f"{where} must be a detached_rl Strategy instance (NaiveStrategy, "
+                        f"DDPStrategy, ...); got {type(value).__name__}{hint}")
+    return value

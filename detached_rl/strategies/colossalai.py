@@ -32,8 +32,8 @@ from torch import nn
 
 from detached_rl.strategies.ddp import DDPStrategy
 from detached_rl.strategies.optim import OptimizerConfig, build_optimizer
+from detached_rl.strategies.registry import CPU_STRATEGIES
 
-CPU_STRATEGIES = ("naive", "ddp", "colossalai_ddp")
 INSTALL_HINT = (
     "install it beside torch with `make colossalai` "
     "(pip install --no-deps colossalai==0.5.0 einops galore-torch bitsandbytes)"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -64,6 +66,8 @@ def build_optimizer(
     parameters: list[torch.nn.Parameter], config: OptimizerConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over `parameters` and its schedule (call `scheduler.step()` after each optimizer step)."""
+    import torch  # here, not at the top: `OptimizerConfig` is part of the run config, which loads no torch
+
     if not parameters:
         raise ValueError("build_optimizer: no trainable parameters")
     config.lr_factor(config.warmup_steps)  # a decaying schedule without its length is refused here

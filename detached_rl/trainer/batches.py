@@ -4,10 +4,32 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from detached_rl.trainer.core import TrainerCore
+from detached_rl.algorithms.learner import Learner
+from detached_rl.core.replay_buffer import ReplayBuffer
+from detached_rl.strategies.base import Strategy
+from detached_rl.trainer.config import TrainerConfig
+
+
+class TrainerView(Protocol):
+    """What drawing a batch reads of a trainer (`TrainerCore` is one)."""
+
+    name: str
+    config: TrainerConfig
+    buffer: ReplayBuffer
+    learner: Learner
+    strategy: Strategy
+    policy_version: int
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether `stop()` asked the running `fit` to end."""
+        ...
+
+    def wait_for_batch(self) -> None:
+        """Block until every rank holds a full batch."""
+        ...
 
 
 class TrainingStopped(Exception):
@@ -22,12 +44,12 @@ class BatchSource(Protocol):
     for the buffer's own next batch.
     """
 
-    def next_batch(self, core: TrainerCore) -> tuple[list[Any], dict[str, float]]:
+    def next_batch(self, core: TrainerView) -> tuple[list[Any], dict[str, float]]:
         """The next training batch and its metrics."""
         ...
 
 
-def wait_for_batch(core: TrainerCore) -> None:
+def wait_for_batch(core: TrainerView) -> None:
     """Block until every rank holds a full batch; all ranks give up together when one times out."""
     size = core.config.train_batch_size
     deadline = time.monotonic() + core.config.batch_timeout_s
@@ -45,7 +67,7 @@ def wait_for_batch(core: TrainerCore) -> None:
                 "are the makers running and pushing here?"
             )
 
-def sample_waiting(core: TrainerCore, count: int) -> list[Any]:
+def sample_waiting(core: TrainerView, count: int) -> list[Any]:
     """`count` samples from this rank's buffer, waiting up to `batch_timeout_s` (no collectives)."""
     deadline = time.monotonic() + core.config.batch_timeout_s
     while True:
@@ -61,7 +83,7 @@ def sample_waiting(core: TrainerCore, count: int) -> list[Any]:
                 "makers running?"
             )
 
-def next_batch(core: TrainerCore) -> tuple[list[Any], dict[str, float]]:
+def next_batch(core: TrainerView) -> tuple[list[Any], dict[str, float]]:
     """The next training batch: learner-defined (e.g. whole groups, dynamic sampling) or plain FIFO."""
     if not core.learner.assembles_batches:
         core.wait_for_batch()

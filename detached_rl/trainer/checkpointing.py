@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from detached_rl.core.checkpoint import CheckpointError, load_state, rng_state, save_atomic, set_rng_state
-from detached_rl.core.weight_sync import Put
+from detached_rl.core.replay_buffer import ReplayBuffer
+from detached_rl.strategies.base import Strategy
 from detached_rl.trainer.resume import merge_buffer_states
+from detached_rl.weights.publisher import WeightPublisher
+from detached_rl.weights.update import Put
 
-if TYPE_CHECKING:
-    from detached_rl.trainer.core import TrainerCore
+
+class CheckpointedTrainer(Protocol):
+    """What a checkpoint saves and restores of a trainer rank (`TrainerCore` is one)."""
+
+    learner: Any
+    buffer: ReplayBuffer
+    strategy: Strategy
+    weights: WeightPublisher
+    weights_lock: threading.Lock
+    push_lock: threading.Lock
+    policy_version: int
+    samples_trained: int
 
 
-def save_checkpoint(core: TrainerCore, directory: str | Path) -> Path:
+def save_checkpoint(core: CheckpointedTrainer, directory: str | Path) -> Path:
     """Save `core`'s rank to `directory/rank_<r>` atomically."""
     path = Path(directory) / f"rank_{core.strategy.rank}"
     with core.weights_lock:
@@ -23,7 +37,7 @@ def save_checkpoint(core: TrainerCore, directory: str | Path) -> Path:
     return save_atomic(state, path)
 
 
-def load_checkpoint(core: TrainerCore, directory: str | Path, put: Put | None = None) -> None:
+def load_checkpoint(core: CheckpointedTrainer, directory: str | Path, put: Put | None = None) -> None:
     """Restore `core`'s rank from `directory`; with `put`, rebuild the update makers start from."""
     state = load_state(Path(directory) / f"rank_{core.strategy.rank}")
     steps = core.strategy.all_gather_object(state["policy_version"])
@@ -38,8 +52,4 @@ def load_checkpoint(core: TrainerCore, directory: str | Path, put: Put | None = 
             core.policy_version, core.samples_trained = state["policy_version"], state["samples_trained"]
         set_rng_state(state["rng"])
     if put is not None:
-        with core.delivery.registration_lock:
-            # The loaded base may be another than the one fingerprinted at the start: makers holding that one
-            # refuse the next LoRA update and register for a full one. Without `adapter_only` it is full.
-            core.delivery.refresh_base_fingerprints()
-            core.build_update(put, None if core.delivery.adapter_only else "full")
+        core.weights.reload(put)

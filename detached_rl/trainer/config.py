@@ -1,18 +1,21 @@
 """The trainer's settings: `TrainerConfig` (one trainer) and `TrainerGroupConfig`
-(ranks, strategy, placement)."""
+(ranks, strategy, placement); torch-free, part of the run config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from detached_rl.core.experience import DEFAULT_MAX_ABS_REWARD
 from detached_rl.core.labels import check_label_selector
-from detached_rl.core.replay_buffer import check_max_abs_reward
+from detached_rl.core.limits import (
+    DEFAULT_MAX_ABS_REWARD,
+    WEIGHT_SYNC_KINDS,
+    check_compression,
+    check_max_abs_reward,
+    check_stall_s,
+)
 from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_amount, check_resources
-from detached_rl.core.transfer import check_stall_s
-from detached_rl.core.weight_sync import KINDS as WEIGHT_SYNC_KINDS
-from detached_rl.core.wire_compression import check_compression
+from detached_rl.strategies.registry import STRATEGIES
 
 
 @dataclass
@@ -35,7 +38,7 @@ class TrainerConfig:
     # "lora": send only trainable tensors (LoRA adapters) after the first full update
     weight_sync: str = "full"
     # With weight_sync "full": makers that serve bf16 (any dtype narrower than the trainer's) get each version
-    # as the bf16 values that changed since the one they hold, where that is smaller (`core.weight_encoding`).
+    # as the bf16 values that changed since the one they hold, where that is smaller (`weights.encoding`).
     sparse_deltas: bool = True
     # An update a maker answers about but is not receiving (its intake busy, its generation lock held) fails
     # after this long; a non-overlapped step waits at most this long for its makers' acknowledgements.
@@ -80,7 +83,7 @@ class TrainerGroupConfig:
     """How many trainer ranks, trained with which strategy, placed how (one Ray
     placement-group bundle per rank)."""
 
-    strategy: str = "naive"  # naive | ddp | colossalai_ddp | colossalai_zero2 | colossalai_gemini
+    strategy: str = "naive"  # a name in `STRATEGIES` (naive, ddp, colossalai_ddp, colossalai_zero2, ...)
     world_size: int = 1
     placement_strategy: str = "PACK"  # PACK: ranks on as few nodes as fit; SPREAD: over as many as possible
     # What each rank asks Ray for; a naive trainer is a 1-rank group and asks for these too. Fractions of a
@@ -97,8 +100,6 @@ class TrainerGroupConfig:
     label_selector: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from detached_rl.strategies import STRATEGIES
-
         check_resources(self.resources, "TrainerGroupConfig.resources")
         check_label_selector(self.label_selector, "TrainerGroupConfig.label_selector")
 

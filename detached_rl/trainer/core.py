@@ -2,9 +2,9 @@
 
 `TrainerCore` is the plain class inside `DetachedPPOTrainer` and `DetachedGRPOTrainer`; it uses nothing of
 its learner (`PPOLearner`, `GRPOLearner`, any `Learner`) beyond the `Learner` protocol. Transport is
-injected (`put` stores a weight chunk once; updates go out through a `WeightPushQueue` owned by
-`trainer.weight_delivery`), so the whole loop runs in unit tests without Ray. Versions: the weights after
-step k are version k; a sample's staleness is `policy_version - sample.policy_version`.
+injected (`put` stores a weight chunk once; updates go out through `core.weights`, the rank's
+`WeightPublisher` of `detached_rl.weights`), so the whole loop runs in unit tests without Ray. Versions: the
+weights after step k are version k; a sample's staleness is `policy_version - sample.policy_version`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,7 +24,6 @@ import torch
 from detached_rl.algorithms.learner import Learner
 from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
 from detached_rl.core.staleness import GenerationLedger
-from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate
 from detached_rl.strategies import check_strategy
 from detached_rl.trainer.batches import BatchSource, TrainingStopped, next_batch, wait_for_batch
 from detached_rl.trainer.checkpointing import load_checkpoint, save_checkpoint
@@ -37,8 +36,10 @@ from detached_rl.trainer.steps import (  # noqa: F401 - info_means and TrainerCa
     skip_message,
     skipped_steps,
 )
-from detached_rl.trainer.weight_delivery import SendUpdate, WeightDelivery
-from detached_rl.trainer.weight_push import WeightPushQueue
+from detached_rl.weights.publisher import WeightPublisher
+from detached_rl.weights.push_queue import SendUpdate, WeightPushQueue
+from detached_rl.weights.source import PublishConfig, WeightSource
+from detached_rl.weights.update import Put
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,8 +49,8 @@ class TrainerCore:
     """Owns the learner, the replay buffer and the policy version; runs `fit`.
 
     Public hooks: `batch_source` (`set_batch_source`) replaces where batches come from, `add_callbacks` adds
-    step callbacks (`TrainerCallback`), `step()` is one step with `fit`'s bookkeeping, `register_makers` adds
-    makers by name, `update_reference` and `with_learner` touch the weights under the weights lock.
+    step callbacks (`TrainerCallback`), `step()` is one step with `fit`'s bookkeeping, `weights.add_makers`
+    adds makers by name, `update_reference` and `with_learner` touch the weights under the weights lock.
     """
 
     def __init__(self, name: str, learner: Learner, config: TrainerConfig | None = None,
@@ -104,8 +105,13 @@ class TrainerCore:
         self._update_steps = 1  # `fit`'s: makers only ever receive versions that are multiples of it
         # The batches acknowledgements told makers to generate next, counted by later ones (paces the makers).
         self._generation = GenerationLedger(self.config.train_batch_size, self.config.max_staleness or 0)
-        self.delivery = WeightDelivery(self)
-        for model_name, size in self.delivery.synced_in_full.items():
+        self.weights = WeightPublisher(
+            name, self.run_id,
+            WeightSource(models=learner.synced_models, tensors=self._synced_tensors,
+                         policy=lambda: self.strategy.unwrap(learner.actor).model, lock=self.weights_lock,
+                         version=lambda: self.policy_version),
+            self.strategy, PublishConfig.of(self.config), self._report_weight_error)
+        for model_name, size in self.weights.synced_in_full.items():
             logger.warning("trainer %s: weight_sync='lora' but the %s has no LoRA; every update carries its "
                            "trainable tensors in full (%d bytes; see weight_sync/bytes/%s). Give it LoRA "
                            "(apply_lora) or freeze it to ship less.", name, model_name, size, model_name)
@@ -141,89 +147,18 @@ class TrainerCore:
         """What a step took from the buffer lately (`samples_per_step` of the recent history)."""
         return samples_per_step(self.history, self.config.train_batch_size)
 
-    # ---------------------------------------------------------------- weights out (`WeightDelivery`)
-    @property
-    def makers(self) -> set[str]:
-        """Every maker registered with this rank."""
-        return self.delivery.makers
+    # ---------------------------------------------------------------- weights out (`WeightPublisher`)
+    def _synced_tensors(self, trainable_only: bool) -> dict[str, Iterator[tuple[str, torch.Tensor]]]:
+        """(name, tensor) streams of the synced models, gathered by the strategy shard by shard."""
+        return {
+            name: self.strategy.named_tensors(model, prefix, only_trainable=trainable_only)
+            for name, (model, prefix) in self.learner.synced_sources().items()
+        }
 
-    @property
-    def latest_update(self) -> WeightUpdate | None:
-        """The newest update built (what makers registering now start from)."""
-        return self.delivery.latest_update
-
-    @property
-    def fingerprints(self) -> dict[int, str]:
-        """Version -> weights fingerprint of each update built (with `record_weights_fingerprint`)."""
-        return self.delivery.fingerprints
-
-    @property
-    def base_fingerprint(self) -> str | None:
-        """The LoRA base's fingerprint (LoRA sync only)."""
-        return self.delivery.base_fingerprint
-
-    @property
-    def cast_base_fingerprints(self) -> dict[str, str]:
-        """dtype name -> the LoRA base's fingerprint cast to it."""
-        return self.delivery.cast_base_fingerprints
-
-    @property
-    def synced_in_full(self) -> dict[str, int]:
-        """Synced models without LoRA that every LoRA-only update carries whole, with their bytes."""
-        return self.delivery.synced_in_full
-
-    def synced_models(self) -> dict[str, torch.nn.Module]:
-        """The models makers mirror (PPO: policy and critic; GRPO: the policy)."""
-        return self.delivery.synced_models()
-
-    def synced_state(self, trainable_only: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-        """State dicts of the synced models; with `trainable_only`, just what training changes (LoRA)."""
-        return {name: dict(tensors) for name, tensors in self.delivery.synced_tensors(trainable_only).items()}
-
-    @property
-    def pushes_weights(self) -> bool:
-        """False on ranks other than 0 of a strategy that shards the weights (rank 0 pushes for all)."""
-        return self.delivery.pushes_weights
-
-    def build_update(self, put: Put, kind: str | None = None) -> tuple[WeightUpdate, SendStats]:
-        """Snapshot the current weights into an update ("full", or "lora": trainable tensors only)."""
-        return self.delivery.build_update(put, kind)
-
-    def register_maker(self, name: str, base_fingerprint: str | None = None, put: Put | None = None,
-                       serving_dtype: str | None = None) -> WeightUpdate | None:
-        """Record a maker; returns the update it should start from.
-
-        With LoRA sync, a maker that holds the same base weights (equal fingerprint; for a maker that
-        casts weights, equal after casting both bases to its dtype) gets the latest LoRA-only update;
-        any other maker gets a full update of the current weights. `serving_dtype` (or the cast prefix of its
-        fingerprint, "bfloat16:..."): the dtype the maker stores weights in; a narrower one than the trainer's
-        gets updates in it (`trainer.wire_variants`).
-        """
-        return self.delivery.register(name, base_fingerprint, put, serving_dtype)
-
-    def makers_of_this_rank(self) -> list[str]:
-        """This rank's share of every maker registered with any rank (same answer on every rank)."""
-        return self.delivery.makers_of_this_rank()
-
-    def sync_weights(self, put: Put, send_update: SendUpdate | WeightPushQueue) -> dict[str, float]:
-        """Build an update of the current weights and offer it to this rank's makers through the push queue.
-
-        The update is offered to every maker and the step goes on: each maker acknowledges once it has
-        verified it (and swaps it in between two of its batches), a maker still busy with the previous one
-        gets this one next. Without `overlap_weight_push`, the step then waits (up to `weight_push_timeout_s`)
-        for those acknowledgements. A plain `send_update` function is wrapped into a queue
-        (`push_queue_over`).
-        """
-        return self.delivery.sync(put, send_update)
-
-    def finish_weight_push(self) -> Mapping[str, Any]:
-        """Wait for weight updates still in flight; each maker's latest result ({} if none)."""
-        return self.delivery.finish()
-
-    def offer_resumed_weights(self, send_update: SendUpdate | WeightPushQueue) -> None:
-        """Send the weights a resume loaded to every maker registered so far (they started from the version
-        this trainer had before loading, which its training has left behind)."""
-        self.delivery.offer_resumed(send_update)
+    def _report_weight_error(self, shown: str | None, replaced: str | None) -> None:
+        """Show the publisher's error in `last_error` (with `replaced`: only if that one is still shown)."""
+        if replaced is None or self.last_error == replaced:
+            self.last_error = shown
 
     def wait_for_batch(self) -> None:
         """Block until every rank holds a full batch; all ranks give up together when one times out."""
@@ -249,11 +184,6 @@ class TrainerCore:
             method = getattr(callback, hook, None)
             if method is not None:
                 method(*args)
-
-    def register_makers(self, names: Iterable[str]) -> None:
-        """Add makers by name, without an update to start from (they take the next push)."""
-        with self.delivery.registration_lock:
-            self.delivery.makers.update(names)
 
     def update_reference(self, alpha: float) -> bool:
         """Polyak update of the learner's reference model: ref <- alpha * policy + (1 - alpha) * ref, under
@@ -373,7 +303,8 @@ class TrainerCore:
                 self.learner.train_epochs = train_epochs
             if resume_from is not None:
                 self.load_checkpoint(resume_from, put)
-                self.offer_resumed_weights(send_update)
+                # Makers that registered before the load started from the version it left behind.
+                self.weights.offer_latest(send_update)
             self._update_steps = update_steps
             while self.policy_version < total_steps and not self._stop.is_set():
                 # Its `history` row is added once the push's metrics are in it: a reader (`run`'s driver polls
@@ -385,16 +316,16 @@ class TrainerCore:
                 try:
                     if push_when(step) if push_when is not None else step % update_steps == 0 or last:
                         self._notify("on_push_start", step)
-                        pushed = self.sync_weights(put, send_update)
+                        pushed = self.weights.publish(put, send_update)
                         self._notify("on_push_end", step, pushed)
                 finally:
                     self.history.append({**metrics, **pushed})
                 if checkpoint_every and (step % checkpoint_every == 0 or last):
                     self.save_checkpoint(checkpoint_dir)
-            self.finish_weight_push()  # makers hold the last version before they are stopped
+            self.weights.finish()  # makers hold the last version before they are stopped
         except TrainingStopped:
             # asked to stop while waiting for data: end like a finished run, at this step
-            self.finish_weight_push()
+            self.weights.finish()
         except BaseException as error:
             self.state = "failed"
             self.last_error = f"{type(error).__name__}: {error}"
@@ -403,7 +334,7 @@ class TrainerCore:
             self._stop.clear()  # a stop request ends this run only; a later fit starts fresh
         self.state = "stopped" if self.policy_version < total_steps else "done"
         if stop_makers is not None and self.config.stop_makers_at_end:
-            stop_makers(self.makers_of_this_rank())
+            stop_makers(self.weights.makers_of_this_rank())
         return {"steps": len(self.history), "policy_version": self.policy_version,
                 "seconds": time.perf_counter() - start, "buffer": self.buffer.stats()}
 
@@ -432,11 +363,11 @@ class TrainerCore:
             "buffer_max_samples": stats["max_samples"],
             "samples_trained": self.samples_trained,
             "samples_per_s": self.samples_trained / elapsed if elapsed > 0 else 0.0,
-            "makers": sorted(self.makers),
+            "makers": sorted(self.weights.makers),
             "stops_makers_at_end": self.config.stop_makers_at_end,
             "skipped_steps": self.skipped_steps,
             "skip_reasons": dict(self.skip_reasons),
             "last_skip": self.last_skip,
             "last_error": self.last_error,
-            **self.delivery.status(),
+            **self.weights.status(),
         }

@@ -8,8 +8,13 @@ from typing import Any
 
 from detached_rl.compat.coati.callbacks import Callbacks
 from detached_rl.compat.coati.settings import coati_metrics
+from detached_rl.core.buffer_door import RejectedPushError, check_push
+from detached_rl.core.experience import Experience
 from detached_rl.trainer.batches import next_batch as buffer_batch
 from detached_rl.trainer.core import TrainerCore
+
+#: Fields of coati's own `Experience` (one batch of padded sequences), which `training_step` does not take.
+COATI_EXPERIENCE_FIELDS = ("sequences", "action_log_probs", "attention_mask", "action_mask")
 
 
 class CoatiRounds:
@@ -124,6 +129,29 @@ class CoatiSession:
         if self.rounds is not None:
             self.callbacks.on_update_end()
             self.callbacks.on_episode_end(self.rounds.step // self.rounds.steps_per_round - 1)
+
+
+def training_batch(experience: Any, core: TrainerCore) -> list[Experience]:
+    """What `training_step(experience)` trains on: one `Experience` or a non-empty list of them, each checked
+    as a push to `core` would be; anything else is refused naming the element and the field."""
+    items = list(experience) if isinstance(experience, list | tuple) else [experience]
+    if not items:
+        raise ValueError("training_step: experience is empty; pass a list of Experience (at least one)")
+    for index, item in enumerate(items):
+        if type(item) is not Experience and all(hasattr(item, name) for name in COATI_EXPERIENCE_FIELDS):
+            raise TypeError(
+                f"training_step: experience[{index}] is coati's batched Experience ({type(item).__name__} "
+                f"with {', '.join(COATI_EXPERIENCE_FIELDS)}), which this trainer does not take: pass a list "
+                "of detached_rl.core.experience.Experience, one per sample (prompt_ids, response_ids, "
+                "log_probs, reward, values); the trainer computes advantages and returns itself")
+    buffer = core.buffer
+    try:
+        check_push(items, core.policy_version, vocab_size=buffer.vocab_size,
+                   max_abs_reward=buffer.max_abs_reward, max_sequence_length=buffer.max_sequence_length,
+                   buffered=None)
+    except RejectedPushError as error:
+        raise ValueError(f"training_step: {error}") from None
+    return items
 
 
 def coati_trainer_core(*args: Any, callbacks: Callbacks | None = None, **kwargs: Any) -> TrainerCore:

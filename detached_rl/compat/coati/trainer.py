@@ -11,11 +11,11 @@ import ray
 import torch
 
 from detached_rl.actors.trainer import TRAINER_GROUPS, PPOTrainerShell
-from detached_rl.actors.transport import attach, dispatch_weight_update, put_chunk
+from detached_rl.actors.transport import attach
 from detached_rl.algorithms.ppo import PPOConfig
 from detached_rl.compat.coati.callbacks import Callbacks, PerformanceEvaluator
 from detached_rl.compat.coati.peers import _actor_name, _names, _namespace
-from detached_rl.compat.coati.rounds import CoatiRounds, CoatiSession
+from detached_rl.compat.coati.rounds import CoatiRounds, CoatiSession, training_batch
 from detached_rl.compat.coati.saving import save_critic, save_model
 from detached_rl.compat.coati.settings import (
     COATI_METRICS,
@@ -27,6 +27,7 @@ from detached_rl.compat.coati.settings import (
 from detached_rl.compat.placement import PlacementCheckedActorClass
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.strategies import Strategy
+from detached_rl.weights.ray_wire import ray_send_update
 
 
 class CoatiPPOTrainer(PPOTrainerShell):
@@ -110,19 +111,23 @@ class CoatiPPOTrainer(PPOTrainerShell):
         if fully_update:
             self.sync_models_to_remote_makers()
             return
-        core = self.trainer_core()
-        update, _ = core.build_update(put_chunk)
-        results = dispatch_weight_update(update, self.maker_names, self.namespace,
-                                         self.config.weight_push_timeout_s)
-        failed = {name: str(result) for name, result in results.items() if isinstance(result, BaseException)}
+        weights = self.trainer_core().weights
+        weights.add_makers(self.maker_names)  # coati pushes to the makers it was given, registered or not
+        send = ray_send_update(self.namespace, self.config.weight_push_timeout_s)
+        metrics = weights.publish(self.put_chunk, send)
+        failed = {name: weights.lost[name] for name in self.maker_names if name in weights.lost}
         if failed:
-            raise RuntimeError(f"weight update v{update.manifest.version} failed on makers {failed}")
+            version = int(metrics["weight_sync/version"])
+            raise RuntimeError(f"weight update v{version} failed on makers {failed}")
 
     @ray.method(concurrency_group="compute")
     def training_step(self, experience: Any) -> dict[str, float]:
-        """Train on one batch (a list of `Experience`, or one); returns {"actor_loss", "critic_loss"}."""
+        """Train on one batch (a list of `Experience`, or one); returns {"actor_loss", "critic_loss"}.
+
+        Anything else (coati's own batched `Experience` included) is refused naming the element and field.
+        """
         core = self.trainer_core()
-        self.session.inject(list(experience) if isinstance(experience, list | tuple) else [experience])
+        self.session.inject(training_batch(experience, core))
         metrics = coati_metrics(core.train_step())
         return {alias: metrics[alias] for alias in COATI_METRICS}
 

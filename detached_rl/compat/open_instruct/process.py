@@ -15,7 +15,6 @@ import torch
 
 from detached_rl.actors.placement import actor_device
 from detached_rl.actors.trainer import TRAINER_GROUPS, GRPOTrainerShell
-from detached_rl.actors.transport import dispatch_weight_update, put_chunk
 from detached_rl.compat.open_instruct.config import (
     ModelConfig,
     _args,
@@ -38,12 +37,17 @@ from detached_rl.compat.open_instruct.learner import (
     matmul_dtype,
     open_instruct_step_metrics,
 )
-from detached_rl.compat.placement import PlacementCheckedActorClass
+from detached_rl.compat.open_instruct.namespaces import (
+    LearnerActorClass,
+    misplaced_maker,
+    no_batch_advice,
+)
 from detached_rl.core.checkpoint import has_checkpoint, load_state, save_atomic
 from detached_rl.models.export import save_merged
 from detached_rl.strategies import NaiveStrategy, Strategy
 from detached_rl.strategies.hardware import device_peak
 from detached_rl.trainer.config import TrainerConfig
+from detached_rl.weights.ray_wire import ray_send_update
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +129,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
                                                                               vllm_config, tokenizer)
         self._master: tuple[str, int] | None = None
         self._master_actor = master
+        self._misplaced: dict[str, str] = {}  # maker -> why its registration was refused
         if master_addr is not None and master_port is not None:
             self._master = (master_addr, int(master_port))
         elif rank == 0 and world_size > 1:
@@ -182,7 +187,7 @@ class PolicyTrainerProcess(GRPOTrainerShell):
             raise ValueError(f"{directory}: only ranks {[r for r, f in enumerate(every) if f]} have "
                              f"checkpoint state; every one of the {len(every)} ranks needs its rank_<r> "
                              "folder")
-        core.load_checkpoint(directory, put_chunk)
+        core.load_checkpoint(directory, self.put_chunk)
         return StepsDone(core.policy_version, self._client_state(Path(directory), core.policy_version))
 
     def _client_state(self, directory: Path, version: int) -> dict[str, Any] | None:
@@ -202,13 +207,18 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         core = self.trainer_core()
         names = [_maker_name(engine, self.config.weight_push_timeout_s) for engine in vllm_engines]
         for maker in names:
-            try:
-                ray.get_actor(maker, namespace=self.namespace)
-            except ValueError:
-                raise ValueError(f"maker {maker!r} is not in Ray namespace {self.namespace!r}, where learner "
-                                 f"{self.name!r} sends weights: create it with .options(name={maker!r}, "
-                                 f"namespace={self.namespace!r})") from None
-        core.register_makers(names)
+            if (advice := misplaced_maker(maker, self.name, self.namespace)) is not None:
+                raise ValueError(advice)
+        core.weights.add_makers(names)
+
+    @ray.method(concurrency_group="model_io")
+    def register_maker(self, maker_name: str, *args: Any, **kwargs: Any) -> Any:
+        """The shell's `register_maker`, refusing a maker that weights could not reach (another namespace)."""
+        if (advice := misplaced_maker(maker_name, self.name, self.namespace)) is not None:
+            self._misplaced[maker_name] = advice
+            raise ValueError(advice)
+        self._misplaced.pop(maker_name, None)
+        return super().register_maker(maker_name, *args, **kwargs)
 
     @ray.method(concurrency_group="compute")
     def step(self) -> tuple[dict[str, float], dict[str, list[int]]]:
@@ -218,7 +228,11 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         `_token_count` and the other "_" keys are this rank's, for the driver.
         """
         core = self.trainer_core()
-        metrics = core.step()
+        try:
+            metrics = core.step()
+        except TimeoutError as error:  # no batch: say where makers must be to push here
+            advice = no_batch_advice(self.name, self.namespace, list(self._misplaced.values()))
+            raise TimeoutError(f"{error} {advice}") from error
         learner: ObservedGRPOLearner = core.learner  # type: ignore[assignment]
         out = open_instruct_step_metrics(metrics, self.algorithm.kl_coef, self.algorithm.kl_kind)
         prompts, responses = learner.last_prompt_lengths, learner.last_response_lengths
@@ -233,12 +247,8 @@ class PolicyTrainerProcess(GRPOTrainerShell):
 
         `model_step` is accepted for open-instruct's signature: the update carries the policy version.
         """
-        core = self.trainer_core()
-
-        def send(update: Any, makers: list[str]) -> Mapping[str, Any]:
-            return dispatch_weight_update(update, makers, self.namespace, self.config.weight_push_timeout_s)
-
-        return core.sync_weights(put_chunk, send)
+        send = ray_send_update(self.namespace, self.config.weight_push_timeout_s)
+        return self.trainer_core().weights.publish(self.put_chunk, send)
 
     @ray.method(concurrency_group="compute")
     def update_ref_policy(self) -> None:
@@ -301,6 +311,7 @@ def _not_loaded() -> Any:
 
 
 #: The learner rank as a Ray actor class (`.options(...)` as usual; `ModelGroup` creates the ranks);
-#: `.remote()` refuses at once a request the cluster can never place.
-PolicyTrainerRayProcess = PlacementCheckedActorClass(
+#: `.remote()` refuses at once a request the cluster can never place, and creates a named rank in the
+#: namespace it looks in (`LearnerActorClass`).
+PolicyTrainerRayProcess = LearnerActorClass(
     ray.remote(concurrency_groups=TRAINER_GROUPS)(PolicyTrainerProcess), "learner")

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from detached_rl.core.weight_sink import SinkCommit, TensorLayout, WeightSink
-from detached_rl.core.weight_sync import OffTrainerError, parse_dtype, state_fingerprint
-from detached_rl.models.lora import lora_backend
+from detached_rl.models.lora_backend import base_keys
+from detached_rl.weights.sink import SinkCommit, TensorLayout, WeightSink
+from detached_rl.weights.update import OffTrainerError, parse_dtype, state_fingerprint
 
 __all__ = [
     "CAST_FINGERPRINT_DTYPES", "BaseCheckedSink", "base_fingerprint", "base_keys", "base_state_fingerprint",
@@ -30,21 +30,6 @@ __all__ = [
 # Common cast targets of makers (`MakerConfig.weight_cast_dtype`): a LoRA trainer puts its base fingerprint
 # cast to each of them in every update's metadata, so all its ranks agree on what a casting maker must hold.
 CAST_FINGERPRINT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def base_keys(model: nn.Module) -> list[str]:
-    """State-dict keys of the frozen base: every tensor that is no trainable parameter of the LoRA model."""
-    # A merge-mode target (`LoraMergeTarget`) keeps the keys of the LoRA model it was built from.
-    frozen = getattr(model, "frozen_base_keys", None)
-    if frozen is not None:
-        return list(frozen)
-    if lora_backend(model) is None:
-        raise ValueError("model has no LoRA modules")
-    return [
-        key
-        for key, tensor in model.state_dict(keep_vars=True).items()
-        if not (isinstance(tensor, nn.Parameter) and tensor.requires_grad)
-    ]
 
 
 def base_fingerprint(model: nn.Module, cast_dtype: torch.dtype | None = None) -> str:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from detached_rl.core.transfer import TransferStalled, check_stall_s, describe_answer
-from detached_rl.core.weight_sync import ApplyResult, WeightUpdate
+from detached_rl.weights.update import ApplyResult, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ Send = Callable[[str, WeightUpdate], "Future[ApplyResult]"]
 # (version None: it receives nothing now).
 Progress = Callable[[str], "Future[Mapping[str, Any] | None]"]
 Locate = Callable[[str], "str | None"]  # maker -> the IP of its node, None if unknown
+# Delivers an update to the named makers and returns each one's result (an `ApplyResult` or the error).
+SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any]]
 
 
 @dataclass
@@ -337,3 +339,31 @@ def _what_answer(answer: Mapping[str, Any]) -> str:
     """'v3: 1.2 MB of 3.4 MB in 12.0 s (0.80 Mbit/s)' from a maker's progress answer."""
     return f"v{answer['version']}: {describe_answer(answer)}" if answer.get("version") is not None \
         else describe_answer(answer)
+
+
+def synchronous_send(send_update: SendUpdate) -> Send:
+    """A queue's `send` over a plain `send_update`: delivers to one maker at a time, in the caller's
+    thread."""
+
+    def send(maker: str, update: WeightUpdate) -> Future:
+        future: Future = Future()
+        result = send_update(update, [maker]).get(maker)
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+        return future
+
+    return send
+
+
+def push_queue_over(send_update: SendUpdate | WeightPushQueue, timeout: float,
+                    reuse: WeightPushQueue | None = None) -> WeightPushQueue:
+    """The queue to deliver through: `send_update` itself when it is one, else a queue over it (`reuse`'s
+    state kept: what makers acknowledged), sending synchronously (the one adapter for plain functions)."""
+    if isinstance(send_update, WeightPushQueue):
+        return send_update
+    if reuse is None:
+        return WeightPushQueue(synchronous_send(send_update), timeout)
+    reuse.send = synchronous_send(send_update)
+    return reuse

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from detached_rl.core.weight_encoding import INDICES, MASK, VALUES, apply_mask, apply_sparse
-from detached_rl.core.weight_sink import TensorLayout, WeightSink
-from detached_rl.core.weight_sync import (
+from detached_rl.weights.encoding import INDICES, MASK, VALUES, apply_mask, apply_sparse
+from detached_rl.weights.sink import TensorLayout, WeightSink
+from detached_rl.weights.update import (
     ENCODINGS,
     UPDATE_KINDS,
     ApplyResult,
@@ -35,10 +35,9 @@ from detached_rl.core.weight_sync import (
     tensor_checksum,
 )
 
-# The largest change an update of the followed run may make to a tensor, relative to the tensor: RMS of the
-# change over the tensor's RMS (floored at `CHANGE_FLOOR_RMS`, so tensors that start at zero, as LoRA's B, can
-# move). An optimizer step changes weights by about its learning rate; 10x the whole tensor is no training.
-DEFAULT_MAX_WEIGHT_CHANGE = 10.0
+# The largest change an update of the followed run may make to a tensor (`limits.DEFAULT_MAX_WEIGHT_CHANGE`)
+# is the RMS of the change over the tensor's RMS, floored at this, so tensors that start at zero (LoRA's B)
+# can move. An optimizer step changes weights by about its learning rate; 10x the whole tensor is no training.
 CHANGE_FLOOR_RMS = 1e-2
 # Float8 tensors have no min/max kernel: they are widened this many elements at a time to be checked.
 _WIDEN_ELEMENTS = 2**22

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from detached_rl.core.weight_sink import WeightSink
-from detached_rl.core.weight_sync import (
+from detached_rl.weights.sink import WeightSink
+from detached_rl.weights.update import (
     DEFAULT_CHUNK_BYTES,
     OffTrainerError,
     Put,

@@ -9,10 +9,7 @@ refusals are `OffTrainerError`s: registering again fixes them.
 
 from __future__ import annotations
 
-from detached_rl.core.weight_sync import OffTrainerError, WeightManifest, WeightUpdateError
-
-# Trainers push every `update_steps` steps; a push that skips more versions than this is no push of theirs.
-DEFAULT_MAX_VERSION_JUMP = 1000
+from detached_rl.weights.update import OffTrainerError, WeightManifest, WeightUpdateError
 
 
 def check_version(version: object) -> int:

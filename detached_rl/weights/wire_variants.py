@@ -1,7 +1,7 @@
 """Which encoding of each update each maker gets: the trainer's dtype, its serving dtype, or a sparse delta.
 
 A maker that stores its weights in a lower precision than the trainer's (bf16) is sent every update in that
-dtype (`core.weight_encoding`): the trainer learns it when the maker registers (`serving_dtype`, or the cast
+dtype (`weights.encoding`): the trainer learns it when the maker registers (`serving_dtype`, or the cast
 prefix of its base fingerprint, "bfloat16:<digest>"). With `trainer.sparse_deltas` and full updates, such a
 maker gets each new version as a delta against the version before it, when that is the version it
 acknowledged; else the full update in its dtype. That choice is made when the push queue sends (`dispatch`),
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from detached_rl.core.weight_encoding import Snapshot, build_variants, dtype_name, parse_wire_dtype
-from detached_rl.core.weight_sync import Put, SendStats, WeightUpdate
-from detached_rl.models.base_fingerprint import fingerprint_cast_dtype
-from detached_rl.trainer.weight_push import Send, WeightPushQueue
+from detached_rl.weights.base_fingerprint import fingerprint_cast_dtype
+from detached_rl.weights.encoding import Snapshot, build_variants, dtype_name, parse_wire_dtype
+from detached_rl.weights.push_queue import Send, WeightPushQueue
+from detached_rl.weights.update import Put, SendStats, WeightUpdate
 
 # Full updates kept per wire dtype for makers a delta does not fit (the newest versions only).
 _FULLS_KEPT = 2

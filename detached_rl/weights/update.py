@@ -27,9 +27,11 @@ import torch
 import xxhash
 from torch import Tensor
 
-KINDS = ("full", "lora")  # what a trainer syncs (`TrainerConfig.weight_sync`)
+from detached_rl.core.limits import WEIGHT_SYNC_KINDS
+
+KINDS = WEIGHT_SYNC_KINDS  # what a trainer syncs (`TrainerConfig.weight_sync`)
 # What an update may be: a "delta" is a full update sent as the elements changed since a base version
-# (`core.weight_encoding`).
+# (`weights.encoding`).
 UPDATE_KINDS = (*KINDS, "delta")
 # How a tensor travels: whole, or as the indices and values of the elements that differ from its base.
 ENCODINGS = ("dense", "sparse", "mask")
@@ -265,7 +267,7 @@ class UpdateBuilder:
 
         `host`: what to send for it, if not `original` itself on the CPU (e.g. a cast copy); `check`: refuse
         NaN/inf (skip when done already). `parts`: send these tensors instead (a sparse encoding of `host`,
-        see `core.weight_encoding`; `encoding` names it); the spec keeps `host`'s shape, dtype, size and
+        see `weights.encoding`; `encoding` names it); the spec keeps `host`'s shape, dtype, size and
         checksum.
         """
         if self.alias(name, original):

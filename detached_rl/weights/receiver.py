@@ -1,8 +1,8 @@
-"""`WeightReceiver`: a maker's side of the weight-update protocol (`core.weight_sync`).
+"""`WeightReceiver`: a maker's side of the weight-update protocol (`weights.update`).
 
-One way in, `receive`: it checks where a `WeightUpdate` comes from (`core.weight_provenance`), checks
+One way in, `receive`: it checks where a `WeightUpdate` comes from (`weights.provenance`), checks
 its manifest against its models' `WeightSink`s, pulls the chunks one at a time and verifies them
-(`core.weight_verify`), and then has the sinks swap the new weights in under the generation lock,
+(`weights.verify`), and then has the sinks swap the new weights in under the generation lock,
 `now` or at the next safe point. One safe point, `serving`: generation holds the lock per batch
 through it, and waiting updates are swapped in just before and just after. A refused update changes
 nothing; the previous version keeps serving.
@@ -19,10 +19,11 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from detached_rl.core.weight_encoding import base_lookup, check_delta_base, widest_stored_dtype
-from detached_rl.core.weight_provenance import DEFAULT_MAX_VERSION_JUMP, check_provenance, check_version
-from detached_rl.core.weight_sink import WeightSink, commit_update, left_unchanged, sinks_of
-from detached_rl.core.weight_sync import (
+from detached_rl.core.limits import DEFAULT_MAX_VERSION_JUMP, DEFAULT_MAX_WEIGHT_CHANGE
+from detached_rl.weights.encoding import base_lookup, check_delta_base, widest_stored_dtype
+from detached_rl.weights.provenance import check_provenance, check_version
+from detached_rl.weights.sink import WeightSink, commit_update, left_unchanged, sinks_of
+from detached_rl.weights.update import (
     ApplyResult,
     Fetch,
     TensorEntry,
@@ -32,8 +33,7 @@ from detached_rl.core.weight_sync import (
     fingerprint_of_entries,
     tensor_entries,
 )
-from detached_rl.core.weight_verify import (
-    DEFAULT_MAX_WEIGHT_CHANGE,
+from detached_rl.weights.verify import (
     Progress,
     StagedUpdate,
     UpdatePlan,
@@ -99,7 +99,7 @@ class WeightReceiver:
         self.after_swap = after_swap
         self.last_error: WeightUpdateError | None = None
         self._version = version
-        self._trainer_run = trainer_run  # the trainer run this receiver follows (`core.weight_provenance`)
+        self._trainer_run = trainer_run  # the trainer run this receiver follows (`weights.provenance`)
         self._dirty: set[str] = set()  # models left half-written by a failed update
         self._holds_trainer_weights = False  # an update was swapped in: later ones are bounded against it
         self._receive_lock = threading.Lock()  # one update received at a time

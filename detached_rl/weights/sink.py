@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from detached_rl.core.weight_sync import WeightManifest, check_model_name
+from detached_rl.weights.update import WeightManifest, check_model_name
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class WeightSink(Protocol):
     whose `metadata["lora"]` has another alpha). The receiver calls it, for each model the update
     names, after checking the manifest and before fetching or writing anything, and refuses the
     update with the error (a `WeightUpdateError` keeps its type: `OffTrainerError` says registering
-    again fixes it, as `detached_rl.models.base_fingerprint.BaseCheckedSink` raises for another base).
+    again fixes it, as `detached_rl.weights.base_fingerprint.BaseCheckedSink` raises for another base).
     """
 
     def layout(self) -> Mapping[str, TensorLayout]:
