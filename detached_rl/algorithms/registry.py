@@ -59,18 +59,21 @@ def register_advantage_estimator(name: str, *, uses_critic: bool = False) -> Cal
     return register
 
 
+def _known(registry: Any, name: str, what: str) -> str:
+    """`name`, if `registry` has it; else a ValueError naming the registered ones."""
+    if name not in registry:
+        raise ValueError(f"unknown {what} {name!r}; registered: {sorted(registry)}")
+    return name
+
+
 def get_advantage_estimator(name: str) -> Function:
     """The estimator registered as `name`; an unknown name is refused with the known ones."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name]
+    return ADVANTAGE_ESTIMATORS[_known(ADVANTAGE_ESTIMATORS, name, "advantage estimator")]
 
 
 def estimator_uses_critic(name: str) -> bool:
     """Whether the estimator registered as `name` needs a critic's values (an unknown name is refused)."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
-    return name in _USES_CRITIC
+    return _known(ADVANTAGE_ESTIMATORS, name, "advantage estimator") in _USES_CRITIC
 
 
 def register_policy_loss(name: str) -> Callable[[Function], Function]:
@@ -87,6 +90,4 @@ def register_policy_loss(name: str) -> Callable[[Function], Function]:
 
 def get_policy_loss(name: str) -> Function:
     """The policy loss registered as `name`; an unknown name is refused with the known ones."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
+    return POLICY_LOSSES[_known(POLICY_LOSSES, name, "policy loss")]

@@ -60,11 +60,6 @@ class WeightSubscriber:
         self.apply = apply
         self.fingerprint = fingerprint  # the base fingerprint to register with (None: send me a full update)
 
-    @property
-    def version(self) -> int:
-        """The version held (-1 before the first)."""
-        return self.receiver.version
-
     def choose(self, offered: Offered, force: bool = False) -> WeightUpdate | None:
         """The offered update worth taking (`update_to_apply`), or None."""
         return update_to_apply(offered, self.receiver.version, self.receiver.trainer_run, force)
