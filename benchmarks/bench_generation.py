@@ -9,7 +9,8 @@ peft LoRA adapter (r=16, alpha=32, every Linear layer but the output head), serv
 * `hf-fp32`: the HF backend in float32 with the adapter kept (the default maker before issue 19);
 * `hf-bf16`: the HF backend generating in bfloat16 (`maker.backend_options.dtype: bfloat16`);
 * `vllm-bf16`: vLLM's offline engine in this process, bfloat16, eager, the adapter kept as a vLLM LoRA
-adapter.
+adapter; `vllm-fp32`: the same in float32 (what `maker.vllm.dtype: auto` picks on a CPU without native
+bf16).
 
 Workloads: `16x32`: 16 distinct plain prompts x 32 new tokens (stop tokens disabled, so every response has
 32 tokens); `demo`: the default job's real batch, 2 `word_problems` chat prompts x 8 answers (the group
@@ -58,12 +59,13 @@ def build_backends(actor: Actor, names: list[str]) -> dict[str, Callable[[], obj
         "hf-bf16": lambda: HFGenerationBackend.from_actor(actor, dtype="bfloat16"),
     }
 
-    def vllm() -> object:
+    def vllm(dtype: str) -> object:
         from detached_rl.generation.vllm import VLLMBackend
 
-        return VLLMBackend.from_actor(actor, dtype="bfloat16", kv_cache_gb=1, max_model_len=1024)
+        return VLLMBackend.from_actor(actor, dtype=dtype, kv_cache_gb=1, max_model_len=1024)
 
-    factories["vllm-bf16"] = vllm
+    factories["vllm-bf16"] = lambda: vllm("bfloat16")
+    factories["vllm-fp32"] = lambda: vllm("float32")
     return {name: factories[name] for name in names}
 
 

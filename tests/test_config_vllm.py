@@ -39,7 +39,7 @@ def test_bad_values_are_refused_naming_the_field(field, value, message):
 
 def test_defaults_and_backend_kwargs():
     config = VLLMConfig()
-    assert (config.dtype, config.kv_cache_gb, config.lora_versions_kept) == ("bfloat16", 1, None)
+    assert (config.dtype, config.kv_cache_gb, config.lora_versions_kept) == ("auto", 1, None)
     # no run: the servable version and the one before
     assert config.backend_kwargs()["lora_versions_kept"] == 2
     assert VLLMConfig(lora_versions_kept=5).backend_kwargs()["lora_versions_kept"] == 5

@@ -277,3 +277,15 @@ def test_the_mini_batch_order_is_the_learners_own_seeded_and_checkpointed():
     assert not all(torch.equal(first[name], other[name]) for name in first)  # the seed orders the samples
     resumed = weights(trained(5, steps=1, state=trained(3, steps=1).state_dict()))
     assert all(torch.equal(first[name], resumed[name]) for name in first)
+
+
+def test_auto_autocast_is_resolved_for_the_learners_device():
+    """`autocast_dtype: auto`: the learner trains in bfloat16 where its device computes it natively, else in
+    float32, and its engine name and matmul dtype say which."""
+    from detached_rl.core.native_dtypes import native_bfloat16
+
+    grpo = learner(autocast_dtype="auto")
+    native = native_bfloat16(grpo.strategy.device)
+    assert grpo.autocast_dtype == ("bfloat16" if native else None)
+    assert grpo.engine == ("hf:autocast-bfloat16" if native else "hf:float32")
+    assert grpo.matmul_dtype() == ("bfloat16" if native else "float32")

@@ -123,3 +123,21 @@ def test_the_lane_gpus_peak_is_its_table_entry_or_a_plausible_measurement():
         assert spec.peak_flops["bfloat16"] / 2 < measured <= spec.peak_flops["bfloat16"] * 1.05
     else:
         assert peak.source.startswith("measured") and peak.value > 1e12
+
+
+
+def test_auto_dtypes_take_bfloat16_only_where_the_device_computes_it_natively():
+    """"auto" (the main job's trainer autocast and vLLM engine dtype): bfloat16 on a device with native bf16,
+    the fallback elsewhere; an explicit dtype or None is kept whatever the device."""
+    from pathlib import Path
+
+    from detached_rl.core.native_dtypes import NATIVE_BF16_CPU_FLAGS, native_bfloat16, resolve_auto_dtype
+
+    assert resolve_auto_dtype("auto", "cpu", None, native=lambda device: True) == "bfloat16"
+    assert resolve_auto_dtype("auto", "cpu", None, native=lambda device: False) is None
+    assert resolve_auto_dtype("auto", "cpu", "float32", native=lambda device: False) == "float32"
+    for explicit in ("bfloat16", "float16", None):
+        assert resolve_auto_dtype(explicit, "cpu", "float32", native=lambda device: False) == explicit
+    flags = Path("/proc/cpuinfo").read_text()
+    assert native_bfloat16("cpu") == any(f" {flag}" in flags for flag in NATIVE_BF16_CPU_FLAGS)
+    assert not native_bfloat16("meta")

@@ -332,6 +332,26 @@ def test_evaluate_grades_greedy_answers_and_leaves_counters_and_cursor_alone():
     assert maker.samples_made == 0 and maker.prompts.state_dict() == cursor
 
 
+def test_evaluate_with_min_version_grades_once_that_version_is_served():
+    """A held-out point for step N waits for version N (swapped in meanwhile by another thread), and one whose
+    version never comes grades with what is served after `weight_timeout_s`."""
+    import threading
+
+    maker, trainer, store = make_pair()
+    maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
+    for _ in range(2):
+        trainer.push_experience(maker.make_experience())
+    trainer.train_step()
+    update, _ = trainer.weights.snapshot(store.put)
+    swap = threading.Timer(0.3, lambda: maker.apply_weight_update(update, store.fetch))
+    swap.start()
+    graded = maker.evaluate(arithmetic_prompts(2), min_version=1)
+    swap.join()
+    assert {r["policy_version"] for r in graded} == {1}
+    maker.config.weight_timeout_s = 0.2
+    assert {r["policy_version"] for r in maker.evaluate(arithmetic_prompts(2), min_version=5)} == {1}
+
+
 def test_oldest_useful_version_counts_the_step_under_way_and_the_queue():
     # Trainer at v3 mid-step with one full batch queued: the next batch is trained at v5.
     assert oldest_useful_version(3, True, 8, 8, max_staleness=1) == 4

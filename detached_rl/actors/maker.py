@@ -198,10 +198,11 @@ class MakerShell:
         return self.core.policy_version
 
     @ray.method(concurrency_group="evaluation")
-    def evaluate(self, items: Sequence[Any], sampling: SamplingConfig | None = None) -> list[dict[str, Any]]:
+    def evaluate(self, items: Sequence[Any], sampling: SamplingConfig | None = None,
+                 min_version: int | None = None) -> list[dict[str, Any]]:
         """Answer and grade held-out prompts with the current weights (greedy unless `sampling` says
-        otherwise)."""
-        return self.core.evaluate(items, sampling)
+        otherwise), once `min_version` is served if given."""
+        return self.core.evaluate(items, sampling, min_version=min_version)
 
     @ray.method(concurrency_group="compute")
     def run(self, num_batches: int | None = None) -> dict[str, Any]:

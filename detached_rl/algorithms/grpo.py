@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -56,12 +57,15 @@ from detached_rl.algorithms.step_guard import skip_metrics, step_unless_nonfinit
 from detached_rl.core.devices import host_floats
 from detached_rl.core.experience import Experience
 from detached_rl.core.experience_batch import ExperienceBatch, collate
+from detached_rl.core.native_dtypes import resolve_auto_dtype
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.models.actor import Actor, reference_sampling
 from detached_rl.models.lora import lora_backend, merged_model
 from detached_rl.strategies import check_strategy
 from detached_rl.strategies.base import Strategy
 from detached_rl.strategies.hardware import peak_flops
+
+logger = logging.getLogger(__name__)
 
 # The learner's config, importable from here too: the trainers, the run config and compat
 # build it with the learner.
@@ -99,6 +103,10 @@ class GRPOLearner(EpochsFromConfig):
         self.policy_loss = get_policy_loss(self.config.policy_loss)
         self.ratio_observers: list[RatioObserver] = []
         self.strategy = strategy
+        self.autocast_dtype = resolve_auto_dtype(self.config.autocast_dtype, strategy.device, otherwise=None)
+        if self.config.autocast_dtype == "auto":
+            logger.info("autocast_dtype auto on %s: %s", strategy.device,
+                        self.autocast_dtype or "float32 (no native bfloat16 there)")
         self.actor, self.optimizer, self.scheduler = strategy.prepare_training(
             actor, self.config.actor_optimizer)
         self.reference: Actor | None = None
@@ -123,7 +131,7 @@ class GRPOLearner(EpochsFromConfig):
     def engine(self) -> str:
         """The engine of this trainer's log-probs (`trainer_engine`): "hf:float32",
         "hf:autocast-bfloat16", ..."""
-        return trainer_engine(self.policy.model, self.config.autocast_dtype)
+        return trainer_engine(self.policy.model, self.autocast_dtype)
 
     @property
     def max_sampling_rounds(self) -> int:
@@ -282,7 +290,7 @@ class GRPOLearner(EpochsFromConfig):
             names.TIME_TRAINING: elapsed,
             "perf/tokens_per_s": tokens / elapsed,
             "perf/samples_per_s": batch.size / elapsed,
-            "perf/mfu": flops / elapsed / peak_flops(self.strategy.device, self._matmul_dtype()),
+            "perf/mfu": flops / elapsed / peak_flops(self.strategy.device, self.matmul_dtype()),
             "lr/actor": self.optimizer.param_groups[0]["lr"],
         })
         return names.with_aliases(metrics)
@@ -292,19 +300,19 @@ class GRPOLearner(EpochsFromConfig):
         on their metrics' keys."""
         return not self.strategy.all_true(not flag)
 
-    def _matmul_dtype(self) -> str:
-        """The dtype the training matmuls run in: `autocast_dtype`, else the
-        policy's bf16/fp16, else float32."""
-        if self.config.autocast_dtype is not None:
-            return self.config.autocast_dtype
+    def matmul_dtype(self) -> str:
+        """The dtype the training matmuls run in: the autocast dtype in use, else the policy's bf16/fp16, else
+        float32."""
+        if self.autocast_dtype is not None:
+            return self.autocast_dtype
         dtype = str(next(self.policy.model.parameters()).dtype).removeprefix("torch.")
         return dtype if dtype in ("bfloat16", "float16") else "float32"
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        """torch.autocast to `autocast_dtype` on the strategy's device, or nothing."""
-        if self.config.autocast_dtype is None:
+        """torch.autocast to the autocast dtype in use on the strategy's device, or nothing."""
+        if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.strategy.device.type, dtype=getattr(torch, self.config.autocast_dtype))
+        return torch.autocast(self.strategy.device.type, dtype=getattr(torch, self.autocast_dtype))
 
     def _forward_in_micro_batches(self, actor: nn.Module, batch: ExperienceBatch) -> torch.Tensor:
         return recompute_log_probs(actor, batch, self.sampling, self.config.micro_batch_size, self._autocast)

@@ -95,6 +95,8 @@ class GRPOConfig:
     seed: int = 0  # the order of samples in mini-batches (the learner's own generator, checkpointed)
     # Forward passes on the trainer under torch.autocast to this dtype (e.g. "bfloat16": ~1.8x faster
     # training of SmolLM2 on CPUs with AMX); weights, gradients and the optimizer stay in their dtype.
+    # "auto": bfloat16 where the trainer's device computes it natively (CUDA with bf16, CPUs with AVX512-BF16
+    # or AMX), else none: on other CPUs torch emulates bf16, 20x slower than float32 (core/native_dtypes.py).
     autocast_dtype: str | None = None
     # How the makers sample, for the learner built without an explicit `sampling` (GRPOLearner(..., sampling=)
     # wins). RunConfig keeps its one `sampling` at the top and leaves this None; None
@@ -136,8 +138,8 @@ class GRPOConfig:
                 raise ValueError(f"GRPOConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.ref_update_alpha <= 1:
             raise ValueError(f"GRPOConfig.ref_update_alpha must be in (0, 1], got {self.ref_update_alpha}")
-        if self.autocast_dtype is not None and self.autocast_dtype not in ("bfloat16", "float16"):
-            raise ValueError("GRPOConfig.autocast_dtype must be 'bfloat16', 'float16' or null, got "
+        if self.autocast_dtype is not None and self.autocast_dtype not in ("bfloat16", "float16", "auto"):
+            raise ValueError("GRPOConfig.autocast_dtype must be 'bfloat16', 'float16', 'auto' or null, got "
                              f"{self.autocast_dtype!r}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"GRPOConfig.tis_cap must be > 0 or None, got {self.tis_cap}")

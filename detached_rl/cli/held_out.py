@@ -58,7 +58,10 @@ class HeldOutCurve:
         while self.due_steps and self.due_steps[0] <= step:
             self.due_steps.pop(0)
         chunks = split_evenly(self.problems, len(makers))
-        refs = [handle.evaluate.remote(chunk) for handle, chunk in zip(makers.values(), chunks, strict=False)]
+        # Graded once each maker serves this step's weights (a push may still be on its way when the trainer
+        # reports the step); a maker that never gets them grades with what it serves, and the row says so.
+        refs = [handle.evaluate.remote(chunk, None, step)
+                for handle, chunk in zip(makers.values(), chunks, strict=False)]
         self._pending = (step, time.monotonic(), refs)
 
     def collect(self, recorder: MetricsRecorder, timeout: float) -> None:

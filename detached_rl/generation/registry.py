@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 BackendFactory = Callable[..., "GenerationBackend"]
 # How a maker serves a LoRA policy: "keep" the adapter modules, or "merge" them into plain weights.
 LORA_MODES = ("keep", "merge")
+# A vLLM engine's dtypes ("auto": bfloat16 where native, else float32; core/native_dtypes.py).
+VLLM_DTYPES = ("auto", "bfloat16", "float32", "float16")
 
 # Name -> factory `(actor, lora_mode="keep", **options) -> GenerationBackend`, or "module:attribute" naming
 # one, imported on first use (so an engine's heavy or optional package loads only when chosen).

@@ -47,17 +47,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from detached_rl.core.native_dtypes import resolve_auto_dtype
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.generation.base import GenerationOutput
-from detached_rl.generation.registry import LORA_MODES
+from detached_rl.generation.registry import LORA_MODES, VLLM_DTYPES
 from detached_rl.generation.vllm_lora import KeepModeLayout, VLLMLoraSink, engine_lora_rank
 from detached_rl.models.actor import Actor, Prompt
 from detached_rl.models.lora import lora_backend
 from detached_rl.weights.sink import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
 
 __all__ = ["VLLMBackend", "VLLMLoraSink", "VLLMWeightSink", "vllm_available"]
-
-VLLM_DTYPES = ("bfloat16", "float32", "float16")
 
 
 def mirror_dtype(model: nn.Module, engine_dtype: str, lora_mode: str) -> torch.dtype | None:
@@ -195,15 +194,16 @@ class VLLMBackend:
         return self._weight_sink if isinstance(self._weight_sink, VLLMLoraSink) else None
 
     @classmethod
-    def from_actor(cls, actor: Actor, lora_mode: str = "keep", *, dtype: str = "bfloat16",
+    def from_actor(cls, actor: Actor, lora_mode: str = "keep", *, dtype: str = "auto",
                    kv_cache_gb: int = 1, max_model_len: int = 2048, enforce_eager: bool = True,
                    enable_prefix_caching: bool = True, max_num_seqs: int = 256, seed: int = 0,
                    gpu_memory_utilization: float = 0.3, lora_versions_kept: int = 2) -> VLLMBackend:
         """A vLLM engine serving `actor`'s weights (options: `MakerConfig.backend_options`).
 
-        `dtype`: the engine's dtype; where it is narrower than the policy's, the host mirror is cast to it
-        in place (`stored_dtype`; not in merge mode, which merges in the policy's dtype). `kv_cache_gb`: the
-        KV cache (vLLM's `kv_cache_memory_bytes`, on CPU and GPU; on
+        `dtype`: the engine's dtype ("auto": bfloat16 where the engine's device computes it natively, else
+        float32; `core/native_dtypes.py`); where it is narrower than the policy's, the host mirror is cast to
+        it in place (`stored_dtype`; not in merge mode, which merges in the policy's dtype). `kv_cache_gb`:
+        the KV cache (vLLM's `kv_cache_memory_bytes`, on CPU and GPU; on
         CPU an exported `VLLM_CPU_KVCACHE_SPACE` wins). `lora_mode` (LoRA policies): "keep" serves the base
         weights plus one vLLM adapter per version, keeping the last `lora_versions_kept` registered; "merge"
         serves W = W0 + s·B·A, reloaded on every update (for what keep mode refuses: DoRA, fan_in_fan_out,
@@ -219,6 +219,9 @@ class VLLMBackend:
                              f"got {lora_versions_kept!r}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         from vllm import LLM
+        from vllm.platforms import current_platform
+
+        dtype = resolve_auto_dtype(dtype, "cpu" if current_platform.is_cpu() else "cuda", otherwise="float32")
 
         model = actor.model
         stored_dtype = mirror_dtype(model, dtype, lora_mode)
@@ -232,8 +235,6 @@ class VLLMBackend:
             # refuses what keep mode cannot serve, before any engine
             keep = KeepModeLayout.from_lora_model(model)
             plain = keep.hf_model
-            from vllm.platforms import current_platform
-
             if current_platform.is_cpu():
                 from detached_rl.generation import vllm_cpu_lora
 

