@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install system-tools colossalai demo test test-gpu lint bench-env bench clean
+.PHONY: install system-tools colossalai demo test test-fast test-gpu lint bench-env bench clean
 
 install: $(STAMP)
 
@@ -74,6 +74,12 @@ demo: install
 PYTEST_ARGS ?=
 test: system-tools install colossalai
 	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
+
+# The tests that need no Ray cluster, no hosts, no fresh venv and not the packaged SmolLM2: the quick check
+# while editing (`make test` runs them too).
+FAST_TESTS := not ray and not multihost and not install and not slow
+test-fast: install colossalai
+	$(PY) -m pytest -q -m "$(FAST_TESTS)" --durations=10 $(PYTEST_ARGS)
 
 # The GPU lane (docs/gpu.md): the non-Ray tests with their models and data on CUDA, the Ray tests' trainers and
 # makers asking Ray for shares of the GPU (`--device`, tests/conftest.py). Refuses where torch sees no CUDA device.

@@ -67,8 +67,17 @@ def pytest_configure(config: pytest.Config) -> None:
     helpers.set_lane_device(device)
 
 
+# Fixtures that start a Ray cluster: a test that uses one (directly or through another fixture) is a Ray test,
+# marked `ray` whether or not its module says so (`make test-fast` leaves them out).
+RAY_FIXTURES = frozenset({"ray_cluster", "gpu_cluster"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the tests marked `gpu` unless this run is on CUDA (`--device cuda`)."""
+    """Mark `ray` every test on a Ray cluster fixture; skip the tests marked `gpu` unless this run is on CUDA
+    (`--device cuda`)."""
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("ray") is None:
+            item.add_marker(pytest.mark.ray)
     if helpers.lane_device().type == "cuda":
         return
     skip = pytest.mark.skip(reason="needs CUDA: runs with --device cuda (make test-gpu)")

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import CLUSTER_MARKER, ROOT, marked_processes, new_cluster_marker
+from tests.conftest import CLUSTER_MARKER, marked_processes, new_cluster_marker
 from tests.helpers import gpu_overrides, plotted_panels, set_flags
+from tests.test_run_sockets import console_script, on_loopback, plain_environment, stop_tree, watch_sockets
 
 pytestmark = pytest.mark.ray
 
@@ -22,27 +21,39 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> tuple[Path, str, str]:
-    """Run the console script once (its own embedded Ray cluster); the run directory, its output, and the
-    `CLUSTER_MARKER` that every process it started carries."""
+def finished_run(tmp_path_factory) -> tuple[Path, str, str, dict[tuple[str, str, int], str]]:
+    """Run the console script once, as a user types it in a plain shell (its own embedded Ray cluster, none of
+    the suite's settings): the run directory, its output, the `CLUSTER_MARKER` that every process it started
+    carries, and every socket its processes listened on while it ran ((kind, address, port) -> process)."""
     marker = new_cluster_marker()
     output = tmp_path_factory.mktemp("runs")
+    home = tmp_path_factory.mktemp("home")
     # With Ray's token auth on: the whole job (driver, GCS, raylet, every actor) runs on a token-auth cluster.
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-           "PYTHONPATH": str(ROOT),
+    # The marker is inert to Ray: it only lets the tests find the run's processes.
+    env = {**plain_environment(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            CLUSTER_MARKER: marker}
-    command = [sys.executable, "-m", "detached_rl.cli.main", "run", "--model", "tiny", "--steps", str(STEPS),
+    command = [*console_script(), "run", "--model", "tiny", "--steps", str(STEPS),
                "--name", "tiny-test", "--output", str(output), "--namespace", "detached_rl_run_test",
                "--set", "task.eval_size=16", "--set", "sampling.max_new_tokens=12",
                "--set", "run.eval_every=1", "--set", "run.poll_interval_s=0.2",
                *set_flags(gpu_overrides(run_command=True))]  # GPU shares with --device cuda
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
-    return output / "tiny-test", done.stdout, marker
+    log, errors = output / "run.out", output / "run.err"
+    with log.open("w") as out, errors.open("w") as err:
+        run = subprocess.Popen(command, env=env, cwd=home, stdout=out, stderr=err, start_new_session=True)
+    seen: dict = {}
+    try:
+        seen, sockets = watch_sockets(run, timeout=600)
+    finally:
+        # Timed out (or the watch failed): end it. A finished run's leftovers are for the test below to find.
+        if run.poll() is None:
+            stop_tree(run, seen)
+    stdout = log.read_text(errors="replace")
+    assert run.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{errors.read_text(errors='replace')[-4000:]}"
+    return output / "tiny-test", stdout, marker, sockets
 
 
 def test_reports_accuracy_before_and_after_with_examples(finished_run):
-    _, stdout, _ = finished_run
+    _, stdout, *_ = finished_run
     assert "held-out before training: accuracy" in stdout
     assert "held-out after training: accuracy" in stdout
     assert "held-out accuracy" in stdout and "before" in stdout and "after" in stdout
@@ -72,7 +83,7 @@ def test_the_held_out_curve_is_graded_while_the_makers_generate(finished_run):
     answered after training)."""
     from detached_rl.cli.reporting import read_metrics
 
-    directory, stdout, _ = finished_run
+    directory, stdout, *_ = finished_run
     points = sorted(read_metrics(directory / "metrics.jsonl", kind="eval"), key=lambda row: row["step"])
     labels = [row["eval/label"] for row in points]
     assert labels[0] == "before training" and labels[-1] == "after training" and len(points) >= 3, labels
@@ -139,8 +150,19 @@ def test_adapter_and_merged_model_load_and_agree(finished_run):
 def test_leaves_no_process_behind(finished_run):
     """The job shut down what it started: no process of its cluster (GCS, raylet, workers) is still alive.
     Only the run's own processes count (they carry its marker), not another Ray cluster on the machine."""
-    *_, marker = finished_run
+    _, _, marker, _ = finished_run
     deadline = time.monotonic() + 60  # the driver has exited; a loaded machine may take a while to reap
     while (left_over := marked_processes(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left_over == []  # a psutil.Process shows its pid and name
+
+
+def test_every_socket_the_run_listened_on_is_on_loopback(finished_run):
+    """`detached-rl run` from a plain shell (none of the suite's RAY_* settings): every socket its processes
+    listened on, the GCS's and the raylet's among them, is on 127.0.0.0/8."""
+    *_, sockets = finished_run
+    names = set(sockets.values())
+    assert {"gcs_server", "raylet"} <= names, f"the GCS and raylet were never seen listening: {sockets}"
+    outside = sorted(f"{kind} {address}:{port} ({name})" for (kind, address, port), name in sockets.items()
+                     if not on_loopback(address))
+    assert not outside, f"listening outside 127.0.0.0/8: {outside}"

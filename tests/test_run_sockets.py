@@ -1,4 +1,5 @@
-"""`detached-rl run` started from a plain shell: every socket its processes listen on is on 127.0.0.0/8."""
+"""What a `detached-rl run` started from a plain shell listens on: helpers that follow a run's process tree
+and its sockets (tests/test_run_job.py's run is checked with them), and what counts as loopback."""
 
 from __future__ import annotations
 
@@ -13,11 +14,8 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from tests.conftest import CLUSTER_MARKER
-
-pytestmark = pytest.mark.ray
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 # What tests/conftest.py puts in the environment of the test process; a user's shell has none of them.
@@ -76,40 +74,26 @@ def stop_tree(root: subprocess.Popen, seen: dict[int, psutil.Process]) -> None:
     root.wait(timeout=30)
 
 
-def test_default_run_listens_on_loopback_only(tmp_path):
-    home = tmp_path / "home"
-    home.mkdir()
-    command = [*console_script(), "run", "--model", "tiny", "--steps", "2", "--makers", "1", "--backend",
-               "hf",
-               "--no-progress", "--output", str(tmp_path / "runs"), "--set", "task.eval_size=8",
-               "--set", "sampling.max_new_tokens=8"]
-    log = tmp_path / "run.log"
+def watch_sockets(run: subprocess.Popen, timeout: float, poll_s: float = 0.2
+                  ) -> tuple[dict[int, psutil.Process], dict[tuple[str, str, int], str]]:
+    """Follow `run`'s process tree until it exits (or `timeout` s pass): every process seen (pid -> process)
+    and every socket they listened on ((kind, address, port) -> process name)."""
     seen: dict[int, psutil.Process] = {}
-    sockets: dict[tuple[str, str, int], str] = {}  # (kind, address, port) -> process name
-    with log.open("w") as out:
-        run = subprocess.Popen(command, env=plain_environment(home), cwd=tmp_path, stdout=out,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 540
-        while run.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(psutil.Error):
-                root = psutil.Process(run.pid)
-                for proc in [root, *root.children(recursive=True)]:
-                    seen.setdefault(proc.pid, proc)
-                    for entry in listening(proc):
-                        with contextlib.suppress(psutil.Error):
-                            sockets.setdefault(entry, proc.name())
-            time.sleep(0.2)
-        assert run.poll() is not None, "the run did not finish in time"
-    finally:
-        stop_tree(run, seen)
-    output = log.read_text(errors="replace")
-    assert run.returncode == 0, output[-4000:]
-    names = set(sockets.values())
-    assert {"gcs_server", "raylet"} <= names, f"the GCS and raylet were never seen listening: {sockets}"
-    outside = sorted(f"{kind} {address}:{port} ({name})" for (kind, address, port), name in sockets.items()
-                     if not on_loopback(address))
-    assert not outside, f"listening outside 127.0.0.0/8: {outside}"
+    sockets: dict[tuple[str, str, int], str] = {}
+    deadline = time.monotonic() + timeout
+    while run.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(run.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                seen.setdefault(proc.pid, proc)
+                for entry in listening(proc):
+                    with contextlib.suppress(psutil.Error):
+                        sockets.setdefault(entry, proc.name())
+        time.sleep(poll_s)
+    return seen, sockets
+
+
+# The run whose sockets are checked is tests/test_run_job.py's (one tiny `run` serves both).
 
 
 def test_on_loopback():
