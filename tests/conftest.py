@@ -78,6 +78,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("ray") is None:
             item.add_marker(pytest.mark.ray)
+        # Under pytest-xdist (`-n 2 --dist loadgroup`, `make test`): a module's tests stay on one worker (its
+        # module-scoped cluster or run is started once), and the multi-host modules share one worker, one
+        # after another (their hosts take the same addresses).
+        group = "multihost" if item.get_closest_marker("multihost") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    # The multi-host group first: its links and outages take the longest wall-clock time, which the other
+    # worker fills with the rest of the suite.
+    items.sort(key=lambda item: item.get_closest_marker("multihost") is None)
     if helpers.lane_device().type == "cuda":
         return
     skip = pytest.mark.skip(reason="needs CUDA: runs with --device cuda (make test-gpu)")

@@ -343,10 +343,12 @@ def test_a_curve_point_starts_when_its_step_is_seen_and_never_once_training_is_o
     class Handle:
         def __init__(self) -> None:
             self.calls: list[list[int]] = []
+            self.min_versions: list[int | None] = []
             self.evaluate = self
 
-        def remote(self, chunk):
+        def remote(self, chunk, sampling=None, min_version=None):
             self.calls.append(chunk)
+            self.min_versions.append(min_version)
             return object()
 
     late, handle = HeldOutCurve(list(range(5)), 1, 3, print), Handle()
@@ -357,3 +359,5 @@ def test_a_curve_point_starts_when_its_step_is_seen_and_never_once_training_is_o
     assert first.calls == [] and curve.due_steps == [2, 4]
     curve.poll(3, {"a": first, "b": second}, recorder=None)  # step 2 came due; 3 is what the driver saw
     assert first.calls == [[0, 1, 2]] and second.calls == [[3, 4]] and curve.due_steps == [4]
+    # graded once each maker serves the step the driver saw (a push may still be on its way)
+    assert first.min_versions == second.min_versions == [3]
