@@ -71,12 +71,9 @@ demo: install
 
 # Includes tests/test_install.py (a plain `pip install .` into a fresh venv, then the main job; minutes):
 # `make test PYTEST_ARGS='-m "not install"'` leaves it out.
-# Two pytest-xdist workers: one runs the multi-host modules (mostly waiting on shaped links and outages), the
-# other the rest, a module at a time (tests/conftest.py groups them). PYTEST_WORKERS=0 runs in one process.
 PYTEST_ARGS ?=
-PYTEST_WORKERS ?= 2
 test: system-tools install colossalai
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The tests that need no Ray cluster, no hosts, no fresh venv and not the packaged SmolLM2: the quick check
 # while editing (`make test` runs them too).

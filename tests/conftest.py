@@ -72,20 +72,14 @@ def pytest_configure(config: pytest.Config) -> None:
 RAY_FIXTURES = frozenset({"ray_cluster", "gpu_cluster"})
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark `ray` a test on a Ray cluster fixture."""
+    if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("ray") is None:
+        item.add_marker(pytest.mark.ray)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark `ray` every test on a Ray cluster fixture; skip the tests marked `gpu` unless this run is on CUDA
-    (`--device cuda`)."""
-    for item in items:
-        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("ray") is None:
-            item.add_marker(pytest.mark.ray)
-        # Under pytest-xdist (`-n 2 --dist loadgroup`, `make test`): a module's tests stay on one worker (its
-        # module-scoped cluster or run is started once), and the multi-host modules share one worker, one
-        # after another (their hosts take the same addresses).
-        group = "multihost" if item.get_closest_marker("multihost") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-    # The multi-host group first: its links and outages take the longest wall-clock time, which the other
-    # worker fills with the rest of the suite.
-    items.sort(key=lambda item: item.get_closest_marker("multihost") is None)
+    """Skip the tests marked `gpu` unless this run is on CUDA (`--device cuda`)."""
     if helpers.lane_device().type == "cuda":
         return
     skip = pytest.mark.skip(reason="needs CUDA: runs with --device cuda (make test-gpu)")
