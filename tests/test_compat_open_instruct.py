@@ -504,12 +504,15 @@ try:
     ray.get(learner.setup_model_update_group.remote(vllm_engines), timeout=180)
     vllm_engines[0].start.remote()
     metrics, array_metrics = ray.get(learner.step.remote(), timeout=240)
+    updated = ray.get(learner.broadcast_to_vllm.remote(), timeout=180)["weight_sync/makers_updated"]
+    # acknowledged once staged; the maker swaps it in between two of its batches
+    deadline = time.monotonic() + 120
+    while (served := ray.get(vllm_engines[0].status.remote(), timeout=60)["policy_version"]) < 1 \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
     report["seed_000"] = {"steps_done": steps_done, "loss": metrics["loss/policy_avg"],
                           "responses": len(array_metrics["batch/response_lengths"]),
-                          "updated": ray.get(learner.broadcast_to_vllm.remote(), timeout=180)[
-                              "weight_sync/makers_updated"],
-                          "engine_version": ray.get(vllm_engines[0].status.remote(), timeout=60)[
-                              "policy_version"]}
+                          "updated": updated, "engine_version": served}
 finally:
     ray.kill(vllm_engines[0])
     ray.get(learner.shutdown.remote(), timeout=60)
