@@ -60,7 +60,7 @@ class HeldOutCurve:
         chunks = split_evenly(self.problems, len(makers))
         # Graded once each maker serves this step's weights (a push may still be on its way when the trainer
         # reports the step); a maker that never gets them grades with what it serves, and the row says so.
-        refs = [handle.evaluate.remote(chunk, None, step)
+        refs = [handle.evaluate.remote(chunk, min_version=step)
                 for handle, chunk in zip(makers.values(), chunks, strict=False)]
         self._pending = (step, time.monotonic(), refs)
 

@@ -17,16 +17,21 @@ NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (Linux); empty where unknown."""
+def cpuinfo_value(key: str) -> str | None:
+    """The first processor's `key` line of /proc/cpuinfo ("model name", "flags"), or None (not Linux)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux); empty where unknown."""
+    return frozenset((cpuinfo_value("flags") or "").split())
 
 
 def native_bfloat16(device: str | torch.device) -> bool:

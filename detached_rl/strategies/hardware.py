@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from detached_rl.core.native_dtypes import cpuinfo_value
+
 __all__ = [
     "GPU_SPECS",
     "DeviceSpec",
@@ -143,14 +145,7 @@ def device_name(device: str | torch.device) -> str:
 @functools.cache
 def _cpu_name() -> str:
     """The CPU model from /proc/cpuinfo (Linux), else `platform.processor()`."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+    return cpuinfo_value("model name") or platform.processor() or platform.machine() or "cpu"
 
 
 def _synchronize(device: torch.device) -> None:
