@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -290,3 +291,36 @@ def plotted_panels(path: str | Path, min_pixels: int = 20) -> list[bool]:
     rows, columns = points[:, 0] >= height // 2, points[:, 1] >= width // 2
     return [int(((rows == bottom) & (columns == right)).sum()) >= min_pixels
             for bottom in (False, True) for right in (False, True)]
+
+
+def _parent(pid: int) -> int:
+    """The parent pid of `pid` (0 when it is gone or unreadable)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def processes_with(marker: bytes) -> set[int]:
+    """Live processes whose command line holds `marker`, but those started below a sibling of this process
+    (another pytest-xdist worker, a child of the same controller): an escaped one, reparented to init or a
+    subreaper, still counts."""
+    me = os.getpid()
+    parent = _parent(me)
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker not in (entry / "cmdline").read_bytes():
+                continue
+        except OSError:
+            continue
+        pid = ancestor = int(entry.name)
+        while ancestor > 1 and ancestor != me and _parent(ancestor) != parent:
+            ancestor = _parent(ancestor)
+        if ancestor == 0 and not Path(f"/proc/{pid}").exists():
+            continue  # gone while it was looked at
+        if ancestor == me or ancestor <= 1 or _parent(ancestor) != parent:
+            found.add(pid)
+    return found

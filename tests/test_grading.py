@@ -4,12 +4,13 @@ score 1.0 (both test styles)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
 from detached_rl.rewards.functions import code_reward
 from detached_rl.rewards.grading import normalise_output, run_assert_test, run_io_test
+
+from .helpers import processes_with
 
 # No solution can pass these: the first does not involve it, the second needs one value to equal 3 and 4.
 IMPOSSIBLE = ["assert 1 == 2", "x = add(1, 2)\nassert x == 3 and x == 4"]
@@ -76,15 +77,7 @@ MARKER = f"graded-by-{os.getpid()}"  # in every program here: other test runs ma
 
 def _sandbox_processes() -> set[int]:
     """Live processes running one of this module's programs (their command line holds the marker)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if MARKER.encode() in (entry / "cmdline").read_bytes():
-                    pids.add(int(entry.name))
-            except OSError:
-                continue
-    return pids
+    return processes_with(MARKER.encode())
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ Four hosts: h0 (the head; the trainer job, by custom resource), h1 (the maker jo
 node that runs neither job, only the commands typed there) and h3 (a laptop: no Ray node at all). Every
 node is started as docs/multi-host.md says, with `detached-rl node`: ports pinned, token authentication on,
 Ray's own binding (tests/test_hosts.py runs nodes with `--bind-to-address`). `status`, `inspect`,
-`export` and `stop` typed on the desk work through the Ray client (`ray://10.213.0.1:10001`) and through
-the head's address (`10.213.0.1:6379`); an export lands on the desk. On the laptop only the Ray client
+`export` and `stop` typed on the desk work through the Ray client (`ray://<h0>:10001`) and through
+the head's address (`<h0>:6379`); an export lands on the desk. On the laptop only the Ray client
 works, and the direct address is refused saying so. Which sockets the nodes listen on, and a driver
 without the token or with a wrong one, are checked too.
 """
@@ -142,7 +142,7 @@ def test_on_a_host_without_a_node_the_ray_client_works_and_a_direct_address_is_r
     refused = cli(hosts, hosts.head_address, "status", *NAMESPACE, on=LAPTOP, check=False)
     last = refused.stderr.strip().splitlines()[-1]
     assert refused.returncode == 2, refused.stderr[-3000:]
-    assert "no Ray node of the cluster at 10.213.0.1:6379 runs on this host" in last, last
+    assert f"no Ray node of the cluster at {hosts.head_address} runs on this host" in last, last
     assert f"--address {hosts.client_address}" in last, last
 
 

@@ -32,20 +32,14 @@ from detached_rl.rewards.functions import (
 from detached_rl.rewards.math_verify import MathVerifyWorker
 from detached_rl.rewards.sandbox import SandboxUnavailable, run_python
 
+from .helpers import processes_with
+
 SECRET = "hunter2-not-for-the-sandbox"
 
 
 def _marked_processes() -> set[int]:
-    """Pids of live sandboxed interpreters (their command line holds the prelude)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if b"def _confine" in (entry / "cmdline").read_bytes():
-                    pids.add(int(entry.name))
-            except OSError:
-                continue
-    return pids
+    """Pids of live sandboxed interpreters (their command line holds the prelude) of this test process."""
+    return processes_with(b"def _confine")
 
 
 def _children() -> set[int]:

@@ -1,12 +1,12 @@
 """Hosts as Linux network namespaces joined by veth pairs to one bridge, each link shaped by `tc tbf`.
 
 Layout for prefix P and N hosts: namespace `P-sw` holds bridge `br0`; host i is namespace `P-hi` with
-`eth0` (address 10.213.0.(i+1)/24) paired with port `pi` on the bridge. A link's rate is shaped in both
-directions: `tbf` on the host's `eth0` (its uploads) and on the bridge port (its downloads). Nothing is
-created in the caller's namespace, so the addresses cannot clash with the machine's own networks, and
-traffic between hosts never leaves the namespaces. Each host also gets a private mount namespace in
-which its own directory is mounted at `HOST_ROOT`: the same path names different files on different
-hosts, as on real machines.
+`eth0` (address 10.213.W.(i+1)/24, W the pytest-xdist worker's number) paired with port `pi` on the
+bridge. A link's rate is shaped in both directions: `tbf` on the host's `eth0` (its uploads) and on the
+bridge port (its downloads). Nothing is created in the caller's namespace, so the addresses cannot clash
+with the machine's own networks, and traffic between hosts never leaves the namespaces. Each host also
+gets a private mount namespace in which its own directory is mounted at `HOST_ROOT`: the same path names
+different files on different hosts, as on real machines.
 """
 
 from __future__ import annotations
@@ -21,7 +21,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SUBNET = "10.213.0"
+
+def subnet_for(worker: str | None) -> str:
+    """The hosts' /24: 10.213.N for pytest-xdist worker gwN (10.213.0 outside xdist). Each `Network` has its
+    own bridge namespace, so equal subnets never meet; a subnet per worker keeps logs and `ip` output
+    telling which worker's hosts they are."""
+    index = int(worker[2:]) if worker and worker.startswith("gw") and worker[2:].isdigit() else 0
+    return f"10.213.{index % 256}"
+
+
+SUBNET = subnet_for(os.environ.get("PYTEST_XDIST_WORKER"))
 # Where each host sees its own directory (its home and working directory live under it).
 HOST_ROOT = Path("/tmp/drl-hostfs")
 # Ray's default temp directory (sessions, sockets, `ray_current_cluster`): private to each host too, so a
