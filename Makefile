@@ -71,19 +71,21 @@ demo: install
 
 # Includes tests/test_install.py (a plain `pip install .` into a fresh venv, then the main job; minutes):
 # `make test PYTEST_ARGS='-m "not install"'` leaves it out.
-# Two pytest-xdist workers, a test module at a time each (module-scoped clusters and hosts stay whole; the
-# multi-host modules, which mostly wait on shaped links, run beside the others): TEST_WORKERS=0 runs serially.
+# pytest-xdist workers, a test module at a time each (module-scoped clusters and hosts stay whole):
+# TEST_WORKERS for `make test` (default 0: serial; on 2 cores two workers saturate the CPU, and Ray's heartbeats
+# and the fault tests' bounded waits then fail: docs/performance.md "Tests"), FAST_WORKERS for `make test-fast`.
 PYTEST_ARGS ?=
-TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+TEST_WORKERS ?= 0
+FAST_WORKERS ?= 2
+xdist = $(if $(filter 0,$(1)),,-n $(1) --dist loadfile --no-loadscope-reorder)
 test: system-tools install colossalai
-	$(PY) -m pytest -q $(XDIST) --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(call xdist,$(TEST_WORKERS)) --durations=30 $(PYTEST_ARGS)
 
 # The tests that need no Ray cluster, no hosts, no fresh venv and not the packaged SmolLM2: the quick check
 # while editing (`make test` runs them too).
 FAST_TESTS := not ray and not multihost and not install and not slow
 test-fast: install colossalai
-	$(PY) -m pytest -q $(XDIST) -m "$(FAST_TESTS)" --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(call xdist,$(FAST_WORKERS)) -m "$(FAST_TESTS)" --durations=10 $(PYTEST_ARGS)
 
 # The GPU lane (docs/gpu.md): the non-Ray tests with their models and data on CUDA, the Ray tests' trainers and
 # makers asking Ray for shares of the GPU (`--device`, tests/conftest.py). Refuses where torch sees no CUDA device.

@@ -60,7 +60,12 @@ def parse_test_device(value: str) -> torch.device:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Check `--device` and hand it to the test builders in `tests.helpers`."""
+    """Check `--device` and hand it to the test builders in `tests.helpers`; under pytest-xdist, give each
+    worker its share of the cores for torch's threads (more threads than cores spin and wait for each
+    other)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     device = parse_test_device(config.getoption(DEVICE_OPTION))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # library code that picks `default_device()` picks this one too

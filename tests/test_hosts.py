@@ -23,13 +23,15 @@ from detached_rl.node import NodePorts
 from detached_rl.node.listening import WILDCARDS, parse_table
 
 from .conftest import ROOT
-from .hosts import Hosts, HostsError
+from .hosts import Hosts, HostsError, LinkCharacter
 from .hosts.cluster import tear_down
 from .hosts.network import HOST_ROOT, RAY_TMP, NetworkError, require_tools
 
 pytestmark = [pytest.mark.multihost]
 
 SHAPED = 1  # host 1's link is shaped; host 0's is not
+FAR = 2  # host 2's link has a character: delay (and loss, set by its test)
+DELAY_MS = 40.0
 RATE_MBIT = 20
 PAYLOAD = 2 * 2**20  # bytes sent each way: about 0.8 s at 20 Mbit/s
 PORT = 7001
@@ -82,9 +84,10 @@ def tools_or_fail() -> None:
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
-    """Two hosts without Ray, host 1's link shaped to RATE_MBIT, host 1 running the echo server."""
+    """Three hosts without Ray, host 1's link shaped to RATE_MBIT, host 1 running the echo server, host 2's
+    link DELAY_MS long each way."""
     tools_or_fail()
-    built = Hosts(2, rates_mbit={SHAPED: RATE_MBIT}).up(nodes=False)
+    built = Hosts(3, rates_mbit={SHAPED: RATE_MBIT}, links={FAR: LinkCharacter(DELAY_MS)}).up(nodes=False)
     with built:
         server = built.popen(SHAPED, [sys.executable, "-c", ECHO_SERVER])
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
@@ -180,13 +183,14 @@ def test_a_node_is_started_with_detached_rl_node_or_plain_ray_start(tmp_path: Pa
     ours = Hosts(2, workdir=tmp_path / "a", bind_to_address=True, **layout)  # type: ignore[arg-type]
     plain = Hosts(2, workdir=tmp_path / "b", start_with="ray start", **layout)  # type: ignore[arg-type]
     head, worker = ours.node_command(0), ours.node_command(1)
-    assert head[1:3] == ["node", "--node-ip-address=10.213.0.1"] and "--head" in head
+    first, second = ours.host(0).address, ours.host(1).address
+    assert head[1:3] == ["node", f"--node-ip-address={first}"] and "--head" in head
     assert "--bind-to-address" in worker and "--no-token" not in worker
     assert worker.index("--") < worker.index("--disable-usage-stats")
     plain_head, plain_worker = plain.node_command(0), plain.node_command(1)
-    assert Path(plain_head[0]).name == "ray" and plain_head[1:3] == ["start", "--node-ip-address=10.213.0.1"]
+    assert Path(plain_head[0]).name == "ray" and plain_head[1:3] == ["start", f"--node-ip-address={first}"]
     assert {"--head", "--port=6379", "--ray-client-server-port=10001"} <= set(plain_head)
-    assert {"--address=10.213.0.1:6379", "--node-ip-address=10.213.0.2", "--num-cpus=3",
+    assert {f"--address={first}:6379", f"--node-ip-address={second}", "--num-cpus=3",
             '--resources={"maker_host": 1.0}', "--labels=role=maker"} <= set(plain_worker)
     assert not {"--", "--bind-to-address", "--no-token"} & set(plain_worker)
     assert not [arg for arg in plain_worker if arg.startswith(("--node-manager-port", "--min-worker-port"))]
@@ -252,6 +256,70 @@ def test_an_unplugged_link_carries_nothing_until_plugged_back(hosts: Hosts) -> N
     done = echo(hosts, 1000)
     assert done.returncode == 0 and int(done.stdout) == 1000, done.stdout + done.stderr
     assert hosts.counters(SHAPED)["received"] > before["received"]
+
+
+# From host 0: the time a TCP connection to a closed port of argv[1] takes to be refused (one round trip),
+# `count` times; prints the median in ms.
+ROUND_TRIP = """
+import socket, statistics, sys, time
+times = []
+for _ in range(int(sys.argv[2])):
+    start = time.monotonic()
+    try:
+        socket.create_connection((sys.argv[1], 7999), timeout=5).close()
+    except ConnectionRefusedError:
+        times.append((time.monotonic() - start) * 1000)
+print(statistics.median(times))
+"""
+# On host 2: counts the UDP datagrams that reach port 7002 until 3 s pass without one.
+UDP_COUNTER = """
+import socket
+receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+receiver.bind(("0.0.0.0", 7002))
+print("ready", flush=True)
+receiver.settimeout(30)
+count = 0
+try:
+    while True:
+        receiver.recv(64)
+        count += 1
+        receiver.settimeout(3)
+except socket.timeout:
+    print(count, flush=True)
+"""
+UDP_SENDER = """
+import socket, sys, time
+sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(int(sys.argv[2])):
+    sender.sendto(b"x" * 32, (sys.argv[1], 7002))
+    time.sleep(0.0005)
+"""
+
+
+def test_a_link_delays_and_loses_as_its_character_says(hosts: Hosts) -> None:
+    """Host 2's link holds each frame DELAY_MS each way (netem where the kernel has it, else the user-space
+    wire): a round trip from host 0 takes twice that; host 1's plain link does not. Given 20 % loss while it
+    runs, about 20 % of 3000 datagrams are lost (binomial: within 6 standard deviations)."""
+    far, near = hosts.host(FAR).address, hosts.host(SHAPED).address
+    assert hosts.network.emulation in ("netem", "wire")
+    far_ms = float(hosts.run(0, [sys.executable, "-c", ROUND_TRIP, far, "9"], check=True).stdout)
+    near_ms = float(hosts.run(0, [sys.executable, "-c", ROUND_TRIP, near, "9"], check=True).stdout)
+    print(f"round trip to h2 {far_ms:.1f} ms, to h1 {near_ms:.1f} ms ({hosts.network.emulation})")
+    assert 2 * DELAY_MS <= far_ms < 2 * DELAY_MS + 500 and near_ms < DELAY_MS, (far_ms, near_ms)
+
+    sent, loss = 3000, 0.2
+    hosts.set_link_character(FAR, LinkCharacter(loss=loss))
+    try:
+        counter = hosts.popen(FAR, [sys.executable, "-c", UDP_COUNTER])
+        assert counter.stdout is not None and counter.stdout.readline().strip() == "ready"
+        hosts.run(0, [sys.executable, "-c", UDP_SENDER, far, str(sent)], check=True, timeout=60)
+        received = int(counter.communicate(timeout=60)[0])
+    finally:
+        hosts.set_link_character(FAR, LinkCharacter(DELAY_MS))
+    spread = 6 * (sent * loss * (1 - loss)) ** 0.5
+    print(f"h2's link at {loss:.0%} loss: {received} of {sent} datagrams arrived")
+    assert abs(received - sent * (1 - loss)) <= spread, received
 
 
 def test_the_script_builds_hosts_runs_commands_on_them_and_removes_them(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .cluster import Hosts, tear_down, tool_bin
 from .network import NetworkError
+from .wire import LinkCharacter
 
 
 def _pairs(values: list[str], convert: type = float) -> dict[int, object]:
@@ -36,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     up = commands.add_parser("up", help="build N hosts, shape their links, start a Ray node on each")
     up.add_argument("--hosts", type=int, default=2)
     up.add_argument("--rate", action="append", default=[], metavar="HOST=MBIT", help="shape a host's link")
+    up.add_argument("--delay", action="append", default=[], metavar="HOST=MS",
+                    help="one-way latency of a host's link, each way")
+    up.add_argument("--jitter", action="append", default=[], metavar="HOST=MS",
+                    help="spread of that latency (uniform, in order)")
+    up.add_argument("--loss", action="append", default=[], metavar="HOST=PERCENT",
+                    help="frames a host's link loses, each way")
     up.add_argument("--cpus", action="append", default=[], metavar="HOST=N")
     up.add_argument("--resources", action="append", default=[], metavar="HOST=NAME:AMOUNT,...")
     up.add_argument("--labels", action="append", default=[], metavar="HOST=KEY:VALUE,...")
@@ -56,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             resources = {i: {k: float(v) for k, v in _mapping(str(t)).items()}
                          for i, t in _pairs(args.resources, str).items()}
+            delays, jitters, losses = _pairs(args.delay), _pairs(args.jitter), _pairs(args.loss)
+            links = {i: LinkCharacter(float(delays.get(i, 0.0)), float(jitters.get(i, 0.0)),  # type: ignore
+                                      float(losses.get(i, 0.0)) / 100.0)  # type: ignore[arg-type]
+                     for i in {*delays, *jitters, *losses}}
             hosts = Hosts(args.hosts, _pairs(args.rate), cpus=_pairs(args.cpus),  # type: ignore[arg-type]
+                          links=links,
                           resources=resources, token=not args.no_token, bind_to_address=args.bind_to_address,
                           start_with="ray start" if args.ray_start else "detached-rl node",
                           labels={i: _mapping(str(t)) for i, t in _pairs(args.labels, str).items()})

@@ -21,6 +21,7 @@ from typing import Any
 from detached_rl.node import NodePorts
 
 from .network import HOST_ROOT, Host, Network, NetworkError, destroy_namespaces
+from .wire import LinkCharacter
 
 RAY_PORT = NodePorts().gcs
 CLIENT_PORT = NodePorts().client
@@ -52,7 +53,8 @@ class Hosts:
                  labels: dict[int, dict[str, str]] | None = None, object_store_mb: int = 1024,
                  token: bool = True, prefix: str | None = None, workdir: Path | None = None,
                  node_args: dict[int, list[str]] | None = None, bare: set[int] | None = None,
-                 start_with: str = "detached-rl node", bind_to_address: bool = False) -> None:
+                 start_with: str = "detached-rl node", bind_to_address: bool = False,
+                 links: dict[int, LinkCharacter] | None = None) -> None:
         if bare and 0 in bare:
             raise HostsError("host 0 runs the head: it cannot be bare (without a Ray node)")
         if start_with not in NODE_STARTERS:
@@ -63,7 +65,8 @@ class Hosts:
         self.prefix = prefix or f"drlh-{uuid.uuid4().hex[:6]}"
         # short: Ray's socket paths have a length limit of about 100 characters
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix=f"{self.prefix}-", dir="/tmp"))
-        self.network = Network(self.prefix, count, self.workdir)
+        # delay, jitter and loss of each host's link (its rate is `rates_mbit`): netem, or a wire (wire.py)
+        self.network = Network(self.prefix, count, self.workdir, links)
         self.rates_mbit = rates_mbit or {}
         self.cpus = cpus or {}
         self.resources = resources or {}
@@ -146,6 +149,10 @@ class Hosts:
     def shape(self, index: int, rate_mbit: float | None) -> None:
         """Shape host `index`'s link to `rate_mbit` Mbit/s both ways (None: full speed)."""
         self.network.shape(self.host(index), rate_mbit)
+
+    def set_link_character(self, index: int, character: LinkCharacter) -> None:
+        """Give host `index`'s link another delay, jitter or loss while it runs (a host made with one)."""
+        self.network.set_character(self.host(index), character)
 
     def link(self, index: int, up: bool) -> None:
         """Unplug (`up=False`) or plug back host `index`'s link."""

@@ -17,9 +17,12 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .wire import LinkCharacter, netem_args
 
 
 def subnet_for(worker: str | None) -> str:
@@ -82,6 +85,8 @@ class Host:
     anchor_pid: int = 0
     anchor_parent_pid: int = 0
     rate_mbit: float | None = None
+    character: LinkCharacter = field(default_factory=LinkCharacter)  # delay, jitter, loss
+    wire_pid: int = 0  # the user-space wire of its link (0: a veth, with netem where the kernel has it)
 
     @property
     def name(self) -> str:
@@ -105,7 +110,8 @@ class Host:
 class Network:
     """The switch and the hosts of one prefix; `create` builds them, `destroy` removes everything."""
 
-    def __init__(self, prefix: str, count: int, workdir: Path) -> None:
+    def __init__(self, prefix: str, count: int, workdir: Path,
+                 characters: dict[int, LinkCharacter] | None = None) -> None:
         if count < 1:
             raise NetworkError(f"hosts: need at least 1, got {count}")
         self.prefix = prefix
@@ -113,7 +119,12 @@ class Network:
         self.switch = f"{prefix}-sw"
         self.hosts = [Host(i, f"{prefix}-h{i}", f"{SUBNET}.{i + 1}", f"p{i}", workdir / f"h{i}")
                       for i in range(count)]
+        for index, character in (characters or {}).items():
+            self.hosts[index].character = character
+        # "netem" where the kernel has it, else "wire" (wire.py); decided when a link first needs one
+        self.emulation: str | None = None
         self._anchors: list[subprocess.Popen[str]] = []  # reaped by `destroy`, so no zombie outlives it
+        self._wires: list[subprocess.Popen[str]] = []
 
     def create(self) -> None:
         """Namespaces, bridge, links, addresses and each host's private mount of its directory."""
@@ -126,8 +137,11 @@ class Network:
         ip_command("ip", "-n", self.switch, "link", "set", "br0", "up")
         for host in self.hosts:
             ip_command("ip", "netns", "add", host.namespace)
-            ip_command("ip", "link", "add", "name", "eth0", "netns", host.namespace, "type", "veth",
-                       "peer", "name", host.port, "netns", self.switch)
+            if not host.character.plain and self.link_emulation() == "wire":
+                self._wire(host)
+            else:
+                ip_command("ip", "link", "add", "name", "eth0", "netns", host.namespace, "type", "veth",
+                           "peer", "name", host.port, "netns", self.switch)
             ip_command("ip", "-n", self.switch, "link", "set", host.port, "master", "br0")
             ip_command("ip", "-n", self.switch, "link", "set", host.port, "up")
             ip_command("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
@@ -136,6 +150,56 @@ class Network:
             (host.directory / "home").mkdir(parents=True, exist_ok=True)
             (host.directory / "ray").mkdir(parents=True, exist_ok=True)
             host.anchor_pid = self._anchor(host)
+            if not host.character.plain and self.emulation == "netem":
+                self.shape(host, host.rate_mbit)
+        self.save()
+
+    def link_emulation(self) -> str:
+        """How links get delay and loss here: "netem" when the kernel has it (tried once on the switch's
+        bridge), else "wire" (a user-space wire between two TAP devices: wire.py)."""
+        if self.emulation is None:
+            tried = ip_command("tc", "-n", self.switch, "qdisc", "add", "dev", "br0", "root", "netem",
+                               "delay", "1ms", check=False)
+            self.emulation = "netem" if tried.returncode == 0 else "wire"
+            if tried.returncode == 0:
+                ip_command("tc", "-n", self.switch, "qdisc", "del", "dev", "br0", "root", check=False)
+        return self.emulation
+
+    def _character_file(self, host: Host) -> Path:
+        return self.workdir / f"{host.name}-link.json"
+
+    def _wire(self, host: Host) -> None:
+        """The host's link as two TAP devices joined by wire.py in the switch's namespace: the bridge's port
+        there, and the host's eth0 (made there, then moved into the host)."""
+        path = self._character_file(host)
+        path.write_text(host.character.to_json())
+        host_side = f"w{host.index}"
+        wire = subprocess.Popen(
+            ["ip", "netns", "exec", self.switch, sys.executable, str(Path(__file__).with_name("wire.py")),
+             host.port, host_side, str(path), str(host.index)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        line = wire.stdout.readline() if wire.stdout else ""
+        if line.strip() != "ready":
+            wire.kill()
+            error = wire.stderr.read() if wire.stderr else ""
+            raise NetworkError(f"host {host.name}: its link's wire did not start: {error.strip()[-2000:]}")
+        self._wires.append(wire)
+        host.wire_pid = wire.pid
+        ip_command("ip", "-n", self.switch, "link", "set", host_side, "netns", host.namespace)
+        ip_command("ip", "-n", host.namespace, "link", "set", host_side, "name", "eth0")
+
+    def set_character(self, host: Host, character: LinkCharacter) -> None:
+        """Give the host's link another delay, jitter or loss while it runs."""
+        if host.wire_pid:
+            host.character = character
+            self._character_file(host).write_text(character.to_json())
+            os.kill(host.wire_pid, signal.SIGHUP)
+        elif self.link_emulation() == "netem":
+            host.character = character
+            self.shape(host, host.rate_mbit)
+        else:
+            raise NetworkError(f"host {host.name}: its link is a veth and this kernel has no netem: give it "
+                               "a delay, jitter or loss when the hosts are made (a wire is built then)")
         self.save()
 
     def _anchor(self, host: Host) -> int:
@@ -162,9 +226,13 @@ class Network:
 
     def shape(self, host: Host, rate_mbit: float | None) -> None:
         """Shape the host's link to `rate_mbit` Mbit/s both ways (None: unshaped)."""
+        netem = not host.character.plain and not host.wire_pid and self.link_emulation() == "netem"
         for namespace, device in ((host.namespace, "eth0"), (self.switch, host.port)):
             ip_command("tc", "-n", namespace, "qdisc", "del", "dev", device, "root", check=False)
-            if rate_mbit is not None:
+            if netem:
+                ip_command("tc", "-n", namespace, "qdisc", "add", "dev", device, "root",
+                           *netem_args(host.character, rate_mbit))
+            elif rate_mbit is not None:
                 ip_command("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", *tbf_args(rate_mbit))
         host.rate_mbit = rate_mbit
         self.save()
@@ -186,7 +254,8 @@ class Network:
         self.workdir.mkdir(parents=True, exist_ok=True)
         state = {"prefix": self.prefix, "owner": os.getpid(), "switch": self.switch,
                  "hosts": [{"namespace": h.namespace, "address": h.address, "anchor_pid": h.anchor_pid,
-                            "rate_mbit": h.rate_mbit} for h in self.hosts]}
+                            "rate_mbit": h.rate_mbit, "link": asdict(h.character), "wire_pid": h.wire_pid}
+                           for h in self.hosts]}
         (self.workdir / "network.json").write_text(json.dumps(state, indent=1))
 
     def destroy(self, grace: float = 5.0) -> None:
@@ -199,6 +268,13 @@ class Network:
                 if stream is not None:
                     stream.close()
         self._anchors.clear()
+        for wire in self._wires:  # ended with the switch's namespace: reaped here
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                wire.wait(timeout=grace)
+            for stream in (wire.stdout, wire.stderr):
+                if stream is not None:
+                    stream.close()
+        self._wires.clear()
 
 
 def _signal_all(pids: list[int], sig: int) -> None:
@@ -214,8 +290,9 @@ def namespace_pids(namespace: str) -> list[int]:
 
 
 def destroy_namespaces(namespaces: list[str], switch: str, grace: float = 5.0) -> None:
-    """SIGTERM every process in `namespaces`, SIGKILL what is left after `grace` s, delete the namespaces
-    (their veths go with them) and the switch."""
+    """SIGTERM every process in `namespaces` and the switch's (the links' wires), SIGKILL what is left after
+    `grace` s, delete the namespaces (their veths go with them) and the switch."""
+    namespaces = [*namespaces, switch]
     pids = [pid for namespace in namespaces for pid in namespace_pids(namespace)]
     _signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace
@@ -227,5 +304,5 @@ def destroy_namespaces(namespaces: list[str], switch: str, grace: float = 5.0) -
             break
         _signal_all(left, signal.SIGKILL)
         time.sleep(0.5)
-    for namespace in [*namespaces, switch]:
+    for namespace in namespaces:
         ip_command("ip", "netns", "del", namespace, check=False)
