@@ -47,14 +47,17 @@ from tests.hosts.network import NetworkError, require_tools  # noqa: E402
 
 TRAINER = 0
 HOME = "/tmp/drl-hostfs/home"
-# Where each of the run's actors was placed: name -> node IP (asked once the actors exist).
+# Where each maker runs: name -> its node IP, from its own answer (`transfer_progress` names its host).
 PLACEMENT = """
 import json, sys, ray
-from ray.util.state import list_actors
-ray.init(address=sys.argv[1], log_to_driver=False)
-ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
-alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-print(json.dumps({a.name: ips.get(a.node_id) for a in alive if a.name}))
+ray.init(address=sys.argv[1], namespace="detached_rl", log_to_driver=False)
+found = {}
+for name in sys.argv[2].split(","):
+    try:
+        found[name] = ray.get(ray.get_actor(name).transfer_progress.remote(), timeout=20)["host"]
+    except Exception:
+        pass
+print(json.dumps(found))
 """
 
 
@@ -103,9 +106,9 @@ def run_swarm(args: argparse.Namespace, makers: int, logs: Path) -> dict[str, An
             run = hosts.popen(TRAINER, command, log=logs / f"{name}.log")
             placement: dict[str, str] = {}
             while run.poll() is None and time.monotonic() - begin < args.timeout + 120:
-                if len(placement) < len(names):
-                    asked = hosts.run(TRAINER, [sys.executable, "-c", PLACEMENT, hosts.head_address],
-                                      timeout=60)
+                if len(placement) < len(names) - 1:
+                    asked = hosts.run(TRAINER, [sys.executable, "-c", PLACEMENT, hosts.head_address,
+                                                ",".join(names[1:])], timeout=60)
                     if asked.returncode == 0 and asked.stdout.strip():
                         found = json.loads(asked.stdout.strip().splitlines()[-1])
                         placement.update({k: v for k, v in found.items() if k in names})
@@ -169,10 +172,11 @@ def report(table: list[dict[str, Any]], args: argparse.Namespace) -> None:
             continue
         ratio = cell["uplink_out_per_version"] / one if one else float("nan")
         cell["uplink_ratio_to_one"] = ratio
+        versus = f"{ratio:.2f}x K=1" if one else "K=1 not run"
         hosts = "; ".join(f"{m['rate_mbit']} Mbit/s {m['delivery_s_median']:.1f}/{m['delivery_s_max']:.1f} s"
                           for m in cell["per_maker"].values())
         print(f"K={cell['makers']}: {cell['steps_per_s']:.3f} steps/s; out of h0 "
-              f"{cell['uplink_out_per_version'] / 1e6:.2f} MB/version ({ratio:.2f}x K=1; one update "
+              f"{cell['uplink_out_per_version'] / 1e6:.2f} MB/version ({versus}; one update "
               f"{cell['update_bytes'] / 1e6:.2f} MB); delivery median/max {hosts}; staleness "
               f"{cell['staleness_histogram']}; dropped stale {cell['dropped_stale']:.0f}; "
               f"{cell['wall_s']:.0f} s")
