@@ -37,6 +37,7 @@ from bench_thin_links import (  # noqa: E402
     delivery,
     numbers,
     read_json_lines,
+    save,
     sent_bytes,
     stop_group,
 )
@@ -242,12 +243,7 @@ def main() -> None:
         print(json.dumps(cell, default=str), flush=True)
     report(table, args)
     print(f"benchmark wall time {time.monotonic() - started:.0f} s")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "table": table,
-                                     "machine": f"{platform.machine()}, {os.cpu_count()} cores"}, indent=2))
-    if args.plot:
-        plot(table, args.plot)
-        print(f"plot: {args.plot}")
+    save(args, table, plot)
 
 
 if __name__ == "__main__":

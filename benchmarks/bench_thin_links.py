@@ -457,12 +457,18 @@ def main() -> None:
                 table += measure_mode(hosts, args, mode, rates, steps_of[mode], logs)
     report(table, args)
     print(f"benchmark wall time {time.monotonic() - started:.0f} s")
+    save(args, table, plot, idle_link_bytes_per_s=idle)
+
+
+def save(args: argparse.Namespace, table: list[dict[str, Any]], draw: Any, **more: Any) -> None:
+    """Write the table (with the arguments, `more` and the machine) to `args.json`; `draw` it to `args.plot`
+    when one is asked for."""
     args.json.parent.mkdir(parents=True, exist_ok=True)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
     args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "table": table,
-                                     "idle_link_bytes_per_s": idle,
-                                     "machine": f"{platform.machine()}, {os.cpu_count()} cores"}, indent=2))
+                                     **more, "machine": machine}, indent=2))
     if args.plot:
-        plot(table, args.plot)
+        draw(table, args.plot)
         print(f"plot: {args.plot}")
 
 

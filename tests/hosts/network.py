@@ -261,19 +261,14 @@ class Network:
     def destroy(self, grace: float = 5.0) -> None:
         """Stop every process in the hosts' namespaces (by pid), then remove namespaces and links."""
         destroy_namespaces([h.namespace for h in self.hosts], self.switch, grace)
-        for anchor in self._anchors:
+        # anchors, and the links' wires (they ended with the switch's namespace): reaped here
+        for process in [*self._anchors, *self._wires]:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                anchor.wait(timeout=grace)
-            for stream in (anchor.stdout, anchor.stderr):
+                process.wait(timeout=grace)
+            for stream in (process.stdout, process.stderr):
                 if stream is not None:
                     stream.close()
         self._anchors.clear()
-        for wire in self._wires:  # ended with the switch's namespace: reaped here
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                wire.wait(timeout=grace)
-            for stream in (wire.stdout, wire.stderr):
-                if stream is not None:
-                    stream.close()
         self._wires.clear()
 
 
