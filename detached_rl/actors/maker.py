@@ -12,6 +12,7 @@ by name and carries the pushes to them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -39,7 +40,7 @@ from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, Mak
 from detached_rl.maker.loop import MakerLoop
 from detached_rl.maker.pusher import ExperiencePusher
 from detached_rl.strategies import NaiveStrategy, Strategy
-from detached_rl.weights.ray_wire import node_ip, tracked_fetch
+from detached_rl.weights.ray_wire import node_ip, relay_update, tracked_fetch
 from detached_rl.weights.update import ApplyResult, WeightUpdate
 
 logger = logging.getLogger(__name__)
@@ -239,12 +240,16 @@ class MakerShell:
             logger.exception("maker %s stopped with an error", self.name)
 
     @ray.method(concurrency_group="model_io")
-    def apply_weight_update(self, update: WeightUpdate) -> ApplyResult:
+    def apply_weight_update(self, update: WeightUpdate, relay: bool = False) -> ApplyResult:
         """Pull and verify a versioned weight update and acknowledge it; it is swapped in between two
         generation batches (at once when none is being generated), so the trainer never waits for a batch
-        to end."""
+        to end. With `relay`, the acknowledgement carries this maker's own copy, for the makers it relays
+        to."""
         with self._receiving([update]) as fetch:
-            return self.core.subscriber.receive(update, fetch)
+            result = self.core.subscriber.receive(update, fetch)
+        if relay and (result.applied or result.staged):
+            result = dataclasses.replace(result, relayed=relay_update(update))
+        return result
 
     @contextlib.contextmanager
     def _receiving(self, updates: Sequence[WeightUpdate | None]) -> Iterator[Callable[[Any], Any]]:

@@ -18,6 +18,7 @@ the trainers push their weight updates to it too, and it keeps only the `critic/
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -36,7 +37,7 @@ from detached_rl.scorer.config import SCORER_ROLES, ScorerGroupConfig
 from detached_rl.scorer.core import Scorer
 from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest
 from detached_rl.scorer.service import PendingScores
-from detached_rl.weights.ray_wire import ray_fetch
+from detached_rl.weights.ray_wire import ray_fetch, relay_update
 from detached_rl.weights.update import ApplyResult, Fetch, WeightUpdate
 
 logger = logging.getLogger(__name__)
@@ -112,13 +113,15 @@ class ScorerWorker:
         return self.batcher.submit(request).result(timeout=timeout)
 
     @ray.method(concurrency_group="model_io")
-    def apply_weight_update(self, update: WeightUpdate) -> ApplyResult:
-        """Critic: take the `critic/` tensors of a trainer's update (refused as a whole on any error)."""
+    def apply_weight_update(self, update: WeightUpdate, relay: bool = False) -> ApplyResult:
+        """Critic: take the `critic/` tensors of a trainer's update (refused as a whole on any error); with
+        `relay`, acknowledge with this worker's own copy for the makers it relays to (`weights.relay`)."""
         fetch = ray_fetch(self.core.weight_timeout_s)
         try:
             if self.core.subscriber is None:  # refused, naming the role
                 return self.core.apply_weight_update(update, fetch)
-            return self.core.subscriber.receive(update, fetch)
+            result = self.core.subscriber.receive(update, fetch)
+            return dataclasses.replace(result, relayed=relay_update(update)) if relay else result
         except Exception as error:
             self.last_error = f"weight update v{update.manifest.version}: {error}"
             raise

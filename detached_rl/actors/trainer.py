@@ -227,7 +227,8 @@ class _TrainerShell:
         # Asks a maker how its transfer goes once a push is older than the stall interval (slow or dead?).
         send = ray_push_queue(self.namespace, self.config.weight_push_timeout_s,
                               self.config.weight_stall_timeout_s,
-                              locate=functools.partial(actor_host, namespace=self.namespace))
+                              locate=functools.partial(actor_host, namespace=self.namespace),
+                              relay_fanout=self.config.weight_relay_fanout)
 
         def stop_makers(makers: list[str]) -> None:
             pending = {}

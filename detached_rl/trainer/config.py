@@ -46,6 +46,9 @@ class TrainerConfig:
     # An update a maker is receiving fails only when the maker reports no new bytes for this long, or does
     # not answer the question within it (docs/operations.md, "Thin links").
     weight_stall_timeout_s: float = 30.0
+    # > 0: makers on other hosts than the trainer's take each update from one another, at most this many
+    # from each relay, so a version leaves the trainer's host about once (`weights.relay`); 0: each from it.
+    weight_relay_fanout: int = 0
     batch_timeout_s: float = 300.0  # how long `fit` waits for a full batch before failing
     stop_makers_at_end: bool = True
     metrics_history: int = 10_000
@@ -75,6 +78,10 @@ class TrainerConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainerConfig.{name} must be > 0, got {getattr(self, name)}")
         check_stall_s("TrainerConfig.weight_stall_timeout_s", self.weight_stall_timeout_s)
+        if isinstance(self.weight_relay_fanout, bool) or not isinstance(self.weight_relay_fanout, int) \
+                or self.weight_relay_fanout < 0:
+            raise ValueError("TrainerConfig.weight_relay_fanout must be an int >= 0 (0: no relaying), got "
+                             f"{self.weight_relay_fanout!r}")
         self.max_abs_reward = check_max_abs_reward("TrainerConfig.max_abs_reward", self.max_abs_reward)
 
 

@@ -30,21 +30,25 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from detached_rl.core.transfer import TransferStalled, check_stall_s, describe_answer
+from detached_rl.weights.relay import RelayPlanner
 from detached_rl.weights.update import ApplyResult, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
-Send = Callable[[str, WeightUpdate], "Future[ApplyResult]"]
+# (maker, update) -> a future of its `ApplyResult`; with `relay=True` the maker keeps a copy for others and
+# returns it in `ApplyResult.relayed` (`weights.relay`).
+Send = Callable[..., "Future[ApplyResult]"]
 # maker -> a future of its transfer progress: {"host", "version", "done", "total", "seconds", "idle_s"}
 # (version None: it receives nothing now).
 Progress = Callable[[str], "Future[Mapping[str, Any] | None]"]
 Locate = Callable[[str], "str | None"]  # maker -> the IP of its node, None if unknown
 # Delivers an update to the named makers and returns each one's result (an `ApplyResult` or the error).
 SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any]]
+ALL_VERSIONS = 2**62  # `_release`: whatever version a relay's children wait for
 
 
 @dataclass
@@ -66,11 +70,14 @@ class WeightPushQueue:
     for it (a `TimeoutError` result) and the next offer is sent regardless; with `progress`, only while the
     maker receives nothing (see the module docstring): a transfer is failed when it stalls for
     `stall_timeout` s. `watch`: run the watch thread (`check` every `poll` s); tests call `check` themselves.
+    `relay_fanout` > 0: makers on other hosts than `origin` (the trainer's) take each update from one another
+    (`weights.relay.relay_tree`), a maker whose relay failed from the trainer.
     """
 
     def __init__(self, send: Send, timeout: float, clock: Callable[[], float] = time.monotonic,
                  progress: Progress | None = None, stall_timeout: float = 30.0, locate: Locate | None = None,
-                 watch: bool = True, poll: float | None = None) -> None:
+                 watch: bool = True, poll: float | None = None, relay_fanout: int = 0,
+                 origin: str | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"WeightPushQueue: timeout must be > 0 s, got {timeout}")
         self.send = send
@@ -96,35 +103,70 @@ class WeightPushQueue:
         self.sent = 0
         self.superseded = 0  # updates replaced by a newer one before they were sent
         self.failed = 0
+        self.relays = RelayPlanner(relay_fanout, origin, progress)
+        # child -> (its relay, the update it waits for the relay's copy of)
+        self._relaying: dict[str, tuple[str, WeightUpdate]] = {}
+        self.relayed = 0  # updates a maker was sent as another maker's copy
         self._dispatcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-push")
 
     def offer(self, update: WeightUpdate, makers: Iterable[str]) -> None:
         """Send `update` to every maker with nothing in flight; leave it waiting (replacing
-        an older one) for the rest."""
+        an older one) for the rest; a maker with a relay waits for the relay's copy."""
+        makers = list(makers)
+        tree = self.relays.tree(makers, update.manifest.kind)
         to_send = []
         with self._lock:
             now = self.clock()
             for maker in makers:
-                flight = self._in_flight.get(maker)
-                if flight is not None and self.progress is None and now - flight.sent_at > self.timeout:
-                    self._record(maker, TimeoutError(
-                        f"maker {maker!r} did not acknowledge weight update v{flight.version} within "
-                        f"{self.timeout:.0f} s"))
-                    del self._in_flight[maker]
-                    flight = None
-                if flight is None:
-                    self._in_flight[maker] = self._flight(update, now)
+                if maker in tree:
+                    self._relaying[maker] = (tree[maker], update)
+                elif self._place(maker, update, now):
                     to_send.append(maker)
-                else:
-                    if maker in self._waiting:
-                        self.superseded += 1
-                    self._waiting[maker] = update
         for maker in to_send:
             self._dispatch(maker, update)
 
+    def _place(self, maker: str, update: WeightUpdate, now: float) -> bool:
+        """`update` in flight for `maker` (True: send it now) or waiting behind its flight (hold `_lock`)."""
+        flight = self._in_flight.get(maker)
+        if flight is not None and self.progress is None and now - flight.sent_at > self.timeout:
+            self._record(maker, TimeoutError(
+                f"maker {maker!r} did not acknowledge weight update v{flight.version} within "
+                f"{self.timeout:.0f} s"))
+            del self._in_flight[maker]
+            flight = None
+        if flight is None:
+            self._in_flight[maker] = self._flight(update, now)
+            return True
+        if maker in self._waiting:
+            self.superseded += 1
+        self._waiting[maker] = update
+        return False
+
+    def _release(self, relay: str, version: int, copy: WeightUpdate | None) -> list[tuple[str, WeightUpdate]]:
+        """The makers waiting for `relay`'s copy of `version` or older, each with what to send it now: the
+        copy, or (no copy: the relay failed) the update as the trainer offered it; hold `_lock`."""
+        released = []
+        for child, (parent, update) in list(self._relaying.items()):
+            if parent == relay and update.manifest.version <= version:
+                del self._relaying[child]
+                released.append((child, update if copy is None else copy))
+                self.relayed += copy is not None
+        return released
+
+    def _send_released(self, released: list[tuple[str, WeightUpdate]]) -> None:
+        """Place what `_release` returned and send what can go now."""
+        with self._lock:
+            now = self.clock()
+            to_send = [(child, update) for child, update in released if self._place(child, update, now)]
+        for child, update in to_send:
+            self._dispatcher.submit(self._dispatch, child, update)
+
     def _dispatch(self, maker: str, update: WeightUpdate) -> None:
+        with self._lock:  # a relay for makers waiting on this version keeps a copy for them
+            relay = any(parent == maker and waited.manifest.version <= update.manifest.version
+                        for parent, waited in self._relaying.values())
         try:
-            future = self.send(maker, update)
+            future = self.send(maker, update, relay=True) if relay else self.send(maker, update)
         # No actor by that name, a closed connection: that maker's result.
         except BaseException as error:  # noqa: BLE001
             future = Future()
@@ -145,15 +187,22 @@ class WeightPushQueue:
             if flight is None or flight.future is not future:
                 return  # counted as timed out already
             del self._in_flight[maker]
-            self._record(maker, error if error is not None else future.result())
+            result = error if error is not None else future.result()
+            copy = getattr(result, "relayed", None)
+            if copy is not None:  # the copy is for the makers released below, not kept with the result
+                result = replace(result, relayed=None)
+            self._record(maker, result)
             if error is None:
                 self.acked[maker] = max(self.acked.get(maker, -1), version)
+            # a failed relay's children all take the trainer's update: the relay may fail again
+            released = self._release(maker, version if error is None else ALL_VERSIONS, copy)
             next_update = self._waiting.pop(maker, None)
             if next_update is not None:
                 self._in_flight[maker] = self._flight(next_update, self.clock())
             self._changed.notify_all()
         if next_update is not None:
             self._dispatcher.submit(self._dispatch, maker, next_update)
+        self._send_released(released)
 
     @staticmethod
     def _flight(update: WeightUpdate, now: float) -> _InFlight:
@@ -164,8 +213,10 @@ class WeightPushQueue:
         if isinstance(result, BaseException):
             self.failed += 1
             self.failures[maker] = f"{type(result).__name__}: {result}"
+            self.relays.forget(maker)  # a restarted maker may come back on another node
         else:
             self.failures.pop(maker, None)
+            self.relays.record(maker, getattr(result, "bytes", 0), getattr(result, "fetch_seconds", 0.0))
         self._results[maker] = result
 
     def take_results(self) -> dict[str, ApplyResult | BaseException]:
@@ -184,8 +235,8 @@ class WeightPushQueue:
         only = None if makers is None else set(makers)
         with self._lock:
             while True:
-                busy = sorted(m for m in self._in_flight.keys() | self._waiting.keys() if only is None
-                              or m in only)
+                busy = sorted(m for m in self._in_flight.keys() | self._waiting.keys() | self._relaying.keys()
+                              if only is None or m in only)
                 if not busy:
                     return True
                 remaining = deadline - self.clock()
@@ -195,6 +246,7 @@ class WeightPushQueue:
                     for maker in busy:  # give up on them: their results say why
                         flight = self._in_flight.pop(maker, None)
                         self._waiting.pop(maker, None)
+                        self._relaying.pop(maker, None)
                         version = flight.version if flight is not None else "?"
                         self._record(maker, TimeoutError(
                             f"maker {maker!r} did not acknowledge weight update v{version} within "
@@ -301,6 +353,7 @@ class WeightPushQueue:
                 return
             del self._in_flight[maker]
             self._record(maker, error)
+            released = self._release(maker, ALL_VERSIONS, None)  # they take it from the trainer
             next_update = self._waiting.pop(maker, None)
             if next_update is not None:
                 self._in_flight[maker] = self._flight(next_update, self.clock())
@@ -308,13 +361,18 @@ class WeightPushQueue:
         logger.warning("%s", error)
         if next_update is not None:
             self._dispatcher.submit(self._dispatch, maker, next_update)
+        self._send_released(released)
 
     def forget(self, maker: str) -> None:
         """Stop tracking a maker that is gone."""
         with self._lock:
             self._in_flight.pop(maker, None)
             self._waiting.pop(maker, None)
+            self._relaying.pop(maker, None)
             self.acked.pop(maker, None)
+            self.relays.forget(maker)
+            released = self._release(maker, ALL_VERSIONS, None)  # its children take the trainer's
+        self._send_released(released)
 
     def lag(self, version: int, makers: Iterable[str],
             known: Mapping[str, int] | None = None) -> dict[str, int]:
@@ -331,7 +389,8 @@ class WeightPushQueue:
                     "failures": dict(self.failures),
                     "in_flight": {m: f.version for m, f in self._in_flight.items()},
                     "waiting": {m: u.manifest.version for m, u in self._waiting.items()},
-                    "acked": dict(self.acked)}
+                    "relaying": {m: parent for m, (parent, _) in self._relaying.items()},
+                    "relayed": self.relayed, "acked": dict(self.acked)}
 
 
 
@@ -345,8 +404,8 @@ def synchronous_send(send_update: SendUpdate) -> Send:
     """A queue's `send` over a plain `send_update`: delivers to one maker at a time, in the caller's
     thread."""
 
-    def send(maker: str, update: WeightUpdate) -> Future:
-        future: Future = Future()
+    def send(maker: str, update: WeightUpdate, relay: bool = False) -> Future:
+        future: Future = Future()  # `relay` asks for a copy this adapter has none of: it keeps none
         result = send_update(update, [maker]).get(maker)
         if isinstance(result, BaseException):
             future.set_exception(result)

@@ -174,14 +174,31 @@ def ray_fetch(timeout: float) -> Callable[[Any], dict[str, torch.Tensor]]:
     return lambda ref: fetch_chunk(ref, timeout)
 
 
-def send_weight_update(maker: str, update: WeightUpdate, namespace: str) -> Future:
-    """Send `update` to the maker named `maker`; a future of its acknowledgement
-    (`LookupError` if no such actor)."""
+def send_weight_update(maker: str, update: WeightUpdate, namespace: str, relay: bool = False) -> Future:
+    """Send `update` to the maker named `maker`; a future of its acknowledgement (with `relay`, carrying the
+    maker's own copy for others: `relay_update`); `LookupError` if no such actor."""
     try:
         handle = ray.get_actor(maker, namespace=namespace)
     except ValueError:
         raise LookupError(f"no maker named {maker!r} in namespace {namespace!r}") from None
+    if relay:
+        return handle.apply_weight_update.remote(update, relay=True).future()
     return handle.apply_weight_update.remote(update).future()
+
+
+def relay_chunk(ref: Any, timeout: float = 60.0) -> Any:
+    """This process's own copy of a chunk it has pulled (its pieces are on this node): the same bytes
+    `ray.put` again, owned here and stored on this node, so makers pulling it take them from this host."""
+    if not isinstance(ref, PiecedChunk):
+        return ray.put(ray.get(ref, timeout=timeout))
+    pieces = ray.get(list(ref.refs), timeout=timeout)
+    return PiecedChunk(ref.layout, tuple(_putter().map(ray.put, pieces)), node_ip())
+
+
+def relay_update(update: WeightUpdate) -> WeightUpdate:
+    """`update` with every chunk replaced by this process's copy (`relay_chunk`): the same manifest, so the
+    makers it goes to check it as the trainer's."""
+    return WeightUpdate(update.manifest, [relay_chunk(ref) for ref in update.chunk_refs])
 
 
 def maker_progress(maker: str, namespace: str) -> Future:
@@ -219,10 +236,12 @@ def ray_send_update(namespace: str, timeout: float) -> SendUpdate:
     return functools.partial(dispatch_weight_update, namespace=namespace, timeout=timeout)
 
 
-def ray_push_queue(namespace: str, timeout: float, stall_timeout: float, locate: Locate | None = None
-                   ) -> WeightPushQueue:
+def ray_push_queue(namespace: str, timeout: float, stall_timeout: float, locate: Locate | None = None,
+                   relay_fanout: int = 0) -> WeightPushQueue:
     """A trainer's push queue over Ray: updates sent to the named makers in `namespace`, each asked how its
-    transfer goes once a push is older than `stall_timeout` (slow or dead?); `locate` names a maker's host."""
+    transfer goes once a push is older than `stall_timeout` (slow or dead?); `locate` names a maker's host;
+    `relay_fanout` > 0: makers on other nodes relay updates to one another (`weights.relay`)."""
     return WeightPushQueue(functools.partial(send_weight_update, namespace=namespace), timeout,
                            progress=functools.partial(maker_progress, namespace=namespace),
-                           stall_timeout=stall_timeout, locate=locate)
+                           stall_timeout=stall_timeout, locate=locate, relay_fanout=relay_fanout,
+                           origin=node_ip())
