@@ -270,7 +270,7 @@ def test_link_outage_and_weight_push_cut(hosts: Any, run: dict[str, Any]) -> Non
                  lambda: "m1" not in trainer_status(run)["makers_lost"], 60)
     run["probes"]["m1"] = fresh = Probe(hosts, 0)
     m1 = wait_for("m1 answers", lambda: answer_or_none(fresh, "m1", "status"), 120, poll=2)
-    assert m1["state"] == "running"
+    assert m1["state"] == "running", m1  # the whole status: why it stopped (last_error, counters)
     if outcome == "lost":
         assert m1["restarted"] and m1["pid"] != m1_before["pid"]  # the restarted actor serves under its name
     else:
