@@ -84,9 +84,9 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 
 # The longest modules first (a module ranks by its test that ranks first; stable otherwise): under
-# pytest-xdist (`make test`: `-n 2 --dist loadfile --no-loadscope-reorder`) a worker that takes a multi-host
-# module early leaves the short ones to fill the other worker's time, instead of one long module running
-# alone at the end.
+# pytest-xdist (`make test-fast`, `make test TEST_WORKERS=N`: `--dist loadfile --no-loadscope-reorder`) a
+# worker that takes a long module early leaves the short ones to fill the other workers' time, instead of
+# one long module running alone at the end.
 RUN_FIRST = ("multihost", "install", "slow", "ray")
 
 

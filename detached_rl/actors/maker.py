@@ -12,7 +12,6 @@ by name and carries the pushes to them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -40,7 +39,7 @@ from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, Mak
 from detached_rl.maker.loop import MakerLoop
 from detached_rl.maker.pusher import ExperiencePusher
 from detached_rl.strategies import NaiveStrategy, Strategy
-from detached_rl.weights.ray_wire import node_ip, relay_update, tracked_fetch
+from detached_rl.weights.ray_wire import acknowledged, node_ip, tracked_fetch
 from detached_rl.weights.update import ApplyResult, WeightUpdate
 
 logger = logging.getLogger(__name__)
@@ -246,10 +245,7 @@ class MakerShell:
         to end. With `relay`, the acknowledgement carries this maker's own copy, for the makers it relays
         to."""
         with self._receiving([update]) as fetch:
-            result = self.core.subscriber.receive(update, fetch)
-        if relay and (result.applied or result.staged):
-            result = dataclasses.replace(result, relayed=relay_update(update))
-        return result
+            return acknowledged(self.core.subscriber.receive(update, fetch), update, relay)
 
     @contextlib.contextmanager
     def _receiving(self, updates: Sequence[WeightUpdate | None]) -> Iterator[Callable[[Any], Any]]:

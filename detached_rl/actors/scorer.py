@@ -18,7 +18,6 @@ the trainers push their weight updates to it too, and it keeps only the `critic/
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -37,7 +36,7 @@ from detached_rl.scorer.config import SCORER_ROLES, ScorerGroupConfig
 from detached_rl.scorer.core import Scorer
 from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest
 from detached_rl.scorer.service import PendingScores
-from detached_rl.weights.ray_wire import ray_fetch, relay_update
+from detached_rl.weights.ray_wire import acknowledged, ray_fetch
 from detached_rl.weights.update import ApplyResult, Fetch, WeightUpdate
 
 logger = logging.getLogger(__name__)
@@ -120,8 +119,7 @@ class ScorerWorker:
         try:
             if self.core.subscriber is None:  # refused, naming the role
                 return self.core.apply_weight_update(update, fetch)
-            result = self.core.subscriber.receive(update, fetch)
-            return dataclasses.replace(result, relayed=relay_update(update)) if relay else result
+            return acknowledged(self.core.subscriber.receive(update, fetch), update, relay)
         except Exception as error:
             self.last_error = f"weight update v{update.manifest.version}: {error}"
             raise

@@ -9,6 +9,7 @@ and fails a transfer only when it stalls, never because it is slow (`core.transf
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -199,6 +200,14 @@ def relay_update(update: WeightUpdate) -> WeightUpdate:
     """`update` with every chunk replaced by this process's copy (`relay_chunk`): the same manifest, so the
     makers it goes to check it as the trainer's."""
     return WeightUpdate(update.manifest, [relay_chunk(ref) for ref in update.chunk_refs])
+
+
+def acknowledged(result: ApplyResult, update: WeightUpdate, relay: bool) -> ApplyResult:
+    """A receiver's answer to a push: with `relay` and `update` taken (swapped in or staged), carrying this
+    process's own copy for the makers it relays to (`relay_update`, `weights.relay`)."""
+    if relay and (result.applied or result.staged):
+        return dataclasses.replace(result, relayed=relay_update(update))
+    return result
 
 
 def maker_progress(maker: str, namespace: str) -> Future:
