@@ -92,6 +92,9 @@ while time.monotonic() < deadline:
         keep = {"version": row.get("policy_version"), "pending": updates.get("pending_version"),
                 "received": updates.get("received"), "superseded": updates.get("superseded"),
                 "state": row.get("state")}
+        push = row.get("weight_push") or {}  # the trainer's: who relays to whom
+        keep.update({key: push[key] for key in ("relay_tree", "relayed", "relay_fallbacks", "failed")
+                     if key in push})
         if keep != last.get(name):
             last[name] = keep
             print(json.dumps({"t": now, "name": name, **keep}), flush=True)

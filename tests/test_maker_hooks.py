@@ -121,7 +121,7 @@ def test_the_maker_actor_is_the_plain_shell_with_its_groups() -> None:
 
     assert isinstance(ExperienceMakerHolder, ray.actor.ActorClass) and not isinstance(MakerShell,
                                                                                        ray.actor.ActorClass)
-    assert set(MAKER_GROUPS) == {"experience_io", "model_io", "compute", "progress", "evaluation"}
+    assert set(MAKER_GROUPS) == {"experience_io", "model_io", "compute", "progress", "evaluation", "relay"}
     assert ConfigFromItsModule is MakerConfig
     from detached_rl.compat.coati.maker import CoatiMakerHolder
 

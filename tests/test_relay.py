@@ -1,6 +1,6 @@
 """Makers relaying weight updates to one another (`weights.relay`, `WeightPushQueue(relay_fanout=...)`), no
-Ray: who relays to whom, a relay's copy reaching its children, and the trainer's own update reaching them when
-the relay fails or goes."""
+Ray: who relays to whom, every maker sent its update at once (a relay's children its streaming copy), and the
+trainer's own update reaching a maker whose relay's copy failed."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ HOSTS = {"a": "10.0.0.2", "b": "10.0.0.3", "c": "10.0.0.4", "d": "10.0.0.5", "t"
 
 def update(version: int, kind: str = "lora") -> WeightUpdate:
     return WeightUpdate(WeightManifest(version=version, kind=kind, tensors=(), num_chunks=0, total_bytes=0),
-                        ["trainer's chunk"])
+                        ["trainer"])
 
 
 def test_the_fastest_host_relays_slow_ones_are_leaves_and_the_trainers_host_takes_its_own() -> None:
@@ -31,81 +31,120 @@ def test_the_fastest_host_relays_slow_ones_are_leaves_and_the_trainers_host_take
 
 
 class Makers:
-    """Records every send (maker, version, relay asked, chunk refs); each answers when the test says."""
+    """Records every send (maker, version, chunk refs) and every relay copy asked; each maker answers when the
+    test says; a relay's copy is `<relay>(<what it copies>)`."""
 
     def __init__(self) -> None:
-        self.sent: list[tuple[str, int, bool, list]] = []
+        self.sent: list[tuple[str, int, list]] = []
         self.futures: dict[str, Future] = {}
+        self.copies: list[tuple[str, int, str]] = []
+        self.gone: set[str] = set()
 
-    def send(self, maker: str, weights: WeightUpdate, relay: bool = False) -> Future:
-        self.sent.append((maker, weights.manifest.version, relay, list(weights.chunk_refs)))
+    def send(self, maker: str, weights: WeightUpdate) -> Future:
+        self.sent.append((maker, weights.manifest.version, list(weights.chunk_refs)))
         self.futures[maker] = Future()
         return self.futures[maker]
 
-    def ack(self, maker: str, relayed: WeightUpdate | None = None, size: int = 0,
-            seconds: float = 0.0) -> None:
-        version = max(v for m, v, _, _ in self.sent if m == maker)
+    def relay(self, relay: str, weights: WeightUpdate, host: str) -> WeightUpdate:
+        if relay in self.gone:
+            raise LookupError(f"no maker named {relay!r}")
+        self.copies.append((relay, weights.manifest.version, host))
+        return WeightUpdate(weights.manifest, [f"{relay}({ref})" for ref in weights.chunk_refs])
+
+    def ack(self, maker: str, size: int = 0, seconds: float = 0.0) -> None:
+        version = max(v for m, v, _ in self.sent if m == maker)
         self.futures.pop(maker).set_result(ApplyResult(applied=False, staged=True, version=version,
-                                                       bytes=size, fetch_seconds=seconds, relayed=relayed))
+                                                       bytes=size, fetch_seconds=seconds))
+
+    def fail(self, maker: str, error: BaseException) -> None:
+        self.futures.pop(maker).set_exception(error)
 
 
-def queue_of(makers: Makers, fanout: int = 4) -> WeightPushQueue:
+def queue_of(makers: Makers, fanout: int = 2) -> WeightPushQueue:
     """A queue whose makers have answered where they are (`RelayPlanner` learns it from their answers)."""
-    queue = WeightPushQueue(makers.send, timeout=60, relay_fanout=fanout, origin=HOSTS["t"])
+    queue = WeightPushQueue(makers.send, timeout=60, relay_fanout=fanout, origin=HOSTS["t"],
+                            relay=makers.relay)
     queue.relays.hosts.update(HOSTS)
     return queue
 
 
-def test_the_relay_takes_the_trainers_update_and_its_children_take_its_copy() -> None:
+def test_every_maker_is_sent_at_once_the_root_the_trainers_update_the_others_their_relays_streaming_copy(
+) -> None:
     makers = Makers()
-    queue = queue_of(makers)
+    queue = queue_of(makers, fanout=1)
     queue.relays.rates.update({"a": 9e6, "b": 1e6, "c": 5e5})
-    queue.offer(update(1), ["a", "b", "c", "t"])
-    assert makers.sent == [("a", 1, True, ["trainer's chunk"]), ("t", 1, False, ["trainer's chunk"])]
-    assert queue.stats()["relaying"] == {"b": "a", "c": "a"}
-    copy = WeightUpdate(update(1).manifest, ["a's copy"])
-    makers.ack("a", relayed=copy, size=1000, seconds=0.5)
-    queue.settle()
-    assert sorted(makers.sent[2:]) == [("b", 1, False, ["a's copy"]), ("c", 1, False, ["a's copy"])]
-    assert queue.relayed == 2 and queue.relays.rates["a"] == 2000.0
-    assert queue.take_results()["a"].relayed is None  # the copy is not kept with the result
+    queue.offer(update(1), ["a", "b", "c", "t"])  # a chain: a -> b -> c; t shares the trainer's host
+    assert sorted(makers.sent) == [("a", 1, ["trainer"]), ("b", 1, ["a(trainer)"]),
+                                   ("c", 1, ["b(a(trainer))"]), ("t", 1, ["trainer"])]
+    assert makers.copies == [("a", 1, HOSTS["a"]), ("b", 1, HOSTS["b"])]  # each relay's copy asked once
+    assert queue.stats()["relay_tree"] == {"b": "a", "c": "b"} and queue.relayed == 2
+    makers.ack("a", size=1000, seconds=0.5)
     for maker in ("b", "c", "t"):
         makers.ack(maker)
     assert queue.wait(1.0) and queue.acked == {"a": 1, "b": 1, "c": 1, "t": 1}
+    assert queue.relays.rates["a"] == 9e6 * RelayPlanner.RATE_DECAY  # the fastest lately, decayed
 
 
-def test_children_wait_for_their_relay_and_take_the_trainers_update_when_it_fails_or_goes() -> None:
+def test_a_failed_copy_sends_the_trainers_own_update_and_its_relay_relays_for_none_for_a_while() -> None:
     makers = Makers()
+    now = [0.0]
     queue = queue_of(makers)
+    queue.relays.clock = lambda: now[0]
     queue.relays.rates.update({"a": 9e6, "b": 1e6, "c": 5e5})
     queue.offer(update(1), ["a", "b", "c"])
-    assert not queue.wait(0.05, ["b"])  # a child waiting for its relay is busy: given up on after the wait
-    assert queue.stats()["relaying"] == {"c": "a"} and "did not acknowledge" in queue.failures["b"]
-    queue.offer(update(2), ["a", "b", "c"])  # a still has v1 in flight: v2 waits, b and c wait for its copy
-    makers.futures.pop("a").set_exception(ConnectionError("a's host is gone"))
+    assert queue.stats()["relay_tree"] == {"b": "a", "c": "a"}
+    makers.fail("a", ConnectionError("a's host is gone"))
+    makers.fail("b", RuntimeError("relayed piece lost"))  # the copy failed: not b's failure
     queue.settle()
-    # a's failure sends b and c the trainer's own v2 (and a its waiting v2, a relay asked again: for none)
-    assert ("b", 2, False, ["trainer's chunk"]) in makers.sent and ("c", 2, False, ["trainer's chunk"]) \
-        in makers.sent
-    assert ("a", 2, False, ["trainer's chunk"]) in makers.sent
+    assert makers.sent[-1] == ("b", 1, ["trainer"]) and "b" not in queue.failures and "a" in queue.failures
+    assert queue.relay_fallbacks == 1 and queue.stats()["in_flight"] == {"b": 1, "c": 1}
     makers.ack("b")
-    makers.ack("c")
-    queue.offer(update(3), ["a", "b", "c"])  # a busy with v2: b and c wait for a's v3 ... until a goes
-    queue.forget("a")
+    makers.fail("c", RuntimeError("relayed piece lost"))
     queue.settle()
-    assert ("b", 3, False, ["trainer's chunk"]) in makers.sent and ("c", 3, False, ["trainer's chunk"]) \
-        in makers.sent
-    assert queue.relayed == 0
+    makers.fail("c", ConnectionError("c is gone too"))  # the trainer's own failed as well: c's failure
+    assert queue.relay_fallbacks == 2 and "c is gone too" in queue.failures["c"]
+    queue.relays.hosts.update(HOSTS)  # a answered again where it is, but relays for none yet
+    queue.offer(update(2), ["a", "b", "c"])
+    assert queue.stats()["relay_tree"] == {"c": "b"}
+    now[0] += RelayPlanner.DISTRUST_S + 1
+    for maker in ("a", "b", "c"):
+        makers.ack(maker)
+    queue.offer(update(3), ["a", "b", "c"])
+    assert queue.stats()["relay_tree"] == {"b": "a", "c": "a"}
 
 
-def test_deltas_and_a_queue_without_fanout_are_not_relayed() -> None:
+def test_a_relay_that_cannot_copy_and_a_waiting_copy_superseded_by_the_trainers_update() -> None:
     makers = Makers()
     queue = queue_of(makers)
-    queue.offer(update(1, kind="delta"), ["a", "b"])
-    assert [(m, relay) for m, _, relay, _ in makers.sent] == [("a", False), ("b", False)]
+    queue.relays.rates.update({"a": 9e6, "b": 1e6})
+    makers.gone.add("a")
+    queue.offer(update(1), ["a", "b"])  # no relay "a" now: b is sent the trainer's own
+    assert sorted(makers.sent) == [("a", 1, ["trainer"]), ("b", 1, ["trainer"])] and queue.tree == {}
+    makers.gone.clear()
+    queue.relays.distrusted.clear()
+    queue.relays.hosts.update(HOSTS)
+    queue.offer(update(2), ["a", "b"])  # both busy: v2 waits, b's as a's copy
+    assert queue.stats()["waiting"] == {"a": 2, "b": 2}
+    makers.ack("b")
+    queue.settle()
+    assert makers.sent[-1] == ("b", 2, ["a(trainer)"])
+    queue.offer(update(3), ["a", "b"])  # b busy with a's copy of v2: a's copy of v3 waits
+    makers.fail("b", RuntimeError("relayed piece lost"))  # the newer one waiting is sent, not v2 again
+    queue.settle()
+    assert [(v, refs) for m, v, refs in makers.sent if m == "b"] == [
+        (1, ["trainer"]), (2, ["a(trainer)"]), (3, ["a(trainer)"])]
+    assert queue.relay_fallbacks == 1 and "b" not in queue.failures
+
+
+def test_a_queue_without_fanout_or_without_a_relay_function_does_not_relay() -> None:
     plain = Makers()
     queue_of(plain, fanout=0).offer(update(1), ["a", "b"])
-    assert [(m, relay) for m, _, relay, _ in plain.sent] == [("a", False), ("b", False)]
+    assert sorted(plain.sent) == [("a", 1, ["trainer"]), ("b", 1, ["trainer"])] and not plain.copies
+    alone = Makers()
+    queue = WeightPushQueue(alone.send, timeout=60, relay_fanout=2, origin=HOSTS["t"])
+    queue.relays.hosts.update(HOSTS)
+    queue.offer(update(1), ["a", "b"])
+    assert not alone.copies and queue.relays.fanout == 0
 
 
 def test_a_makers_host_is_learned_from_its_own_answer_without_waiting_for_it() -> None:
@@ -116,12 +155,15 @@ def test_a_makers_host_is_learned_from_its_own_answer_without_waiting_for_it() -
         return answers[maker]
 
     planner = RelayPlanner(2, HOSTS["t"], ask)
-    assert planner.tree(["a", "b"], "lora") == {} and set(answers) == {"a", "b"}  # asked, not waited for
+    planner.learn(["a", "b"])
+    assert planner.tree(["a", "b"]) == {} and set(answers) == {"a", "b"}  # asked, not waited for
     answers["a"].set_result({"host": HOSTS["a"], "version": None})
     answers["b"].set_exception(ConnectionError("b is restarting"))
     planner.record("a", 1000, 0.1)
-    assert planner.tree(["a", "b"], "lora") == {} and planner.hosts == {"a": HOSTS["a"]}  # b asked again
+    assert planner.tree(["a", "b"]) == {} and planner.hosts == {"a": HOSTS["a"]}  # b asked again
     answers["b"].set_result({"host": HOSTS["b"]})
-    assert planner.tree(["a", "b"], "lora") == {"b": "a"}
+    assert planner.tree(["a", "b"]) == {"b": "a"}
+    planner.record("a", 1000, 1.0)  # slower now: the fastest lately, decayed, until it is slower still
+    assert planner.rates["a"] == 10_000 * RelayPlanner.RATE_DECAY
     planner.forget("b")
     assert "b" not in planner.hosts

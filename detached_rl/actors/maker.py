@@ -39,7 +39,7 @@ from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, Mak
 from detached_rl.maker.loop import MakerLoop
 from detached_rl.maker.pusher import ExperiencePusher
 from detached_rl.strategies import NaiveStrategy, Strategy
-from detached_rl.weights.ray_wire import acknowledged, node_ip, tracked_fetch
+from detached_rl.weights.ray_wire import node_ip, relayed_piece, tracked_fetch
 from detached_rl.weights.update import ApplyResult, WeightUpdate
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 # `evaluation` apart from `compute`: the held-out curve is graded while `run` generates (one batch at a time
 # under the same generation lock).
-MAKER_GROUPS = {"experience_io": 1, "model_io": 1, "compute": 1, "progress": 1, "evaluation": 1}
+# relay: pieces pulled at once for makers this one relays to (each task waits for its piece)
+MAKER_GROUPS = {"experience_io": 1, "model_io": 1, "compute": 1, "progress": 1, "evaluation": 1, "relay": 4}
 
 
 class MakerShell:
@@ -122,7 +123,8 @@ class MakerShell:
         timeout = self.core.config.weight_timeout_s
 
         def ask(fingerprint: str | None, dtype: str | None) -> list[WeightUpdate | None]:
-            return get_all([h.register_maker.remote(self.name, fingerprint, dtype) for h in handles], timeout)
+            calls = [h.register_maker.remote(self.name, fingerprint, dtype, node_ip()) for h in handles]
+            return get_all(calls, timeout)  # node_ip: where it is, for relays
 
         def runs_of(indices: list[int]) -> list[str]:
             return get_all([handles[i].trainer_run.remote() for i in indices], timeout)
@@ -239,13 +241,17 @@ class MakerShell:
             logger.exception("maker %s stopped with an error", self.name)
 
     @ray.method(concurrency_group="model_io")
-    def apply_weight_update(self, update: WeightUpdate, relay: bool = False) -> ApplyResult:
+    def apply_weight_update(self, update: WeightUpdate) -> ApplyResult:
         """Pull and verify a versioned weight update and acknowledge it; it is swapped in between two
         generation batches (at once when none is being generated), so the trainer never waits for a batch
-        to end. With `relay`, the acknowledgement carries this maker's own copy, for the makers it relays
-        to."""
+        to end."""
         with self._receiving([update]) as fetch:
-            return acknowledged(self.core.subscriber.receive(update, fetch), update, relay)
+            return self.core.subscriber.receive(update, fetch)
+
+    @ray.method(concurrency_group="relay")
+    def relay_piece(self, piece: list[Any], timeout: float) -> Any:
+        """This node's copy of a piece of a weight update, for makers this one relays to (`weights.relay`)."""
+        return relayed_piece(piece, timeout)
 
     @contextlib.contextmanager
     def _receiving(self, updates: Sequence[WeightUpdate | None]) -> Iterator[Callable[[Any], Any]]:

@@ -36,7 +36,7 @@ from detached_rl.scorer.config import SCORER_ROLES, ScorerGroupConfig
 from detached_rl.scorer.core import Scorer
 from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest
 from detached_rl.scorer.service import PendingScores
-from detached_rl.weights.ray_wire import acknowledged, ray_fetch
+from detached_rl.weights.ray_wire import ray_fetch
 from detached_rl.weights.update import ApplyResult, Fetch, WeightUpdate
 
 logger = logging.getLogger(__name__)
@@ -112,14 +112,13 @@ class ScorerWorker:
         return self.batcher.submit(request).result(timeout=timeout)
 
     @ray.method(concurrency_group="model_io")
-    def apply_weight_update(self, update: WeightUpdate, relay: bool = False) -> ApplyResult:
-        """Critic: take the `critic/` tensors of a trainer's update (refused as a whole on any error); with
-        `relay`, acknowledge with this worker's own copy for the makers it relays to (`weights.relay`)."""
+    def apply_weight_update(self, update: WeightUpdate) -> ApplyResult:
+        """Critic: take the `critic/` tensors of a trainer's update (refused as a whole on any error)."""
         fetch = ray_fetch(self.core.weight_timeout_s)
         try:
             if self.core.subscriber is None:  # refused, naming the role
                 return self.core.apply_weight_update(update, fetch)
-            return acknowledged(self.core.subscriber.receive(update, fetch), update, relay)
+            return self.core.subscriber.receive(update, fetch)
         except Exception as error:
             self.last_error = f"weight update v{update.manifest.version}: {error}"
             raise

@@ -193,11 +193,11 @@ class _TrainerShell:
 
     @ray.method(concurrency_group="model_io")
     def register_maker(self, maker_name: str, base_fingerprint: str | None = None,
-                       serving_dtype: str | None = None) -> WeightUpdate | None:
-        """Record a maker; returns the weight update it should start from (full unless its base matches), in
-        the dtype it serves."""
+                       serving_dtype: str | None = None, host: str | None = None) -> WeightUpdate | None:
+        """Record a maker (`host`: its node's IP, for relays); returns the weight update it should start from
+        (full unless its base matches), in the dtype it serves."""
         weights = self.trainer_core().weights
-        return weights.register(maker_name, base_fingerprint, self.put_chunk, serving_dtype)
+        return weights.register(maker_name, base_fingerprint, self.put_chunk, serving_dtype, host)
 
     @ray.method(concurrency_group="model_io")
     def policy_version(self) -> int:
@@ -244,6 +244,7 @@ class _TrainerShell:
                 except Exception as error:  # noqa: BLE001
                     logger.warning("maker %s did not acknowledge stop: %s", name, error)
 
+        send.relays.learn(core.weights.makers_of_this_rank())  # where they are, before the first push
         try:
             return core.fit(total_steps, self.put_chunk, send, update_steps, train_epochs, stop_makers,
                             checkpoint_every, checkpoint_dir, resume_from, push_when)

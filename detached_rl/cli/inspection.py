@@ -116,6 +116,9 @@ def format_status(rows: list[dict[str, Any]]) -> str:
         behind = row.get("makers_behind") or {}
         if trainer and behind:  # makers trailing by more than max_staleness versions (the trainer goes on)
             steps += " (behind: " + ", ".join(f"{m} by {lag}" for m, lag in sorted(behind.items())) + ")"
+        silent = row.get("makers_silent") or {}
+        if trainer and silent:  # makers that stopped answering (host gone, link cut): the trainer goes on
+            steps += " (silent: " + ", ".join(f"{m}: {why}" for m, why in sorted(silent.items())) + ")"
         version = str(row.get("policy_version", ""))
         pending = (row.get("weight_updates") or {}).get("pending_version")
         if pending is not None:  # verified, swapped in when the batch under way ends

@@ -48,7 +48,7 @@ class TrainerConfig:
     weight_stall_timeout_s: float = 30.0
     # > 0: makers on other hosts than the trainer's take each update from one another, at most this many
     # from each relay, so a version leaves the trainer's host about once (`weights.relay`); 0: each from it.
-    weight_relay_fanout: int = 0
+    weight_relay_fanout: int = 2
     batch_timeout_s: float = 300.0  # how long `fit` waits for a full batch before failing
     stop_makers_at_end: bool = True
     metrics_history: int = 10_000

@@ -129,6 +129,7 @@ class WeightPublisher:
         # Makers whose latest weight update failed (dead, unreachable, restarting): maker -> why. A later
         # acknowledgement or a registration under that name (a restarted or replacing maker) clears it.
         self.lost: dict[str, str] = {}
+        self.hosts: dict[str, str] = {}  # maker -> its node IP, as it said when it registered
 
     # ------------------------------------------------------------------ the weights
     def synced_models(self) -> dict[str, torch.nn.Module]:
@@ -198,18 +199,23 @@ class WeightPublisher:
 
     # ------------------------------------------------------------------ subscribers
     def register(self, name: str, base_fingerprint: str | None = None, put: Put | None = None,
-                 serving_dtype: str | None = None) -> WeightUpdate | None:
+                 serving_dtype: str | None = None, host: str | None = None) -> WeightUpdate | None:
         """Record a maker; returns the update it should start from.
 
         With LoRA sync, a maker that holds the same base weights (equal fingerprint; for a maker that
         casts weights, equal after casting both bases to its dtype) gets the latest LoRA-only update;
         any other maker gets a full update of the current weights. `serving_dtype` (or the cast prefix of its
         fingerprint, "bfloat16:..."): the dtype the maker stores weights in; a narrower one than the trainer's
-        gets updates in it (`WireVariants`).
+        gets updates in it (`WireVariants`). `host`: the maker's node IP, as it says (`weights.relay`).
         """
         with self.registration_lock:
             wire = self.wire.note(name, base_fingerprint, serving_dtype)
-            return self._register(name, base_fingerprint, put, wire)
+            answer = self._register(name, base_fingerprint, put, wire)
+            if host:
+                self.hosts[name] = host
+                if self.queue is not None:
+                    self.queue.relays.tell(name, host)
+            return answer
 
     def add_makers(self, names: Iterable[str]) -> None:
         """Add makers by name, without an update to start from (they take the next push)."""
@@ -305,6 +311,8 @@ class WeightPublisher:
                                                          self._adapted)
         if getattr(self.queue.send, "wire_variants", None) is not self.wire:  # a delta only on its base
             self.queue.send = self.wire.dispatch(self.queue, self.queue.send, self.registered_versions)
+        for name, host in self.hosts.items():
+            self.queue.relays.tell(name, host)
         return self.queue
 
     def offer(self, queue: WeightPushQueue, update: WeightUpdate, makers: list[str]) -> None:
@@ -419,9 +427,11 @@ class WeightPublisher:
         for)."""
         queue = self.queue
         if queue is None:
-            return {"weight_push": None, "makers_behind": {}, "makers_lost": dict(self.lost)}
+            return {"weight_push": None, "makers_behind": {}, "makers_lost": dict(self.lost),
+                    "makers_silent": {}}
         makers = queue.acked.keys() | set(self.makers)
         lag = queue.lag(self.source.version(), makers, self.registered_versions)
         push = dict(queue.stats())
         push["wire"] = self.wire.stats()
-        return {"weight_push": push, "makers_behind": self.makers_behind(lag), "makers_lost": dict(self.lost)}
+        return {"weight_push": push, "makers_behind": self.makers_behind(lag), "makers_lost": dict(self.lost),
+                "makers_silent": push.get("silent", {})}

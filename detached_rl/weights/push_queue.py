@@ -30,25 +30,36 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from detached_rl.core.transfer import TransferStalled, check_stall_s, describe_answer
+from detached_rl.weights.liveness import MakerLiveness
 from detached_rl.weights.relay import RelayPlanner
 from detached_rl.weights.update import ApplyResult, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
-# (maker, update) -> a future of its `ApplyResult`; with `relay=True` the maker keeps a copy for others and
-# returns it in `ApplyResult.relayed` (`weights.relay`).
-Send = Callable[..., "Future[ApplyResult]"]
+# (maker, update) -> a future of its `ApplyResult`.
+Send = Callable[[str, WeightUpdate], "Future[ApplyResult]"]
+# (relay, update, its host) -> the relay's streaming copy of `update`, for the makers it relays to
+# (`weights.relay`).
+RelayCopy = Callable[[str, WeightUpdate, str], WeightUpdate]
 # maker -> a future of its transfer progress: {"host", "version", "done", "total", "seconds", "idle_s"}
 # (version None: it receives nothing now).
 Progress = Callable[[str], "Future[Mapping[str, Any] | None]"]
 Locate = Callable[[str], "str | None"]  # maker -> the IP of its node, None if unknown
 # Delivers an update to the named makers and returns each one's result (an `ApplyResult` or the error).
 SendUpdate = Callable[[WeightUpdate, list[str]], Mapping[str, Any]]
-ALL_VERSIONS = 2**62  # `_release`: whatever version a relay's children wait for
+
+
+@dataclass(frozen=True)
+class _Offer:
+    """What a maker is to be sent: `update`, which is relay `via`'s copy of the trainer's `original`."""
+
+    update: WeightUpdate
+    via: str | None = None
+    original: WeightUpdate | None = None
 
 
 @dataclass
@@ -57,6 +68,7 @@ class _InFlight:
     sent_at: float
     future: Future
     kind: str = "?"
+    offer: _Offer | None = None
     seen: float = 0.0  # the last time the maker was seen receiving (or alive, when it receives nothing)
     query: Future | None = None  # a progress question not yet answered
     asked_at: float = 0.0
@@ -70,14 +82,16 @@ class WeightPushQueue:
     for it (a `TimeoutError` result) and the next offer is sent regardless; with `progress`, only while the
     maker receives nothing (see the module docstring): a transfer is failed when it stalls for
     `stall_timeout` s. `watch`: run the watch thread (`check` every `poll` s); tests call `check` themselves.
-    `relay_fanout` > 0: makers on other hosts than `origin` (the trainer's) take each update from one another
-    (`weights.relay.relay_tree`), a maker whose relay failed from the trainer.
+    `relay_fanout` > 0 (with `relay`): makers on other hosts than `origin` (the trainer's) take each update
+    from one another (`weights.relay`), a maker whose relay's copy failed the trainer's own next.
+    `liveness`: checked at each watch pass for every maker offered to (`stats()["silent"]`).
     """
 
     def __init__(self, send: Send, timeout: float, clock: Callable[[], float] = time.monotonic,
                  progress: Progress | None = None, stall_timeout: float = 30.0, locate: Locate | None = None,
                  watch: bool = True, poll: float | None = None, relay_fanout: int = 0,
-                 origin: str | None = None) -> None:
+                 origin: str | None = None, relay: RelayCopy | None = None,
+                 liveness: MakerLiveness | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"WeightPushQueue: timeout must be > 0 s, got {timeout}")
         self.send = send
@@ -96,37 +110,63 @@ class WeightPushQueue:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._in_flight: dict[str, _InFlight] = {}
-        self._waiting: dict[str, WeightUpdate] = {}
+        self._waiting: dict[str, _Offer] = {}
         self._results: dict[str, ApplyResult | BaseException] = {}  # since the last `take_results`
         self.acked: dict[str, int] = {}  # maker -> newest version it acknowledged
         self.failures: dict[str, str] = {}  # maker -> its latest failure, until it acknowledges again
         self.sent = 0
         self.superseded = 0  # updates replaced by a newer one before they were sent
         self.failed = 0
-        self.relays = RelayPlanner(relay_fanout, origin, progress)
-        # child -> (its relay, the update it waits for the relay's copy of)
-        self._relaying: dict[str, tuple[str, WeightUpdate]] = {}
+        self.relay = relay
+        self.relays = RelayPlanner(relay_fanout if relay is not None else 0, origin, progress)
+        self.tree: dict[str, str] = {}  # child -> relay, at the last offer
         self.relayed = 0  # updates a maker was sent as another maker's copy
+        self.relay_fallbacks = 0  # relayed copies that failed, so the maker was sent the trainer's own
+        self.liveness = liveness
+        self.known: set[str] = set()  # makers offered to and not forgotten
         self._dispatcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-push")
 
     def offer(self, update: WeightUpdate, makers: Iterable[str]) -> None:
-        """Send `update` to every maker with nothing in flight; leave it waiting (replacing
-        an older one) for the rest; a maker with a relay waits for the relay's copy."""
+        """Send `update` to every maker with nothing in flight (a relayed maker its relay's copy); leave it
+        waiting (replacing an older one) for the rest."""
         makers = list(makers)
-        tree = self.relays.tree(makers, update.manifest.kind)
-        to_send = []
+        offers = self._route(update, makers)
         with self._lock:
+            self.known.update(makers)
             now = self.clock()
-            for maker in makers:
-                if maker in tree:
-                    self._relaying[maker] = (tree[maker], update)
-                elif self._place(maker, update, now):
-                    to_send.append(maker)
+            to_send = [maker for maker in makers if self._place(maker, offers[maker], now)]
         for maker in to_send:
-            self._dispatch(maker, update)
+            self._dispatch(maker, offers[maker])
 
-    def _place(self, maker: str, update: WeightUpdate, now: float) -> bool:
-        """`update` in flight for `maker` (True: send it now) or waiting behind its flight (hold `_lock`)."""
+    def _route(self, update: WeightUpdate, makers: list[str]) -> dict[str, _Offer]:
+        """What each maker is offered: the trainer's `update`, or its relay's copy (`RelayPlanner.tree`)."""
+        tree = self.relays.tree(makers)
+        copies: dict[str, WeightUpdate] = {}  # relay -> its copy, for its children
+
+        def served(maker: str) -> WeightUpdate:
+            parent = tree.get(maker)
+            if parent is None:
+                return update
+            if parent not in copies:
+                try:
+                    copies[parent] = self.relay(parent, served(parent),  # type: ignore[misc]
+                                                self.relays.hosts.get(parent, "?"))
+                except Exception as error:  # noqa: BLE001 - no such actor now: its children from the trainer
+                    logger.warning("maker %r cannot relay weight update v%d: %s", parent,
+                                   update.manifest.version, error)
+                    self.relays.distrust(parent)
+                    copies[parent] = update
+            return copies[parent]
+
+        offers = {}
+        for maker in makers:
+            copy = served(maker)
+            offers[maker] = _Offer(update) if copy is update else _Offer(copy, tree[maker], update)
+        self.tree = {child: parent for child, parent in tree.items() if offers[child].via is not None}
+        return offers
+
+    def _place(self, maker: str, offer: _Offer, now: float) -> bool:
+        """`offer` in flight for `maker` (True: send it now) or waiting behind its flight (hold `_lock`)."""
         flight = self._in_flight.get(maker)
         if flight is not None and self.progress is None and now - flight.sent_at > self.timeout:
             self._record(maker, TimeoutError(
@@ -135,78 +175,64 @@ class WeightPushQueue:
             del self._in_flight[maker]
             flight = None
         if flight is None:
-            self._in_flight[maker] = self._flight(update, now)
+            self._in_flight[maker] = self._flight(offer, now)
             return True
         if maker in self._waiting:
             self.superseded += 1
-        self._waiting[maker] = update
+        self._waiting[maker] = offer
         return False
 
-    def _release(self, relay: str, version: int, copy: WeightUpdate | None) -> list[tuple[str, WeightUpdate]]:
-        """The makers waiting for `relay`'s copy of `version` or older, each with what to send it now: the
-        copy, or (no copy: the relay failed) the update as the trainer offered it; hold `_lock`."""
-        released = []
-        for child, (parent, update) in list(self._relaying.items()):
-            if parent == relay and update.manifest.version <= version:
-                del self._relaying[child]
-                released.append((child, update if copy is None else copy))
-                self.relayed += copy is not None
-        return released
-
-    def _send_released(self, released: list[tuple[str, WeightUpdate]]) -> None:
-        """Place what `_release` returned and send what can go now."""
-        with self._lock:
-            now = self.clock()
-            to_send = [(child, update) for child, update in released if self._place(child, update, now)]
-        for child, update in to_send:
-            self._dispatcher.submit(self._dispatch, child, update)
-
-    def _dispatch(self, maker: str, update: WeightUpdate) -> None:
-        with self._lock:  # a relay for makers waiting on this version keeps a copy for them
-            relay = any(parent == maker and waited.manifest.version <= update.manifest.version
-                        for parent, waited in self._relaying.values())
+    def _dispatch(self, maker: str, offer: _Offer) -> None:
         try:
-            future = self.send(maker, update, relay=True) if relay else self.send(maker, update)
+            future = self.send(maker, offer.update)
         # No actor by that name, a closed connection: that maker's result.
         except BaseException as error:  # noqa: BLE001
             future = Future()
             future.set_exception(error)
         with self._lock:
             flight = self._in_flight.get(maker)
-            if flight is None or flight.version != update.manifest.version:
+            if flight is None or flight.offer is not offer:
                 return  # timed out and replaced meanwhile
             flight.future = future
             self.sent += 1
-        future.add_done_callback(lambda done: self._done(maker, update.manifest.version, done))
+            self.relayed += offer.via is not None
+        future.add_done_callback(lambda done: self._done(maker, offer, done))
 
-    def _done(self, maker: str, version: int, future: Future) -> None:
-        error = future.exception()
-        next_update = None
+    def _done(self, maker: str, offer: _Offer, future: Future) -> None:
         with self._lock:
             flight = self._in_flight.get(maker)
             if flight is None or flight.future is not future:
                 return  # counted as timed out already
-            del self._in_flight[maker]
-            result = error if error is not None else future.result()
-            copy = getattr(result, "relayed", None)
-            if copy is not None:  # the copy is for the makers released below, not kept with the result
-                result = replace(result, relayed=None)
+            error = future.exception()
+            next_offer = self._end(maker, flight, error if error is not None else future.result())
+        if next_offer is not None:
+            self._dispatcher.submit(self._dispatch, maker, next_offer)
+
+    def _end(self, maker: str, flight: _InFlight, result: ApplyResult | BaseException) -> _Offer | None:
+        """`flight` ended with `result`: record it, or (a relayed copy that failed) offer the trainer's own
+        update instead; the offer to send `maker` next, now in flight, if any (hold `_lock`)."""
+        del self._in_flight[maker]
+        offer = flight.offer
+        if isinstance(result, BaseException) and offer is not None and offer.via is not None:
+            self.relay_fallbacks += 1
+            self.relays.distrust(offer.via)
+            logger.warning("weight update v%d relayed by %r to %r failed (%s: %s): sending the trainer's own",
+                           flight.version, offer.via, maker, type(result).__name__, result)
+            self._waiting.setdefault(maker, _Offer(offer.original))  # unless a newer one waits
+        else:
             self._record(maker, result)
-            if error is None:
-                self.acked[maker] = max(self.acked.get(maker, -1), version)
-            # a failed relay's children all take the trainer's update: the relay may fail again
-            released = self._release(maker, version if error is None else ALL_VERSIONS, copy)
-            next_update = self._waiting.pop(maker, None)
-            if next_update is not None:
-                self._in_flight[maker] = self._flight(next_update, self.clock())
-            self._changed.notify_all()
-        if next_update is not None:
-            self._dispatcher.submit(self._dispatch, maker, next_update)
-        self._send_released(released)
+            if not isinstance(result, BaseException):
+                self.acked[maker] = max(self.acked.get(maker, -1), flight.version)
+        next_offer = self._waiting.pop(maker, None)
+        if next_offer is not None:
+            self._in_flight[maker] = self._flight(next_offer, self.clock())
+        self._changed.notify_all()
+        return next_offer
 
     @staticmethod
-    def _flight(update: WeightUpdate, now: float) -> _InFlight:
-        return _InFlight(update.manifest.version, now, Future(), update.manifest.kind, seen=now)
+    def _flight(offer: _Offer, now: float) -> _InFlight:
+        manifest = offer.update.manifest
+        return _InFlight(manifest.version, now, Future(), manifest.kind, offer=offer, seen=now)
 
     def _record(self, maker: str, result: ApplyResult | BaseException) -> None:
         """Keep `result` as the maker's latest; hold `_lock`."""
@@ -235,7 +261,7 @@ class WeightPushQueue:
         only = None if makers is None else set(makers)
         with self._lock:
             while True:
-                busy = sorted(m for m in self._in_flight.keys() | self._waiting.keys() | self._relaying.keys()
+                busy = sorted(m for m in self._in_flight.keys() | self._waiting.keys()
                               if only is None or m in only)
                 if not busy:
                     return True
@@ -246,7 +272,6 @@ class WeightPushQueue:
                     for maker in busy:  # give up on them: their results say why
                         flight = self._in_flight.pop(maker, None)
                         self._waiting.pop(maker, None)
-                        self._relaying.pop(maker, None)
                         version = flight.version if flight is not None else "?"
                         self._record(maker, TimeoutError(
                             f"maker {maker!r} did not acknowledge weight update v{version} within "
@@ -303,6 +328,8 @@ class WeightPushQueue:
                     flight.query = query
         for maker, flight, error in failed:
             self._fail(maker, flight, error or self._unanswered(maker, flight, now))
+        if self.liveness is not None:
+            self.liveness.check(list(self.known))  # one C call copies it whole (the GIL held)
 
     def _judge(self, maker: str, flight: _InFlight, query: Future, now: float) -> BaseException | None:
         """The error that fails `flight` after the maker's answer `query`, or None (keep waiting); hold the
@@ -343,7 +370,8 @@ class WeightPushQueue:
                                f"{self.stall_timeout:g} s ({last})")
 
     def _what(self, maker: str, flight: _InFlight) -> str:
-        return (f"weight update v{flight.version} ({flight.kind}) to maker {maker!r} at "
+        via = f" relayed by {flight.offer.via!r}" if flight.offer is not None and flight.offer.via else ""
+        return (f"weight update v{flight.version} ({flight.kind}){via} to maker {maker!r} at "
                 f"{self.hosts.get(maker, 'an unknown host')}")
 
     def _fail(self, maker: str, flight: _InFlight, error: BaseException) -> None:
@@ -351,28 +379,20 @@ class WeightPushQueue:
         with self._lock:
             if self._in_flight.get(maker) is not flight:
                 return
-            del self._in_flight[maker]
-            self._record(maker, error)
-            released = self._release(maker, ALL_VERSIONS, None)  # they take it from the trainer
-            next_update = self._waiting.pop(maker, None)
-            if next_update is not None:
-                self._in_flight[maker] = self._flight(next_update, self.clock())
-            self._changed.notify_all()
+            next_offer = self._end(maker, flight, error)
         logger.warning("%s", error)
-        if next_update is not None:
-            self._dispatcher.submit(self._dispatch, maker, next_update)
-        self._send_released(released)
+        if next_offer is not None:
+            self._dispatcher.submit(self._dispatch, maker, next_offer)
 
     def forget(self, maker: str) -> None:
-        """Stop tracking a maker that is gone."""
+        """Stop tracking a maker that is gone (makers it relays to fall back to the trainer's update when
+        their copies fail)."""
         with self._lock:
             self._in_flight.pop(maker, None)
             self._waiting.pop(maker, None)
-            self._relaying.pop(maker, None)
             self.acked.pop(maker, None)
+            self.known.discard(maker)
             self.relays.forget(maker)
-            released = self._release(maker, ALL_VERSIONS, None)  # its children take the trainer's
-        self._send_released(released)
 
     def lag(self, version: int, makers: Iterable[str],
             known: Mapping[str, int] | None = None) -> dict[str, int]:
@@ -388,10 +408,10 @@ class WeightPushQueue:
             return {"sent": self.sent, "superseded": self.superseded, "failed": self.failed,
                     "failures": dict(self.failures),
                     "in_flight": {m: f.version for m, f in self._in_flight.items()},
-                    "waiting": {m: u.manifest.version for m, u in self._waiting.items()},
-                    "relaying": {m: parent for m, (parent, _) in self._relaying.items()},
-                    "relayed": self.relayed, "acked": dict(self.acked)}
-
+                    "waiting": {m: o.update.manifest.version for m, o in self._waiting.items()},
+                    "relay_tree": dict(self.tree), "relayed": self.relayed,
+                    "relay_fallbacks": self.relay_fallbacks, "acked": dict(self.acked),
+                    "silent": {} if self.liveness is None else dict(self.liveness.silent())}
 
 
 def _what_answer(answer: Mapping[str, Any]) -> str:
@@ -404,8 +424,8 @@ def synchronous_send(send_update: SendUpdate) -> Send:
     """A queue's `send` over a plain `send_update`: delivers to one maker at a time, in the caller's
     thread."""
 
-    def send(maker: str, update: WeightUpdate, relay: bool = False) -> Future:
-        future: Future = Future()  # `relay` asks for a copy this adapter has none of: it keeps none
+    def send(maker: str, update: WeightUpdate) -> Future:
+        future: Future = Future()
         result = send_update(update, [maker]).get(maker)
         if isinstance(result, BaseException):
             future.set_exception(result)

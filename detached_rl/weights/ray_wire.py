@@ -9,7 +9,6 @@ and fails a transfer only when it stalls, never because it is slow (`core.transf
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from detached_rl.core.transfer import (
     pull_pieces,
     split_chunk,
 )
+from detached_rl.weights.liveness import MakerLiveness
 from detached_rl.weights.push_queue import Locate, SendUpdate, WeightPushQueue
 from detached_rl.weights.update import ApplyResult, Fetch, Put, WeightUpdate
 
@@ -175,39 +175,38 @@ def ray_fetch(timeout: float) -> Callable[[Any], dict[str, torch.Tensor]]:
     return lambda ref: fetch_chunk(ref, timeout)
 
 
-def send_weight_update(maker: str, update: WeightUpdate, namespace: str, relay: bool = False) -> Future:
-    """Send `update` to the maker named `maker`; a future of its acknowledgement (with `relay`, carrying the
-    maker's own copy for others: `relay_update`); `LookupError` if no such actor."""
+def send_weight_update(maker: str, update: WeightUpdate, namespace: str) -> Future:
+    """Send `update` to the maker named `maker`; a future of its acknowledgement; `LookupError` if no such
+    actor."""
     try:
         handle = ray.get_actor(maker, namespace=namespace)
     except ValueError:
         raise LookupError(f"no maker named {maker!r} in namespace {namespace!r}") from None
-    if relay:
-        return handle.apply_weight_update.remote(update, relay=True).future()
     return handle.apply_weight_update.remote(update).future()
 
 
-def relay_chunk(ref: Any, timeout: float = 60.0) -> Any:
-    """This process's own copy of a chunk it has pulled (its pieces are on this node): the same bytes
-    `ray.put` again, owned here and stored on this node, so makers pulling it take them from this host."""
-    if not isinstance(ref, PiecedChunk):
-        return ray.put(ray.get(ref, timeout=timeout))
-    pieces = ray.get(list(ref.refs), timeout=timeout)
-    return PiecedChunk(ref.layout, tuple(_putter().map(ray.put, pieces)), node_ip())
+def relay_copy(relay: str, update: WeightUpdate, host: str, namespace: str, timeout: float) -> WeightUpdate:
+    """The named maker's streaming copy of `update` (`weights.relay`): for each piece, a task on the relay
+    that pulls it to the relay's node and returns it there (`relayed_piece`), so makers given this copy pull
+    every piece from the relay's `host` as soon as it landed; the same manifest, so they check
+    it as the trainer's. `LookupError` if no such actor."""
+    try:
+        handle = ray.get_actor(relay, namespace=namespace)
+    except ValueError:
+        raise LookupError(f"no maker named {relay!r} in namespace {namespace!r}") from None
+
+    def piece(ref: Any) -> Any:  # the reference goes in a list: the task waits for it, not Ray before it
+        return handle.relay_piece.remote([ref], timeout)
+
+    chunks = [PiecedChunk(ref.layout, tuple(piece(one) for one in ref.refs), host)
+              if isinstance(ref, PiecedChunk) else piece(ref) for ref in update.chunk_refs]
+    return WeightUpdate(update.manifest, chunks)
 
 
-def relay_update(update: WeightUpdate) -> WeightUpdate:
-    """`update` with every chunk replaced by this process's copy (`relay_chunk`): the same manifest, so the
-    makers it goes to check it as the trainer's."""
-    return WeightUpdate(update.manifest, [relay_chunk(ref) for ref in update.chunk_refs])
-
-
-def acknowledged(result: ApplyResult, update: WeightUpdate, relay: bool) -> ApplyResult:
-    """A receiver's answer to a push: with `relay` and `update` taken (swapped in or staged), carrying this
-    process's own copy for the makers it relays to (`relay_update`, `weights.relay`)."""
-    if relay and (result.applied or result.staged):
-        return dataclasses.replace(result, relayed=relay_update(update))
-    return result
+def relayed_piece(piece: Sequence[Any], timeout: float) -> Any:
+    """A relay's copy of `piece[0]` (a piece of a weight update): pulled to this node and returned, so Ray
+    stores the copy here (`relay_copy`); fails after `timeout` s without it."""
+    return ray.get(piece[0], timeout=timeout)
 
 
 def maker_progress(maker: str, namespace: str) -> Future:
@@ -249,8 +248,12 @@ def ray_push_queue(namespace: str, timeout: float, stall_timeout: float, locate:
                    relay_fanout: int = 0) -> WeightPushQueue:
     """A trainer's push queue over Ray: updates sent to the named makers in `namespace`, each asked how its
     transfer goes once a push is older than `stall_timeout` (slow or dead?); `locate` names a maker's host;
-    `relay_fanout` > 0: makers on other nodes relay updates to one another (`weights.relay`)."""
+    `relay_fanout` > 0: makers on other nodes relay updates to one another (`weights.relay`), each relayed
+    piece waited for up to `stall_timeout` s. Every maker is asked the same question every 5 s, and named in
+    `stats()["silent"]` after 15 s without an answer (`weights.liveness`)."""
+    progress = functools.partial(maker_progress, namespace=namespace)
     return WeightPushQueue(functools.partial(send_weight_update, namespace=namespace), timeout,
-                           progress=functools.partial(maker_progress, namespace=namespace),
-                           stall_timeout=stall_timeout, locate=locate, relay_fanout=relay_fanout,
-                           origin=node_ip())
+                           progress=progress, stall_timeout=stall_timeout, locate=locate,
+                           relay_fanout=relay_fanout, origin=node_ip(),
+                           relay=functools.partial(relay_copy, namespace=namespace, timeout=stall_timeout),
+                           liveness=MakerLiveness(progress, interval=5.0, silent_after=15.0))

@@ -1,15 +1,19 @@
 """Who relays a weight update to whom: a tree over the makers, so that a version leaves the trainer's host
 about once instead of once per maker (issue 37).
 
-The trainer sends an update to the tree's roots; a maker with children keeps its own copy of what it pulled
-(`weights.ray_wire.relay_update`) and the trainer's push queue hands that copy to its children, who pull it
-from the relay's host and check it as they check any update (the manifest, its checksums and base are the
-trainer's). Plain code: the push queue's `RelayPlanner` builds the tree with `relay_tree` at each offer.
+A relay streams: when the trainer offers an update, its push queue asks each relay for a copy of the pieces
+the relay's own parent serves (`weights.ray_wire.relay_copy`: one task per piece on the relay, which pulls
+the piece across its link once and returns it, stored on its node) and sends every maker its update at
+once: the trainer's to the roots, the relay's copy to its children, who pull each piece from the relay's
+host as soon as it landed there and check it as they check any update (the manifest, its checksums and base
+are the trainer's). Plain code: the push queue's `RelayPlanner` builds the tree with `relay_tree` at each
+offer.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -52,16 +56,23 @@ class RelayPlanner:
 
     A maker's host is what it answers itself (`ask`, e.g. its `transfer_progress`: {"host": ...}), asked
     without waiting, so an offer never waits for a maker: a maker relays or is relayed to once it has
-    answered. Its rate is the bytes/s of its last acknowledged transfer (`record`).
+    answered. Its rate is the fastest it received at lately (`record`: each new figure, or the last one
+    decayed by `RATE_DECAY`, whichever is higher): a maker relayed to receives at its relay's pace, which says
+    little about its own link. A relay whose copy failed a maker relays for none for `DISTRUST_S` s.
     """
 
+    RATE_DECAY = 0.8
+    DISTRUST_S = 120.0
+
     def __init__(self, fanout: int, origin: str | None,
-                 ask: Callable[[str], Future[Mapping[str, Any] | None]] | None) -> None:
+                 ask: Callable[[str], Future[Mapping[str, Any] | None]] | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 0:
             raise ValueError(f"relay fanout must be an int >= 0 (0: no relaying), got {fanout!r}")
-        self.fanout, self.origin, self.ask = fanout, origin, ask
+        self.fanout, self.origin, self.ask, self.clock = fanout, origin, ask, clock
         self.hosts: dict[str, str] = {}
         self.rates: dict[str, float] = {}
+        self.distrusted: dict[str, float] = {}  # maker -> until when it relays for none
         self._asked: dict[str, Future] = {}
         self._lock = threading.Lock()
 
@@ -69,7 +80,7 @@ class RelayPlanner:
         """`maker` acknowledged `size` bytes pulled in `seconds`."""
         if size > 0 and seconds > 0:
             with self._lock:
-                self.rates[maker] = size / seconds
+                self.rates[maker] = max(size / seconds, self.rates.get(maker, 0.0) * self.RATE_DECAY)
 
     def forget(self, maker: str) -> None:
         """`maker` failed or went: where it is is asked again (a restarted actor may be elsewhere)."""
@@ -77,15 +88,36 @@ class RelayPlanner:
             self.hosts.pop(maker, None)
             self._asked.pop(maker, None)
 
-    def tree(self, makers: list[str], kind: str) -> dict[str, str]:
-        """child -> relay among `makers` for an update of `kind` (none for a delta: its base is per maker)."""
-        if self.fanout == 0 or kind == "delta" or len(makers) < 2:
-            return {}
+    def tell(self, maker: str, host: str) -> None:
+        """`maker` said it is on `host` (when it registered)."""
+        with self._lock:
+            self.hosts[maker] = host
+
+    def distrust(self, maker: str) -> None:
+        """A copy `maker` relayed failed: it relays for none for a while, and its host is asked again."""
+        with self._lock:
+            self.distrusted[maker] = self.clock() + self.DISTRUST_S
+        self.forget(maker)
+
+    def learn(self, makers: Iterable[str]) -> None:
+        """Ask the makers whose hosts are not known yet where they are (without waiting)."""
+        if self.fanout == 0 or self.ask is None:
+            return
         with self._lock:
             for maker in makers:
-                if maker not in self.hosts and self.ask is not None:
+                if maker not in self.hosts:
                     self._learn_host(maker)
-            hosts, rates = {maker: self.hosts.get(maker) for maker in makers}, dict(self.rates)
+
+    def tree(self, makers: list[str]) -> dict[str, str]:
+        """child -> relay among `makers` for the next offer."""
+        if self.fanout == 0 or len(makers) < 2:
+            return {}
+        self.learn(makers)
+        with self._lock:
+            now = self.clock()
+            hosts = {maker: None if self.distrusted.get(maker, 0.0) > now else self.hosts.get(maker)
+                     for maker in makers}
+            rates = dict(self.rates)
         return relay_tree(makers, hosts, rates, self.origin, self.fanout)
 
     def _learn_host(self, maker: str) -> None:

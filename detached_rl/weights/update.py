@@ -166,8 +166,6 @@ class ApplyResult:
     lock_wait_seconds: float = 0.0
     swap_seconds: float = 0.0
     seconds: float = 0.0
-    # Asked to relay (`weights.relay`): the maker's own copy of the update, for the makers it relays to.
-    relayed: Any = None
 
 
 def qualified_tensors(

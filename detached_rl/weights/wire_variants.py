@@ -131,7 +131,7 @@ class WireVariants:
         """`send` that gives a maker the full update instead of a delta unless the version it acknowledged (or
         was answered at registration) is the delta's base."""
 
-        def send_variant(maker: str, update: WeightUpdate, **options: Any) -> Any:
+        def send_variant(maker: str, update: WeightUpdate) -> Any:
             if update.manifest.kind == "delta":
                 held = queue.acked.get(maker, registered.get(maker))
                 if held != update.manifest.metadata["delta_base"]["version"]:
@@ -139,7 +139,7 @@ class WireVariants:
                     self.sent_fulls_for_deltas += 1
                 else:
                     self.sent_deltas += 1
-            return send(maker, update, **options)
+            return send(maker, update)
 
         send_variant.wire_variants = self  # type: ignore[attr-defined]  # marks a queue already wrapped
         return send_variant
