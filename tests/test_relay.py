@@ -129,11 +129,40 @@ def test_a_relay_that_cannot_copy_and_a_waiting_copy_superseded_by_the_trainers_
     queue.settle()
     assert makers.sent[-1] == ("b", 2, ["a(trainer)"])
     queue.offer(update(3), ["a", "b"])  # b busy with a's copy of v2: a's copy of v3 waits
-    makers.fail("b", RuntimeError("relayed piece lost"))  # the newer one waiting is sent, not v2 again
+    makers.fail("b", RuntimeError("relayed piece lost"))  # the newer one waiting is sent, not v2 again ...
     queue.settle()
     assert [(v, refs) for m, v, refs in makers.sent if m == "b"] == [
-        (1, ["trainer"]), (2, ["a(trainer)"]), (3, ["a(trainer)"])]
+        (1, ["trainer"]), (2, ["a(trainer)"]), (3, ["trainer"])]  # ... and not through a (its copy failed)
     assert queue.relay_fallbacks == 1 and "b" not in queue.failures
+
+
+def test_a_silent_relay_relays_for_none_and_what_waits_for_its_copy_takes_the_trainers() -> None:
+    makers = Makers()
+    now = [0.0]
+    silent: dict[str, str] = {}
+
+    class Liveness:
+        def check(self, known: list[str]) -> None:
+            pass
+
+        def silent(self) -> dict[str, str]:
+            return silent
+
+    queue = WeightPushQueue(makers.send, timeout=60, relay_fanout=2, origin=HOSTS["t"], relay=makers.relay,
+                            progress=lambda maker: Future(), watch=False, liveness=Liveness())  # type: ignore
+    queue.relays.clock = lambda: now[0]
+    queue.relays.hosts.update(HOSTS)
+    queue.relays.rates.update({"a": 9e6, "b": 1e6})
+    queue.offer(update(1), ["a", "b"])
+    queue.offer(update(2), ["a", "b"])  # both busy: b's v2 waits as a's copy
+    silent["a"] = "no answer for 16 s"  # a's host vanished
+    queue.check()
+    assert queue.stats()["waiting"] == {"a": 2, "b": 2} and queue._waiting["b"].via is None
+    makers.ack("b")
+    queue.settle()
+    assert makers.sent[-1] == ("b", 2, ["trainer"])
+    queue.relays.hosts.update(HOSTS)
+    assert queue.relays.tree(["a", "b"]) == {}  # a relays for none
 
 
 def test_a_queue_without_fanout_or_without_a_relay_function_does_not_relay() -> None:

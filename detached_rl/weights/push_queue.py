@@ -35,7 +35,7 @@ from typing import Any
 
 from detached_rl.core.transfer import TransferStalled, check_stall_s, describe_answer
 from detached_rl.weights.liveness import MakerLiveness
-from detached_rl.weights.relay import RelayPlanner
+from detached_rl.weights.relay import RelayPlanner, routes
 from detached_rl.weights.update import ApplyResult, WeightUpdate
 
 logger = logging.getLogger(__name__)
@@ -139,30 +139,12 @@ class WeightPushQueue:
             self._dispatch(maker, offers[maker])
 
     def _route(self, update: WeightUpdate, makers: list[str]) -> dict[str, _Offer]:
-        """What each maker is offered: the trainer's `update`, or its relay's copy (`RelayPlanner.tree`)."""
+        """What each maker is offered: the trainer's `update`, or its relay's copy (`relay.routes`)."""
         tree = self.relays.tree(makers)
-        copies: dict[str, WeightUpdate] = {}  # relay -> its copy, for its children
-
-        def served(maker: str) -> WeightUpdate:
-            parent = tree.get(maker)
-            if parent is None:
-                return update
-            if parent not in copies:
-                try:
-                    copies[parent] = self.relay(parent, served(parent),  # type: ignore[misc]
-                                                self.relays.hosts.get(parent, "?"))
-                except Exception as error:  # noqa: BLE001 - no such actor now: its children from the trainer
-                    logger.warning("maker %r cannot relay weight update v%d: %s", parent,
-                                   update.manifest.version, error)
-                    self.relays.distrust(parent)
-                    copies[parent] = update
-            return copies[parent]
-
-        offers = {}
-        for maker in makers:
-            copy = served(maker)
-            offers[maker] = _Offer(update) if copy is update else _Offer(copy, tree[maker], update)
-        self.tree = {child: parent for child, parent in tree.items() if offers[child].via is not None}
+        served = routes(update, tree, self.relay, self.relays) if tree else {}
+        offers = {maker: _Offer(served[maker], tree[maker], update) if maker in served else _Offer(update)
+                  for maker in makers}
+        self.tree = {child: tree[child] for child in served}
         return offers
 
     def _place(self, maker: str, offer: _Offer, now: float) -> bool:
@@ -218,7 +200,8 @@ class WeightPushQueue:
             self.relays.distrust(offer.via)
             logger.warning("weight update v%d relayed by %r to %r failed (%s: %s): sending the trainer's own",
                            flight.version, offer.via, maker, type(result).__name__, result)
-            self._waiting.setdefault(maker, _Offer(offer.original))  # unless a newer one waits
+            waiting = self._waiting.get(maker)  # a newer one waits: it goes, but never through that relay
+            self._waiting[maker] = self._direct(waiting or offer, offer.via)
         else:
             self._record(maker, result)
             if not isinstance(result, BaseException):
@@ -228,6 +211,11 @@ class WeightPushQueue:
             self._in_flight[maker] = self._flight(next_offer, self.clock())
         self._changed.notify_all()
         return next_offer
+
+    @staticmethod
+    def _direct(offer: _Offer, relay: str | None) -> _Offer:
+        """`offer`, but the trainer's own update where it is `relay`'s copy."""
+        return _Offer(offer.original) if offer.via == relay and offer.original is not None else offer
 
     @staticmethod
     def _flight(offer: _Offer, now: float) -> _InFlight:
@@ -330,6 +318,13 @@ class WeightPushQueue:
             self._fail(maker, flight, error or self._unanswered(maker, flight, now))
         if self.liveness is not None:
             self.liveness.check(list(self.known))  # one C call copies it whole (the GIL held)
+            silent = self.liveness.silent()
+            with self._lock:  # a silent maker relays for none; what waits for its copy takes the trainer's
+                for maker in silent:
+                    self.relays.distrust(maker)
+                for maker, waiting in self._waiting.items():
+                    if waiting.via in silent:
+                        self._waiting[maker] = self._direct(waiting, waiting.via)
 
     def _judge(self, maker: str, flight: _InFlight, query: Future, now: float) -> BaseException | None:
         """The error that fails `flight` after the maker's answer `query`, or None (keep waiting); hold the

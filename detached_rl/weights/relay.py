@@ -12,11 +12,17 @@ offer.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
+
+from detached_rl.weights.update import WeightUpdate
+
+logger = logging.getLogger(__name__)
+Copy = Callable[[str, WeightUpdate, str], WeightUpdate]  # (relay, update, its host) -> its streaming copy
 
 
 def relay_tree(makers: Iterable[str], hosts: Mapping[str, str | None], rates: Mapping[str, float],
@@ -49,6 +55,31 @@ def relay_tree(makers: Iterable[str], hosts: Mapping[str, str | None], rates: Ma
     for index in range(1, len(relays)):
         tree[relays[index]] = relays[(index - 1) // fanout]
     return tree
+
+
+def routes(update: WeightUpdate, tree: Mapping[str, str], copy: Copy,
+           planner: RelayPlanner) -> dict[str, WeightUpdate]:
+    """child -> the copy of `update` it is sent, for the children of `tree` (child -> relay): its relay's copy
+    of what the relay itself is served (`copy(relay, what, host)`, asked once per relay). A relay that cannot
+    copy (no such actor now) is distrusted, and its children are left out: they take `update` itself."""
+    copies: dict[str, WeightUpdate | None] = {}  # relay -> its copy (None: it cannot copy)
+
+    def served(maker: str) -> WeightUpdate | None:
+        parent = tree.get(maker)
+        if parent is None:
+            return update
+        if parent not in copies:
+            source = served(parent) or update
+            try:
+                copies[parent] = copy(parent, source, planner.hosts.get(parent, "?"))
+            except Exception as error:  # noqa: BLE001 - no such actor now: its children from the trainer
+                logger.warning("maker %r cannot relay weight update v%d: %s", parent, update.manifest.version,
+                               error)
+                planner.distrust(parent)
+                copies[parent] = None
+        return copies[parent]
+
+    return {child: copied for child in tree if (copied := served(child)) is not None}
 
 
 class RelayPlanner:
