@@ -85,6 +85,20 @@ class Probe:
         return self._ask({"actor": actor, "method": method, "args": list(args), "timeout": timeout,
                           "fresh": fresh}, timeout)
 
+    def ask(self, actor: str, method: str, *args: Any, tries: int = 5) -> Any:
+        """`actor.method(*args)`, which must answer within `tries` tries; a probe that stalls (its Ray driver
+        stuck on a node being declared dead) is replaced."""
+        for _ in range(tries):
+            try:
+                answer = self.call(actor, method, *args, timeout=20)
+            except TimeoutError:
+                self.restart()
+                continue
+            if not isinstance(answer, Exception):
+                return answer
+            time.sleep(2)
+        return ok(answer)
+
     def rows(self) -> list[dict[str, Any]]:
         """The actor table's rows of the namespace."""
         return ok(self._ask({"rows": "detached_rl"}, 30))

@@ -70,6 +70,7 @@ class _TrainerShell:
         self.model_factory = model_factory
         self.core: TrainerCore | None = None
         self._fit_thread: threading.Thread | None = None
+        self._stops_unacknowledged: list[Any] = []  # stops sent to silent makers at the end of a fit
         self._ready = threading.Event()
         self.incoming = IncomingPushes()
         if strategy == "naive":
@@ -237,10 +238,14 @@ class _TrainerShell:
                     pending[name] = attach(name, self.namespace, timeout=5.0).stop.remote()
                 except Exception as error:  # noqa: BLE001 - a vanished maker needs no stopping
                     logger.warning("could not stop maker %s: %s", name, error)
-            # wait for the acknowledgement: a dropped reference is not a delivery
+            # wait for the acknowledgement (a dropped reference is not a delivery), but not from a maker that
+            # stopped answering (its host vanished): its stop is kept, and delivered if it comes back
+            silent = send.stats()["silent"]
+            self._stops_unacknowledged = [ref for name, ref in pending.items() if name in silent]
             for name, ref in pending.items():
                 try:
-                    ray.get(ref, timeout=30.0)
+                    if name not in silent:
+                        ray.get(ref, timeout=30.0)
                 except Exception as error:  # noqa: BLE001
                     logger.warning("maker %s did not acknowledge stop: %s", name, error)
 

@@ -240,17 +240,19 @@ class WeightPushQueue:
         return results
 
     def wait(self, timeout: float | None, makers: Iterable[str] | None = None) -> bool:
-        """Wait up to `timeout` s until nothing is in flight or waiting (for `makers`, default all); True if
-        so. Without `progress`, pushes still unacknowledged then fail; with it, they stay in flight (the watch
-        fails those that stall) and `timeout` None waits until every push is acknowledged or failed."""
+        """Wait up to `timeout` s until nothing is in flight or waiting (for `makers`, default all) but for
+        makers that stopped answering (`liveness`); True if so. Without `progress`, pushes still
+        unacknowledged then fail; with it, they stay in flight (the watch fails those that stall) and
+        `timeout` None waits until every push is acknowledged or failed."""
         if timeout is None and self._watch is None:
             raise ValueError("WeightPushQueue.wait: timeout None needs the progress watch (progress=...)")
         deadline = math.inf if timeout is None else self.clock() + timeout
         only = None if makers is None else set(makers)
         with self._lock:
             while True:
+                silent = {} if self.liveness is None else self.liveness.silent()
                 busy = sorted(m for m in self._in_flight.keys() | self._waiting.keys()
-                              if only is None or m in only)
+                              if (only is None or m in only) and m not in silent)
                 if not busy:
                     return True
                 remaining = deadline - self.clock()
