@@ -60,5 +60,11 @@ def test_a_maker_whose_actor_is_gone_is_named_with_the_reason_and_a_departed_one
     assert live.silent() == {"c": "no answer for 16 s (LookupError: no maker named 'c')"}
     live.check([])  # no longer among the trainer's makers (it was forgotten): not named
     assert live.silent() == {}
+    live.check(["c"])
+    now[0] = 40.0
+    live.check(["c"])
+    assert "c" in live.silent()
+    now[0] = 51.0  # no check for longer than 2 intervals (the trainer's fit ended): no silence is claimed
+    assert live.silent() == {}
     with pytest.raises(ValueError, match="interval < silent_after"):
         MakerLiveness(questions.ask, interval=20, silent_after=15)

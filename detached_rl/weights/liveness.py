@@ -32,6 +32,7 @@ class MakerLiveness:
         self._asked: dict[str, float] = {}  # maker -> when it was last asked
         self._question: dict[str, Future] = {}  # maker -> its question not yet taken
         self._errors: dict[str, str] = {}  # maker -> why its last question failed (e.g. its actor is gone)
+        self._checked = -float("inf")  # when `check` last ran
         self._lock = threading.Lock()
 
     def check(self, makers: Iterable[str]) -> None:
@@ -40,6 +41,7 @@ class MakerLiveness:
         makers = set(makers)
         due = []
         with self._lock:
+            self._checked = now
             for maker in self._heard.keys() - makers:
                 for table in (self._heard, self._asked, self._question, self._errors):
                     table.pop(maker, None)
@@ -76,9 +78,12 @@ class MakerLiveness:
             self._errors[maker] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
     def silent(self) -> Mapping[str, str]:
-        """maker -> why it is named: how long it has not answered (and its last error, if any)."""
+        """maker -> why it is named: how long it has not answered (and its last error, if any); nothing once
+        `check` stopped running (no question asked: no silence known)."""
         now = self.clock()
         with self._lock:
+            if now - self._checked > 2 * self.interval:
+                return {}
             return {maker: f"no answer for {now - heard:.0f} s"
                     + (f" ({self._errors[maker]})" if maker in self._errors else "")
                     for maker, heard in sorted(self._heard.items()) if now - heard >= self.silent_after}
