@@ -122,7 +122,6 @@ def test_versions_cross_the_uplink_about_once_a_vanished_relay_is_named_a_joiner
         # the vanished maker: what it was told was taken is there (pushes after that are lost with its host)
         assert buffer["per_maker"][root]["received"] >= before_kill, buffer["per_maker"]
         final = status()
-        assert final["makers_silent"] == {}, final  # not watched once the fit ended: nothing is claimed
         print(f"swarm: ledger {buffer['received']} received = {buffer['sampled']} trained + "
               f"{buffer['in_buffer']} in buffer + {buffer['dropped']} dropped; push {final['weight_push']}")
         assert final["weight_push"]["relay_fallbacks"] > 0 or not any(p == root for p in tree.values())

@@ -165,6 +165,19 @@ def test_a_silent_relay_relays_for_none_and_what_waits_for_its_copy_takes_the_tr
     assert queue.relays.tree(["a", "b"]) == {}  # a relays for none
 
 
+def test_a_maker_relayed_to_at_its_relays_pace_is_tried_at_the_root_and_a_slower_one_stays_a_leaf() -> None:
+    planner = RelayPlanner(1, HOSTS["t"], None)
+    planner.hosts.update(HOSTS)
+    planner.record("a", 2_000_000, 1.0)  # a took versions from the trainer at 2 MB/s
+    planner.record("b", 1_900_000, 1.0, via="a")  # b kept up with a: its own link may be faster
+    planner.record("c", 600_000, 1.0, via="a")  # c did not: its own link is the slower
+    assert [planner.estimate(m) for m in "abc"] == [2e6, float("inf"), 6e5]
+    assert planner.tree(["a", "b", "c"]) == {"a": "b", "c": "a"}  # a chain (fanout 1): b, a, c
+    planner.record("b", 8_000_000, 1.0)  # b from the trainer itself: 8 MB/s, the root from now on
+    planner.record("a", 1_950_000, 1.0, via="b")
+    assert planner.tree(["a", "b", "c"]) == {"a": "b", "c": "a"} and planner.estimate("a") == 2e6
+
+
 def test_a_queue_without_fanout_or_without_a_relay_function_does_not_relay() -> None:
     plain = Makers()
     queue_of(plain, fanout=0).offer(update(1), ["a", "b"])
@@ -191,7 +204,9 @@ def test_a_makers_host_is_learned_from_its_own_answer_without_waiting_for_it() -
     planner.record("a", 1000, 0.1)
     assert planner.tree(["a", "b"]) == {} and planner.hosts == {"a": HOSTS["a"]}  # b asked again
     answers["b"].set_result({"host": HOSTS["b"]})
-    assert planner.tree(["a", "b"]) == {"b": "a"}
+    assert planner.tree(["a", "b"]) == {"a": "b"}  # b, untried, is tried at the root
+    planner.record("b", 1000, 0.2)
+    assert planner.tree(["a", "b"]) == {"b": "a"}  # a is the faster from the trainer itself
     planner.record("a", 1000, 1.0)  # slower now: the fastest lately, decayed, until it is slower still
     assert planner.rates["a"] == 10_000 * RelayPlanner.RATE_DECAY
     planner.forget("b")

@@ -203,7 +203,7 @@ class WeightPushQueue:
             waiting = self._waiting.get(maker)  # a newer one waits: it goes, but never through that relay
             self._waiting[maker] = self._direct(waiting or offer, offer.via)
         else:
-            self._record(maker, result)
+            self._record(maker, result, None if offer is None else offer.via)
             if not isinstance(result, BaseException):
                 self.acked[maker] = max(self.acked.get(maker, -1), flight.version)
         next_offer = self._waiting.pop(maker, None)
@@ -222,15 +222,15 @@ class WeightPushQueue:
         manifest = offer.update.manifest
         return _InFlight(manifest.version, now, Future(), manifest.kind, offer=offer, seen=now)
 
-    def _record(self, maker: str, result: ApplyResult | BaseException) -> None:
-        """Keep `result` as the maker's latest; hold `_lock`."""
+    def _record(self, maker: str, result: ApplyResult | BaseException, via: str | None = None) -> None:
+        """Keep `result` as the maker's latest (`via`: the relay whose copy it took); hold `_lock`."""
         if isinstance(result, BaseException):
             self.failed += 1
             self.failures[maker] = f"{type(result).__name__}: {result}"
             self.relays.forget(maker)  # a restarted maker may come back on another node
         else:
             self.failures.pop(maker, None)
-            self.relays.record(maker, getattr(result, "bytes", 0), getattr(result, "fetch_seconds", 0.0))
+            self.relays.record(maker, getattr(result, "bytes", 0), getattr(result, "fetch_seconds", 0.0), via)
         self._results[maker] = result
 
     def take_results(self) -> dict[str, ApplyResult | BaseException]:

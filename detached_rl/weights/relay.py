@@ -13,6 +13,7 @@ offer.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -87,12 +88,16 @@ class RelayPlanner:
 
     A maker's host is what it answers itself (`ask`, e.g. its `transfer_progress`: {"host": ...}), asked
     without waiting, so an offer never waits for a maker: a maker relays or is relayed to once it has
-    answered. Its rate is the fastest it received at lately (`record`: each new figure, or the last one
-    decayed by `RATE_DECAY`, whichever is higher): a maker relayed to receives at its relay's pace, which says
-    little about its own link. A relay whose copy failed a maker relays for none for `DISTRUST_S` s.
+    answered. Hosts are ranked by how fast their makers receive (`estimate`): `rates`, the fastest a maker
+    received at lately from the trainer itself (each new figure, or the last one decayed by `RATE_DECAY`,
+    whichever is higher); a maker only ever relayed to receives at its relay's pace, which says little about
+    its own link: while its rate is within `CAPPED` of its relay's, it counts as untried and is tried first
+    (at the root), once; a maker clearly slower than its relay is ranked by its own rate. A relay whose copy
+    failed a maker relays for none for `DISTRUST_S` s.
     """
 
     RATE_DECAY = 0.8
+    CAPPED = 0.9
     DISTRUST_S = 120.0
 
     def __init__(self, fanout: int, origin: str | None,
@@ -102,16 +107,34 @@ class RelayPlanner:
             raise ValueError(f"relay fanout must be an int >= 0 (0: no relaying), got {fanout!r}")
         self.fanout, self.origin, self.ask, self.clock = fanout, origin, ask, clock
         self.hosts: dict[str, str] = {}
-        self.rates: dict[str, float] = {}
+        self.rates: dict[str, float] = {}  # maker -> bytes/s from the trainer itself (decayed max)
+        self.relayed: dict[str, tuple[float, bool]] = {}  # maker -> (bytes/s from its relay, at its pace)
         self.distrusted: dict[str, float] = {}  # maker -> until when it relays for none
         self._asked: dict[str, Future] = {}
         self._lock = threading.Lock()
 
-    def record(self, maker: str, size: int, seconds: float) -> None:
-        """`maker` acknowledged `size` bytes pulled in `seconds`."""
-        if size > 0 and seconds > 0:
-            with self._lock:
-                self.rates[maker] = max(size / seconds, self.rates.get(maker, 0.0) * self.RATE_DECAY)
+    def record(self, maker: str, size: int, seconds: float, via: str | None = None) -> None:
+        """`maker` acknowledged `size` bytes pulled in `seconds`, from the trainer or from relay `via`."""
+        if size <= 0 or seconds <= 0:
+            return
+        rate = size / seconds
+        with self._lock:
+            if via is None:
+                self.rates[maker] = max(rate, self.rates.get(maker, 0.0) * self.RATE_DECAY)
+            else:
+                self.relayed[maker] = (rate, rate >= self.CAPPED * self._estimate(via))
+
+    def estimate(self, maker: str) -> float:
+        """How fast `maker` receives, for ranking its host (inf: untried, see the class docstring)."""
+        with self._lock:
+            return self._estimate(maker)
+
+    def _estimate(self, maker: str) -> float:
+        rate, capped = self.relayed.get(maker, (0.0, True))
+        direct = self.rates.get(maker)
+        if direct is None:
+            return math.inf if capped else rate
+        return max(direct, rate)
 
     def forget(self, maker: str) -> None:
         """`maker` failed or went: where it is is asked again (a restarted actor may be elsewhere)."""
@@ -148,7 +171,7 @@ class RelayPlanner:
             now = self.clock()
             hosts = {maker: None if self.distrusted.get(maker, 0.0) > now else self.hosts.get(maker)
                      for maker in makers}
-            rates = dict(self.rates)
+            rates = {maker: self._estimate(maker) for maker in makers}
         return relay_tree(makers, hosts, rates, self.origin, self.fanout)
 
     def _learn_host(self, maker: str) -> None:
