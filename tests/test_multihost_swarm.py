@@ -41,7 +41,9 @@ def test_versions_cross_the_uplink_about_once_a_vanished_relay_is_named_a_joiner
         hosts: Any) -> None:
     jobs = [hosts.popen(TRAINER, ["detached-rl", "trainer", "--name", "sw", "--steps", "100000", "--address",
                                   hosts.head_address, "--config", tiny_config_path(),
-                                  "--set", "trainer_group.resources={trainer_host: 1}"])]
+                                  "--set", "trainer_group.resources={trainer_host: 1}",
+                                  # the tiny model's 0.55 MB updates are relayed too (by default from 2 MiB)
+                                  "--set", "trainer.weight_relay_min_bytes=0"])]
     jobs += [start_maker(hosts, index) for index in MAKERS]
     probe = Probe(hosts, TRAINER)
     try:

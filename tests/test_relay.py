@@ -178,7 +178,13 @@ def test_a_maker_relayed_to_at_its_relays_pace_is_tried_at_the_root_and_a_slower
     assert planner.tree(["a", "b", "c"]) == {"a": "b", "c": "a"} and planner.estimate("a") == 2e6
 
 
-def test_a_queue_without_fanout_or_without_a_relay_function_does_not_relay() -> None:
+def test_no_relaying_without_fanout_without_a_relay_function_or_for_small_updates() -> None:
+    small = Makers()
+    queue = WeightPushQueue(small.send, timeout=60, relay_fanout=2, relay_min_bytes=1000, origin=HOSTS["t"],
+                            relay=small.relay)
+    queue.relays.hosts.update(HOSTS)
+    queue.offer(update(1), ["a", "b"])  # 0 bytes < 1000
+    assert sorted(small.sent) == [("a", 1, ["trainer"]), ("b", 1, ["trainer"])] and not small.copies
     plain = Makers()
     queue_of(plain, fanout=0).offer(update(1), ["a", "b"])
     assert sorted(plain.sent) == [("a", 1, ["trainer"]), ("b", 1, ["trainer"])] and not plain.copies

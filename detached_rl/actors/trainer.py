@@ -229,7 +229,8 @@ class _TrainerShell:
         send = ray_push_queue(self.namespace, self.config.weight_push_timeout_s,
                               self.config.weight_stall_timeout_s,
                               locate=functools.partial(actor_host, namespace=self.namespace),
-                              relay_fanout=self.config.weight_relay_fanout)
+                              relay_fanout=self.config.weight_relay_fanout,
+                              relay_min_bytes=self.config.weight_relay_min_bytes)
 
         def stop_makers(makers: list[str]) -> None:
             pending = {}

@@ -49,6 +49,9 @@ class TrainerConfig:
     # > 0: makers on other hosts than the trainer's take each update from one another, at most this many
     # from each relay, so a version leaves the trainer's host about once (`weights.relay`); 0: each from it.
     weight_relay_fanout: int = 2
+    # Smaller updates go to every maker from the trainer: a relay's hop costs round trips that save nothing on
+    # a few hundred KB (measured, docs/performance.md "A swarm"); the default job's adapters are ~10 MB.
+    weight_relay_min_bytes: int = 2 * 2**20
     batch_timeout_s: float = 300.0  # how long `fit` waits for a full batch before failing
     stop_makers_at_end: bool = True
     metrics_history: int = 10_000
@@ -82,6 +85,10 @@ class TrainerConfig:
                 or self.weight_relay_fanout < 0:
             raise ValueError("TrainerConfig.weight_relay_fanout must be an int >= 0 (0: no relaying), got "
                              f"{self.weight_relay_fanout!r}")
+        if isinstance(self.weight_relay_min_bytes, bool) or not isinstance(self.weight_relay_min_bytes, int) \
+                or self.weight_relay_min_bytes < 0:
+            raise ValueError("TrainerConfig.weight_relay_min_bytes must be an int >= 0, got "
+                             f"{self.weight_relay_min_bytes!r}")
         self.max_abs_reward = check_max_abs_reward("TrainerConfig.max_abs_reward", self.max_abs_reward)
 
 

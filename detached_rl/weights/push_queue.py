@@ -83,14 +83,14 @@ class WeightPushQueue:
     maker receives nothing (see the module docstring): a transfer is failed when it stalls for
     `stall_timeout` s. `watch`: run the watch thread (`check` every `poll` s); tests call `check` themselves.
     `relay_fanout` > 0 (with `relay`): makers on other hosts than `origin` (the trainer's) take each update
-    from one another (`weights.relay`), a maker whose relay's copy failed the trainer's own next.
+    of `relay_min_bytes` or more from one another (`weights.relay`); a relay's copy failed: the trainer's.
     `liveness`: checked at each watch pass for every maker offered to (`stats()["silent"]`).
     """
 
     def __init__(self, send: Send, timeout: float, clock: Callable[[], float] = time.monotonic,
                  progress: Progress | None = None, stall_timeout: float = 30.0, locate: Locate | None = None,
                  watch: bool = True, poll: float | None = None, relay_fanout: int = 0,
-                 origin: str | None = None, relay: RelayCopy | None = None,
+                 relay_min_bytes: int = 0, origin: str | None = None, relay: RelayCopy | None = None,
                  liveness: MakerLiveness | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"WeightPushQueue: timeout must be > 0 s, got {timeout}")
@@ -118,7 +118,8 @@ class WeightPushQueue:
         self.superseded = 0  # updates replaced by a newer one before they were sent
         self.failed = 0
         self.relay = relay
-        self.relays = RelayPlanner(relay_fanout if relay is not None else 0, origin, progress)
+        self.relays = RelayPlanner(relay_fanout if relay is not None else 0, origin, progress,
+                                   relay_min_bytes)
         self.tree: dict[str, str] = {}  # child -> relay, at the last offer
         self.relayed = 0  # updates a maker was sent as another maker's copy
         self.relay_fallbacks = 0  # relayed copies that failed, so the maker was sent the trainer's own
@@ -140,7 +141,7 @@ class WeightPushQueue:
 
     def _route(self, update: WeightUpdate, makers: list[str]) -> dict[str, _Offer]:
         """What each maker is offered: the trainer's `update`, or its relay's copy (`relay.routes`)."""
-        tree = self.relays.tree(makers)
+        tree = self.relays.tree(makers, update.manifest.total_bytes)
         served = routes(update, tree, self.relay, self.relays) if tree else {}
         offers = {maker: _Offer(served[maker], tree[maker], update) if maker in served else _Offer(update)
                   for maker in makers}

@@ -245,15 +245,16 @@ def ray_send_update(namespace: str, timeout: float) -> SendUpdate:
 
 
 def ray_push_queue(namespace: str, timeout: float, stall_timeout: float, locate: Locate | None = None,
-                   relay_fanout: int = 0) -> WeightPushQueue:
+                   relay_fanout: int = 0, relay_min_bytes: int = 0) -> WeightPushQueue:
     """A trainer's push queue over Ray: updates sent to the named makers in `namespace`, each asked how its
     transfer goes once a push is older than `stall_timeout` (slow or dead?); `locate` names a maker's host;
-    `relay_fanout` > 0: makers on other nodes relay updates to one another (`weights.relay`), each relayed
+    `relay_fanout` > 0: makers on other nodes relay updates of `relay_min_bytes` or more to one another
+    (`weights.relay`), each relayed
     piece waited for up to `stall_timeout` s. Every maker is asked the same question every 5 s, and named in
     `stats()["silent"]` after 15 s without an answer (`weights.liveness`)."""
     progress = functools.partial(maker_progress, namespace=namespace)
     return WeightPushQueue(functools.partial(send_weight_update, namespace=namespace), timeout,
                            progress=progress, stall_timeout=stall_timeout, locate=locate,
-                           relay_fanout=relay_fanout, origin=node_ip(),
+                           relay_fanout=relay_fanout, relay_min_bytes=relay_min_bytes, origin=node_ip(),
                            relay=functools.partial(relay_copy, namespace=namespace, timeout=stall_timeout),
                            liveness=MakerLiveness(progress, interval=5.0, silent_after=15.0))

@@ -101,11 +101,12 @@ class RelayPlanner:
     DISTRUST_S = 120.0
 
     def __init__(self, fanout: int, origin: str | None,
-                 ask: Callable[[str], Future[Mapping[str, Any] | None]] | None,
+                 ask: Callable[[str], Future[Mapping[str, Any] | None]] | None, min_bytes: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 0:
             raise ValueError(f"relay fanout must be an int >= 0 (0: no relaying), got {fanout!r}")
         self.fanout, self.origin, self.ask, self.clock = fanout, origin, ask, clock
+        self.min_bytes = min_bytes  # smaller updates are not relayed
         self.hosts: dict[str, str] = {}
         self.rates: dict[str, float] = {}  # maker -> bytes/s from the trainer itself (decayed max)
         self.relayed: dict[str, tuple[float, bool]] = {}  # maker -> (bytes/s from its relay, at its pace)
@@ -162,9 +163,9 @@ class RelayPlanner:
                 if maker not in self.hosts:
                     self._learn_host(maker)
 
-    def tree(self, makers: list[str]) -> dict[str, str]:
-        """child -> relay among `makers` for the next offer."""
-        if self.fanout == 0 or len(makers) < 2:
+    def tree(self, makers: list[str], size: int | None = None) -> dict[str, str]:
+        """child -> relay among `makers` for the next offer (of `size` bytes: none below `min_bytes`)."""
+        if self.fanout == 0 or len(makers) < 2 or size is not None and size < self.min_bytes:
             return {}
         self.learn(makers)
         with self._lock:
