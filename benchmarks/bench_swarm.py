@@ -108,8 +108,11 @@ def run_swarm(args: argparse.Namespace, makers: int, logs: Path) -> dict[str, An
             placement: dict[str, str] = {}
             while run.poll() is None and time.monotonic() - begin < args.timeout + 120:
                 if len(placement) < len(names) - 1:
-                    asked = hosts.run(TRAINER, [sys.executable, "-c", PLACEMENT, hosts.head_address,
-                                                ",".join(names[1:])], timeout=60)
+                    try:  # makers still starting (the default job's load their models) may not answer yet
+                        asked = hosts.run(TRAINER, [sys.executable, "-c", PLACEMENT, hosts.head_address,
+                                                    ",".join(names[1:])], timeout=90)
+                    except subprocess.TimeoutExpired:
+                        continue
                     if asked.returncode == 0 and asked.stdout.strip():
                         found = json.loads(asked.stdout.strip().splitlines()[-1])
                         placement.update({k: v for k, v in found.items() if k in names})
