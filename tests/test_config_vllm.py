@@ -151,16 +151,19 @@ def test_work_directories_of_gone_processes_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from detached_rl.generation.vllm import WORKDIR_PREFIX, remove_orphaned_workdirs
+    from detached_rl.generation.vllm import WORKDIR_PREFIX, process_tag, remove_orphaned_workdirs
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True,
                           check=True)
-    dead = tmp_path / f"{WORKDIR_PREFIX}{int(gone.stdout)}-abc"
-    mine = tmp_path / f"{WORKDIR_PREFIX}{os.getpid()}-def"
-    alive = tmp_path / f"{WORKDIR_PREFIX}1-ghi"  # pid 1 always runs
+    namespace = process_tag().partition(".")[0]
+    dead = tmp_path / f"{WORKDIR_PREFIX}{namespace}.{int(gone.stdout)}-abc"
+    mine = tmp_path / f"{WORKDIR_PREFIX}{process_tag()}-def"
+    alive = tmp_path / f"{WORKDIR_PREFIX}{namespace}.1-ghi"  # pid 1 always runs
+    # the same dead pid in another pid namespace (another host sharing /dev/shm): not ours to judge
+    elsewhere = tmp_path / f"{WORKDIR_PREFIX}{int(namespace) + 1}.{int(gone.stdout)}-jkl"
     other = tmp_path / "something-else"
-    for path in (dead, mine, alive, other):
+    for path in (dead, mine, alive, elsewhere, other):
         (path / "adapters").mkdir(parents=True)
     assert remove_orphaned_workdirs(str(tmp_path)) == [str(dead)]
-    assert not dead.exists() and mine.exists() and alive.exists() and other.exists()
+    assert not dead.exists() and mine.exists() and alive.exists() and elsewhere.exists() and other.exists()

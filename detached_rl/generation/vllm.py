@@ -121,17 +121,31 @@ class VLLMWeightSink:
 
 
 # Work directories (config, adapters) are named after their process: a maker killed without `close()` (Ray
-# kills actors at shutdown) leaves its directory in RAM-backed /dev/shm, and the next engine removes it.
+# kills actors at shutdown) leaves its directory in RAM-backed /dev/shm, and the next engine removes it. The
+# name holds the process's pid namespace too: hosts (containers, network and pid namespaces) may share one
+# /dev/shm, and a pid says whether a process lives only in its own namespace.
 WORKDIR_PREFIX = "detached-rl-vllm-"
 
 
+def process_tag() -> str:
+    """'<pid namespace>.<pid>' of this process, as work directories are named."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{namespace}.{os.getpid()}"
+
+
 def remove_orphaned_workdirs(root: str) -> list[str]:
-    """Delete the work directories under `root` whose process is gone; returns their paths."""
+    """Delete the work directories under `root` whose process is gone (in this pid namespace); returns their
+    paths."""
     removed = []
+    namespace = process_tag().partition(".")[0]
     for name in os.listdir(root):
-        pid_text = name[len(WORKDIR_PREFIX):].partition("-")[0] if name.startswith(WORKDIR_PREFIX) else ""
-        if not pid_text.isdigit() or int(pid_text) == os.getpid():
-            continue
+        tag = name[len(WORKDIR_PREFIX):].partition("-")[0] if name.startswith(WORKDIR_PREFIX) else ""
+        owner, _, pid_text = tag.rpartition(".")
+        if owner != namespace or not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue  # another namespace's (its processes are not visible here), or this process's
         try:
             os.kill(int(pid_text), 0)
         except ProcessLookupError:
@@ -255,7 +269,7 @@ class VLLMBackend:
         _refuse_a_second_engine()
         root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         remove_orphaned_workdirs(root)
-        workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=root)
+        workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{process_tag()}-", dir=root)
         try:
             plain.config.save_pretrained(workdir)
             llm = LLM(model=workdir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
