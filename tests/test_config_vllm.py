@@ -162,8 +162,9 @@ def test_work_directories_of_gone_processes_are_removed(tmp_path):
     alive = tmp_path / f"{WORKDIR_PREFIX}{namespace}.1-ghi"  # pid 1 always runs
     # the same dead pid in another pid namespace (another host sharing /dev/shm): not ours to judge
     elsewhere = tmp_path / f"{WORKDIR_PREFIX}{int(namespace) + 1}.{int(gone.stdout)}-jkl"
+    older = tmp_path / f"{WORKDIR_PREFIX}{int(gone.stdout)}-mno"  # named by pid alone, before namespaces
     other = tmp_path / "something-else"
-    for path in (dead, mine, alive, elsewhere, other):
+    for path in (dead, mine, alive, elsewhere, older, other):
         (path / "adapters").mkdir(parents=True)
-    assert remove_orphaned_workdirs(str(tmp_path)) == [str(dead)]
+    assert sorted(remove_orphaned_workdirs(str(tmp_path))) == [str(dead), str(older)]
     assert not dead.exists() and mine.exists() and alive.exists() and elsewhere.exists() and other.exists()

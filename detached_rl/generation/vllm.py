@@ -144,6 +144,7 @@ def remove_orphaned_workdirs(root: str) -> list[str]:
     for name in os.listdir(root):
         tag = name[len(WORKDIR_PREFIX):].partition("-")[0] if name.startswith(WORKDIR_PREFIX) else ""
         owner, _, pid_text = tag.rpartition(".")
+        owner = owner if "." in tag else namespace  # named before namespaces were: judged as before
         if owner != namespace or not pid_text.isdigit() or int(pid_text) == os.getpid():
             continue  # another namespace's (its processes are not visible here), or this process's
         try:
