@@ -126,7 +126,7 @@ def test_versions_cross_the_uplink_about_once_a_vanished_relay_is_named_a_joiner
         final = status()
         print(f"swarm: ledger {buffer['received']} received = {buffer['sampled']} trained + "
               f"{buffer['in_buffer']} in buffer + {buffer['dropped']} dropped; push {final['weight_push']}")
-        assert final["weight_push"]["relay_fallbacks"] > 0 or not any(p == root for p in tree.values())
+        assert final["weight_push"]["relay_fallbacks"] > 0  # the root's children took the trainer's own
     finally:
         probe.close()
         hosts.run(TRAINER, ["detached-rl", "stop", "--force", "--address", hosts.head_address], check=False,

@@ -151,8 +151,10 @@ class RelayPlanner:
     def distrust(self, maker: str) -> None:
         """A copy `maker` relayed failed: it relays for none for a while, and its host is asked again."""
         with self._lock:
+            already = self.distrusted.get(maker, -math.inf) > self.clock()
             self.distrusted[maker] = self.clock() + self.DISTRUST_S
-        self.forget(maker)
+        if not already:  # a silent maker is distrusted again at every watch pass: its host asked once
+            self.forget(maker)
 
     def learn(self, makers: Iterable[str]) -> None:
         """Ask the makers whose hosts are not known yet where they are (without waiting)."""
