@@ -114,7 +114,8 @@ def resume_with_maker_registered_first(wiring: Wiring, checkpoints: str) -> dict
     wiring.fit(3, checkpoint_every=1, checkpoint_dir=checkpoints)
     wait_for(lambda: wiring.maker.policy_version == 3, "the maker to serve version 3")
     wiring.trainer = new_trainer(wiring.store)  # the trainer job restarted: a new process, a new run
-    wait_for(lambda: "maker_0" in wiring.trainer.weights.makers, "the maker to register with the new trainer")
+    # registered_with is set once the registration's answer is applied (the trainer lists the maker before)
+    wait_for(lambda: wiring.registered_with is wiring.trainer, "the maker to register with the new trainer")
     # it took the new run's only weights: those of before the checkpoint
     assert wiring.maker.policy_version == 0
     return wiring.fit(8, checkpoint_every=1, checkpoint_dir=checkpoints, resume_from=checkpoints)
