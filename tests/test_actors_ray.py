@@ -291,6 +291,36 @@ def test_grpo_trainer_respects_the_staleness_bound(ray_cluster, max_staleness):
         kill(trainer, *makers)
 
 
+def test_makers_are_admitted_before_their_first_batch_to_what_the_trainer_can_train(ray_cluster):
+    """Three makers of 4-sample batches, two pushes in flight each, at a trainer of 8 a step with staleness 1
+    that has not started training: v0 weights feed its steps at v0 and v1, 16 samples, and no more are made
+    (unpaced, each maker's 2 first batches alone made 24). Whichever makers came first make them; the
+    others wait for v1. Then the trainer trains and nothing goes stale."""
+    ray = ray_cluster
+    trainer = new_trainer("admit_trainer", max_staleness=1, buffer_max_samples=64)
+    makers = [new_maker(f"admit_maker_{i}", ["admit_trainer"]) for i in range(3)]
+    try:
+        runs = [maker.run.remote() for maker in makers]
+        wait_until_registered([trainer], {f"admit_maker_{i}" for i in range(3)})
+
+        def pushed() -> list[int]:
+            statuses = ray.get([maker.status.remote() for maker in makers], timeout=TIMEOUT)
+            return sorted((s["push"] or {}).get("samples_pushed", 0) for s in statuses)
+
+        deadline = time.monotonic() + TIMEOUT
+        while sum(pushed()) < 16 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2.0)  # a maker let through would push within this (a tiny batch takes ~0.1 s)
+        assert sum(pushed()) == 16 and pushed()[0] == 0 and ray.get(trainer.buffer_length.remote()) == 16
+        ray.get(trainer.fit.remote(4), timeout=TIMEOUT)
+        ray.get(runs, timeout=TIMEOUT)
+        stats = ray.get(trainer.buffer_stats.remote())
+        assert stats["dropped"].get("stale", 0) == 0 and stats["accounting_ok"], stats
+        assert min(pushed()) > 0  # the third maker fed the trainer once its weights came
+    finally:
+        kill(trainer, *makers)
+
+
 def test_a_push_whose_answer_was_lost_is_stored_once_across_two_trainers(ray_cluster):
     """The first attempt reaches trainer a and is stored, but its answer is lost:
     the retry goes to a, not b."""

@@ -257,10 +257,10 @@ def test_the_wait_for_fresh_weights_gives_up_after_the_weight_timeout(executor):
     trainer = StandInTrainer(version=2, oldest_useful=2)
     stop = threading.Event()
     start = time.monotonic()
-    made = MakerLoop(maker, stop).run(pusher_to(executor, trainer.push, maker.config, stop), num_batches=2)
+    made = MakerLoop(maker, stop).run(pusher_to(executor, trainer.push, maker.config, stop), num_batches=3)
     elapsed = time.monotonic() - start
-    assert made == 2 and maker.versions == [0, 0]  # no newer weights came: it went on with what it had
-    assert 0.6 <= elapsed < WAIT  # waited the timeout after each batch
+    assert made == 3 and maker.versions == [0, 0, 0]  # no newer weights came: it went on with what it had
+    assert 0.6 <= elapsed < WAIT  # waited the timeout before each batch after the first (none after the last)
 
 
 def test_without_wait_for_fresh_weights_it_does_not_wait(executor):

@@ -368,7 +368,9 @@ def test_oldest_useful_version_counts_the_step_under_way_and_the_queue():
 
 def test_a_maker_waiting_for_the_acknowledged_version_never_generates_stale_batches():
     maker, trainer, store = make_pair(max_staleness=1, buffer_max_samples=16)
-    assert trainer.push_experience([]).oldest_useful_version is None  # outside fit: no bound to wait for
+    trainer.state = "done"
+    assert trainer.push_experience([]).oldest_useful_version is None  # after fit: no bound to wait for
+    trainer.state = "idle"
     maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
     train_step = trainer.learner.train_step
 

@@ -88,6 +88,20 @@ def test_the_ledger_counts_other_makers_promised_batches_until_they_come_or_are_
     assert ledger.acknowledge(None, 0, False, 6, False, []) == 5 and ledger.in_flight == 0
 
 
+def test_admission_promises_a_makers_first_batches_and_its_pushes_settle_them_oldest_first():
+    ledger = GenerationLedger(train_batch_size=8, max_staleness=1)
+    # Nothing buffered at v0: m0's two pipelined batches (16 samples) are trained at v0 and v1.
+    assert ledger.admit("m0", 8, 2, 0, False, []) == [0, 0] and ledger.in_flight == 16
+    # m1 comes after them: its 2 batches are trained at v2 and v3, so they need v1 and v2 weights.
+    assert ledger.admit("m1", 8, 2, 0, False, []) == [1, 2] and ledger.in_flight == 32
+    # m0's first push settles its oldest promise and promises its third batch, behind the 8 buffered, its
+    # own second batch and m1's two: trained at v4, so v3 weights.
+    assert ledger.acknowledge("m0", 8, False, 0, False, [0] * 8) == 3 and ledger.in_flight == 32
+    # A maker admitted again (it registered again) drops its earlier promises first.
+    assert ledger.admit("m1", 8, 1, 0, False, [0] * 8) == [2] and ledger.in_flight == 24
+    assert ledger.admit("m2", 8, 0, 0, False, [0] * 8) == [] and ledger.in_flight == 24
+
+
 def test_the_trainers_acknowledgement_paces_its_makers():
     actor, critic = tiny_actor_critic(seed=0)
     config = PPOConfig(sampling=SamplingConfig(max_new_tokens=4))
@@ -98,8 +112,9 @@ def test_the_trainers_acknowledgement_paces_its_makers():
         result = trainer.push_experience([make_experience(maker=maker) for _ in range(count)])
         return result.oldest_useful_version
 
-    assert push("m0") is None  # outside fit: no bound to wait for
-    trainer.state = "training"  # as in fit, before its first step
+    trainer.state = "done"
+    assert push("m0") is None  # after fit: nothing is trained, so no wait would end
+    trainer.state = "idle"  # before fit the trainer paces as in it: what it will train is known
     assert push("m0") == 1  # 16 buffered: trained at v0 and v1, so m0's next batch at v2 needs v1 weights
     # 24 buffered (the last 8 would come up at v2, stale) and m0's promised batch (v1, at v2): m1 needs v2.
     # The rule before answered v0, the version the trainer surely reaches, for both.
@@ -248,9 +263,10 @@ class SimMaker:
     backoff: float = 0.05
 
 
-def simulate(scenario: Scenario, paced: bool) -> dict[str, Any]:
+def simulate(scenario: Scenario, paced: bool, admitted: bool = False) -> dict[str, Any]:
     """Run until the trainer made `scenario.steps` steps (or nothing is left to happen): steps made, stale
-    fraction of the samples received, the trainer's idle fraction, seconds per step, samples received."""
+    fraction of the samples received, the trainer's idle fraction, seconds per step, samples received.
+    `admitted`: each maker asks for admission before its first batch (`GenerationLedger.admit`)."""
     rng = random.Random(scenario.seed)
     size, bound = scenario.train_batch_size, scenario.max_staleness
     per_step = math.ceil(size / (1.0 - scenario.dropped_fraction))  # a step's take, as TrainerCore counts it
@@ -352,8 +368,22 @@ def simulate(scenario: Scenario, paced: bool) -> dict[str, Any]:
             loops[i].observe_version()
             schedule_stall_check(i)
 
+    def start(now: float, i: int) -> None:
+        maker = makers[i]
+        if not admitted:
+            generate(now, i)
+            return
+        queued = [e.policy_version for e in buffer.experiences()]
+        needed = ledger.admit(maker.name, scenario.batch, 1, trainer["version"], trainer["step"], queued,
+                              scenario.update_steps, per_step)[0]
+        if maker.policy_version >= needed:
+            generate(now, i)
+        else:
+            maker.target, maker.waiting_since = needed, now
+            schedule_stall_check(i)
+
     for i in range(len(makers)):
-        at(rng.uniform(0.0, 0.5), generate, i)
+        at(rng.uniform(0.0, 0.5), start, i)
     while events and trainer["steps"] < scenario.steps:
         clock[0], _, action, args = heapq.heappop(events)
         action(clock[0], *args)
@@ -378,6 +408,17 @@ def test_paced_makers_generate_what_can_be_trained_and_the_trainer_waits_hardly_
     # several makers racing for one step found one that was quick, at the cost of the samples gone stale.
     assert after["seconds_per_step"] < 1.08 * before["seconds_per_step"], (before, after)
     assert after["idle_fraction"] < before["idle_fraction"] + 0.07, (before, after)
+
+
+@pytest.mark.parametrize("generate_s", [4.4, 2.0])
+def test_admitted_makers_first_batches_are_trained_too(generate_s):
+    # Paced alone, every maker's first batch is made with the first weights, and those past what two steps
+    # take go stale. Admitted, a maker waits for the weights its first batch needs, as it does for the rest.
+    scenario = Scenario(6, generate_s=generate_s)
+    paced, admitted = simulate(scenario, paced=True), simulate(scenario, paced=True, admitted=True)
+    assert admitted["steps"] == scenario.steps and admitted["stale_fraction"] <= 0.02, admitted
+    assert admitted["stale_fraction"] < paced["stale_fraction"], (paced, admitted)
+    assert admitted["seconds_per_step"] < 1.05 * paced["seconds_per_step"], (paced, admitted)
 
 
 def test_when_makers_die_their_promised_batches_stop_counting_and_the_others_feed_the_trainer():

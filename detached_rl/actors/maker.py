@@ -133,8 +133,28 @@ class MakerShell:
 
     def _connect(self) -> None:
         self._attach_trainers()
+        self._admit()
         if self.core.scoring is not None:
             self.core.scoring.attach()  # scorer groups found before the first batch holds the generation lock
+
+    def _admit(self) -> None:
+        """Ask the trainers which weights this maker's first batches need to be trained (admission): as many
+        batches as it makes before the first push's answer, shared among them; the pusher waits for them."""
+        config, pusher = self.core.config, self.loop.pusher
+        with self._handles_lock:
+            handles = dict(self._handles)
+        batches = -(-(config.answer_lag + 1) // len(handles))
+        samples = config.experience_batch_size * config.group_size
+        try:
+            calls = [h.admit_generation.remote(self.name, samples, batches) for h in handles.values()]
+            answers = get_all(calls, timeout=config.push_timeout_s)
+        except Exception as error:  # noqa: BLE001 - unpaced first batches may go stale; the run goes on
+            logger.warning("maker %s: no admission from its trainers (%s: %s); its first batches are made "
+                           "with the weights it holds", self.name, type(error).__name__, error)
+            return
+        if pusher is not None:
+            for trainer, versions in zip(handles, answers, strict=True):
+                pusher.admitted(trainer, versions)
 
     def _trainer_handle(self, trainer: str) -> Any:
         """The live handle of `trainer`; after it died, the actor now under its name, registered with

@@ -1,7 +1,8 @@
 """The trainer actors `DetachedPPOTrainer` and `DetachedGRPOTrainer`: thin shells over `TrainerCore`.
 
 Concurrency groups: `buffer_length` (buffer_length, buffer_stats, status, metrics, stop),
-`buffer_append` (push_experience), `buffer_sample` (buffer_sample, buffer_peek, buffer_export),
+`buffer_append` (push_experience, admit_generation), `buffer_sample` (buffer_sample, buffer_peek,
+buffer_export),
 `model_io` (register_maker, policy_version, weights_fingerprint, update_fingerprints,
 export_policy, master_address, start_fit, shutdown), `compute` (fit, join_process_group). Each
 group runs in its own thread, so a long `fit` never delays a push or a status query.
@@ -124,6 +125,11 @@ class _TrainerShell:
     def push_experience(self, experiences: list) -> AppendResult:
         """Append a maker's push (acknowledged; `full=True` asks the maker to back off and retry)."""
         return self.trainer_core().push_experience(experiences)
+
+    @ray.method(concurrency_group="buffer_append")
+    def admit_generation(self, maker: str, samples: int, batches: int = 1) -> list[int] | None:
+        """The oldest weights `maker` may make each of its first batches with and have them trained."""
+        return self.trainer_core().admit_generation(maker, samples, batches)
 
     @ray.method(concurrency_group="experience_in")
     def push_experience_pieces(self, payload: Any, maker: str, stall_s: float) -> AppendResult:

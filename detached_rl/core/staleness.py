@@ -8,7 +8,7 @@ version the maker's next batch may carry (`GenerationLedger`, `paced_version`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 def is_stale(policy_version: int, current_version: int | None, max_staleness: int | None) -> bool:
@@ -64,25 +64,26 @@ def fresh_samples(versions: Iterable[int], version: int, train_batch_size: int, 
 
 
 class GenerationLedger:
-    """The batches a trainer's acknowledgements told makers to generate next, counted by later ones.
+    """The batches a trainer's answers told makers to generate next, counted by later answers (admission).
 
-    Each acknowledged push records that its maker now generates one more batch of that size, with weights at
-    least as new as the answer and as its push, trained after what was buffered and promised before it; the
-    maker's next push settles it. A promise whose batch has not come by the version its last sample was due
-    to be trained at no longer counts (the maker is late or gone). Not thread-safe: the trainer calls it
-    under its push lock.
+    A maker is promised one batch per acknowledged push (its next one, with weights at least as new as the
+    answer and as its push) and, when it is admitted (`admit`), one per batch it makes before its first
+    answer comes back (its pipeline). A push settles its maker's oldest promise. A promise whose batch has
+    not come by the version its last sample was due to be trained at no longer counts (the maker is late or
+    gone). Not thread-safe: the trainer calls it under its push lock.
     """
 
     def __init__(self, train_batch_size: int, max_staleness: int) -> None:
         self.train_batch_size = train_batch_size
         self.max_staleness = max_staleness
-        # maker -> (samples, the version they will carry, the version the last one is due to be trained at)
-        self._promised: dict[str, tuple[int, int, int]] = {}
+        # in the order promised: (maker, samples, the version they will carry, the version the last one is
+        # due to be trained at)
+        self._promised: list[tuple[str, int, int, int]] = []
 
     @property
     def in_flight(self) -> int:
         """Samples promised and not pushed yet."""
-        return sum(samples for samples, _, _ in self._promised.values())
+        return sum(samples for _, samples, _, _ in self._promised)
 
     def acknowledge(self, maker: str | None, samples: int, full: bool, policy_version: int,
                     step_in_progress: bool, buffered: Iterable[int], update_steps: int = 1,
@@ -91,23 +92,54 @@ class GenerationLedger:
         push of `samples` (`full`: refused for room) made with weights of `pushed_version`.
 
         `buffered`: the policy versions of the samples in the buffer after the push, in the order they are
-        sampled. Ahead of the maker's next batch it counts those and the other makers' promised batches,
-        less what will be dropped as stale (`fresh_samples`). `samples_per_version`: what a step takes from
-        the buffer, if more than `train_batch_size` (dynamic sampling draws again for the groups it drops).
+        sampled. Ahead of the maker's next batch it counts those and every promised batch (the maker's own
+        earlier ones too), less what will be dropped as stale (`fresh_samples`). `samples_per_version`: what
+        a step takes from the buffer, if more than `train_batch_size` (dynamic sampling draws again for the
+        groups it drops).
         """
-        self._promised = {m: p for m, p in self._promised.items() if p[2] >= policy_version}
-        if maker is not None and not full:
-            self._promised.pop(maker, None)
+        self._expire(policy_version)
+        oldest = next((i for i, promise in enumerate(self._promised) if promise[0] == maker), None)
+        if oldest is not None and not full:
+            del self._promised[oldest]  # this push is the batch its maker's oldest promise was for
+        # a push refused for room comes again: its own promise is not ahead of it
+        skip = oldest if full else None
+        answer, due = self._next(policy_version, step_in_progress, list(buffered), update_steps,
+                                 samples_per_version, skip)
+        if maker is not None and not full and samples > 0:
+            self._promised.append((maker, samples, max(answer, pushed_version), due(samples)))
+        return answer
+
+    def admit(self, maker: str, samples: int, batches: int, policy_version: int, step_in_progress: bool,
+              buffered: Iterable[int], update_steps: int = 1, samples_per_version: int | None = None
+              ) -> list[int]:
+        """The oldest weights each of the first `batches` batches of `samples` a maker is about to make can
+        come from and be trained (they are made before the first push's answer comes back); each is promised.
+        A maker admitted again (it registered again) drops its earlier promises first."""
+        self._expire(policy_version)
+        self._promised = [promise for promise in self._promised if promise[0] != maker]
+        state = (policy_version, step_in_progress, list(buffered), update_steps, samples_per_version)
+        answers = []
+        for _ in range(batches if samples > 0 else 0):
+            answer, due = self._next(*state)
+            self._promised.append((maker, samples, answer, due(samples)))
+            answers.append(answer)
+        return answers
+
+    def _expire(self, policy_version: int) -> None:
+        """Forget the promises due before `policy_version` (their batches are late: the maker may be gone)."""
+        self._promised = [promise for promise in self._promised if promise[3] >= policy_version]
+
+    def _next(self, policy_version: int, step_in_progress: bool, buffered: list[int], update_steps: int,
+              samples_per_version: int | None, skip: int | None = None) -> tuple[int, Callable[[int], int]]:
+        """The answer for a batch made next, behind the buffered and the promised samples (but the promise at
+        index `skip`), and when a batch of n samples made with it is due to be trained (a function of n)."""
         size = max(self.train_batch_size, samples_per_version or 0)
         start = policy_version + int(step_in_progress)
         versions = list(buffered)
-        for other, (count, version, _) in self._promised.items():
-            if other != maker:
+        for index, (_, count, version, _) in enumerate(self._promised):
+            if index != skip:
                 versions += [version] * count
         ahead = fresh_samples(versions, start, size, self.max_staleness)
         answer = paced_version(policy_version, step_in_progress, ahead, size, self.max_staleness,
                                update_steps)
-        if maker is not None and not full and samples > 0:
-            due = start + (ahead + samples - 1) // size
-            self._promised[maker] = (samples, max(answer, pushed_version), due)
-        return answer
+        return answer, lambda samples: start + (ahead + samples - 1) // size

@@ -102,6 +102,12 @@ class MakerConfig:
     num_gpus: float = 0.0
     num_cpus: float = 1.0
 
+    @property
+    def answer_lag(self) -> int:
+        """Pushes a maker leaves unanswered while it makes its next batch: that batch is made with the answer
+        to the push this many before its own (0 with `wait_for_ack`)."""
+        return 0 if self.wait_for_ack else self.max_pushes_in_flight - 1
+
     def __post_init__(self) -> None:
         for name in ("experience_batch_size", "group_size", "max_pushes_in_flight", "max_version_jump"):
             if getattr(self, name) < 1:

@@ -80,13 +80,13 @@ class MakerLoop:
         self.stop.clear()
         maker, config = self.maker, self.maker.config
         made = 0
+        self.pusher = pusher  # set first: `connect` may seed its pace (an admission)
         try:
             if connect is not None:
                 connect()
                 maker.last_error = None  # registered again: an earlier run's error is over
             if num_batches is None and trainers_finished is not None and trainers_finished():
                 self.stop.set()
-            self.pusher = pusher
             stale_seen = rejected_seen = 0
             while not self.stop.is_set() and (num_batches is None or made < num_batches):
                 if maker.resync_reason is not None:
@@ -95,21 +95,25 @@ class MakerLoop:
                     self.sleep(NOT_SYNCED_POLL_S)
                     continue
                 self.observe_version()
+                needed = pusher.oldest_useful_version  # the pace of the last answer, or of the admission
+                if config.wait_for_fresh_weights and needed is not None and maker.policy_version < needed:
+                    self.wait_for_fresh_weights(needed)
+                    if self.stop.is_set():
+                        break
                 experiences = maker.make_experience()
                 if self.first_batch_version is None and experiences:
                     self.first_batch_version = experiences[0].policy_version
                 pusher.push(experiences)
                 if self.save_state is not None:
                     self.save_state(maker.state_dict())
+                # The next batch is made with the answer to the push before this one (to this one with
+                # `wait_for_ack`): the batch the trainer counted on when it answered (`GenerationLedger`).
                 # Backpressure, not a failure: a full trainer takes the push once it trains. A trainer that is
                 # gone makes the pusher drop the push after its retries, which ends this wait too.
-                while config.wait_for_ack and not pusher.flush(timeout=ACK_POLL_S) and not self.stop.is_set():
+                while not pusher.flush(ACK_POLL_S, leave=config.answer_lag) and not self.stop.is_set():
                     pass
                 made += 1
                 rejected_seen = self._check_not_ahead(pusher, rejected_seen)
-                needed = pusher.oldest_useful_version
-                if config.wait_for_fresh_weights and needed is not None and maker.policy_version < needed:
-                    self.wait_for_fresh_weights(needed)
                 stats = pusher.stats()
                 if stats["dropped_stale_by_trainer"] > stale_seen:
                     # Samples arrived too old: catch up with the trainers' version before generating more.

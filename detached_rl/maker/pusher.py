@@ -92,6 +92,7 @@ class _Trainer:
     last_size: int | None = None
     last_version: int | None = None  # the trainer's policy version at its latest acknowledgement
     oldest_useful_version: int | None = None  # from that acknowledgement (see `AppendResult`)
+    admitted: list[int] = field(default_factory=list)  # the admission's versions for the next batches
     failures: int = 0
     avoid_until: float = field(default=-math.inf)  # set after a failure or a "full" answer
 
@@ -162,18 +163,21 @@ class ExperiencePusher:
         with self._lock:
             self._counts["pushes"] += 1
             self._counts["samples_pushed"] += len(experiences)
+            for trainer in self._state.values():
+                del trainer.admitted[:1]  # this batch was made under its admission
         self._process()
         while self._outstanding() >= self.max_in_flight:
             self._wait(deadline=None)
             self._process()
         self._send(_Push(experiences))
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every push is acked or dropped; False if `timeout` seconds passed first."""
+    def flush(self, timeout: float | None = None, leave: int = 0) -> bool:
+        """Wait until every push but the `leave` newest is acked or dropped; False if `timeout` seconds passed
+        first."""
         deadline = None if timeout is None else self._clock() + timeout
         while True:
             self._process()
-            if not self._outstanding():
+            if self._outstanding() <= leave:
                 return True
             if deadline is not None and self._clock() >= deadline:
                 return False
@@ -201,8 +205,15 @@ class ExperiencePusher:
         lowest of the trainers' latest acknowledgements (None while a trainer has not bounded it: a trainer
         not pushed to yet may be waiting for this very batch, e.g. a rank its group cannot step without)."""
         with self._lock:
-            hints = [trainer.oldest_useful_version for trainer in self._state.values()]
+            hints = [trainer.admitted[0] if trainer.admitted else trainer.oldest_useful_version
+                     for trainer in self._state.values()]
         return None if any(hint is None for hint in hints) else min(hints)
+
+    def admitted(self, trainer: str, versions: Sequence[int] | None) -> None:
+        """Take a trainer's admission (`admit_generation`: a version per batch) as the pace of the next
+        batches, one per push, before its acknowledgements' answers."""
+        with self._lock:
+            self._state[trainer].admitted = list(versions or [])
 
     def _outstanding(self) -> int:
         """Pushes sent and unanswered, or waiting for a retry: both count against `max_in_flight`."""

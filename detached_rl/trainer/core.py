@@ -127,14 +127,33 @@ class TrainerCore:
             hint = self.oldest_useful_version(experiences, result)
         return dataclasses.replace(result, oldest_useful_version=hint)
 
+    def admit_generation(self, maker: str, samples: int, batches: int = 1) -> list[int] | None:
+        """The oldest weights each of the first `batches` batches of `samples` a maker is about to make may
+        come from and be trained; they are counted as promised (`GenerationLedger.admit`). None where no
+        bound applies (`_paces`)."""
+        for field, value in (("samples", samples), ("batches", batches)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"admit_generation: {field} must be an int >= 1, got {value!r}")
+        if not self._paces():
+            return None
+        with self.push_lock:
+            buffered = [e.policy_version for e in self.buffer.experiences()]
+            return self._generation.admit(maker, samples, batches, self.policy_version,
+                                          self._step_in_progress, buffered, self._update_steps,
+                                          self._samples_per_step())
+
+    def _paces(self) -> bool:
+        """Whether makers are told which weights their next batches need: with a staleness bound, before and
+        during `fit` (once it ended, nothing is trained, so no wait would end)."""
+        return self.config.max_staleness is not None and self.state in ("idle", "training")
+
     def oldest_useful_version(self, experiences: list[Any], result: AppendResult) -> int | None:
         """The oldest weights the next batch of the maker of `experiences` can come from and still be trained.
 
         Counts the buffered samples that will not go stale and the batches other makers were told to
-        generate (`GenerationLedger`). None without a staleness bound or outside `fit` (nothing is being
-        trained, so no wait would end).
+        generate (`GenerationLedger`). None where no bound applies (`_paces`).
         """
-        if self.config.max_staleness is None or self.state != "training":
+        if not self._paces():
             return None
         maker = getattr(experiences[0], "maker", None) if experiences else None
         buffered = [e.policy_version for e in self.buffer.experiences()]
