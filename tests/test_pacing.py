@@ -41,6 +41,7 @@ from detached_rl.maker.wait_policy import STALL_UPDATES, Decision
 from detached_rl.models import SamplingConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
+from detached_rl.weights.push_queue import WeightPushQueue
 
 from .helpers import make_experience, naive_strategy, tiny_actor_critic
 
@@ -123,6 +124,28 @@ def test_the_trainers_acknowledgement_paces_its_makers():
     # promised batches are trained by v3: m2 needs v2 (3 at 8 samples a step).
     trainer.history.extend({"dynamic_sampling/dropped_fraction": 0.5} for _ in range(8))
     assert trainer._samples_per_step() == 16 and push("m2") == 2
+
+
+def test_admission_tells_how_fast_each_maker_pulled_its_registration_answer_ranking_relays_before_any_push():
+    actor, critic = tiny_actor_critic(seed=0)
+    config = PPOConfig(sampling=SamplingConfig(max_new_tokens=4))
+    learner = PPOLearner(actor, critic, naive_strategy(), config)
+    trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8, max_staleness=1))
+    for maker, host in (("maker_0", "10.0.0.2"), ("maker_2", "10.0.0.3"), ("maker_1", "10.0.0.4")):
+        trainer.weights.register(maker, host=host)
+    # 9.8 MB in 15.7 s (5 Mbit/s), 1.2 s (65 Mbit/s) and 3.9 s (20 Mbit/s); by name the slow one came first
+    for maker, seconds in (("maker_0", 15.7), ("maker_2", 1.2), ("maker_1", 3.9)):
+        assert trainer.admit_generation(maker, 4, 2, pulled=(9_800_000, seconds)) is not None
+    with pytest.raises(ValueError, match="pulled must be .*got \\(100, nan\\)"):
+        trainer.admit_generation("maker_1", 4, 1, pulled=(100, math.nan))
+    with pytest.raises(ValueError, match="batches must be an int >= 1, got 0"):
+        trainer.admit_generation("maker_1", 4, 0)
+    queue = WeightPushQueue(lambda *a: None, timeout=60, relay_fanout=1, origin="10.0.0.1",
+                            relay=lambda *a: None, watch=False)
+    queue = trainer.weights.use(queue)
+    # the first push's tree: the fastest at the root, the slowest a leaf
+    tree = queue.relays.tree(["maker_0", "maker_1", "maker_2"])
+    assert tree == {"maker_1": "maker_2", "maker_0": "maker_1"}
 
 
 # ----------------------------------------------------------------------------- the maker's stall guard

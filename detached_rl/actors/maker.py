@@ -102,6 +102,8 @@ class MakerShell:
                               resync=functools.partial(self._attach_trainers, True))
         self._handles_lock = threading.Lock()
         self._transfers: list[TransferProgress] = []  # weight transfers under way (registration, push)
+        # (bytes, seconds) of the latest registration answer pulled from the trainers: told when admitted
+        self._registration_pull: tuple[int, float] | None = None
         self.restarts = (ray.get_runtime_context().was_current_actor_reconstructed if ray.is_initialized()
                          else False)
         if self.restarts and resume_on_restart:
@@ -129,7 +131,12 @@ class MakerShell:
         def runs_of(indices: list[int]) -> list[str]:
             return get_all([handles[i].trainer_run.remote() for i in indices], timeout)
 
-        self.core.subscriber.subscribe(ask, self._receiving, runs_of, force)
+        pulls: list[TransferProgress] = []
+        self.core.subscriber.subscribe(ask, functools.partial(self._receiving, record=pulls), runs_of, force)
+        snapshots = [progress.snapshot() for progress in pulls]
+        if snapshots and sum(s["done"] for s in snapshots) > 0:  # the time to the last bytes, not to now
+            seconds = max(s["seconds"] - s["idle_s"] for s in snapshots)
+            self._registration_pull = (sum(int(s["done"]) for s in snapshots), seconds)
 
     def _connect(self) -> None:
         self._attach_trainers()
@@ -146,7 +153,8 @@ class MakerShell:
         batches = -(-(config.answer_lag + 1) // len(handles))
         samples = config.experience_batch_size * config.group_size
         try:
-            calls = [h.admit_generation.remote(self.name, samples, batches) for h in handles.values()]
+            pulled = self._registration_pull  # how fast this host took the trainers' answer: ranks its relays
+            calls = [h.admit_generation.remote(self.name, samples, batches, pulled) for h in handles.values()]
             answers = get_all(calls, timeout=config.push_timeout_s)
         except Exception as error:  # noqa: BLE001 - unpaced first batches may go stale; the run goes on
             logger.warning("maker %s: no admission from its trainers (%s: %s); its first batches are made "
@@ -274,13 +282,16 @@ class MakerShell:
         return relayed_piece(piece, timeout)
 
     @contextlib.contextmanager
-    def _receiving(self, updates: Sequence[WeightUpdate | None]) -> Iterator[Callable[[Any], Any]]:
+    def _receiving(self, updates: Sequence[WeightUpdate | None], record: list[TransferProgress] | None = None
+                   ) -> Iterator[Callable[[Any], Any]]:
         """A fetch for `updates` that fails on stalls (`maker.weight_stall_timeout_s`) and shows its progress
-        in `transfer_progress` until the block ends."""
+        in `transfer_progress` until the block ends (and in `record`, if given)."""
         started: list[TransferProgress] = []
 
         def track(progress: TransferProgress) -> None:
             started.append(progress)
+            if record is not None:
+                record.append(progress)
             self._transfers.append(progress)
 
         try:

@@ -127,9 +127,11 @@ class _TrainerShell:
         return self.trainer_core().push_experience(experiences)
 
     @ray.method(concurrency_group="buffer_append")
-    def admit_generation(self, maker: str, samples: int, batches: int = 1) -> list[int] | None:
-        """The oldest weights `maker` may make each of its first batches with and have them trained."""
-        return self.trainer_core().admit_generation(maker, samples, batches)
+    def admit_generation(self, maker: str, samples: int, batches: int = 1,
+                         pulled: tuple[int, float] | None = None) -> list[int] | None:
+        """The oldest weights `maker` may make each of its first batches with and have them trained; `pulled`:
+        (bytes, seconds) it took to pull its registration answer."""
+        return self.trainer_core().admit_generation(maker, samples, batches, pulled)
 
     @ray.method(concurrency_group="experience_in")
     def push_experience_pieces(self, payload: Any, maker: str, stall_s: float) -> AppendResult:

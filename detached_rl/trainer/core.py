@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 import uuid
@@ -127,13 +128,23 @@ class TrainerCore:
             hint = self.oldest_useful_version(experiences, result)
         return dataclasses.replace(result, oldest_useful_version=hint)
 
-    def admit_generation(self, maker: str, samples: int, batches: int = 1) -> list[int] | None:
+    def admit_generation(self, maker: str, samples: int, batches: int = 1,
+                         pulled: tuple[int, float] | None = None) -> list[int] | None:
         """The oldest weights each of the first `batches` batches of `samples` a maker is about to make may
         come from and be trained; they are counted as promised (`GenerationLedger.admit`). None where no
-        bound applies (`_paces`)."""
+        bound applies (`_paces`). `pulled`: (bytes, seconds) the maker took to pull its registration answer
+        from this trainer, which ranks its host for relays before any push (`WeightPublisher.pulled`)."""
         for field, value in (("samples", samples), ("batches", batches)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"admit_generation: {field} must be an int >= 1, got {value!r}")
+        if pulled is not None:
+            pair = isinstance(pulled, (tuple, list)) and len(pulled) == 2
+            nbytes, seconds = pulled if pair else (None, None)
+            if type(nbytes) is not int or nbytes < 0 or not isinstance(seconds, (int, float)) \
+                    or not 0 <= seconds < math.inf:
+                raise ValueError("admit_generation: pulled must be (bytes >= 0, seconds >= 0 and finite), "
+                                 f"got {pulled!r}")
+            self.weights.pulled(maker, nbytes, float(seconds))
         if not self._paces():
             return None
         with self.push_lock:

@@ -130,6 +130,7 @@ class WeightPublisher:
         # acknowledgement or a registration under that name (a restarted or replacing maker) clears it.
         self.lost: dict[str, str] = {}
         self.hosts: dict[str, str] = {}  # maker -> its node IP, as it said when it registered
+        self.pulls: dict[str, tuple[int, float]] = {}  # maker -> (bytes, seconds) of its registration answer
 
     # ------------------------------------------------------------------ the weights
     def synced_models(self) -> dict[str, torch.nn.Module]:
@@ -216,6 +217,13 @@ class WeightPublisher:
                 if self.queue is not None:
                     self.queue.relays.tell(name, host)
             return answer
+
+    def pulled(self, name: str, nbytes: int, seconds: float) -> None:
+        """`name` pulled its registration answer, `nbytes` from this trainer in `seconds`: how fast its link
+        is, which ranks it for relays before any push (`RelayPlanner.record`)."""
+        self.pulls[name] = (nbytes, float(seconds))
+        if self.queue is not None:
+            self.queue.relays.record(name, nbytes, float(seconds))
 
     def add_makers(self, names: Iterable[str]) -> None:
         """Add makers by name, without an update to start from (they take the next push)."""
@@ -313,6 +321,8 @@ class WeightPublisher:
             self.queue.send = self.wire.dispatch(self.queue, self.queue.send, self.registered_versions)
         for name, host in self.hosts.items():
             self.queue.relays.tell(name, host)
+        for name, (nbytes, seconds) in self.pulls.items():
+            self.queue.relays.record(name, nbytes, seconds)
         return self.queue
 
     def offer(self, queue: WeightPushQueue, update: WeightUpdate, makers: list[str]) -> None:
