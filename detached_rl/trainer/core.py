@@ -148,10 +148,14 @@ class TrainerCore:
         if not self._paces():
             return None
         with self.push_lock:
-            buffered = [e.policy_version for e in self.buffer.experiences()]
-            return self._generation.admit(maker, samples, batches, self.policy_version,
-                                          self._step_in_progress, buffered, self._update_steps,
-                                          self._samples_per_step())
+            return self._generation.admit(maker, samples, batches, *self._ledger_state())
+
+    def _ledger_state(self) -> tuple[int, bool, list[int], int, int]:
+        """What the ledger's answers count from: the version, a step under way, the buffered samples'
+        versions (in sampling order), the versions makers receive (a multiple of) and a step's samples."""
+        buffered = [e.policy_version for e in self.buffer.experiences()]
+        return (self.policy_version, self._step_in_progress, buffered, self._update_steps,
+                self._samples_per_step())
 
     def _paces(self) -> bool:
         """Whether makers are told which weights their next batches need: with a staleness bound, before and
@@ -167,11 +171,9 @@ class TrainerCore:
         if not self._paces():
             return None
         maker = getattr(experiences[0], "maker", None) if experiences else None
-        buffered = [e.policy_version for e in self.buffer.experiences()]
         pushed = max((e.policy_version for e in experiences), default=0)
-        return self._generation.acknowledge(maker, len(experiences), result.full, self.policy_version,
-                                            self._step_in_progress, buffered, self._update_steps,
-                                            self._samples_per_step(), pushed)
+        return self._generation.acknowledge(maker, len(experiences), result.full, *self._ledger_state(),
+                                            pushed)
 
     def _samples_per_step(self) -> int:
         """What a step took from the buffer lately (`samples_per_step` of the recent history)."""
