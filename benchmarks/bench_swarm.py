@@ -13,7 +13,8 @@ maker's weights leave through. One `detached-rl run --makers K` typed on h0 per 
 Per K: trainer steps/s (metrics `time/elapsed`, step 1 to the last); bytes out of h0 per version pushed
 (h0's link counters over the run / versions 0..last) and its ratio to K = 1's; delivery time per maker
 host (from the trainer reaching v to that maker holding v or newer, status polled every 0.5 s: median and
-max); the staleness histogram of the samples trained on (`staleness/hist_N` summed over steps); samples
+max), with the samples its trainer took from it and the seconds it waited for fresh weights; the staleness
+histogram of the samples trained on (`staleness/hist_N` summed over steps); samples
 dropped as stale; the run's wall time. JSON to benchmarks/results/swarm.json, a plot with `--plot`.
 """
 
@@ -151,7 +152,10 @@ def figures(rows: list[dict[str, Any]], events: list[dict[str, Any]], out_bytes:
         maker = f"{name}-maker-{index}"
         waits = delivery(events, f"{name}-trainer", [maker], int(rows[-1]["step"]))
         host = placement.get(maker, "?")
+        last = next((e for e in reversed(events) if e.get("name") == maker and "accepted" in e), {})
         per_host[maker] = {"host": host, "rate_mbit": address_rate.get(host),
+                           "samples_accepted": last.get("accepted"),
+                           "waited_for_weights_s": last.get("waited_s"),
                            "delivery_s_median": statistics.median(waits) if waits else float("nan"),
                            "delivery_s_max": max(waits, default=float("nan"))}
     return {"makers": makers, "steps": len(rows),
@@ -177,7 +181,8 @@ def report(table: list[dict[str, Any]], args: argparse.Namespace) -> None:
         ratio = cell["uplink_out_per_version"] / one if one else float("nan")
         cell["uplink_ratio_to_one"] = ratio
         versus = f"{ratio:.2f}x K=1" if one else "K=1 not run"
-        hosts = "; ".join(f"{m['rate_mbit']} Mbit/s {m['delivery_s_median']:.1f}/{m['delivery_s_max']:.1f} s"
+        hosts = "; ".join(f"{m['rate_mbit']} Mbit/s {m['delivery_s_median']:.1f}/{m['delivery_s_max']:.1f} s "
+                          f"({m['samples_accepted']} samples taken, {m['waited_for_weights_s']} s waiting)"
                           for m in cell["per_maker"].values())
         print(f"K={cell['makers']}: {cell['steps_per_s']:.3f} steps/s; out of h0 "
               f"{cell['uplink_out_per_version'] / 1e6:.2f} MB/version ({versus}; one update "

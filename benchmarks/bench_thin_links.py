@@ -92,6 +92,10 @@ while time.monotonic() < deadline:
         keep = {"version": row.get("policy_version"), "pending": updates.get("pending_version"),
                 "received": updates.get("received"), "superseded": updates.get("superseded"),
                 "state": row.get("state")}
+        pushed = row.get("push") or {}  # a maker's: samples its trainers took, seconds it waited for weights
+        if pushed:
+            keep["accepted"] = sum(t.get("accepted", 0) for t in pushed.get("per_trainer", {}).values())
+            keep["waited_s"] = round((row.get("fresh_weight_waits") or {}).get("seconds", 0.0), 1)
         push = row.get("weight_push") or {}  # the trainer's: who relays to whom
         keep.update({key: push[key] for key in ("relay_tree", "relayed", "relay_fallbacks", "failed")
                      if key in push})

@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -104,6 +105,7 @@ class MakerShell:
         self._transfers: list[TransferProgress] = []  # weight transfers under way (registration, push)
         # (bytes, seconds) of the latest registration answer pulled from the trainers: told when admitted
         self._registration_pull: tuple[int, float] | None = None
+        self._first_registration: tuple[float, int] | None = None  # (monotonic time, version) it ended at
         self.restarts = (ray.get_runtime_context().was_current_actor_reconstructed if ray.is_initialized()
                          else False)
         if self.restarts and resume_on_restart:
@@ -137,6 +139,8 @@ class MakerShell:
         if snapshots and sum(s["done"] for s in snapshots) > 0:  # the time to the last bytes, not to now
             seconds = max(s["seconds"] - s["idle_s"] for s in snapshots)
             self._registration_pull = (sum(int(s["done"]) for s in snapshots), seconds)
+        if self._first_registration is None:
+            self._first_registration = (time.monotonic(), self.core.policy_version)
 
     def _connect(self) -> None:
         self._attach_trainers()
@@ -331,12 +335,22 @@ class MakerShell:
         context = ray.get_runtime_context()
         status.update(pid=os.getpid(), node_id=context.get_node_id(), restarted=self.restarts,
                       first_batch_version=self.loop.first_batch_version, resyncs=self.loop.resyncs,
+                      registration_pull=self._registration_pull, joined=self._joined(),
                       fresh_weight_waits={**self.loop.fresh_waits,
                                           "update_interval_s": self.loop.update_interval},
                       trainer_run=self.core.receiver.trainer_run, resources=context.get_assigned_resources(),
                       device=str(self.device))
         status["push"] = self.loop.pusher.stats() if self.loop.pusher else None
         return status
+
+    def _joined(self) -> dict[str, Any] | None:
+        """The version this process first registered at, and how long after that it began its first batch."""
+        if self._first_registration is None:
+            return None
+        registered, version = self._first_registration
+        started = self.loop.first_batch_started
+        return {"registered_version": version,
+                "first_batch_after_s": None if started is None else started - registered}
 
     @ray.method(concurrency_group="experience_io")
     def served_weights(self) -> dict[str, Any]:

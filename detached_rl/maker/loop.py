@@ -50,6 +50,7 @@ class MakerLoop:
         self.clock = clock
         self.pusher: ExperiencePusher | None = None  # the pusher of the latest `run`
         self.first_batch_version: int | None = None  # policy version of the first batch this process made
+        self.first_batch_started: float | None = None  # when (`clock`) this process began its first batch
         # Registers with the trainers again and takes their newest weights, even older
         # ones (see `resync_now`).
         self.resync = resync
@@ -100,6 +101,8 @@ class MakerLoop:
                     self.wait_for_fresh_weights(needed)
                     if self.stop.is_set():
                         break
+                if self.first_batch_started is None:
+                    self.first_batch_started = self.clock()
                 experiences = maker.make_experience()
                 if self.first_batch_version is None and experiences:
                     self.first_batch_version = experiences[0].policy_version
