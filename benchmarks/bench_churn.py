@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_thin_links import numbers, save  # noqa: E402
+from bench_swarm import add_link_arguments  # noqa: E402
+from bench_thin_links import save  # noqa: E402
 
 from tests.hosts import Hosts, LinkCharacter  # noqa: E402  (bench_thin_links put the repository on the path)
 from tests.hosts.network import NetworkError, require_tools  # noqa: E402
@@ -255,12 +256,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600.0, help="seconds from the first makers to stop")
     parser.add_argument("--every", type=float, default=120.0, help="seconds between join-and-leave events")
-    parser.add_argument("--uplink", type=float, default=20.0, help="Mbit/s of the trainer host's link")
-    parser.add_argument("--maker-rates", type=numbers, default=[100.0, 20.0, 5.0],
-                        help="Mbit/s of the maker hosts' links, cycled")
-    parser.add_argument("--delay", type=float, default=50.0, help="one-way ms of each maker host's link")
-    parser.add_argument("--loss", type=float, default=0.5, help="percent of frames a maker link loses")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another override")
+    add_link_arguments(parser)
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "churn.json")
     args = parser.parse_args()
     args.plot = None

@@ -216,17 +216,22 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help="job config (default: none, the default job)")
-    parser.add_argument("--makers", default="1,2,4", help="K values: maker hosts, one maker each")
-    parser.add_argument("--steps", type=int, default=8)
+def add_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """The swarm's links (the trainer's uplink; the maker hosts' rates, delay and loss) and more overrides."""
     parser.add_argument("--uplink", type=float, default=20.0, help="Mbit/s of the trainer host's link")
     parser.add_argument("--maker-rates", type=numbers, default=[100.0, 20.0, 5.0],
                         help="Mbit/s of the maker hosts' links, cycled")
     parser.add_argument("--delay", type=float, default=50.0, help="one-way ms of each maker host's link")
     parser.add_argument("--loss", type=float, default=0.5, help="percent of frames a maker link loses")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another override")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None, help="job config (default: none, the default job)")
+    parser.add_argument("--makers", default="1,2,4", help="K values: maker hosts, one maker each")
+    parser.add_argument("--steps", type=int, default=8)
+    add_link_arguments(parser)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "swarm.json")
     parser.add_argument("--plot", type=Path, default=None)
