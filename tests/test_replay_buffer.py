@@ -68,6 +68,28 @@ def test_fifo_order():
     assert stats["received"] == stats["sampled"] == stats["times_handed_out"] == 5
 
 
+def test_a_late_push_of_older_weights_is_handed_out_first_while_it_can_still_be_trained():
+    # A slow maker's batch made with v0 lands behind a batch of v1 at version 1 (max_staleness 1). Handed out
+    # in arrival order, the v1 batch would be trained at version 1 and the v0 one dropped as stale at 2.
+    buffer = CheckedBuffer(max_staleness=1)
+    buffer.append(makes(2, prefix="new", policy_version=1), current_version=1)
+    buffer.append(makes(2, prefix="late", policy_version=0), current_version=1)
+    buffer.append(makes(1, prefix="newer", policy_version=1), current_version=1)
+    assert buffer.sampling_versions() == [0, 0, 1, 1, 1]
+    assert ids(buffer.experiences()) == ["new0", "new1", "late0", "late1", "newer0"]  # arrival order
+    assert ids(buffer.sample(2, current_version=1)) == ["late0", "late1"]
+    assert ids(buffer.sample(3, current_version=2)) == ["new0", "new1", "newer0"]  # ties: arrival order
+    assert buffer.stats()["dropped"]["stale"] == 0
+
+
+def test_reused_samples_wait_behind_those_not_handed_out_yet_whatever_their_version():
+    buffer = CheckedBuffer(max_reuse=2)
+    buffer.append(makes(2, prefix="old", policy_version=0), current_version=1)
+    assert ids(buffer.sample(1, current_version=1)) == ["old0"]
+    buffer.append(makes(1, prefix="new", policy_version=1), current_version=1)
+    assert ids(buffer.sample(3, current_version=1)) == ["old1", "new0", "old0"]
+
+
 def test_sample_count_budget_refuses_whole_push_then_accepts_retry():
     buffer = CheckedBuffer(max_samples=4)
     assert buffer.append(makes(3, prefix="a"), 0).accepted == 3

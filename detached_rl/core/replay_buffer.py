@@ -1,4 +1,5 @@
-"""Replay buffer: a bounded, thread-safe FIFO of experiences that lives inside a trainer.
+"""Replay buffer: a bounded, thread-safe queue of experiences that lives inside a trainer, handed out oldest
+policy first, then in arrival order.
 
 Accounting holds at all times: every received sample is in exactly one place, so
 `received == sampled + in_buffer + sum(dropped.values())`. A sample counts as `sampled`
@@ -116,8 +117,8 @@ class ReplayBuffer:
                              "no group could ever be stored")
 
         self._cond = threading.Condition()
-        # The same entries in two orders: `_queue` is the sampling order (reused samples
-        # move to its back), `_arrivals` the arrival order (eviction, peek).
+        # The same entries in two orders: `_queue` is the sampling order (`_sampling_key`: the oldest
+        # policy first; reused samples move to its back), `_arrivals` the arrival order (eviction, peek).
         self._queue: OrderedDict[str, _Entry] = OrderedDict()
         self._arrivals: OrderedDict[str, _Entry] = OrderedDict()
         self._seen_ids: OrderedDict[str, None] = OrderedDict()
@@ -181,7 +182,8 @@ class ReplayBuffer:
                 self._queue[entry.experience.id] = entry
                 self._arrivals[entry.experience.id] = entry
                 self._nbytes += entry.nbytes
-            if entries:
+            if entries:  # a late push of older weights goes ahead of newer samples (Timsort: near-linear)
+                self._queue = OrderedDict(sorted(self._queue.items(), key=_sampling_key))
                 self._cond.notify_all()
             return AppendResult(
                 accepted=len(entries),
@@ -225,6 +227,11 @@ class ReplayBuffer:
                 if len(self._queue) >= count or remaining <= 0:
                     return len(self._queue)
                 self._cond.wait(remaining)
+
+    def sampling_versions(self) -> list[int]:
+        """The policy versions of the samples in the buffer, in the order they are handed out."""
+        with self._cond:
+            return [entry.experience.policy_version for entry in self._queue.values()]
 
     def experiences(self, start: int = 0, count: int | None = None) -> list[Experience]:
         """The samples in arrival order from `start` (up to `count`), without removing them."""
@@ -427,6 +434,14 @@ class ReplayBuffer:
     def _accounting_ok(self) -> bool:
         in_buffer = len(self._queue)
         return self._counts["received"] == self._counts["sampled"] + in_buffer + sum(self._dropped.values())
+
+
+def _sampling_key(item: tuple[str, _Entry]) -> tuple[int, int]:
+    """Where a sample stands in the sampling order: not handed out yet, the oldest policy first (a sample near
+    its staleness bound is trained while it still can be), then the reused ones as they were handed out; ties
+    keep their order (arrival: whole groups stay together)."""
+    entry = item[1]
+    return (1, 0) if entry.uses else (0, entry.experience.policy_version)
 
 
 def _copy_fields(exp: Experience | dict[str, Any]) -> dict[str, Any]:

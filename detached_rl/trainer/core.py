@@ -153,9 +153,8 @@ class TrainerCore:
     def _ledger_state(self) -> tuple[int, bool, list[int], int, int]:
         """What the ledger's answers count from: the version, a step under way, the buffered samples'
         versions (in sampling order), the versions makers receive (a multiple of) and a step's samples."""
-        buffered = [e.policy_version for e in self.buffer.experiences()]
-        return (self.policy_version, self._step_in_progress, buffered, self._update_steps,
-                self._samples_per_step())
+        return (self.policy_version, self._step_in_progress, self.buffer.sampling_versions(),
+                self._update_steps, self._samples_per_step())
 
     def _paces(self) -> bool:
         """Whether makers are told which weights their next batches need: with a staleness bound, before and
