@@ -37,8 +37,7 @@ from detached_rl.core.experience import Experience
 from detached_rl.core.limits import DEFAULT_MAX_ABS_REWARD, check_max_abs_reward
 from detached_rl.core.staleness import is_stale
 
-# The door's names, importable from here too: the buffer raises the error, the maker
-# and trainer read the rest.
+# The door's names, importable from here too: the buffer raises the error, makers and trainers read the rest.
 __all__ = ["DROP_REASONS", "NEWER_THAN_TRAINER", "OVERFLOW_POLICIES", "AppendResult", "RejectedPushError",
            "ReplayBuffer", "check_max_abs_reward"]
 
@@ -78,9 +77,14 @@ class _Entry:
     score: float
     uses: int = 0
 
+    def sampling_key(self) -> tuple[int, int]:
+        """Its place in the sampling order: not handed out yet, the oldest policy first (trained while it
+        still can be), then reused ones as handed out; ties keep arrival order (groups stay together)."""
+        return (1, 0) if self.uses else (0, self.experience.policy_version)
+
 
 class ReplayBuffer:
-    """Bounded (samples and bytes), thread-safe FIFO of experiences with staleness, dedupe and accounting."""
+    """Bounded (samples and bytes), thread-safe queue of experiences with staleness, dedupe and accounting."""
 
     def __init__(
         self,
@@ -117,7 +121,7 @@ class ReplayBuffer:
                              "no group could ever be stored")
 
         self._cond = threading.Condition()
-        # The same entries in two orders: `_queue` is the sampling order (`_sampling_key`: the oldest
+        # The same entries in two orders: `_queue` is the sampling order (`sampling_key`: the oldest
         # policy first; reused samples move to its back), `_arrivals` the arrival order (eviction, peek).
         self._queue: OrderedDict[str, _Entry] = OrderedDict()
         self._arrivals: OrderedDict[str, _Entry] = OrderedDict()
@@ -183,7 +187,7 @@ class ReplayBuffer:
                 self._arrivals[entry.experience.id] = entry
                 self._nbytes += entry.nbytes
             if entries:  # a late push of older weights goes ahead of newer samples (Timsort: near-linear)
-                self._queue = OrderedDict(sorted(self._queue.items(), key=_sampling_key))
+                self._queue = OrderedDict(sorted(self._queue.items(), key=lambda kv: kv[1].sampling_key()))
                 self._cond.notify_all()
             return AppendResult(
                 accepted=len(entries),
@@ -434,14 +438,6 @@ class ReplayBuffer:
     def _accounting_ok(self) -> bool:
         in_buffer = len(self._queue)
         return self._counts["received"] == self._counts["sampled"] + in_buffer + sum(self._dropped.values())
-
-
-def _sampling_key(item: tuple[str, _Entry]) -> tuple[int, int]:
-    """Where a sample stands in the sampling order: not handed out yet, the oldest policy first (a sample near
-    its staleness bound is trained while it still can be), then the reused ones as they were handed out; ties
-    keep their order (arrival: whole groups stay together)."""
-    entry = item[1]
-    return (1, 0) if entry.uses else (0, entry.experience.policy_version)
 
 
 def _copy_fields(exp: Experience | dict[str, Any]) -> dict[str, Any]:
