@@ -390,6 +390,18 @@ def test_peek_filters_decodes_and_changes_nothing():
     assert ids(buffer.take(3)) == ["a", "b", "c"]
 
 
+def test_a_state_saved_in_arrival_order_is_restored_in_sampling_order():
+    buffer = CheckedBuffer(max_staleness=1)
+    buffer.append(makes(2, prefix="new", policy_version=1), current_version=1)
+    buffer.append(makes(2, prefix="late", policy_version=0), current_version=1)
+    state = buffer.state_dict()
+    state["queue"] = ["new0", "new1", "late0", "late1"]  # as a first-in-first-out buffer saved it
+    restored = CheckedBuffer(max_staleness=1)
+    restored.load_state_dict(state)
+    assert restored.sampling_versions() == [0, 0, 1, 1]
+    assert ids(restored.sample(2, current_version=1)) == ["late0", "late1"]
+
+
 def test_state_dict_round_trip():
     buffer = CheckedBuffer(max_reuse=2, max_staleness=5)
     half = make(id="bf16", maker="m1", policy_version=1)

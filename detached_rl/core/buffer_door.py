@@ -1,4 +1,4 @@
-"""The replay buffer's door: what a push must be to be stored, and the error that refuses it.
+"""The replay buffer's door: what a push must be to be stored, the error that refuses it, and its answer.
 
 A push is stored whole or refused whole. It is refused (`RejectedPushError`, counted as `rejected_invalid`,
 nothing stored or remembered), in this order, when it holds more samples or bytes than an empty buffer could
@@ -14,6 +14,7 @@ step then always finds whole groups (eviction removes whole groups too).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from detached_rl.core.experience import Experience
@@ -26,6 +27,29 @@ from detached_rl.core.experience_checks import (
 # How a refusal of samples newer than the trainer's weights reads: the maker that pushed them is ahead of its
 # trainer (it took weights its trainer never sent) and registers again when it sees this.
 NEWER_THAN_TRAINER = "is newer than the trainer's current version"
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """The acknowledgement of one push."""
+
+    accepted: int  # stored in the buffer
+    duplicates: int  # ids already seen, skipped
+    dropped_stale: int  # received, but too old on arrival
+    evicted: int  # older samples dropped to make room ("evict_oldest")
+    full: bool  # refused for capacity ("refuse"): nothing changed, retry later
+    size: int  # buffer size after the push
+    nbytes: int  # buffer bytes after the push
+    current_version: int = -1  # the trainer's policy version the push was judged against
+    # The oldest policy version a batch pushed next may carry and still be trained rather than dropped as
+    # stale, estimated by the trainer from its version, its step in progress and the samples queued before
+    # it (None: no staleness bound). Makers wait for weights this new before they generate the next batch.
+    oldest_useful_version: int | None = None
+
+    @property
+    def received(self) -> int:
+        """New samples this push added to the accounting (stored or dropped as stale)."""
+        return self.accepted + self.dropped_stale
 
 
 class RejectedPushError(ValueError):

@@ -26,6 +26,7 @@ import torch
 
 from detached_rl.core.buffer_door import (
     NEWER_THAN_TRAINER,
+    AppendResult,
     RejectedPushError,
     check_groups,
     check_int,
@@ -45,29 +46,6 @@ OVERFLOW_POLICIES = ("refuse", "evict_oldest")
 DROP_REASONS = ("stale", "evicted", "cleared")
 _COUNTERS = ("received", "sampled", "times_handed_out", "duplicates", "refused_full", "rejected_invalid")
 _STATE_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class AppendResult:
-    """The acknowledgement of one push."""
-
-    accepted: int  # stored in the buffer
-    duplicates: int  # ids already seen, skipped
-    dropped_stale: int  # received, but too old on arrival
-    evicted: int  # older samples dropped to make room ("evict_oldest")
-    full: bool  # refused for capacity ("refuse"): nothing changed, retry later
-    size: int  # buffer size after the push
-    nbytes: int  # buffer bytes after the push
-    current_version: int = -1  # the trainer's policy version the push was judged against
-    # The oldest policy version a batch pushed next may carry and still be trained rather than dropped as
-    # stale, estimated by the trainer from its version, its step in progress and the samples queued before
-    # it (None: no staleness bound). Makers wait for weights this new before they generate the next batch.
-    oldest_useful_version: int | None = None
-
-    @property
-    def received(self) -> int:
-        """New samples this push added to the accounting (stored or dropped as stale)."""
-        return self.accepted + self.dropped_stale
 
 
 @dataclass
@@ -182,12 +160,15 @@ class ReplayBuffer:
                 self._received_by_maker[exp.maker] = self._received_by_maker.get(exp.maker, 0) + 1
             self._counts["duplicates"] += len(experiences) - len(fresh)
             self._dropped["stale"] += len(stale)
+            last = next(reversed(self._queue.values()), None)
+            keys = [entry.sampling_key() for entry in ([last] if last else []) + entries]
             for entry in entries:
                 self._queue[entry.experience.id] = entry
                 self._arrivals[entry.experience.id] = entry
                 self._nbytes += entry.nbytes
-            if entries:  # a late push of older weights goes ahead of newer samples (Timsort: near-linear)
-                self._queue = OrderedDict(sorted(self._queue.items(), key=lambda kv: kv[1].sampling_key()))
+            if keys != sorted(keys):  # a late push of older weights goes ahead of newer samples
+                self._sort_queue()
+            if entries:
                 self._cond.notify_all()
             return AppendResult(
                 accepted=len(entries),
@@ -350,6 +331,7 @@ class ReplayBuffer:
         with self._cond:
             self._arrivals = arrivals
             self._queue = OrderedDict((sample_id, arrivals[sample_id]) for sample_id in state["queue"])
+            self._sort_queue()  # a state saved before the buffer sampled oldest policy first
             self._seen_ids = OrderedDict.fromkeys(seen_ids)
             self._nbytes = sum(entry.nbytes for entry in arrivals.values())
             self._counts = counts
@@ -408,6 +390,10 @@ class ReplayBuffer:
         for sample_id, entry in list(self._arrivals.items()):
             if self._too_stale(entry.experience.policy_version, current_version):
                 self._remove(sample_id, reason="stale")
+
+    def _sort_queue(self) -> None:
+        """Put `_queue` in sampling order (it always is between calls; Timsort is near-linear on it)."""
+        self._queue = OrderedDict(sorted(self._queue.items(), key=lambda kv: kv[1].sampling_key()))
 
     def _fits(self, count: int, nbytes: int) -> bool:
         return len(self._queue) + count <= self.max_samples and self._nbytes + nbytes <= self.max_bytes
