@@ -295,7 +295,9 @@ def test_makers_are_admitted_before_their_first_batch_to_what_the_trainer_can_tr
     """Three makers of 4-sample batches, two pushes in flight each, at a trainer of 8 a step with staleness 1
     that has not started training: v0 weights feed its steps at v0 and v1, 16 samples, and no more are made
     (unpaced, each maker's 2 first batches alone made 24). Whichever makers came first make them; the
-    others wait for v1. Then the trainer trains and nothing goes stale."""
+    others wait for v1. Then the trainer trains and nothing goes stale but, on a slow machine, the waiting
+    maker's first two batches: it makes them cold (its first generation) once v1 comes, and where the others
+    fed the step at v2 before they landed, they arrive at v3 (CI saw 4 of them once)."""
     ray = ray_cluster
     trainer = new_trainer("admit_trainer", max_staleness=1, buffer_max_samples=64)
     makers = [new_maker(f"admit_maker_{i}", ["admit_trainer"]) for i in range(3)]
@@ -315,7 +317,9 @@ def test_makers_are_admitted_before_their_first_batch_to_what_the_trainer_can_tr
         ray.get(trainer.fit.remote(4), timeout=TIMEOUT)
         ray.get(runs, timeout=TIMEOUT)
         stats = ray.get(trainer.buffer_stats.remote())
-        assert stats["dropped"].get("stale", 0) == 0 and stats["accounting_ok"], stats
+        refused = sum(s["push"]["dropped_stale_by_trainer"]
+                      for s in ray.get([maker.status.remote() for maker in makers], timeout=TIMEOUT))
+        assert stats["dropped"].get("stale", 0) + refused <= 8 and stats["accounting_ok"], (stats, refused)
         assert min(pushed()) > 0  # the third maker fed the trainer once its weights came
     finally:
         kill(trainer, *makers)
