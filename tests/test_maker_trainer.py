@@ -431,3 +431,37 @@ def test_with_top_k_the_reference_scores_every_sampled_token_and_trains():
     metrics = trainer.train_step()
     assert all(math.isfinite(value) for value in metrics.values() if isinstance(value, float))
     assert all(torch.isfinite(p).all() for p in learner.actor.parameters())
+
+
+TRUNCATED = SamplingConfig(max_new_tokens=6, temperature=0.8, top_k=12, top_p=0.9, min_p=0.05)
+
+
+@pytest.mark.parametrize("sampling", [SAMPLING, TRUNCATED], ids=["full", "top-k-top-p-min-p"])
+def test_the_ratio_of_on_policy_samples_is_one_whatever_truncates_the_sampling(sampling):
+    """Behaviour log-probs are those of the distribution sampled (renormalised over the kept tokens) and the
+    trainer recomputes that same distribution: on the first pass over fresh samples the PPO ratio new / old
+    (old = the behaviour log-probs: no recompute ran) is 1 at every token."""
+    def ratio_metrics(trainer_sampling):
+        config = MakerConfig(experience_batch_size=4, sampling=sampling)
+        prompts = CyclingPrompts(arithmetic_prompts())
+        maker = ExperienceMaker("maker_0", tiny_maker_models(seed=0), prompts, config,
+                                strategy=naive_strategy())
+        actor, critic = tiny_actor_critic(seed=0)
+        ppo = PPOConfig(sampling=trainer_sampling, kl_coef=0.01)
+        learner = PPOLearner(actor, critic, naive_strategy(), ppo)
+        trainer = TrainerCore("trainer_0", learner, TrainerConfig(train_batch_size=8))
+        store = ObjectStore()
+        trainer.weights.snapshot(store.put)
+        maker.apply_weight_update(trainer.weights.register("maker_0"), store.fetch)
+        torch.manual_seed(0)
+        for _ in range(2):
+            trainer.push_experience(maker.make_experience())
+        metrics = trainer.train_step()
+        assert not any(key.startswith("mismatch/") for key in metrics)  # old = behaviour: no recompute
+        return metrics
+
+    metrics = ratio_metrics(sampling)
+    assert metrics["val/ratio"] == pytest.approx(1.0, abs=1e-6) and metrics["policy/clipfrac_avg"] == 0
+    if sampling.truncates:  # scored over the full vocabulary instead, the ratio moves: the check can fail
+        full = SamplingConfig(max_new_tokens=6, temperature=sampling.temperature)
+        assert abs(ratio_metrics(full)["val/ratio"] - 1.0) > 1e-3

@@ -29,6 +29,7 @@ ARCHITECTURES = ["llama", "gpt2", "opt", "bloom", "gpt_neox", "qwen2", "mistral"
 SAMPLINGS = [
     SamplingConfig(max_new_tokens=10),
     SamplingConfig(max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9),
+    SamplingConfig(max_new_tokens=10, temperature=1.2, top_p=0.95, min_p=0.1),
     SamplingConfig(max_new_tokens=10, do_sample=False),
 ]
 PROMPTS = ["What is 3 + 4?", "hi", "a much longer prompt with many more tokens in it"]
@@ -96,7 +97,7 @@ def test_load_causal_lm_specs(tmp_path):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "opt"])
-@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "warped", "greedy"])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "warped", "min-p", "greedy"])
 def test_recomputed_log_probs_equal_behaviour_log_probs(model_type, sampling):
     model, tokenizer = tiny_lm(model_type)
     actor = Actor(model, tokenizer)
@@ -135,6 +136,13 @@ def test_warped_log_probs_put_all_mass_on_kept_tokens():
     warped = process_logits(logits, SamplingConfig(top_k=3, top_p=0.7))
     assert torch.isinf(warped[0, 2:]).all() and torch.isfinite(warped[0, :2]).all()
     assert warped.softmax(-1)[0, :2].sum().item() == pytest.approx(1.0)
+    # min_p=0.2 first (vLLM's order): p = softmax = [.607, .223, .135, .030, .004] keeps p >= .2 * .607,
+    # the first three; top_p=0.7 over those renormalised keeps 2.0 and 1.0 as above. The kept tokens'
+    # log-probs are renormalised: log(e^2 / (e^2 + e^1)) = -0.3133.
+    warped = process_logits(logits, SamplingConfig(min_p=0.2, top_p=0.7))
+    assert torch.isinf(warped[0, 2:]).all() and torch.isfinite(warped[0, :2]).all()
+    assert warped.log_softmax(-1)[0, 0].item() == pytest.approx(-0.31326, abs=1e-5)
+    assert torch.isinf(process_logits(logits, SamplingConfig(min_p=0.2))[0, 3:]).all()
     assert torch.equal(process_logits(logits, SamplingConfig(temperature=2.0)), logits / 2)
     assert torch.equal(process_logits(logits, SamplingConfig(do_sample=False, temperature=2.0)), logits)
 
@@ -163,6 +171,8 @@ def test_generation_stops_at_stop_tokens():
         (dict(top_k=-1), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
+        (dict(min_p=1.0), "min_p"),
+        (dict(min_p=-0.1), "min_p"),
     ],
 )
 def test_sampling_config_refuses_bad_values(kwargs, field):

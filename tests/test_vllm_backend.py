@@ -66,7 +66,8 @@ def test_is_a_generation_backend(engine):
     SamplingConfig(max_new_tokens=16),
     SamplingConfig(max_new_tokens=16, temperature=0.7, top_k=20, top_p=0.9),
     SamplingConfig(max_new_tokens=16, temperature=1.3, top_p=0.8),
-], ids=["greedy", "plain", "t0.7-k20-p0.9", "t1.3-p0.8"])
+    SamplingConfig(max_new_tokens=16, temperature=1.1, min_p=0.05, top_k=40, top_p=0.95),
+], ids=["greedy", "plain", "t0.7-k20-p0.9", "t1.3-p0.8", "t1.1-minp0.05-k40-p0.95"])
 def test_behaviour_log_probs_match_the_trainers_recompute(engine, sampling):
     backend, model, _, prompts = engine
     grouped = [prompt for prompt in prompts for _ in range(3)]  # groups go to vLLM as n=3

@@ -1,10 +1,12 @@
 """Sampling settings and the logit processing that defines the behaviour distribution.
 
 A generation backend returns, for each generated token, the log softmax of the logits the
-token was actually sampled from, after temperature, top-k and top-p (the same order and tie
-rules as Hugging Face's warpers). `process_logits` reproduces that processing so a trainer's
-forward pass recomputes exactly those log-probs. Conventions: logits [..., V], the vocabulary
-on the last dimension; filtered entries become -inf.
+token was actually sampled from: after temperature, min-p, top-k and top-p (vLLM's order; the HF
+backend builds Hugging Face's warpers in that order, whose tie rules vLLM shares), renormalised
+over the tokens kept. `process_logits` reproduces that processing so a trainer's forward pass
+recomputes exactly those log-probs, and the PPO ratio of an on-policy sample is 1 whatever
+truncates the sampling. Conventions: logits [..., V], the vocabulary on the last dimension;
+filtered entries become -inf.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How responses are sampled. `top_k=0` and `top_p=1.0` switch those filters off."""
+    """How responses are sampled. `top_k=0`, `top_p=1.0` and `min_p=0.0` switch those filters off."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    # Keep the tokens at least this likely relative to the most likely one (after temperature).
+    min_p: float = 0.0
     do_sample: bool = True
     stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's eos token
 
@@ -38,10 +42,17 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"SamplingConfig.min_p must be in [0, 1) (0 = off), got {self.min_p}")
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k, top-p or min-p leave tokens out of the sampled distribution."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
 def process_logits(logits: torch.Tensor, sampling: SamplingConfig | None) -> torch.Tensor:
-    """Apply temperature, top-k and top-p to logits [..., V]; filtered entries become -inf.
+    """Apply temperature, min-p, top-k and top-p to logits [..., V]; filtered entries become -inf.
 
     Greedy decoding (`do_sample=False`) and `sampling=None` leave logits unchanged.
     """
@@ -51,6 +62,10 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig | None) -> tor
         return logits
     if sampling.temperature != 1.0:
         logits = logits / sampling.temperature
+    if sampling.min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        threshold = sampling.min_p * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))  # the most likely token always stays
     if sampling.top_k > 0:
         k = min(sampling.top_k, logits.shape[-1])
         kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]

@@ -7,7 +7,12 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from detached_rl.core.devices import to_device
 from detached_rl.core.sampling import SamplingConfig, token_log_probs
@@ -189,14 +194,14 @@ class HFGenerationBackend:
         device = next(self.model.parameters()).device
         input_ids, attention_mask = left_pad(prompt_ids, self.pad_token_id)
         stop_ids = sampling.stop_token_ids or self.eos_token_ids
-        # Temperature, top-k and top-p go in as our own processors (HF's warpers, same order and
-        # conditions as HF's own), so the recorder can run after them: HF puts user processors
+        # Temperature, min-p, top-k and top-p go in as our own processors (HF's warpers, in vLLM's
+        # order: `process_logits`), so the recorder can run after them: HF puts user processors
         # before the warpers it builds. The config then names neutral values, explicitly: unset
         # fields would be filled from the model's and transformers' defaults (top_k=50), and the
         # log-probs would not match `process_logits`.
         recorder = BehaviourLogProbs()
         processors = LogitsProcessorList(sampling_warpers(sampling) + [recorder])
-        neutral = dict(temperature=1.0, top_k=0, top_p=1.0) if sampling.do_sample else {}
+        neutral = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=None) if sampling.do_sample else {}
         static: dict[str, Any] = {}
         if self.cache_implementation == "static":
             length = input_ids.shape[1] + sampling.max_new_tokens
@@ -247,13 +252,15 @@ class HFGenerationBackend:
 
 
 def sampling_warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
-    """HF's temperature, top-k and top-p warpers for `sampling`, as `generate` would
-    build them (none when greedy)."""
+    """HF's temperature, min-p, top-k and top-p warpers for `sampling`, in `process_logits`'s order
+    (none when greedy)."""
     if not sampling.do_sample:
         return []
     warpers: list[LogitsProcessor] = []
     if sampling.temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.min_p > 0.0:
+        warpers.append(MinPLogitsWarper(min_p=sampling.min_p, min_tokens_to_keep=1))
     if sampling.top_k != 0:
         warpers.append(TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
     if sampling.top_p < 1.0:

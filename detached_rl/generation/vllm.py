@@ -327,13 +327,13 @@ class VLLMBackend:
         stop_ids = [i for i in (sampling.stop_token_ids or self.eos_token_ids) if 0 <= i < vocab_size]
         if sampling.do_sample:
             knobs: dict[str, Any] = dict(temperature=sampling.temperature, top_k=sampling.top_k or -1,
-                                         top_p=sampling.top_p, seed=seed)
+                                         top_p=sampling.top_p, min_p=sampling.min_p, seed=seed)
         else:
-            knobs = dict(temperature=0.0)
+            knobs = dict(temperature=0.0, min_p=0.0)
         return SamplingParams(n=n, max_tokens=sampling.max_new_tokens, stop_token_ids=stop_ids,
                               ignore_eos=True,
                               logprobs=0, detokenize=False, skip_special_tokens=False, repetition_penalty=1.0,
-                              min_p=0.0, **knobs)
+                              **knobs)
 
     def generate_text(self, prompts: Sequence[Prompt],
                       sampling: SamplingConfig | None = None) -> GenerationOutput:

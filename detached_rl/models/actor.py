@@ -23,15 +23,15 @@ def reference_sampling(sampling: SamplingConfig | None) -> SamplingConfig | None
     """The distribution reference log-probs are scored on: `sampling`'s temperature, the full vocabulary.
 
     One convention (docs/algorithms-and-rewards.md, "KL to the reference"): behaviour log-probs, and the
-    trainer's recomputation for the PPO ratio, come from the processed distribution (temperature, top-k,
-    top-p); reference log-probs, wherever they are computed (maker, reference scorer, GRPO trainer), come from
-    the temperature-scaled full distribution. The reference's own top-k/top-p would give -inf to a sampled
-    token outside it (its top-k is not the policy's); over the full vocabulary every token the policy can
-    sample has a finite log-prob, and the KL estimates KL(sampling policy || reference).
+    trainer's recomputation for the PPO ratio, come from the processed distribution (temperature, min-p,
+    top-k, top-p); reference log-probs, wherever they are computed (maker, reference scorer, GRPO trainer),
+    come from the temperature-scaled full distribution. The reference's own top-k/top-p would give -inf to a
+    sampled token outside it (its top-k is not the policy's); over the full vocabulary every token the policy
+    can sample has a finite log-prob, and the KL estimates KL(sampling policy || reference).
     """
-    if sampling is None or (sampling.top_k == 0 and sampling.top_p == 1.0):
+    if sampling is None or not sampling.truncates:
         return sampling
-    return dataclasses.replace(sampling, top_k=0, top_p=1.0)
+    return dataclasses.replace(sampling, top_k=0, top_p=1.0, min_p=0.0)
 
 
 class Actor(nn.Module):
