@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from detached_rl.core.sample_checks import ProvenanceConfig
 from detached_rl.maker.experience_maker import MakerModels
 from detached_rl.models import Actor, Critic, tiny_causal_lm
 from detached_rl.models.loaders import MINILM_PACKAGE, SMOLLM2_PACKAGE, cache_dir
@@ -324,3 +325,29 @@ def processes_with(marker: bytes) -> set[int]:
         if ancestor == me or ancestor <= 1 or _parent(ancestor) != parent:
             found.add(pid)
     return found
+
+
+#: For trainers fed hand-made samples, whose log-probs are not their policy's: the provenance check off.
+UNCHECKED = ProvenanceConfig(check=False)
+
+
+#: The mismatch gate (issue 38, docs/performance.md "Provenance"): the largest mean per-token |log-prob gap|
+#: of an on-version sample, by the engine's dtype (measured: float32 HF and vLLM <= 4e-7 on the tiny jobs; a
+#: bf16 engine ~0.02, so a float32 gate this tight also catches an engine that silently serves bf16), and the
+#: mean per-token KL of each step's batch against the recompute (prime-rl gates at 0.01; measured <= 4.1e-4,
+#: one version's drift included).
+MISMATCH_GATE = {"float32": 1e-4, "bfloat16": 0.1}
+MISMATCH_KL_GATE = 0.01
+
+
+def assert_mismatch_gated(rows: list[dict], engine: str) -> None:
+    """Every step's engine/trainer mismatch is within the gate, some on-version samples were checked, and the
+    honest job quarantined no one and took no sample out."""
+    gate = MISMATCH_GATE[engine.rpartition(":")[2]]
+    checked = [row for row in rows if row.get("provenance/checked", 0) > 0]
+    assert checked, rows
+    for row in rows:
+        assert row.get("provenance/outside", 0) == 0, row
+        assert row.get("provenance/gap_max", 0.0) <= gate, (engine, row)
+        assert row.get("mismatch/kl", 0.0) <= MISMATCH_KL_GATE, (engine, row)
+

@@ -21,6 +21,7 @@ from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 
 from .helpers import (
+    UNCHECKED,
     LowTokenReward,
     ObjectStore,
     arithmetic_prompts,
@@ -100,7 +101,7 @@ def make_trainer(algorithm, mini_batch_size=None):
                                          mini_batch_size=mini_batch_size,
                                          actor_optimizer=OptimizerConfig(lr=1e-3, schedule="cosine",
                                                                          total_steps=10, warmup_steps=1)))
-    return TrainerCore("trainer", learner, TrainerConfig(train_batch_size=8))
+    return TrainerCore("trainer", learner, TrainerConfig(train_batch_size=8, provenance=UNCHECKED))
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 from detached_rl.weights.update import count_nonfinite
 
-from .helpers import ObjectStore, naive_strategy, tiny_actor_critic, tiny_policy
+from .helpers import UNCHECKED, ObjectStore, naive_strategy, tiny_actor_critic, tiny_policy
 
 GROUP = 4  # experiences per push (one GRPO group)
 EXAMPLES = 250  # pushes per algorithm: 1,000 generated experiences each, 2,000 in all
@@ -154,7 +154,8 @@ def runs():
     ppo = PPOLearner(actor, critic, naive_strategy(), PPOConfig(
         sampling=SAMPLING, kl_coef=0.1, micro_batch_size=BATCH, actor_optimizer=OptimizerConfig(lr=1e-2),
         critic_optimizer=OptimizerConfig(lr=1e-2)))
-    out = {name: Run(TrainerCore("trainer", learner, TrainerConfig(train_batch_size=BATCH)))
+    config = TrainerConfig(train_batch_size=BATCH, provenance=UNCHECKED)
+    out = {name: Run(TrainerCore("trainer", learner, config))
            for name, learner in (("grpo", grpo), ("ppo", ppo))}
     return out
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import assert_mismatch_gated
 from .hosts import Hosts
 from .multihost import hosts_fixture, tiny_config_path
 
@@ -72,6 +73,8 @@ try:  # the trainer's per-step metrics and push counters, while its actor is the
     seen["weight_bytes"] = [row.get("weight_sync/bytes") for row in rows]
     seen["wire_bytes"] = [row.get("weight_sync/bytes/wire/bfloat16") for row in rows]
     seen["weight_push"] = ray.get(handle.status.remote(), timeout=30).get("weight_push")
+    seen["mismatch"] = [{k: v for k, v in row.items() if k.startswith(("mismatch/", "provenance/"))}
+                        for row in rows]
 except Exception as error:  # a run's trainer is gone by now
     seen["weight_bytes"], seen["wire_bytes"], seen["weight_push"] = [], [], repr(error)
 print(json.dumps(seen))
@@ -235,3 +238,4 @@ def test_the_default_job_across_a_20_mbit_link_sends_only_adapters(hosts: Hosts)
         wire = adapter  # served in float32: no narrower variant is sent
         assert not any(seen["wire_bytes"]), seen["wire_bytes"]
     assert received <= 1.2 * wire * versions, (received, wire, versions)
+    assert_mismatch_gated(seen["mismatch"], seen["engines"]["big-maker"])

@@ -30,7 +30,7 @@ from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore, info_means
 from detached_rl.weights.update import NonFiniteWeightsError, build_weight_update, count_nonfinite
 
-from .helpers import ObjectStore, make_experience, naive_strategy, tiny_actor_critic, tiny_policy
+from .helpers import UNCHECKED, ObjectStore, make_experience, naive_strategy, tiny_actor_critic, tiny_policy
 
 SAMPLING = SamplingConfig(max_new_tokens=4)
 TOKEN_FLOATS = ("values", "ref_log_probs", "advantages", "returns")
@@ -235,13 +235,13 @@ def test_a_finite_loss_with_an_overflowing_gradient_norm_is_skipped():
 def grpo_trainer() -> TrainerCore:
     learner = GRPOLearner(tiny_policy(seed=0), naive_strategy(),
                           GRPOConfig(sampling=SAMPLING, actor_optimizer=OptimizerConfig(lr=1e-3)))
-    return TrainerCore("trainer", learner, TrainerConfig(train_batch_size=4))
+    return TrainerCore("trainer", learner, TrainerConfig(train_batch_size=4, provenance=UNCHECKED))
 
 
 def ppo_trainer() -> TrainerCore:
     actor, critic = tiny_actor_critic(seed=0)
     learner = PPOLearner(actor, critic, naive_strategy(), PPOConfig(sampling=SAMPLING))
-    return TrainerCore("trainer", learner, TrainerConfig(train_batch_size=4))
+    return TrainerCore("trainer", learner, TrainerConfig(train_batch_size=4, provenance=UNCHECKED))
 
 
 def batch(algorithm: str, tag: str) -> list:

@@ -346,7 +346,7 @@ def test_stats_fields():
     buffer = CheckedBuffer(max_samples=10, max_staleness=2)
     empty = buffer.stats()
     assert empty["reward"] == {"mean": None, "std": None, "min": None, "max": None}
-    assert empty["dropped"] == {"stale": 0, "evicted": 0, "cleared": 0}
+    assert empty["dropped"] == {"stale": 0, "evicted": 0, "cleared": 0, "quarantined": 0}
     buffer.append([make(maker="m0", policy_version=3, reward=1.0),
                    make(maker="m0", policy_version=4, reward=3.0)], 4)
     buffer.append([make(maker="m1", policy_version=4, reward=[0.5, 1.5]), make(maker="m1", policy_version=1)],

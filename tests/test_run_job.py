@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import CLUSTER_MARKER, marked_processes, new_cluster_marker
-from tests.helpers import gpu_overrides, plotted_panels, set_flags
+from tests.helpers import assert_mismatch_gated, gpu_overrides, plotted_panels, set_flags
 from tests.test_run_sockets import console_script, on_loopback, plain_environment, stop_tree, watch_sockets
 
 pytestmark = pytest.mark.ray
@@ -72,6 +72,7 @@ def test_metrics_jsonl_has_one_row_per_step(finished_run):
                     "weight_sync/bytes", "maker_versions"):
             assert key in row, key
         assert set(row["maker_versions"]) == {"tiny-test-maker-0", "tiny-test-maker-1"}
+    assert_mismatch_gated(rows, "hf:float32")  # the engine/trainer mismatch, gated (tests/helpers.py)
     # LoRA-only updates after the first full one: a few hundred kB, not the whole model.
     assert rows[-1]["weight_sync/bytes"] < 1_000_000
 

@@ -17,7 +17,7 @@ from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
 from detached_rl.weights.ray_wire import fetch_chunk
 
-from .helpers import gpu_options, group_gpus_per_rank, make_experience, tiny_policy
+from .helpers import UNCHECKED, gpu_options, group_gpus_per_rank, make_experience, tiny_policy
 
 pytestmark = pytest.mark.ray
 
@@ -25,6 +25,9 @@ NAMESPACE = "detached_rl_tests"
 TIMEOUT = 180
 GROUP_SIZE, GROUPS_PER_RANK, STEPS, WORLD_SIZE = 4, 2, 2, 2
 PER_RANK = GROUP_SIZE * GROUPS_PER_RANK
+# Hand-made samples (their log-probs are not the policy's): unchecked.
+GROUP_CONFIG = TrainerConfig(train_batch_size=PER_RANK, provenance=UNCHECKED)
+GROUP_CONFIG_ALL = TrainerConfig(train_batch_size=PER_RANK * WORLD_SIZE, provenance=UNCHECKED)
 # A large learning rate, so that a wrong gradient shows above the tolerance; a large Adam eps, because Adam
 # scales a gradient near 0 (rounding noise, ~1e-9) up to a step of ~lr, which no summation order survives.
 ALGORITHM = GRPOConfig(sampling=SamplingConfig(max_new_tokens=8), kl_coef=0.05, loss_agg="token-mean",
@@ -79,7 +82,7 @@ def naive_weights(ray_cluster):
     # On a GPU only when the groups below get GPUs too: the weights are compared within atol 1e-5.
     options = gpu_options("trainer") if group_gpus_per_rank(WORLD_SIZE) else {}
     trainer = DetachedGRPOTrainer.options(name="naive_trainer", namespace=NAMESPACE, **options).remote(
-        "naive_trainer", tiny_policy, TrainerConfig(train_batch_size=PER_RANK * WORLD_SIZE), ALGORITHM,
+        "naive_trainer", tiny_policy, GROUP_CONFIG_ALL, ALGORITHM,
         NAMESPACE)
     try:
         for step in range(STEPS):
@@ -104,7 +107,7 @@ def test_a_two_rank_group_ends_with_the_weights_of_one_naive_trainer(ray_cluster
     prefix = f"group_{strategy}"
     group = TrainerGroupConfig(strategy=strategy, world_size=WORLD_SIZE, placement_strategy=placement,
                                timeout_s=120, num_gpus_per_rank=group_gpus_per_rank(WORLD_SIZE))
-    ranks = start_trainer_group(prefix, WORLD_SIZE, tiny_policy, TrainerConfig(train_batch_size=PER_RANK),
+    ranks = start_trainer_group(prefix, WORLD_SIZE, tiny_policy, GROUP_CONFIG,
                                 ALGORITHM, NAMESPACE, strategy=strategy, group=group, timeout=TIMEOUT)
     try:
         # Placed in the group's own placement group, one bundle per rank, with the strategy asked for.
@@ -146,7 +149,7 @@ def test_sharded_colossalai_strategies_refuse_cpu_and_leave_nothing_behind(ray_c
         pytest.skip("this machine has CUDA: the strategies would run")
     prefix = f"group_{strategy}"
     with pytest.raises(Exception, match=f"strategy '{strategy}' needs CUDA GPUs.*naive, ddp, colossalai_ddp"):
-        start_trainer_group(prefix, WORLD_SIZE, tiny_policy, TrainerConfig(train_batch_size=PER_RANK),
+        start_trainer_group(prefix, WORLD_SIZE, tiny_policy, GROUP_CONFIG,
                             ALGORITHM,
                             NAMESPACE, strategy=strategy, timeout=TIMEOUT)
     for rank in range(WORLD_SIZE):

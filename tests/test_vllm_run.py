@@ -26,7 +26,7 @@ from detached_rl.generation.vllm_config import build_vllm_backend  # noqa: E402
 from detached_rl.models.actor import Actor  # noqa: E402
 from detached_rl.models.loaders import tiny_causal_lm  # noqa: E402
 from tests.conftest import CLUSTER_MARKER, ROOT, marked_processes, new_cluster_marker  # noqa: E402
-from tests.helpers import plotted_panels  # noqa: E402
+from tests.helpers import assert_mismatch_gated, plotted_panels  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -95,6 +95,7 @@ def test_metrics_and_evaluation(finished_run):
                     "maker_versions"):
             assert key in row, key
         assert set(row["maker_versions"]) == set(MAKERS)
+    assert_mismatch_gated(rows, "vllm:float32")  # the engine/trainer mismatch, gated (tests/helpers.py)
     # LoRA-only updates: the engines take adapters, not the model
     assert rows[-1]["weight_sync/bytes"] < 1_000_000
     evaluation = json.loads((directory / "eval.json").read_text())

@@ -53,6 +53,7 @@ from detached_rl.algorithms.mismatch import (
     trainer_engine,
 )
 from detached_rl.algorithms.ppo import TokenWeightedMeans, micro_batches, recompute_log_probs
+from detached_rl.algorithms.provenance import ProvenanceConfig, ProvenanceVerdicts, exclude_unproven
 from detached_rl.algorithms.step_guard import skip_metrics, step_unless_nonfinite
 from detached_rl.core.devices import host_floats
 from detached_rl.core.experience import Experience
@@ -117,6 +118,9 @@ class GRPOLearner(EpochsFromConfig):
             self.reference = Actor(plain.to(strategy.device).eval(), self.policy.tokenizer)
         self.optimizer_steps = 0
         self.order_generator = torch.Generator().manual_seed(self.config.seed)  # mini-batch order
+        # Set by the trainer: check on-version samples against the recompute (`algorithms.provenance`).
+        self.provenance: ProvenanceConfig | None = None
+        self.last_provenance: ProvenanceVerdicts | None = None
         self.steps = 0
         unwrapped = self.strategy.unwrap(self.actor).model
         self.num_parameters = sum(p.numel() for p in unwrapped.parameters())
@@ -236,8 +240,18 @@ class GRPOLearner(EpochsFromConfig):
         multi_pass = config.train_epochs > 1 or (config.mini_batch_size or batch.size) < batch.size
         recompute_old = config.proximal_recompute and self._any_rank(needs_behaviour_correction(
             staleness, multi_pass, (experience_engine(e.info) for e in experiences), self.engine))
+        checking = self.provenance is not None and self.provenance.check and staleness is not None
         extra_forwards = 0
         with torch.no_grad():
+            # The proximal "old" policy, when recomputed: this trainer's weights before the update.
+            recomputed = None
+            if recompute_old or checking:
+                recomputed = self._forward_in_micro_batches(self.actor, batch)
+                extra_forwards += 1
+            self.last_provenance = None
+            if checking:  # before the advantages: a sample taken out counts in none of them
+                self.last_provenance = exclude_unproven(self.provenance, batch, recomputed, experiences,
+                                                        staleness, self.engine)
             kl = None
             if self.reference is not None:
                 # Over the full vocabulary (`reference_sampling`), never -inf for a sampled token; the
@@ -250,10 +264,8 @@ class GRPOLearner(EpochsFromConfig):
                 extra_forwards += 1
             scores = self.scores(batch)
             batch.advantages = self.advantages(batch, scores, kl if config.kl_in_reward else None)
-            # The proximal "old" policy, when recomputed: this trainer's weights before the update.
-            recomputed = self._forward_in_micro_batches(self.actor, batch) if recompute_old else None
-            extra_forwards += int(recompute_old)
-            mismatch = apply_behaviour_correction(batch, recomputed, config.tis_cap)
+            old = recomputed if recompute_old else None
+            mismatch = apply_behaviour_correction(batch, old, config.tis_cap)
         means = TokenWeightedMeans()
         skipped: Counter[str] = Counter()
         losses: list[torch.Tensor] = []
@@ -285,6 +297,8 @@ class GRPOLearner(EpochsFromConfig):
         elapsed = time.perf_counter() - start
         tokens = batch.num_response_tokens
         metrics.update(self._batch_metrics(batch, scores, staleness, kl, mismatch))
+        if self.last_provenance is not None:
+            metrics.update(self.last_provenance.metrics())
         flops = self._training_flops(batch, extra_forwards)
         metrics.update({
             names.TIME_TRAINING: elapsed,

@@ -39,6 +39,7 @@ from detached_rl.algorithms.mismatch import (
     trainer_engine,
 )
 from detached_rl.algorithms.ppo_config import PPOConfig
+from detached_rl.algorithms.provenance import ProvenanceConfig, ProvenanceVerdicts, exclude_unproven
 from detached_rl.algorithms.step_guard import skip_metrics, step_unless_nonfinite
 from detached_rl.core.devices import host_floats
 from detached_rl.core.experience import Experience
@@ -179,6 +180,9 @@ class PPOLearner(EpochsFromConfig):
             critic, self.config.critic_optimizer)
         self.optimizer_steps = 0
         self.order_generator = torch.Generator().manual_seed(self.config.seed)  # mini-batch order
+        # Set by the trainer: check on-version samples against the recompute (`algorithms.provenance`).
+        self.provenance: ProvenanceConfig | None = None
+        self.last_provenance: ProvenanceVerdicts | None = None
 
     def make_batch(self, sample: Callable[[int], list[Experience]], size: int
                    ) -> tuple[list[Experience], dict[str, float]]:
@@ -236,11 +240,17 @@ class PPOLearner(EpochsFromConfig):
         needs_correction = needs_behaviour_correction(
             staleness, multi_pass, (experience_engine(e.info) for e in experiences), self.engine)
         recompute_old = config.proximal_recompute and not self.strategy.all_true(not needs_correction)
+        checking = self.provenance is not None and self.provenance.check and staleness is not None
         with torch.no_grad():
-            advantages, returns, kl = ppo_advantages(batch, config)
             recomputed = (recompute_log_probs(self.actor, batch, self.sampling, config.micro_batch_size)
-                          if recompute_old else None)
-            mismatch = apply_behaviour_correction(batch, recomputed, config.tis_cap)
+                          if recompute_old or checking else None)
+            self.last_provenance = None
+            if checking:  # before the advantages: a sample taken out counts in none of them
+                self.last_provenance = exclude_unproven(self.provenance, batch, recomputed, experiences,
+                                                        staleness, self.engine)
+            advantages, returns, kl = ppo_advantages(batch, config)
+            old = recomputed if recompute_old else None
+            mismatch = apply_behaviour_correction(batch, old, config.tis_cap)
         batch.advantages, batch.returns = advantages, returns
         means = TokenWeightedMeans()
         skipped: Counter[str] = Counter()
@@ -263,6 +273,8 @@ class PPOLearner(EpochsFromConfig):
         metrics = means.means()
         metrics.update(skip_metrics(skipped))
         metrics.update(self._batch_metrics(batch, kl, policy_version, mismatch))
+        if self.last_provenance is not None:
+            metrics.update(self.last_provenance.metrics())
         elapsed = time.perf_counter() - start
         metrics.update({
             names.TIME_TRAINING: elapsed,

@@ -43,7 +43,7 @@ __all__ = ["DROP_REASONS", "NEWER_THAN_TRAINER", "OVERFLOW_POLICIES", "AppendRes
            "ReplayBuffer", "check_max_abs_reward"]
 
 OVERFLOW_POLICIES = ("refuse", "evict_oldest")
-DROP_REASONS = ("stale", "evicted", "cleared")
+DROP_REASONS = ("stale", "evicted", "cleared", "quarantined")
 _COUNTERS = ("received", "sampled", "times_handed_out", "duplicates", "refused_full", "rejected_invalid")
 _STATE_FORMAT = 1
 
@@ -240,6 +240,14 @@ class ReplayBuffer:
             self._arrivals.clear()
             self._nbytes = 0
 
+    def drop_maker(self, maker: str, reason: str = "quarantined") -> int:
+        """Drop every sample of `maker` in the buffer, counted under `reason`; returns how many."""
+        with self._cond:
+            ids = [key for key, entry in self._arrivals.items() if entry.experience.maker == maker]
+            for key in ids:
+                self._remove(key, reason)
+            return len(ids)
+
     def stats(self) -> dict[str, Any]:
         """Return sizes, counters, staleness histogram, per-maker counts and
         reward statistics (JSON-ready)."""
@@ -324,7 +332,7 @@ class ReplayBuffer:
         if sorted(state["queue"]) != sorted(arrivals):
             raise ValueError("replay buffer state is inconsistent: queue ids differ from sample ids")
         counts = {name: int(state["counts"][name]) for name in _COUNTERS}
-        dropped = {reason: int(state["dropped"][reason]) for reason in DROP_REASONS}
+        dropped = {reason: int(state["dropped"].get(reason, 0)) for reason in DROP_REASONS}  # older: fewer
         if counts["received"] != counts["sampled"] + len(arrivals) + sum(dropped.values()):
             raise ValueError("replay buffer state is inconsistent: received != sampled + in_buffer + dropped")
         seen_ids = state["seen_ids"][-self.dedupe_window :] if self.dedupe_window else []

@@ -15,6 +15,7 @@ from detached_rl.core.limits import (
     check_stall_s,
 )
 from detached_rl.core.resources import PLACEMENT_STRATEGIES, check_amount, check_resources
+from detached_rl.core.sample_checks import ProvenanceConfig
 from detached_rl.strategies.registry import STRATEGIES
 
 
@@ -62,6 +63,8 @@ class TrainerConfig:
     # Pushes with a reward beyond +-this are refused (naming the field); values, returns and advantages may be
     # `ESTIMATE_SCALE` times it (`detached_rl.core.experience`). At most MAX_ABS_REWARD_LIMIT (1e8).
     max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
+    # Check that on-version samples come from the policy they name; quarantine makers whose samples keep not.
+    provenance: ProvenanceConfig = field(default_factory=ProvenanceConfig)
 
     def __post_init__(self) -> None:
         check_compression(self.wire_compression, "TrainerConfig.wire_compression")

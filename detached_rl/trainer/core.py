@@ -23,12 +23,13 @@ from typing import Any, TypeVar
 import torch
 
 from detached_rl.algorithms.learner import Learner
-from detached_rl.core.replay_buffer import AppendResult, ReplayBuffer
+from detached_rl.core.replay_buffer import AppendResult, RejectedPushError, ReplayBuffer
 from detached_rl.core.staleness import GenerationLedger
 from detached_rl.strategies import check_strategy
 from detached_rl.trainer.batches import BatchSource, TrainingStopped, next_batch, wait_for_batch
 from detached_rl.trainer.checkpointing import load_checkpoint, save_checkpoint
 from detached_rl.trainer.config import TrainerConfig
+from detached_rl.trainer.quarantine import ProvenanceWatch
 from detached_rl.trainer.steps import (  # noqa: F401 - info_means and TrainerCallback re-exported
     PushWhen,
     TrainerCallback,
@@ -93,6 +94,10 @@ class TrainerCore:
         self.skip_reasons: Counter[str] = Counter()
         self.last_skip: str | None = None
         self.history: deque[dict[str, float]] = deque(maxlen=self.config.metrics_history)
+        # On-version samples checked against the recompute; makers whose samples keep failing, quarantined.
+        self.provenance = ProvenanceWatch(self.config.provenance)
+        if hasattr(learner, "provenance"):
+            learner.provenance = self.config.provenance
         # Held while the weights change (a training step) and while they are snapshotted for an update.
         self.weights_lock = threading.Lock()
         # Held by a push and while a resume swaps the buffer: no push is acknowledged into a buffer being
@@ -124,6 +129,10 @@ class TrainerCore:
         groups.
         """
         with self.push_lock:
+            makers = {getattr(e, "maker", None) for e in experiences}
+            refusal = self.provenance.refusal(makers, len(experiences))
+            if refusal is not None:
+                raise RejectedPushError(refusal, field="maker")
             result = self.buffer.append(experiences, current_version=self.policy_version)
             hint = self.oldest_useful_version(experiences, result)
         return dataclasses.replace(result, oldest_useful_version=hint)
@@ -267,6 +276,7 @@ class TrainerCore:
             self._step_in_progress = False
         metrics.update(batch_metrics)
         self._count_skips(metrics)
+        self._quarantine(getattr(self.learner, "last_provenance", None))
         self.samples_trained += len(experiences)
         metrics = self.strategy.reduce_metrics(metrics, weight=metrics["tokens"])
         metrics.update(info_means(experiences))  # this rank's samples (ranks may see different info keys)
@@ -281,6 +291,14 @@ class TrainerCore:
             "buffer/duplicates": float(stats["duplicates"]),
         })
         return metrics
+
+    def _quarantine(self, verdicts: Any) -> None:
+        """Count a step's provenance verdicts; quarantine the makers they condemn and drop their samples."""
+        for maker in self.provenance.observe(verdicts, self.policy_version - 1):
+            with self.push_lock:
+                dropped = self.buffer.drop_maker(maker, "quarantined")
+            logger.warning("trainer %s: maker %s %s; %d of its samples dropped from the buffer", self.name,
+                           maker, self.provenance.quarantined[maker], dropped)
 
     def _count_skips(self, metrics: Mapping[str, float]) -> None:
         """Add a step's skipped optimizer steps (`skipped_steps` of its metrics) to the counters."""
@@ -400,5 +418,6 @@ class TrainerCore:
             "skip_reasons": dict(self.skip_reasons),
             "last_skip": self.last_skip,
             "last_error": self.last_error,
+            "provenance": self.provenance.status(),
             **self.weights.status(),
         }
