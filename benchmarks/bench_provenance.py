@@ -33,7 +33,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def quantiles(values: torch.Tensor) -> dict[str, float]:
     """p50, p90, p99 and max of a 1-d tensor."""
     values = values.float()
-    points = {name: float(torch.quantile(values, q)) for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
+    levels = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+    points = {name: float(torch.quantile(values, q)) for name, q in levels}
     return {**points, "max": float(values.max())}
 
 
