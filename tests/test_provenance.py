@@ -204,3 +204,12 @@ def test_grpo_random_token_groups_claimed_likely_are_taken_out_of_the_step_that_
     assert list(trainer.status()["provenance"]["quarantined"]) == ["hostile"]
     with pytest.raises(RejectedPushError, match="hostile"):
         trainer.push_experience([dataclasses.replace(e, id=e.id + "-2") for e in hostile])
+
+
+def test_a_short_sample_gets_a_wider_bound():
+    # 2 valid tokens, gap 0.5 each: beyond 0.25, within 0.25 * sqrt(8 / 2) = 0.5; 8 tokens: the bound itself
+    behaviour = torch.zeros(2, 8)
+    recomputed = torch.full((2, 8), -0.5)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0, 0, 0], [1] * 8])
+    verdicts = check_samples(behaviour, recomputed, mask, [True, True], [0.25, 0.25], min_tokens=8)
+    assert verdicts.bounds == [0.5, 0.25] and verdicts.outside == [False, True]

@@ -16,6 +16,7 @@ current weights, and an honest stale sample differs by the policy's drift too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,12 @@ from detached_rl.core.sample_checks import ProvenanceConfig
 def sample_gaps(behaviour_log_probs: torch.Tensor, recomputed_log_probs: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
     """Per sample [B]: the mean over its valid tokens of |recomputed - behaviour| (0 with no valid token)."""
+    return gaps_and_counts(behaviour_log_probs, recomputed_log_probs, mask)[0]
+
+
+def gaps_and_counts(behaviour_log_probs: torch.Tensor, recomputed_log_probs: torch.Tensor,
+                    mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample [B]: `sample_gaps` and the number of valid tokens it averages."""
     check_shape("sample_gaps", "recomputed_log_probs", recomputed_log_probs, "behaviour_log_probs",
                 behaviour_log_probs)
     with torch.no_grad():
@@ -38,7 +45,13 @@ def sample_gaps(behaviour_log_probs: torch.Tensor, recomputed_log_probs: torch.T
         diff = torch.where(valid, (recomputed_log_probs - behaviour_log_probs).abs(),
                            torch.zeros_like(behaviour_log_probs))
         counts = valid.sum(dim=-1)
-        return (diff.sum(dim=-1) / counts.clamp(min=1)).float()
+        return (diff.sum(dim=-1) / counts.clamp(min=1)).float(), counts
+
+
+def length_scaled_bound(bound: float, tokens: int, min_tokens: int) -> float:
+    """`bound` for a sample of `tokens` valid tokens: widened by sqrt(min_tokens / tokens) below `min_tokens`
+    (a mean over few tokens is noisier: one bf16 rounding flip weighs a whole 1-token sample)."""
+    return bound * math.sqrt(min_tokens / tokens) if 0 < tokens < min_tokens else bound
 
 
 @dataclass
@@ -64,15 +77,18 @@ class ProvenanceVerdicts:
 
 
 def check_samples(behaviour_log_probs: torch.Tensor, recomputed_log_probs: torch.Tensor, mask: torch.Tensor,
-                  on_version: Sequence[bool], bounds: Sequence[float]) -> ProvenanceVerdicts:
+                  on_version: Sequence[bool], bounds: Sequence[float],
+                  min_tokens: int = 1) -> ProvenanceVerdicts:
     """The verdicts on the on-version rows (`on_version[i]`: row i was made with the weights it is trained
-    at; `bounds[i]`: its honest bound)."""
+    at; `bounds[i]`: its honest bound, widened for samples under `min_tokens`: `length_scaled_bound`)."""
     rows = [i for i, flag in enumerate(on_version) if flag]
     if not rows:
         return ProvenanceVerdicts([], [], [])
     index = torch.tensor(rows, device=behaviour_log_probs.device)
-    gaps = sample_gaps(behaviour_log_probs[index], recomputed_log_probs[index], mask[index]).tolist()
-    return ProvenanceVerdicts(rows, gaps, [float(bounds[i]) for i in rows])
+    gaps, counts = gaps_and_counts(behaviour_log_probs[index], recomputed_log_probs[index], mask[index])
+    scaled = [length_scaled_bound(float(bounds[row]), int(count), min_tokens)
+              for row, count in zip(rows, counts.tolist(), strict=True)]
+    return ProvenanceVerdicts(rows, gaps.tolist(), scaled)
 
 
 def exclude_unproven(config: ProvenanceConfig, batch: ExperienceBatch, recomputed_log_probs: torch.Tensor,
@@ -82,7 +98,7 @@ def exclude_unproven(config: ProvenanceConfig, batch: ExperienceBatch, recompute
     `response_mask` rows become 0, so no loss term, advantage or metric of the step counts them."""
     bounds = [config.bound_for(experience_engine(e.info), own_engine) for e in experiences]
     verdicts = check_samples(batch.log_probs, recomputed_log_probs, batch.response_mask,
-                             [s == 0 for s in staleness], bounds)
+                             [s == 0 for s in staleness], bounds, config.min_tokens)
     for row, outside in zip(verdicts.rows, verdicts.outside, strict=True):
         if outside:
             batch.response_mask[row] = 0

@@ -119,6 +119,9 @@ def format_status(rows: list[dict[str, Any]]) -> str:
         silent = row.get("makers_silent") or {}
         if trainer and silent:  # makers that stopped answering (host gone, link cut): the trainer goes on
             steps += " (silent: " + ", ".join(f"{m}: {why}" for m, why in sorted(silent.items())) + ")"
+        quarantined = (row.get("provenance") or {}).get("quarantined") or {}
+        if trainer and quarantined:  # makers whose samples were not made by the policy they name
+            steps += " (quarantined: " + ", ".join(sorted(quarantined)) + ")"
         version = str(row.get("policy_version", ""))
         pending = (row.get("weight_updates") or {}).get("pending_version")
         if pending is not None:  # verified, swapped in when the batch under way ends

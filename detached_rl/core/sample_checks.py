@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: The honest bounds by engine dtype (torch's name, no "torch."): float32 engines agree with a float32
-#: recompute to ~1e-4 a token; bf16 ones to ~0.02 a token on average (docs/performance.md "Provenance").
+#: The honest bounds by engine dtype (torch's name, no "torch."). Measured on the default job's model and
+#: sampling (benchmarks/bench_provenance.py, docs/performance.md "Provenance"): float32 engines (HF, vLLM)
+#: agree with a float32 recompute to <= 1.2e-5 a token over a sample; a bf16 vLLM engine to 0.038 (median),
+#: 0.095 (max of 16 samples); one token's gap reaches 1.2 (a rounding flip near a tie).
 DEFAULT_BOUNDS = {"float32": 0.02, "float64": 0.02, "bfloat16": 0.25, "float16": 0.25}
 
 
@@ -16,7 +18,8 @@ class ProvenanceConfig:
 
     `bounds`: the largest honest gap (mean |log-prob difference| a token over a sample) by the dtype of the
     engine that made the sample or of the trainer, whichever is narrower; an engine of unknown dtype gets the
-    largest bound. A maker with `quarantine_after` samples outside their bound among its last `window` checked
+    largest bound; a sample of n < `min_tokens` valid tokens gets its bound times sqrt(min_tokens / n). A
+    maker with `quarantine_after` samples outside their bound among its last `window` checked
     ones is quarantined: its pushes are refused, its samples in the buffer dropped.
     """
 
@@ -24,6 +27,7 @@ class ProvenanceConfig:
     bounds: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_BOUNDS))
     quarantine_after: int = 4
     window: int = 64
+    min_tokens: int = 8
 
     def __post_init__(self) -> None:
         for dtype, bound in self.bounds.items():
@@ -32,7 +36,7 @@ class ProvenanceConfig:
                                  f"got {bound!r}")
         if not self.bounds:
             raise ValueError("ProvenanceConfig.bounds must name at least one dtype")
-        for name in ("quarantine_after", "window"):
+        for name in ("quarantine_after", "window", "min_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ProvenanceConfig.{name} must be an int >= 1, got {value!r}")
