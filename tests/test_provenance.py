@@ -21,6 +21,7 @@ from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
 from detached_rl.trainer.quarantine import ProvenanceWatch
 from detached_rl.weights.push_queue import WeightPushQueue
+from detached_rl.weights.served_probe import PROBE_KEY
 
 from .helpers import (
     ObjectStore,
@@ -144,7 +145,11 @@ def test_a_dishonest_maker_is_caught_within_one_push_and_the_honest_one_never(di
 
         def dishonest_batch():
             dishonest.backend.weight_sink.write(dishonest.backend.weight_sink.stage(other.model.state_dict()))
-            return dishonest.make_experience()
+            batch = dishonest.make_experience()
+            # A dishonest maker sends no proof of what it serves (the one its engine gives is refused:
+            # test_an_engine_that_keeps_its_previous_weights_is_caught_...), or a forged one.
+            batch[0].info.pop(PROBE_KEY)
+            return batch
     else:  # samples of v0, replayed at every later version under new ids
         old = dishonest.make_experience()
         for _ in range(3):  # the policy moves on (honest samples)
@@ -213,3 +218,37 @@ def test_a_short_sample_gets_a_wider_bound():
     mask = torch.tensor([[1, 1, 0, 0, 0, 0, 0, 0], [1] * 8])
     verdicts = check_samples(behaviour, recomputed, mask, [True, True], [0.25, 0.25], min_tokens=8)
     assert verdicts.bounds == [0.5, 0.25] and verdicts.outside == [False, True]
+
+
+@pytest.mark.parametrize("fault", ["keeps its previous weights", "serves the base model"])
+def test_an_engine_that_does_not_serve_the_version_it_names_is_caught_within_one_version(fault):
+    """The HF engine's sink takes no more writes (keeps the weights it served) or goes back to the initial
+    weights, while the maker reports the new version: the push made with it is refused naming the maker and
+    the version, `status` shows it, and the maker is told to register again."""
+    torch.manual_seed(0)
+    trainer, store = ppo_trainer(lr=1e-2)
+    honest, faulty = synced_maker("honest", trainer, store), synced_maker("faulty", trainer, store)
+    sink = faulty.backend.weight_sink
+    base = {key: value.clone() for key, value in sink.state().items()}
+    for _ in range(2):  # the policy moves away from the base
+        sync(trainer, store, honest, faulty)
+        trainer.push_experience(faulty.make_experience())
+        trainer.push_experience(honest.make_experience())
+        trainer.train_step()
+    if fault == "keeps its previous weights":
+        sink.write = lambda tensors: None
+    sync(trainer, store, honest, faulty)
+    if fault == "serves the base model":
+        sink.write(sink.stage(base))
+    assert faulty.policy_version == trainer.policy_version == 2  # it reports the version it was sent
+    named = "'faulty' serves another policy than the v2 it names"
+    with pytest.raises(RejectedPushError, match=named) as error:
+        trainer.push_experience(faulty.make_experience())
+    assert error.value.field == f"info.{PROBE_KEY}"
+    trainer.push_experience(honest.make_experience())  # the honest engine proves its version
+    mismatch = trainer.status()["provenance"]["served_mismatch"]
+    assert list(mismatch) == ["faulty"] and mismatch["faulty"]["version"] == 2
+    entry = mismatch["faulty"]
+    assert entry["refused_pushes"] == 1 and entry["gap"] > entry["bound"]
+    faulty.note_rejection(error.value)
+    assert faulty.resync_reason is not None and "serves another policy" in faulty.resync_reason

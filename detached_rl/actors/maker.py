@@ -248,7 +248,7 @@ class MakerShell:
                 self._submit, self.trainer_names, max_in_flight=config.max_pushes_in_flight,
                 policy=config.push_policy, push_timeout=config.push_timeout_s,
                 should_stop=self._stop.is_set, progress=self._push_progress,
-                stall_timeout=config.push_stall_timeout_s,
+                stall_timeout=config.push_stall_timeout_s, on_rejected=self.core.note_rejection,
             )
             self.loop.run(pusher, num_batches, connect=self._connect,
                           trainers_finished=self._trainers_finished)

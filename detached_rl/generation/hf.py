@@ -22,6 +22,7 @@ from detached_rl.models.actor import Actor, Prompt
 from detached_rl.models.lora import check_lora_update, lora_backend, lora_config_dict
 from detached_rl.models.lora_merge import LoraMergeTarget
 from detached_rl.models.shared_prefix import run_distinct_prompts, supports_shared_prefix
+from detached_rl.weights.served_probe import model_probe
 from detached_rl.weights.sink import ModuleWeightSink, SinkCommit, WeightSink
 
 __all__ = ["CACHE_IMPLEMENTATIONS", "GENERATION_DTYPES", "BehaviourLogProbs", "HFGenerationBackend",
@@ -177,6 +178,10 @@ class HFGenerationBackend:
         if generation_dtype is not None and generation_dtype != loaded:
             backend.stored_dtype = generation_dtype
         return backend
+
+    def probe_log_probs(self, ids: torch.Tensor) -> list[float]:
+        """The served model's log-probs of `ids[1:]` given their prefixes (`weights.served_probe`)."""
+        return model_probe(self.model, ids)
 
     def generate_text(self, prompts: Sequence[Prompt],
                       sampling: SamplingConfig | None = None) -> GenerationOutput:

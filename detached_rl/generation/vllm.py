@@ -335,6 +335,21 @@ class VLLMBackend:
                               logprobs=0, detokenize=False, skip_special_tokens=False, repetition_penalty=1.0,
                               **knobs)
 
+    def probe_log_probs(self, ids: Tensor) -> list[float]:
+        """The engine's log-probs of `ids[1:]` given their prefixes under the adapter it serves now (raw
+        logits: prompt log-probs of a one-token request; `weights.served_probe`)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0,
+                                prompt_logprobs=0, detokenize=False, skip_special_tokens=False)
+        adapter = self.lora_sink.serving_request if self.lora_sink is not None else None
+        tokens = ids.tolist()
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False,
+                                lora_request=adapter)[0]
+        return [float(entry[token].logprob) for entry, token in zip(out.prompt_logprobs[1:], tokens[1:],
+                                                                     strict=True)]
+
     def generate_text(self, prompts: Sequence[Prompt],
                       sampling: SamplingConfig | None = None) -> GenerationOutput:
         if self.encode_prompts is None:

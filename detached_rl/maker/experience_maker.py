@@ -37,6 +37,7 @@ from detached_rl.weights.base_fingerprint import BaseCheckedSink, base_keys
 from detached_rl.weights.receiver import (
     WeightReceiver,
 )
+from detached_rl.weights.served_probe import PROBE_KEY, SERVED_MISMATCH, probe_ids
 from detached_rl.weights.subscriber import WeightSubscriber
 from detached_rl.weights.update import ApplyResult, Fetch, OffTrainerError, WeightUpdate, restrict_update
 
@@ -151,6 +152,9 @@ class ExperienceMaker:
         # Why this maker should register with its trainers again (an update showed it off their weights),
         # or None.
         self.resync_reason: str | None = None
+        # The probe log-probs the engine served for a version (`weights.served_probe`), sent with each push.
+        self._probe_ids = probe_ids(self.tokenizer)
+        self._proof: dict[str, Any] | None = None
 
     @property
     def policy_version(self) -> int:
@@ -250,6 +254,7 @@ class ExperienceMaker:
             if config.seed is not None:
                 torch.manual_seed(config.seed * 1_000_003 + self.batches)
             out = self.backend.generate_text(prompts, sampling)
+            proof = self._served_proof(version)
             placeholder, batch = self._collate_output(out)
             # Remote roles are asked at once, all together; their answers are collected after the lock.
             pending = self._submit_remote(batch, metadata, version)
@@ -296,11 +301,30 @@ class ExperienceMaker:
                 group_id=group_ids[row // config.group_size] if config.group_size > 1 else None,
                 info=info,
             ).validate())
+        if proof is not None and experiences:
+            experiences[0].info[PROBE_KEY] = proof
         self.batches += 1
         self.samples_made += len(experiences)
         self.tokens_made += sum(e.response_length for e in experiences)
         self.generate_seconds += elapsed
         return experiences
+
+    def note_rejection(self, error: Exception) -> None:
+        """A trainer refused a push. Refused because the engine did not serve the version it names
+        (`weights.served_probe`): register again, and read back what the engine serves anew."""
+        if SERVED_MISMATCH in str(error):
+            self._proof = None
+            self.resync_reason = f"a trainer refused a push: {str(error).splitlines()[0][:300]}"
+
+    def _served_proof(self, version: int) -> dict[str, Any] | None:
+        """What the engine serves as `version`: its probe log-probs (`weights.served_probe`), read back once
+        per version (None for a backend that cannot say)."""
+        probe = getattr(self.backend, "probe_log_probs", None)
+        if probe is None:
+            return None
+        if self._proof is None or self._proof["version"] != version:
+            self._proof = {"version": version, "log_probs": [round(v, 6) for v in probe(self._probe_ids)]}
+        return self._proof
 
     def _collate_output(self, out: Any) -> tuple[list[Experience], Any]:
         """Generated responses as placeholder experiences (reward 0) and their padded batch on the device."""

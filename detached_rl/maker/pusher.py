@@ -115,7 +115,9 @@ class ExperiencePusher:
         clock: Callable[[], float] = time.monotonic,
         progress: Progress | None = None,
         stall_timeout: float = 30.0,
+        on_rejected: Callable[[Exception], None] | None = None,
     ) -> None:
+        self._on_rejected = on_rejected  # told of each push a trainer refused (the maker may resync)
         if not callable(submit):
             raise TypeError(f"submit must be callable, got {type(submit).__name__}")
         if isinstance(trainers, str) or not isinstance(trainers, Sequence) or not trainers:
@@ -356,6 +358,8 @@ class ExperiencePusher:
             if push.sent and isinstance(err, ValueError):
                 self._dropped["rejected"] += len(push.experiences)
                 self._last_error = f"trainer {push.trainer!r} rejected {len(push.experiences)} samples: {err}"
+                if self._on_rejected is not None:
+                    self._on_rejected(err)
                 return
             if push.sent:
                 push.pinned = push.trainer

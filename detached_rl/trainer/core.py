@@ -29,7 +29,7 @@ from detached_rl.strategies import check_strategy
 from detached_rl.trainer.batches import BatchSource, TrainingStopped, next_batch, wait_for_batch
 from detached_rl.trainer.checkpointing import load_checkpoint, save_checkpoint
 from detached_rl.trainer.config import TrainerConfig
-from detached_rl.trainer.quarantine import ProvenanceWatch
+from detached_rl.trainer.quarantine import ProvenanceWatch, served_refusal, trainer_probe_book
 from detached_rl.trainer.steps import (  # noqa: F401 - info_means and TrainerCallback re-exported
     PushWhen,
     TrainerCallback,
@@ -40,6 +40,7 @@ from detached_rl.trainer.steps import (  # noqa: F401 - info_means and TrainerCa
 )
 from detached_rl.weights.publisher import WeightPublisher
 from detached_rl.weights.push_queue import SendUpdate, WeightPushQueue
+from detached_rl.weights.served_probe import PROBE_KEY
 from detached_rl.weights.source import PublishConfig, WeightSource
 from detached_rl.weights.update import Put
 
@@ -98,6 +99,8 @@ class TrainerCore:
         self.provenance = ProvenanceWatch(self.config.provenance)
         if hasattr(learner, "provenance"):
             learner.provenance = self.config.provenance
+        # What each recent version's weights give on the probe text: makers' engines prove what they serve.
+        self.served = trainer_probe_book(self.strategy, learner, self.config.provenance.check)
         # Held while the weights change (a training step) and while they are snapshotted for an update.
         self.weights_lock = threading.Lock()
         # Held by a push and while a resume swaps the buffer: no push is acknowledged into a buffer being
@@ -133,6 +136,9 @@ class TrainerCore:
             refusal = self.provenance.refusal(makers, len(experiences))
             if refusal is not None:
                 raise RejectedPushError(refusal, field="maker")
+            refusal = served_refusal(self.served, experiences, self.config.provenance, self.learner)
+            if refusal is not None:
+                raise RejectedPushError(refusal, field=f"info.{PROBE_KEY}")
             result = self.buffer.append(experiences, current_version=self.policy_version)
             hint = self.oldest_useful_version(experiences, result)
         return dataclasses.replace(result, oldest_useful_version=hint)
@@ -272,6 +278,8 @@ class TrainerCore:
             with self.weights_lock:
                 metrics = self.learner.train_step(experiences, policy_version=self.policy_version)
                 self.policy_version += 1
+                if self.served is not None:
+                    self.served.record(self.policy_version)
         finally:
             self._step_in_progress = False
         metrics.update(batch_metrics)
@@ -317,6 +325,8 @@ class TrainerCore:
     def load_checkpoint(self, directory: str | Path, put: Put | None = None) -> None:
         """Restore a checkpoint of this rank; with `put`, rebuild the update new makers start from."""
         load_checkpoint(self, directory, put)
+        if self.served is not None:
+            self.served.restart(self.policy_version)
 
     def fit(
         self,
@@ -418,6 +428,7 @@ class TrainerCore:
             "skip_reasons": dict(self.skip_reasons),
             "last_skip": self.last_skip,
             "last_error": self.last_error,
-            "provenance": self.provenance.status(),
+            "provenance": {**self.provenance.status(),
+                           "served_mismatch": self.served.mismatches if self.served is not None else {}},
             **self.weights.status(),
         }

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from detached_rl.algorithms.mismatch import UNKNOWN_ENGINE, experience_engine
 from detached_rl.algorithms.provenance import ProvenanceVerdicts
 from detached_rl.core.sample_checks import ProvenanceConfig
+from detached_rl.weights.served_probe import ProbeBook, model_probe, probe_ids, proof_of
 
 
 class ProvenanceWatch:
@@ -69,3 +71,31 @@ class ProvenanceWatch:
                                "refused_samples": self.refused_samples.get(maker, 0)}
                        for maker, count in sorted(self.checked.items())},
         }
+
+
+#: Strategies whose every rank holds the whole policy (a forward of it on one rank is no collective).
+WHOLE_WEIGHT_STRATEGIES = ("naive", "ddp", "colossalai_ddp", "colossalai_zero2")
+
+
+def trainer_probe_book(strategy: Any, learner: Any, check: bool) -> ProbeBook | None:
+    """The trainer's `ProbeBook` over its policy, its initial weights recorded as version 0; None when the
+    check is off or the strategy shards the policy (Gemini: the probe would be a collective)."""
+    if not check or getattr(strategy, "name", None) not in WHOLE_WEIGHT_STRATEGIES:
+        return None
+    actor = strategy.unwrap(learner.actor)
+    ids = probe_ids(actor.tokenizer)
+    book = ProbeBook(lambda: model_probe(actor.model, ids))
+    book.record(0)
+    return book
+
+
+def served_refusal(book: ProbeBook | None, experiences: list[Any], config: ProvenanceConfig,
+                   learner: Any) -> str | None:
+    """Why a push is refused for its served-adapter proof (`ProbeBook.check`); None: it is not."""
+    proof = proof_of(experiences) if book is not None else None
+    if proof is None:
+        return None
+    engine = experience_engine(getattr(experiences[0], "info", {}) or {})
+    bound = config.bound_for(engine, getattr(learner, "engine", UNKNOWN_ENGINE))
+    return book.check(str(getattr(experiences[0], "maker", None)), proof, bound, len(experiences))
+
