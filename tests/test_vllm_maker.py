@@ -20,6 +20,7 @@ if not vllm_available():
 
 from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner  # noqa: E402
 from detached_rl.core.prompts import CyclingPrompts  # noqa: E402
+from detached_rl.core.replay_buffer import RejectedPushError  # noqa: E402
 from detached_rl.core.sampling import SamplingConfig, process_logits, token_log_probs  # noqa: E402
 from detached_rl.generation.vllm_config import VLLMConfig  # noqa: E402
 from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels  # noqa: E402
@@ -129,3 +130,33 @@ def test_continuous_generation_during_lora_updates_never_mixes_versions(pair):
         load_lora_state_dict(scratch.model, adapters[e.policy_version])
         torch.testing.assert_close(e.log_probs, recompute(scratch, e.prompt_ids, e.response_ids),
                                    atol=TOLERANCE, rtol=0, msg=f"v{e.policy_version}")
+
+
+def test_an_engine_that_keeps_its_previous_adapter_is_caught_within_one_version(pair):
+    """The engine's sink stops switching adapters (verl #7495: an adapter "synced" that the engine never
+    served) while the maker reports each new version: its probe (vLLM's prompt log-probs under the adapter it
+    serves) is not the trainer's for that version, and the push is refused naming it."""
+    maker, trainer, store = pair
+    update, _ = trainer.weights.snapshot(store.put)
+    maker.apply_weight_update(update, store.fetch)
+    assert trainer.push_experience(maker.make_experience()).accepted == 8  # the honest engine proves it
+    sink = maker.backend.lora_sink
+    served = sink.serving_request
+    with trainer.weights_lock:  # the policy moves on by a visible step
+        with torch.no_grad():
+            for name, p in trainer.learner.actor.model.named_parameters():
+                if "lora_" in name:
+                    p.add_(0.05 * torch.randn_like(p))
+        trainer.policy_version += 1
+        trainer.served.record(trainer.policy_version)
+    sink.commit = lambda update: None  # the fault: the engine keeps serving the previous adapter
+    try:
+        update, _ = trainer.weights.snapshot(store.put)
+        maker.apply_weight_update(update, store.fetch)
+        assert maker.policy_version == trainer.policy_version and sink.serving_request is served
+        named = f"serves another policy than the v{trainer.policy_version}"
+        with pytest.raises(RejectedPushError, match=named):
+            trainer.push_experience(maker.make_experience())
+        assert trainer.status()["provenance"]["served_mismatch"]["maker"]["version"] == trainer.policy_version
+    finally:
+        del sink.commit
