@@ -335,8 +335,8 @@ UNCHECKED = ProvenanceConfig(check=False)
 #: of an on-version sample, by the engine's dtype. Measured on CPU: float32 HF and vLLM <= 4e-7 on the tiny
 #: jobs, <= 1.2e-5 on SmolLM2 (benchmarks/bench_provenance.py); a bf16 engine ~1e-2, so the float32 gate also
 #: catches an engine that silently serves bf16, with room for a GPU's TF32 matmuls. And the mean per-token KL
-#: of each step's batch against the recompute (prime-rl gates at 0.01; measured <= 4.1e-4 with one version's
-#: drift included).
+#: against the recompute of each step whose samples are all on-version (prime-rl gates at 0.01; measured
+#: <= 1e-7): a step with stale samples adds the policy's drift (the default job: 0.027 at staleness 1).
 MISMATCH_GATE = {"float32": 1e-3, "bfloat16": 0.1}
 MISMATCH_KL_GATE = 0.01
 
@@ -350,5 +350,6 @@ def assert_mismatch_gated(rows: list[dict], engine: str) -> None:
     for row in rows:
         assert row.get("provenance/outside", 0) == 0, row
         assert row.get("provenance/gap_max", 0.0) <= gate, (engine, row)
-        assert row.get("mismatch/kl", 0.0) <= MISMATCH_KL_GATE, (engine, row)
+        if row.get("staleness/max", 1) == 0:
+            assert row.get("mismatch/kl", 0.0) <= MISMATCH_KL_GATE, (engine, row)
 

@@ -73,8 +73,8 @@ try:  # the trainer's per-step metrics and push counters, while its actor is the
     seen["weight_bytes"] = [row.get("weight_sync/bytes") for row in rows]
     seen["wire_bytes"] = [row.get("weight_sync/bytes/wire/bfloat16") for row in rows]
     seen["weight_push"] = ray.get(handle.status.remote(), timeout=30).get("weight_push")
-    seen["mismatch"] = [{k: v for k, v in row.items() if k.startswith(("mismatch/", "provenance/"))}
-                        for row in rows]
+    gated = ("mismatch/", "provenance/", "staleness/")
+    seen["mismatch"] = [{k: v for k, v in row.items() if k.startswith(gated)} for row in rows]
 except Exception as error:  # a run's trainer is gone by now
     seen["weight_bytes"], seen["wire_bytes"], seen["weight_push"] = [], [], repr(error)
 print(json.dumps(seen))

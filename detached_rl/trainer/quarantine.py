@@ -5,6 +5,7 @@ bound out of the step. `ProvenanceWatch` counts the verdicts per maker; a maker 
 `quarantine_after` samples outside among its last `window` checked ones is quarantined: the trainer refuses
 its pushes (naming the reason) and drops its samples still in the buffer. The run goes on with the others.
 Not thread-safe on its own: the trainer calls `observe` from its step and `refusal` under its push lock.
+The served-adapter proof a push carries is checked here too (`served_refusal`, `weights.served_probe`).
 """
 
 from __future__ import annotations
