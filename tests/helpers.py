@@ -337,19 +337,21 @@ UNCHECKED = ProvenanceConfig(check=False)
 #: catches an engine that silently serves bf16, with room for a GPU's TF32 matmuls. And the mean per-token KL
 #: against the recompute of each step whose samples are all on-version (prime-rl gates at 0.01; measured
 #: <= 1e-7): a step with stale samples adds the policy's drift (the default job: 0.027 at staleness 1).
-MISMATCH_GATE = {"float32": 1e-3, "bfloat16": 0.1}
+#: A bf16 engine is gated on the batch's mean gap (measured median 0.038): its largest sample gap (0.095 of
+#: 16) is one rounding flip from more on a short sample, which the check's own bound widens for.
+MISMATCH_GATE = {"float32": ("provenance/gap_max", 1e-3), "bfloat16": ("provenance/gap_mean", 0.1)}
 MISMATCH_KL_GATE = 0.01
 
 
 def assert_mismatch_gated(rows: list[dict], engine: str) -> None:
     """Every step's engine/trainer mismatch is within the gate, some on-version samples were checked, and the
     honest job quarantined no one and took no sample out."""
-    gate = MISMATCH_GATE[engine.rpartition(":")[2]]
+    key, gate = MISMATCH_GATE[engine.rpartition(":")[2]]
     checked = [row for row in rows if row.get("provenance/checked", 0) > 0]
     assert checked, rows
     for row in rows:
         assert row.get("provenance/outside", 0) == 0, row
-        assert row.get("provenance/gap_max", 0.0) <= gate, (engine, row)
+        assert row.get(key, 0.0) <= gate, (engine, row)
         if row.get("staleness/max", 1) == 0:
             assert row.get("mismatch/kl", 0.0) <= MISMATCH_KL_GATE, (engine, row)
 
