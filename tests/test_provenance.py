@@ -117,8 +117,9 @@ def forge_log_probs(experiences):
 
 
 def train_until_quarantined(trainer, store, honest, dishonest, dishonest_batch, steps=4):
-    """Steps of one honest and one dishonest push each; the dishonest maker's pushes once it is refused."""
-    refused = 0
+    """Steps of one honest and one dishonest push each (two honest ones once the dishonest maker is refused):
+    the dishonest pushes refused, and each step's metrics."""
+    refused, metrics = 0, []
     for _ in range(steps):
         sync(trainer, store, honest, dishonest)
         trainer.push_experience(honest.make_experience())
@@ -128,8 +129,8 @@ def train_until_quarantined(trainer, store, honest, dishonest, dishonest_batch, 
             assert error.field == "maker" and "quarantined" in str(error)
             refused += 1
             trainer.push_experience(honest.make_experience())
-        trainer.train_step()
-    return refused
+        metrics.append(trainer.train_step())
+    return refused, metrics
 
 
 @pytest.mark.parametrize("dishonesty", ["forged log-probs", "another policy", "replayed under new ids"])
@@ -161,15 +162,15 @@ def test_a_dishonest_maker_is_caught_within_one_push_and_the_honest_one_never(di
         def dishonest_batch():
             return [dataclasses.replace(e, id=f"{e.id}-again-{trainer.policy_version}",
                                         policy_version=trainer.policy_version) for e in old]
-    refused = train_until_quarantined(trainer, store, honest, dishonest, dishonest_batch)
+    refused, steps = train_until_quarantined(trainer, store, honest, dishonest, dishonest_batch)
     status = trainer.status()["provenance"]
     # Caught on its first push (4 samples, all outside): quarantined, the 3 pushes after it refused.
     assert list(status["quarantined"]) == ["dishonest"] and refused == 3
     assert status["makers"]["dishonest"] == {"checked": 4, "outside": 4, "refused_pushes": 3,
                                              "refused_samples": 12}
     assert status["makers"]["honest"]["outside"] == 0 and status["makers"]["honest"]["checked"] > 0
-    history = [row for row in trainer.history] or None
-    assert history is None or all(row.get("provenance/outside", 0) == 0 for row in history[1:])
+    # the steps after it: only the honest maker's samples, none outside
+    assert [row["provenance/outside"] for row in steps] == [4, 0, 0, 0]
     assert trainer.buffer.stats()["accounting_ok"]
 
 
@@ -179,8 +180,8 @@ def test_the_check_off_lets_the_forged_push_train_as_before():
     torch.manual_seed(0)
     trainer, store = ppo_trainer(check=False)
     honest, dishonest = synced_maker("honest", trainer, store), synced_maker("dishonest", trainer, store)
-    refused = train_until_quarantined(trainer, store, honest, dishonest,
-                                      lambda: forge_log_probs(dishonest.make_experience()), steps=2)
+    refused, _ = train_until_quarantined(trainer, store, honest, dishonest,
+                                         lambda: forge_log_probs(dishonest.make_experience()), steps=2)
     assert refused == 0 and trainer.status()["provenance"]["quarantined"] == {}
 
 
