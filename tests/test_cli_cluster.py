@@ -118,8 +118,12 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
         if rows or time.monotonic() > deadline:
             break
         time.sleep(1)
-    assert rows and {"prompt_ids", "response_ids", "log_probs", "policy_version",
-                     "response_text"} <= set(rows[0])
+    if not rows:  # say why: the trainer's and the maker's own account (CI once saw an empty buffer for 120 s)
+        status = cli(cluster, "status", "--json", *address, "--namespace", "cli_test").stdout
+        stats = json.loads(cli(cluster, "inspect", "trainer_0", "--json", *address,
+                               "--namespace", "cli_test").stdout)["stats"]
+        pytest.fail(f"the buffer held nothing for 120 s; status: {status[-3000:]}; buffer: {stats}")
+    assert {"prompt_ids", "response_ids", "log_probs", "policy_version", "response_text"} <= set(rows[0])
 
     # Inspection answers while the trainer's compute group runs a long call: another driver ends the
     # background training (`start_fit` runs it in a thread of its own) and calls `fit` itself, then exits at

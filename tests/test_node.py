@@ -49,13 +49,15 @@ print(server.get("key").decode())
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` ports free on loopback and wildcard now, each with its next two free too."""
+    """`count` ports free on loopback and wildcard now, each with its next two free too, and none within
+    two of another (a test's node ports are `port..port+2`: another port inside them is a node port)."""
     found: list[int] = []
     while len(found) < count:
         with socket.socket() as probe:
             probe.bind(("0.0.0.0", 0))
             port = probe.getsockname()[1]
-        if port + 2 < 65536 and all(_free(port + step) for step in (1, 2)):
+        apart = all(abs(port - other) > 2 for other in found)
+        if apart and port + 2 < 65536 and all(_free(port + step) for step in (1, 2)):
             found.append(port)
     return found
 
