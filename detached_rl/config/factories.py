@@ -10,7 +10,6 @@ import functools
 from typing import TYPE_CHECKING
 
 from detached_rl.config.schema import ModelConfig, RunConfig, TaskConfig
-from detached_rl.rewards.functions import REWARD_FUNCTIONS
 
 if TYPE_CHECKING:
     from detached_rl.maker.experience_maker import MakerModels
@@ -81,12 +80,13 @@ def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool =
 
 def build_reward(model: ModelConfig, task: TaskConfig, tokenizer):
     """The reward: a reward model when `model.reward_model` names one, else the task's reward function."""
-    from detached_rl.models import FunctionReward, load_causal_lm
+    from detached_rl.models import load_causal_lm
     from detached_rl.models.loaders import seeded
     from detached_rl.models.scalar_heads import RewardModel, backbone_of
+    from detached_rl.rewards.task_reward import TaskReward
 
     if model.reward_model is None:
-        return FunctionReward(REWARD_FUNCTIONS[task.reward], tokenizer)
+        return TaskReward(task.reward_specs, tokenizer, task.reward_timeout_s)
     backbone, _ = load_causal_lm(model.reward_model, seed=model.seed + 2)
     with seeded(model.seed + 2):  # a seeded head: the same config gives the same reward model
         return RewardModel(backbone_of(backbone)).eval()

@@ -28,7 +28,7 @@ from detached_rl.core.namespace import DEFAULT_NAMESPACE
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.maker.config import MakerConfig
 from detached_rl.models.lora_settings import LoraSettings
-from detached_rl.rewards.functions import REWARD_FUNCTIONS
+from detached_rl.rewards.specs import RewardSpec, reward_specs
 from detached_rl.scorer.config import ScorerGroupConfig
 from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
 
@@ -60,7 +60,8 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    """The prompt set and how it is graded."""
+    """The prompt set and how it is graded: a built-in task (`name`), or the user's own data (`dataset`) and
+    rewards (`reward` / `rewards`, by import path: docs/your-task.md)."""
 
     name: str = "word_problems"
     train_size: int = 2048
@@ -68,7 +69,17 @@ class TaskConfig:
     # error of an accuracy near 50 % is 3.1 points, so two runs 10 points apart are told apart.
     eval_size: int = 256
     seed: int = 0
-    reward: str | None = None  # None: the task's own (`TASK_REWARDS`)
+    # One reward: a built-in name or `module:function`; None: the task's own (`TASK_REWARDS`).
+    reward: str | None = None
+    # Several, weighted, each logged as `reward/<label>_mean`: [{fn: my_rewards:score, weight: 1.0}, ...].
+    rewards: tuple[RewardSpec, ...] = ()
+    # A reward call on a batch that runs longer is killed; its samples are refused (counted as "timeout").
+    reward_timeout_s: float = 30.0
+    # The user's data: a `save_to_disk` directory, .parquet, .jsonl, .json or .csv (`core.task_data`).
+    dataset: str | None = None
+    columns: dict[str, str] | None = None  # {prompt: question, answer: solution}; others are metadata
+    held_out: float | str | None = None  # a fraction, a split name or a file; None: "test" split, else 0.1
+    system_prompt: str | None = None
     # Prompts from a file (.csv/.jsonl/.json with a `prompt` and an optional `answer`
     # column) instead of `name`'s.
     prompt_file: str | None = None
@@ -76,14 +87,26 @@ class TaskConfig:
     def __post_init__(self) -> None:
         if self.name not in TASKS:
             raise ValueError(f"TaskConfig.name must be one of {TASKS}, got {self.name!r}")
-        if self.reward is None:
+        if self.reward is None and not self.rewards:
+            if self.dataset is not None:
+                raise ValueError("TaskConfig.reward: task.dataset needs its reward named (task.reward: "
+                                 "module:function, or task.rewards)")
             self.reward = TASK_REWARDS[self.name]
-        if self.reward not in REWARD_FUNCTIONS:
-            raise ValueError(f"TaskConfig.reward must be one of {tuple(REWARD_FUNCTIONS)}, got "
-                             f"{self.reward!r}")
+        self.rewards = tuple(self.rewards)
+        reward_specs(self.reward, self.rewards, "TaskConfig")
         for name in ("train_size", "eval_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TaskConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.reward_timeout_s > 0:
+            raise ValueError(f"TaskConfig.reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        if self.dataset is not None and self.prompt_file is not None:
+            raise ValueError("TaskConfig.dataset: task.prompt_file is set too; give one")
+
+    @property
+    def reward_specs(self) -> list[RewardSpec]:
+        """The rewards the task is graded with, in order (the first decides `correct` where none reports
+        it)."""
+        return reward_specs(self.reward, self.rewards, "task")
 
 
 RUN_GPUS = ("auto", "manual")

@@ -37,6 +37,16 @@ def as_prompt_item(item: Any) -> PromptItem:
     raise TypeError(f"cannot use {type(item).__name__} as a prompt (need str, PromptItem or .prompt)")
 
 
+def prompt_text(prompt: Any) -> str:
+    """A prompt as one line of text: the text itself, or the last user message of a chat."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Sequence) and prompt and isinstance(prompt[-1], dict):
+        users = [m.get("content", "") for m in prompt if m.get("role") == "user"]
+        return str(users[-1] if users else prompt[-1].get("content", ""))
+    return str(prompt)
+
+
 _INT = re.compile(r"[+-]?\d+")
 
 

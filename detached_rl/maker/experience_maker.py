@@ -13,6 +13,7 @@ import dataclasses
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -21,11 +22,12 @@ import torch
 
 from detached_rl.core.experience import Experience
 from detached_rl.core.experience_batch import collate
-from detached_rl.core.prompts import PromptSource, as_prompt_item
+from detached_rl.core.prompts import PromptSource, as_prompt_item, prompt_text
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.generation.base import GenerationBackend
 from detached_rl.generation.registry import build_generation_backend
 from detached_rl.maker.config import MakerConfig
+from detached_rl.maker.refusals import refused_rows
 from detached_rl.models.actor import Actor, reference_sampling
 from detached_rl.models.lora import lora_backend
 from detached_rl.models.reward import RewardScorer
@@ -57,16 +59,6 @@ class BatchCallback(Protocol):
     def on_batch_end(self, experiences: list[Experience]) -> None:
         """After the batch is generated and scored (not called when making it raised)."""
         ...
-
-
-def prompt_text(prompt: Any) -> str:
-    """A prompt as one line of text: the text itself, or the last user message of a chat."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, Sequence) and prompt and isinstance(prompt[-1], dict):
-        users = [m.get("content", "") for m in prompt if m.get("role") == "user"]
-        return str(users[-1] if users else prompt[-1].get("content", ""))
-    return str(prompt)
 
 
 @dataclass
@@ -149,6 +141,8 @@ class ExperienceMaker:
         self.tokens_made = 0
         self.generate_seconds = 0.0
         self.last_error: str | None = None
+        self.reward_refused: Counter = Counter()  # samples left out of pushes: their reward was refused
+        self.last_reward_refusal: str | None = None
         # Why this maker should register with its trainers again (an update showed it off their weights),
         # or None.
         self.resync_reason: str | None = None
@@ -272,6 +266,9 @@ class ExperienceMaker:
         # Scoring needs no synced weights: outside the lock, so a slow verifier never delays a swap.
         rewards, components = self._score(batch, metadata, remote.get("reward"))
         rewards = rewards.detach().float().cpu()  # to the host once per batch, not once per row
+        left_out, refused, detail = refused_rows(components, config.group_size)
+        self.reward_refused.update(refused)
+        self.last_reward_refusal = detail or self.last_reward_refusal
         elapsed = time.perf_counter() - start
         group_ids = [uuid.uuid4().hex for _ in items]
         # The engine of the behaviour log-probs ("hf:float32", "vllm:bfloat16"): the trainers correct
@@ -279,6 +276,8 @@ class ExperienceMaker:
         engine = getattr(self.backend, "engine", None) or f"{config.backend}:<unknown>"
         experiences = []
         for row, base in enumerate(placeholder):
+            if row in left_out:
+                continue
             length = base.response_length
             info: dict[str, Any] = {"finished": out.finished[row], **components[row], "engine": engine}
             if ref is not None:  # mean k1 KL to the reference, for inspection (the trainer shapes rewards)
@@ -437,6 +436,7 @@ class ExperienceMaker:
             "tokens_per_s": self.tokens_made / self.generate_seconds if self.generate_seconds else 0.0,
             "samples_per_s": self.samples_made / self.generate_seconds if self.generate_seconds else 0.0,
             "last_error": self.last_error or (str(receiver.last_error) if receiver.last_error else None),
+            "reward_refused": dict(self.reward_refused), "last_reward_refusal": self.last_reward_refusal,
             # Updates acknowledged, swapped in, and dropped for a newer one before their swap; the one
             # waiting.
             "weight_updates": {"received": receiver.received, "swapped": receiver.swapped,
