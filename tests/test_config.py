@@ -64,7 +64,7 @@ def test_yaml_file_and_overrides(tmp_path):
         (["model.reference=maybe"], "model.reference: expected true or false"),
         (["ppo.actor_optimizer.betas=[0.9]"], "ppo.actor_optimizer.betas: expected 2 items"),
         (["ppo.actor_optimizer.lr=fast"], "ppo.actor_optimizer.lr: expected a number"),
-        (["task.reward=vibes"], "task.reward: must be one of"),
+        (["task.reward=vibes"], "task.reward: 'vibes' is neither 'module:function' nor a built-in reward"),
         (["trainer=3"], "trainer: expected a mapping"),
         (["noequals"], "expected key.path=value"),
         (["trainer_group.strategy=zero9"], "trainer_group.strategy: must be one of"),

@@ -396,10 +396,7 @@ class GRPOLearner(EpochsFromConfig):
         }
         if batch.advantages is not None:
             out["advantages/mean"] = masked_mean(batch.advantages, batch.response_mask)
-        for key in ("correct", "format"):  # the reward function's parts, where it reports them
-            parts = [float(info[key]) for info in batch.infos if isinstance(info.get(key), int | float)]
-            if parts:
-                out[f"reward/{key}_mean"] = sum(parts) / len(parts)
+        out.update(names.reward_part_means(batch.infos))  # the reward's parts and each of the task's rewards
         finished = [bool(info["finished"]) for info in batch.infos if info.get("finished") is not None]
         if finished:
             out["response/truncated_fraction"] = 1.0 - sum(finished) / len(finished)

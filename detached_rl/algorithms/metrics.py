@@ -160,3 +160,16 @@ def metric_value(row: Mapping[str, object], name: str) -> object | None:
     if name in row:
         return row[name]
     return next((row[old] for old, new in METRIC_ALIASES.items() if new == name and old in row), None)
+
+
+def reward_part_means(infos: list[Mapping]) -> dict[str, float]:
+    """`reward/<part>_mean` over the samples that report it: the reward's "correct" and "format" parts and
+    each of a task's rewards (`reward:<label>` in a sample's info, `rewards.task_reward`)."""
+    out: dict[str, float] = {}
+    keys = {key for info in infos for key in info
+            if key in ("correct", "format") or key.startswith("reward:")}
+    for key in sorted(keys):
+        parts = [float(info[key]) for info in infos if isinstance(info.get(key), int | float)]
+        if parts:
+            out[f"reward/{key.removeprefix('reward:')}_mean"] = sum(parts) / len(parts)
+    return out

@@ -359,6 +359,7 @@ class PPOLearner(EpochsFromConfig):
             "samples": float(batch.size),
             "tokens": batch.response_mask.sum(),
         }
+        out.update(names.reward_part_means(batch.infos))  # the reward's parts and each of the task's rewards
         if kl is not None:
             out[names.OBJECTIVE_KL] = masked_mean(kl, batch.response_mask)
         if policy_version is not None:

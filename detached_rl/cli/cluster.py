@@ -121,7 +121,8 @@ def connect_timeout() -> float:
     return seconds_from_environment(CONNECT_TIMEOUT_VARIABLE, DEFAULT_CONNECT_TIMEOUT)
 
 
-def connect(address: str | None, namespace: str, timeout: float | None = None) -> None:
+def connect(address: str | None, namespace: str, timeout: float | None = None,
+            runtime_env: dict[str, Any] | None = None) -> None:
     """Join a running Ray cluster (default: `$RAY_ADDRESS`, else `auto`) in `namespace`.
 
     Never waits forever: an address that does not answer fails at once, so do a cluster that refuses
@@ -129,7 +130,7 @@ def connect(address: str | None, namespace: str, timeout: float | None = None) -
     takes longer than `timeout` (default: `connect_timeout()`) the process exits with a one-line error
     (Ray retries internally without a bound, in native code that cannot be interrupted). A Ray
     client join starts a server process on the head node, which on a loaded machine can take
-    minutes: raise `$DETACHED_RL_CONNECT_TIMEOUT_S` there.
+    minutes: raise `$DETACHED_RL_CONNECT_TIMEOUT_S` there. `runtime_env`: the job's (`config.shipping`).
     """
     timeout = connect_timeout() if timeout is None else timeout
     if not (math.isfinite(timeout) and timeout > 0):
@@ -160,7 +161,7 @@ def connect(address: str | None, namespace: str, timeout: float | None = None) -
         for attempt in range(3):
             try:
                 ray.init(address=address, namespace=namespace, log_to_driver=False,
-                         logging_level=logging.ERROR)
+                         logging_level=logging.ERROR, runtime_env=runtime_env)
                 break
             except ConnectionError as error:
                 # A busy head node can be slow to start the per-client server: try again before giving up.

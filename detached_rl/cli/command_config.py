@@ -7,6 +7,8 @@ Every command starts from the same defaults (`RunConfig`'s, the main job's) and 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +51,20 @@ def refuse_unloadable_models(config: RunConfig, local: bool = True) -> None:
         problem = model_spec_problem(spec)
         if problem:
             raise ValueError(f"model.{key}: {problem}")
+
+
+def refuse_unusable_task(config: RunConfig) -> None:
+    """Fail before anything starts when the task's rewards cannot be imported here or its dataset cannot be
+    used (one line naming the file and the column or split): they are shipped from this machine."""
+    from detached_rl.config.shipping import task_shipment
+
+    # As `python -m` would: a reward module in the directory the command runs in is importable (a console
+    # script's path starts at its own bin directory instead).
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    if config.task.dataset is not None:
+        config.task_data()
+    task_shipment(config)
 
 
 def command_config(args: argparse.Namespace) -> RunConfig:

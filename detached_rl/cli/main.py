@@ -31,9 +31,11 @@ from detached_rl.cli.command_config import (
     command_config,
     refuse_checkpoint_missing_on_trainer,
     refuse_unloadable_models,
+    refuse_unusable_task,
     run_command_config,
 )
 from detached_rl.config.schema import RUN_GPUS, TASKS, RunConfig
+from detached_rl.config.shipping import task_shipment
 from detached_rl.core.namespace import DEFAULT_NAMESPACE
 from detached_rl.core.resources import PLACEMENT_STRATEGIES
 from detached_rl.maker.config import ATTACH_TIMEOUT_S
@@ -66,6 +68,7 @@ def _run(args: argparse.Namespace) -> int:
     config = run_command_config(args)
     # A joined cluster's nodes may hold model directories this machine does not.
     refuse_unloadable_models(config, local=not args.address)
+    refuse_unusable_task(config)
     try:
         run_job(config, address=args.address)
     except RunInterrupted as error:
@@ -118,11 +121,12 @@ def _maker(args: argparse.Namespace) -> int:
     from detached_rl.cli import jobs
 
     config = command_config(args)
+    refuse_unusable_task(config)
     trainers = [t.strip() for t in (args.trainers or "").split(",") if t.strip()]
     if not trainers:
         raise ValueError(f"--trainers {args.trainers!r}: no trainer names (comma-separated, e.g. "
                          "trainer_0,trainer_1)")
-    jobs.connect(args.address, config.namespace)
+    jobs.connect(args.address, config.namespace, runtime_env=task_shipment(config)[1])
     missing = _missing_trainers(trainers, config.namespace)
     jobs.start_maker(config, args.name, trainers, args.batches, args.state_dir)
     print(f"maker {args.name!r} started in namespace {config.namespace!r}, feeding {', '.join(trainers)}")
@@ -152,11 +156,12 @@ def _scorers(args: argparse.Namespace) -> int:
     from detached_rl.cli import jobs
 
     config = command_config(args)
+    refuse_unusable_task(config)
     if not config.maker.scorers:
         raise ValueError("no scorer groups configured: set maker.reward_scorer, maker.reference_scorer or "
                          "maker.critic_scorer (the group names makers will use)")
     trainers = [t for t in (args.trainers or "").split(",") if t]
-    jobs.connect(args.address, config.namespace)
+    jobs.connect(args.address, config.namespace, runtime_env=task_shipment(config)[1])
     started = jobs.start_scorers(config, trainers)
     groups = ", ".join(f"{role}: {name}" for role, name in config.maker.scorers.items())
     print(f"scorer groups ({groups}) in namespace {config.namespace!r}: "

@@ -78,19 +78,22 @@ def run_job(config: RunConfig, address: str | None = None, echo: Callable[[str],
     import ray
 
     from detached_rl.cli import jobs
+    from detached_rl.config.shipping import task_shipment
 
     if config.maker.backend == "vllm" and not address:
         check_vllm_installed()  # the makers run on this machine: say so before Ray starts
+    runtime_env = task_shipment(config)[1]  # the user's reward modules and dataset, to every actor's host
     with stop_on_signals(echo) as interrupted:
         started_ray = False
         try:
             if address:
-                jobs.connect(address, config.namespace)
+                jobs.connect(address, config.namespace, runtime_env=runtime_env)
             elif not ray.is_initialized():
                 # Logical CPU slots for the trainer and every maker, also on a machine with fewer cores.
                 jobs.init_local_ray(config.namespace, include_dashboard=False, log_to_driver=False,
                                     configure_logging=True, logging_level=logging.WARNING,
-                                    num_cpus=max(os.cpu_count() or 1, run_cpu_slots(config)))
+                                    num_cpus=max(os.cpu_count() or 1, run_cpu_slots(config)),
+                                    runtime_env=runtime_env)
                 started_ray = True
             if interrupted.is_set():
                 raise RunInterrupted("interrupted while starting Ray")

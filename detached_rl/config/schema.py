@@ -79,6 +79,7 @@ class TaskConfig:
     dataset: str | None = None
     columns: dict[str, str] | None = None  # {prompt: question, answer: solution}; others are metadata
     held_out: float | str | None = None  # a fraction, a split name or a file; None: "test" split, else 0.1
+    train_split: str = "train"  # the training split of a saved DatasetDict
     system_prompt: str | None = None
     # Prompts from a file (.csv/.jsonl/.json with a `prompt` and an optional `answer`
     # column) instead of `name`'s.
@@ -252,7 +253,9 @@ class RunConfig:
 
         if not 0 <= shard < num_shards:
             raise ValueError(f"prompts: shard must be in [0, {num_shards}), got {shard}")
-        if self.task.prompt_file is not None:
+        if self.task.dataset is not None:
+            problems = self.task_data().train[shard::num_shards]
+        elif self.task.prompt_file is not None:
             from detached_rl.core.prompts import load_prompt_file
 
             problems = load_prompt_file(self.task.prompt_file)[shard::num_shards]
@@ -260,16 +263,28 @@ class RunConfig:
             problems = make_problems(self.task.name, self.task.train_size,
                                      seed=self.task.seed)[shard::num_shards]
         if not problems:
-            source = ("task.prompt_file" if self.task.prompt_file is not None
-                      else f"task.train_size={self.task.train_size}")
+            source = ("task.dataset" if self.task.dataset is not None else "task.prompt_file"
+                      if self.task.prompt_file is not None else f"task.train_size={self.task.train_size}")
             raise ValueError(f"{source} has fewer prompts than the {num_shards} prompt shards")
         return CyclingPrompts(problems, seed=self.task.seed + shard)
 
     def eval_problems(self) -> list:
-        """The held-out problems `detached-rl run` grades before and after training."""
+        """The held-out problems `detached-rl run` grades before and after training (of a dataset: its
+        held-out split, at most `task.eval_size` of it)."""
         from detached_rl.rewards.tasks import make_problems
 
+        if self.task.dataset is not None:
+            return self.task_data().held_out[: self.task.eval_size]
         return make_problems(self.task.name, self.task.eval_size, seed=self.task.seed, split="test")
+
+    def task_data(self):
+        """The user's dataset (`task.dataset`) split into train and held-out prompts (`core.task_data`)."""
+        from detached_rl.core.task_data import load_task_data, resolve_data_path
+
+        task = self.task
+        held_out = resolve_data_path(task.held_out) if isinstance(task.held_out, str) else task.held_out
+        return load_task_data(resolve_data_path(task.dataset), task.columns, held_out, task.system_prompt,
+                              task.train_split)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (as YAML would hold it); sampling appears once, at the top."""

@@ -264,3 +264,22 @@ def load_task_data(
 def describe(data: TaskData) -> str:
     """A one-line count for CLI messages, e.g. "412 train, 46 held-out prompts"."""
     return f"{len(data.train)} train, {len(data.held_out)} held-out prompts"
+
+
+#: A dataset path inside a module shipped to the actor's host (`config.shipping`): `shipped:<module>/<name>`.
+SHIPPED = "shipped:"
+
+
+def resolve_data_path(path: str) -> str:
+    """`path` on this host: a shipped dataset (`shipped:<module>/<name>`) inside the module Ray unpacked here,
+    anything else as it is."""
+    if not path.startswith(SHIPPED):
+        return path
+    import importlib.util
+
+    module, _, name = path[len(SHIPPED):].partition("/")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetError(f"{path}: the shipped module {module!r} is not on this host (was the actor "
+                           "started without its runtime_env?)")
+    return str(Path(list(spec.submodule_search_locations)[0]) / name)
