@@ -118,19 +118,41 @@ def cli(hosts: Hosts, index: int, *args: str, timeout: float = 300.0, check: boo
                      check=check)
 
 
+# The user's task, written on the desk only (docs/your-task.md): a reward that leaves a mark on the host where
+# it grades, and its data with a column mapping.
+USER_REWARDS = f"""
+def score(prompts, completions, answer, **metadata):
+    with open("{HOME}/graded-by-my-rewards", "a") as marks:
+        marks.write(f"{{len(completions)}} {{metadata['level'][0]}}\\n")
+    return [float(str(expected) in completion) for completion, expected in zip(completions, answer)]
+"""
+USER_DATA = "".join(f'{{"question": "What is {a} + 3?", "solution": {a + 3}, "level": "easy"}}\n'
+                    for a in range(24))
+USER_TASK = ["--set", "task.dataset=questions.jsonl", "--set", "task.reward=my_rewards:score",
+             "--set", "task.columns={prompt: question, answer: solution}"]
+
+
 def test_tiny_jobs_placed_by_labels_keep_checkpoints_and_state_on_their_hosts(hosts: Hosts) -> None:
     """Trainer and maker jobs typed on the desk run on the hosts their labels name, across h1's 20 Mbit/s
     link; relative --checkpoint-dir and --state-dir are on the actors' hosts; --resume-from is checked
-    there."""
+    there. The maker grades with a reward module and reads a dataset that exist only on the desk."""
     assert all("Ray runtime started" in report for report in hosts.node_reports.values())  # plain ray start
     tiny = ["--config", tiny_config_path()]
+    hosts.python(DESK, f"import pathlib; home = pathlib.Path({HOME!r}); "
+                       f"(home / 'my_rewards.py').write_text({USER_REWARDS!r}); "
+                       f"(home / 'questions.jsonl').write_text({USER_DATA!r})", check=True)
     cli(hosts, DESK, "trainer", "--name", "t", "--steps", "6", *tiny, "--set", ON_TRAINER_HOST,
         "--checkpoint-every", "3", "--checkpoint-dir", "checkpoints")
     cli(hosts, DESK, "maker", "--name", "m", "--trainers", "t", *tiny, "--set", ON_MAKER_HOST,
-        "--state-dir", "maker-state")
+        "--state-dir", "maker-state", *USER_TASK)
     seen = watch(hosts, "t", timeout=240)
     assert seen["trainer"].get("state") == "done" and seen["trainer"].get("policy_version") == 6, seen
     placed(seen, {"t": TRAINER, "m": MAKER}, hosts)
+    # The reward ran on the maker's host, from the copy the job shipped; its module and data are not there.
+    marks = hosts.run(MAKER, ["cat", f"{HOME}/graded-by-my-rewards"], check=True).stdout.split()
+    assert marks[1::2] and set(marks[1::2]) == {"easy"}, marks  # the dataset's metadata reached it
+    assert not any(exists(hosts, MAKER, f"{HOME}/{name}") for name in ("my_rewards.py", "questions.jsonl"))
+    assert not exists(hosts, DESK, f"{HOME}/graded-by-my-rewards")
     # Relative paths are taken from where the command ran (the desk's home) and live on the actor's host.
     assert exists(hosts, TRAINER, f"{HOME}/checkpoints/rank_0")
     assert not exists(hosts, DESK, f"{HOME}/checkpoints")

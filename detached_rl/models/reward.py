@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from detached_rl.core.decoding import decode_batch
 from detached_rl.core.devices import to_device
 from detached_rl.models.scalar_heads import RewardModel
 
@@ -35,30 +36,6 @@ class RewardScorer(Protocol):
     ) -> torch.Tensor:
         """Rewards [B], float32 on the device of `sequences`, no gradient."""
         ...
-
-
-def decode_batch(
-    tokenizer: PreTrainedTokenizerBase,
-    sequences: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_mask: torch.Tensor,
-) -> tuple[list[str], list[str]]:
-    """Prompt texts and response texts of a padded batch (special tokens dropped)."""
-    # The tokenizer reads Python lists: one copy of the batch to the host, not two per row.
-    sequences, attention_mask, response_mask = sequences.cpu(), attention_mask.cpu(), response_mask.cpu()
-    response_length = response_mask.shape[1]
-    prompt_part = sequences[:, :-response_length]
-    prompt_mask = attention_mask[:, :-response_length].bool()
-    response_part = sequences[:, -response_length:]
-    prompts = [
-        tokenizer.decode(prompt_part[row][prompt_mask[row]].tolist(), skip_special_tokens=True)
-        for row in range(sequences.shape[0])
-    ]
-    responses = [
-        tokenizer.decode(response_part[row][response_mask[row].bool()].tolist(), skip_special_tokens=True)
-        for row in range(sequences.shape[0])
-    ]
-    return prompts, responses
 
 
 class FunctionReward:

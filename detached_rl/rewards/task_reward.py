@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from detached_rl.core.decoding import decode_batch
 from detached_rl.rewards.reward_process import RAISED, TIMEOUT, RewardProcess
 from detached_rl.rewards.specs import RewardSpec
 
@@ -105,8 +106,6 @@ class TaskReward:
                        response_mask: torch.Tensor, metadata: list[dict[str, Any]] | None = None
                        ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
         """Rewards [B] (0 where refused) and, per sample, its parts or its refusal."""
-        from detached_rl.models.reward import decode_batch
-
         prompts, completions = decode_batch(self.tokenizer, sequences, attention_mask, response_mask)
         rows = self.grade(prompts, completions, metadata or [{} for _ in prompts])
         rewards = [0.0 if REFUSED in row else row["reward"] for row in rows]
