@@ -131,9 +131,10 @@ def test_status_shows_makers_behind_and_the_version_a_maker_swaps_in_next():
          "buffer_max_samples": 64, "makers_behind": {"m1": 5},
          "provenance": {"quarantined": {"m9": "quarantined at v3: ..."}, "makers": {}}},
         {"name": "m1", "role": "maker", "state": "running", "policy_version": 4, "batches": 7,
-         "weight_updates": {"pending_version": 9}},
+         "weight_updates": {"pending_version": 9}, "reward_refused": {"timeout": 8, "non_finite": 4}},
     ]).splitlines()
     assert "9 (behind: m1 by 5) (quarantined: m9)" in table[1] and "4 (v9 next)" in table[2]
+    assert "7 (reward refused: 4 non_finite, 8 timeout)" in table[2]
 
 
 @pytest.fixture

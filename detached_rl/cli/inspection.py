@@ -122,6 +122,10 @@ def format_status(rows: list[dict[str, Any]]) -> str:
         quarantined = (row.get("provenance") or {}).get("quarantined") or {}
         if trainer and quarantined:  # makers whose samples were not made by the policy they name
             steps += " (quarantined: " + ", ".join(sorted(quarantined)) + ")"
+        refused = row.get("reward_refused") or {}
+        if not trainer and refused:  # samples whose reward raised, timed out or was no finite number
+            steps += " (reward refused: " + ", ".join(f"{n} {why}" for why, n in sorted(refused.items()))
+            steps += ")"
         version = str(row.get("policy_version", ""))
         pending = (row.get("weight_updates") or {}).get("pending_version")
         if pending is not None:  # verified, swapped in when the batch under way ends
