@@ -398,7 +398,7 @@ class JobRunner:
         variant = config.algorithm_config.algorithm if config.algorithm == "grpo" else "ppo"
         adapter = f"LoRA r={config.model.lora.r}" if config.model.lora else "full"
         self.echo(f"run {self.name!r}: {config.algorithm}/{variant} on {config.model.policy} ({adapter}), "
-                  f"task {config.task.name}, {config.run.steps} steps, "
+                  f"task {config.task.dataset or config.task.name}, {config.run.steps} steps, "
                   f"{self._trainer_note()} + {config.run.makers} makers "
                   f"({config.maker.backend} generation) "
                   f"in namespace {config.namespace!r}{self._gpu_note()}; writing {self.directory}")
