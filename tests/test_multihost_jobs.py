@@ -22,6 +22,7 @@ import pytest
 from .helpers import assert_mismatch_gated
 from .hosts import Hosts
 from .multihost import hosts_fixture, tiny_config_path
+from .test_your_task import example
 
 pytestmark = [pytest.mark.multihost]
 
@@ -118,29 +119,27 @@ def cli(hosts: Hosts, index: int, *args: str, timeout: float = 300.0, check: boo
                      check=check)
 
 
-# The user's task, written on the desk only (docs/your-task.md): a reward that leaves a mark on the host where
-# it grades, and its data with a column mapping.
-USER_REWARDS = f"""
-def score(prompts, completions, answer, **metadata):
-    with open("{HOME}/graded-by-my-rewards", "a") as marks:
-        marks.write(f"{{len(completions)}} {{metadata['level'][0]}}\\n")
-    return [float(str(expected) in completion) for completion, expected in zip(completions, answer)]
+# The user's task, written on the desk only: docs/your-task.md's reward module and data, verbatim, and a
+# second reward (weight 0) that leaves a mark, with an answer it was handed, on the host where it grades.
+MARKS = f"""
+def leave_mark(prompts, completions, answer, **metadata):
+    with open("{HOME}/graded-here", "a") as marks:
+        marks.write(f"{{len(completions)}} {{answer[0]}}\\n")
+    return [0.0] * len(completions)
 """
-USER_DATA = "".join(f'{{"question": "What is {a} + 3?", "solution": {a + 3}, "level": "easy"}}\n'
-                    for a in range(24))
-USER_TASK = ["--set", "task.dataset=questions.jsonl", "--set", "task.reward=my_rewards:score",
-             "--set", "task.columns={prompt: question, answer: solution}"]
+USER_TASK = ["--set", "task.dataset=questions.jsonl",
+             "--set", "task.rewards=[{fn: my_rewards:score}, {fn: marks:leave_mark, weight: 0}]"]
 
 
 def test_tiny_jobs_placed_by_labels_keep_checkpoints_and_state_on_their_hosts(hosts: Hosts) -> None:
     """Trainer and maker jobs typed on the desk run on the hosts their labels name, across h1's 20 Mbit/s
     link; relative --checkpoint-dir and --state-dir are on the actors' hosts; --resume-from is checked
-    there. The maker grades with a reward module and reads a dataset that exist only on the desk."""
+    there. The maker grades with docs/your-task.md's reward module and data, which exist only on the desk."""
     assert all("Ray runtime started" in report for report in hosts.node_reports.values())  # plain ray start
     tiny = ["--config", tiny_config_path()]
+    files = {**example()[0], "marks.py": MARKS}
     hosts.python(DESK, f"import pathlib; home = pathlib.Path({HOME!r}); "
-                       f"(home / 'my_rewards.py').write_text({USER_REWARDS!r}); "
-                       f"(home / 'questions.jsonl').write_text({USER_DATA!r})", check=True)
+                       f"[(home / name).write_text(text) for name, text in {files!r}.items()]", check=True)
     cli(hosts, DESK, "trainer", "--name", "t", "--steps", "6", *tiny, "--set", ON_TRAINER_HOST,
         "--checkpoint-every", "3", "--checkpoint-dir", "checkpoints")
     cli(hosts, DESK, "maker", "--name", "m", "--trainers", "t", *tiny, "--set", ON_MAKER_HOST,
@@ -148,11 +147,13 @@ def test_tiny_jobs_placed_by_labels_keep_checkpoints_and_state_on_their_hosts(ho
     seen = watch(hosts, "t", timeout=240)
     assert seen["trainer"].get("state") == "done" and seen["trainer"].get("policy_version") == 6, seen
     placed(seen, {"t": TRAINER, "m": MAKER}, hosts)
-    # The reward ran on the maker's host, from the copy the job shipped; its module and data are not there.
-    marks = hosts.run(MAKER, ["cat", f"{HOME}/graded-by-my-rewards"], check=True).stdout.split()
-    assert marks[1::2] and set(marks[1::2]) == {"easy"}, marks  # the dataset's metadata reached it
-    assert not any(exists(hosts, MAKER, f"{HOME}/{name}") for name in ("my_rewards.py", "questions.jsonl"))
-    assert not exists(hosts, DESK, f"{HOME}/graded-by-my-rewards")
+    # The rewards ran on the maker's host (a reward that could not be imported there would have had every
+    # sample refused, and the trainer would not have reached step 6), from the copies the job shipped: the
+    # modules and the data are not on that host.
+    marks = hosts.run(MAKER, ["cat", f"{HOME}/graded-here"], check=True).stdout.split()
+    assert marks[1::2] and {int(a) for a in marks[1::2]} <= {5, 11, 3, 16, 4, 13}, marks  # the doc's answers
+    assert not any(exists(hosts, MAKER, f"{HOME}/{name}") for name in files)
+    assert not exists(hosts, DESK, f"{HOME}/graded-here")
     # Relative paths are taken from where the command ran (the desk's home) and live on the actor's host.
     assert exists(hosts, TRAINER, f"{HOME}/checkpoints/rank_0")
     assert not exists(hosts, DESK, f"{HOME}/checkpoints")
