@@ -38,8 +38,13 @@ def probe_ids(tokenizer: Any) -> torch.Tensor:
 def model_probe(model: torch.nn.Module, ids: torch.Tensor) -> list[float]:
     """log p(ids[t] | ids[:t]) for t >= 1 under a causal LM (raw logits, temperature 1), as floats."""
     device = next(model.parameters()).device
-    with torch.no_grad():
-        logits = model(input_ids=ids[None].to(device)).logits[0, :-1].float()
+    training = model.training
+    model.eval()  # a LoRA or model dropout would make the probe a random draw
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids[None].to(device)).logits[0, :-1].float()
+    finally:
+        model.train(training)
     return logits.log_softmax(-1).gather(-1, ids[1:].to(device)[:, None])[:, 0].cpu().tolist()
 
 
