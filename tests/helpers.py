@@ -332,14 +332,16 @@ UNCHECKED = ProvenanceConfig(check=False)
 
 
 #: The mismatch gate (issue 38, docs/performance.md "Provenance"): the largest mean per-token |log-prob gap|
-#: of an on-version sample, by the engine's dtype. Measured on CPU: float32 HF and vLLM <= 4e-7 on the tiny
-#: jobs, <= 1.2e-5 on SmolLM2 (benchmarks/bench_provenance.py); a bf16 engine ~1e-2, so the float32 gate also
-#: catches an engine that silently serves bf16, with room for a GPU's TF32 matmuls. And the mean per-token KL
+#: of an on-version sample, by the engine's dtype. Measured on CPU: float32 HF and vLLM <= 1.2e-5 on SmolLM2
+#: (benchmarks/bench_provenance.py), but up to 1.4e-3 on the tiny random models of the tiny jobs (HF 6.1e-4,
+#: vLLM 1.36e-3 in one `make test`: the gate was 1e-3 and failed there); a bf16 engine's gap is ~4e-2
+#: (median), so the float32 gate at 5e-3 still catches an engine that silently serves bf16, with room for a
+#: GPU's TF32 matmuls. And the mean per-token KL
 #: against the recompute of each step whose samples are all on-version (prime-rl gates at 0.01; measured
 #: <= 1e-7): a step with stale samples adds the policy's drift (the default job: 0.027 at staleness 1).
 #: A bf16 engine is gated on the batch's mean gap (measured median 0.038): its largest sample gap (0.095 of
 #: 16) is one rounding flip from more on a short sample, which the check's own bound widens for.
-MISMATCH_GATE = {"float32": ("provenance/gap_max", 1e-3), "bfloat16": ("provenance/gap_mean", 0.1)}
+MISMATCH_GATE = {"float32": ("provenance/gap_max", 5e-3), "bfloat16": ("provenance/gap_mean", 0.1)}
 MISMATCH_KL_GATE = 0.01
 
 
