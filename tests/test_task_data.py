@@ -223,3 +223,30 @@ def test_task_data_is_frozen() -> None:
     data = TaskData([PromptItem("a")], [PromptItem("b")])
     with pytest.raises(AttributeError):
         data.train = []  # type: ignore[misc]
+
+
+def test_a_shipped_dataset_reads_as_the_original_and_a_split_name_stays_a_split(tmp_path, monkeypatch):
+    """`config.shipping`: the actors' config reads the staged copy; a held-out file travels with it, a split
+    name of a saved DatasetDict stays a name even where a file of that name lies in the working directory."""
+    import datasets
+
+    from detached_rl.config.loading import load_config
+    from detached_rl.config.shipping import shipped_config
+
+    monkeypatch.chdir(tmp_path)
+    rows = [{"prompt": f"q{i}", "answer": i} for i in range(10)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "held.jsonl").write_text(json.dumps({"prompt": "held", "answer": 1}) + "\n")
+    (tmp_path / "test").mkdir()  # a path that is also the DatasetDict's split name below
+    sets = ["task.reward=answer_line", "task.dataset=train.jsonl", "task.held_out=held.jsonl"]
+    shipped, package = shipped_config(load_config(None, sets))
+    assert shipped.task.dataset.startswith("shipped:") and shipped.task.held_out.startswith("shipped:")
+    assert [item.prompt for item in shipped.task_data().held_out] == ["held"]
+    assert shipped.task_data().train == load_config(None, sets).task_data().train
+    assert (package / "train.jsonl").read_text() == (tmp_path / "train.jsonl").read_text()
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:8]),
+                          "test": datasets.Dataset.from_list(rows[8:])}).save_to_disk(str(tmp_path / "saved"))
+    shipped, _ = shipped_config(load_config(None, ["task.reward=answer_line", "task.dataset=saved",
+                                                   "task.held_out=test"]))
+    assert shipped.task.held_out == "test"
+    assert [item.prompt for item in shipped.task_data().held_out] == ["q8", "q9"]

@@ -39,7 +39,7 @@ from detached_rl.actors.scorer import scorer_names, start_scorer_group
 from detached_rl.actors.trainer import trainer_class
 from detached_rl.config.factories import maker_factory, scorer_factory, trainer_factory
 from detached_rl.config.schema import RunConfig
-from detached_rl.config.shipping import task_shipment
+from detached_rl.config.shipping import shipped_config
 from detached_rl.core.labels import unmatched
 from detached_rl.core.resources import UnplaceableError, resource_request, unplaceable
 
@@ -72,7 +72,7 @@ def prompt_factory(config: RunConfig, shard: tuple[int, int] = (0, 1)) -> Callab
     absolute here, as the actor's working directory may differ.
     """
     config.prompts(*shard)
-    config = task_shipment(config)[0]  # a dataset is read from the copy shipped with the actor
+    config = shipped_config(config)[0]  # a dataset is read from the copy shipped with the actor
     if config.task.prompt_file is not None:
         task = dataclasses.replace(config.task, prompt_file=str(Path(config.task.prompt_file).resolve()))
         config = dataclasses.replace(config, task=task)
@@ -235,7 +235,7 @@ def maker_arguments(
     nice: int = 0,
 ) -> dict[str, Any]:
     """The constructor arguments of maker `name` (see `launch_maker`), each small enough to travel inline."""
-    factory = maker_factory(task_shipment(config)[0])
+    factory = maker_factory(config)
     if threads > 0 or nice > 0:
         factory = functools.partial(with_threads, threads, factory, nice)
     arguments = {"name": name, "trainer_names": list(trainers), "model_factory": factory,

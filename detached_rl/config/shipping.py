@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import shutil
 import sys
 import tempfile
@@ -62,6 +63,32 @@ def _stage(paths: list[Path]) -> Path:
     return package
 
 
+def _is_split(dataset: str, name: str) -> bool:
+    """Whether `name` is a split of the `DatasetDict` saved at `dataset` (the loader takes a split name before
+    a path of the same name)."""
+    index = Path(dataset) / "dataset_dict.json"
+    return index.is_file() and name in json.loads(index.read_text()).get("splits", [])
+
+
+def shipped_config(config: RunConfig) -> tuple[RunConfig, Path | None]:
+    """The config the actors read their dataset with (`shipped:<package>/<file>`) and the staged package
+    holding it (None without a dataset); the package is on this driver's path too: it reads the same copy."""
+    task = config.task
+    if task.dataset is None:
+        return config, None
+    data = [Path(task.dataset).resolve()]
+    held_out = task.held_out
+    if isinstance(held_out, str) and Path(held_out).exists() and not _is_split(task.dataset, held_out):
+        data.append(Path(held_out).resolve())
+    package = _stage(data)
+    if str(package.parent) not in sys.path:
+        sys.path.append(str(package.parent))
+    moved = {"dataset": f"{SHIPPED}{package.name}/{data[0].name}"}
+    if len(data) > 1:
+        moved["held_out"] = f"{SHIPPED}{package.name}/{data[1].name}"
+    return dataclasses.replace(config, task=dataclasses.replace(task, **moved)), package
+
+
 def task_shipment(config: RunConfig) -> tuple[RunConfig, dict[str, Any] | None]:
     """(the config makers and scorers are built from, the runtime_env that brings the user's reward modules
     and dataset to their hosts; None when the task is all detached-rl's own). Imports each reward here: one
@@ -73,17 +100,7 @@ def task_shipment(config: RunConfig) -> tuple[RunConfig, dict[str, Any] | None]:
         path = shipped_path(spec)
         if path is not None and str(path) not in modules:
             modules.append(str(path))
-    data = [Path(task.dataset).resolve()] if task.dataset is not None else []
-    held_out = task.held_out
-    if isinstance(held_out, str) and Path(held_out).exists():
-        data.append(Path(held_out).resolve())
-    if data:
-        package = _stage(data)
-        if str(package.parent) not in sys.path:  # this driver reads the shipped copy as the actors will
-            sys.path.append(str(package.parent))
-        moved = {"dataset": f"{SHIPPED}{package.name}/{data[0].name}"}
-        if len(data) > 1:
-            moved["held_out"] = f"{SHIPPED}{package.name}/{data[1].name}"
-        config = dataclasses.replace(config, task=dataclasses.replace(task, **moved))
+    config, package = shipped_config(config)
+    if package is not None:
         modules.append(str(package))
     return config, ({"py_modules": modules} if modules else None)

@@ -6,8 +6,8 @@ numbers to log beside it ("correct", "format"):
 
     def score(prompts: list[str], completions: list[str], **metadata: list) -> list[float]
 
-Each built-in here wraps the per-sample function of `detached_rl.rewards.functions` of the same name; they
-are also importable as `detached_rl:<name>` (`task.reward: detached_rl:answer_line`).
+Each built-in here wraps the per-sample function of `detached_rl.rewards.functions` of the same name; a config
+names one as `detached_rl:<name>` or `<name>` (`task.reward: detached_rl:answer_line`, `rewards.specs`).
 """
 
 from __future__ import annotations
