@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from detached_rl import Experience
-from detached_rl.actors.group import start_trainer_group, stop_trainer_group
 from detached_rl.actors.maker import ExperienceMakerHolder
 from detached_rl.actors.trainer import DetachedPPOTrainer
+from detached_rl.actors.trainer_group import start_trainer_group, stop_trainer_group
 from detached_rl.actors.transport import attach
 from detached_rl.algorithms.ppo import PPOConfig
 from detached_rl.core.prompts import CyclingPrompts

@@ -146,6 +146,28 @@ def test_auto_backend_falls_back_to_hf_where_vllm_cannot_serve_the_policy():
     assert maker.backend_name == "hf" and maker.status()["backend"] == "hf"
 
 
+def test_auto_decides_from_the_models_config_before_it_imports_vllm():
+    """A tiny maker (head size 16) on CPU falls back to HF without importing vLLM (7 s of CPU a process);
+    the head sizes it decides from are those of the installed vLLM's CPU attention."""
+    import subprocess
+
+    probe = ("import sys\n"
+             "from detached_rl.generation.vllm_config import build_auto_backend\n"
+             "from detached_rl.models.actor import Actor\n"
+             "from detached_rl.models.loaders import tiny_causal_lm\n"
+             "backend = build_auto_backend(Actor(*tiny_causal_lm('llama')))\n"
+             "print(backend.engine.split(':')[0], 'vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["hf", "False"], out.stdout
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from detached_rl.generation.vllm_config import VLLM_CPU_HEAD_SIZES
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == VLLM_CPU_HEAD_SIZES
+
+
 def test_work_directories_of_gone_processes_are_removed(tmp_path):
     """A maker killed without close() leaves its RAM-backed directory; the next engine's start removes it."""
     import subprocess

@@ -218,3 +218,24 @@ def test_ray_internals_only_in_the_seam() -> None:
         if any(name in RAY_PRIVATE or name.startswith(("ray._private.", "ray._raylet.")) for name in names):
             users.append(module_name(path))
     assert users == []
+
+
+# What each actor shell's worker process imports when it starts: every Ray worker pays for these, and a
+# 2-core CI box starts hundreds of them.
+SHELL_IMPORTS = """
+import sys
+import detached_rl.actors.{shell}
+print(sorted(name for name in ("peft", "loralib", "vllm", "detached_rl.actors.trainer") if name in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("shell", ["scorer", "maker"])
+def test_scorer_and_maker_shells_import_no_lora_library_no_vllm_and_no_trainer(shell: str) -> None:
+    """peft and loralib are imported where LoRA is used, vLLM where an engine starts, the trainer where one
+    runs: a scorer worker with a Python reward, or a maker of an HF policy, starts without them."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SHELL_IMPORTS.format(shell=shell)], capture_output=True,
+                         text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

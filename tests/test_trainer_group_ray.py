@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
-from detached_rl.actors.group import placement_group_name, start_trainer_group, stop_trainer_group
+from detached_rl.actors.group import placement_group_name
 from detached_rl.actors.trainer import DetachedGRPOTrainer
+from detached_rl.actors.trainer_group import start_trainer_group, stop_trainer_group
 from detached_rl.algorithms.grpo import GRPOConfig
 from detached_rl.models import SamplingConfig
 from detached_rl.strategies import colossalai_available

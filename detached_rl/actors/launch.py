@@ -33,10 +33,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from detached_rl.actors.group import start_trainer_group, trainer_names
 from detached_rl.actors.maker import ExperienceMakerHolder
 from detached_rl.actors.scorer import scorer_names, start_scorer_group
 from detached_rl.actors.trainer import trainer_class
+from detached_rl.actors.trainer_group import start_trainer_group, trainer_names
 from detached_rl.config.factories import maker_factory, scorer_factory, trainer_factory
 from detached_rl.config.schema import RunConfig
 from detached_rl.config.shipping import shipped_config

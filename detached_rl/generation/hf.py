@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
@@ -19,11 +19,13 @@ from detached_rl.core.sampling import SamplingConfig, token_log_probs
 from detached_rl.generation.base import GenerationOutput, left_pad
 from detached_rl.generation.registry import LORA_MODES
 from detached_rl.models.actor import Actor, Prompt
-from detached_rl.models.lora import check_lora_update, lora_backend, lora_config_dict
-from detached_rl.models.lora_merge import LoraMergeTarget
+from detached_rl.models.lora_backend import lora_backend
 from detached_rl.models.shared_prefix import run_distinct_prompts, supports_shared_prefix
 from detached_rl.weights.served_probe import model_probe
 from detached_rl.weights.sink import ModuleWeightSink, SinkCommit, WeightSink
+
+if TYPE_CHECKING:
+    from detached_rl.models.lora_merge import LoraMergeTarget
 
 __all__ = ["CACHE_IMPLEMENTATIONS", "GENERATION_DTYPES", "BehaviourLogProbs", "HFGenerationBackend",
            "LoraModuleSink",
@@ -76,11 +78,15 @@ class LoraModuleSink(ModuleWeightSink):
     for another adapter config."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        from detached_rl.models.lora import lora_config_dict  # peft and loralib: only where LoRA is used
+
         super().__init__(model)
         self.adapter_config = lora_config_dict(model)
 
     def check_update(self, kind: str, metadata: Mapping[str, Any]) -> None:
         """ValueError naming the field where metadata["lora"] differs (a "lora" update must carry it)."""
+        from detached_rl.models.lora import check_lora_update
+
         check_lora_update(self.adapter_config, kind, metadata, "LoRA adapter")
 
 
@@ -94,6 +100,8 @@ class MergedLoraSink(ModuleWeightSink):
 
     def check_update(self, kind: str, metadata: Mapping[str, Any]) -> None:
         """ValueError naming the field where metadata["lora"] differs (a "lora" update must carry it)."""
+        from detached_rl.models.lora import check_lora_update
+
         check_lora_update(self.target.adapter_config, kind, metadata, "merged LoRA adapter")
 
     def commit(self, update: SinkCommit) -> None:
@@ -161,6 +169,8 @@ class HFGenerationBackend:
         if lora_mode == "merge":
             if lora_backend(actor.model) is None:
                 raise ValueError("lora_mode='merge' needs a policy that carries a LoRA adapter")
+            from detached_rl.models.lora_merge import LoraMergeTarget
+
             target = LoraMergeTarget.from_lora_model(actor.model)
             sink = MergedLoraSink(target)
             actor = Actor(target.model, actor.tokenizer, share_prompts=actor.share_prompts)

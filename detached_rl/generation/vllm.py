@@ -53,7 +53,7 @@ from detached_rl.generation.base import GenerationOutput
 from detached_rl.generation.registry import LORA_MODES, VLLM_DTYPES
 from detached_rl.generation.vllm_lora import KeepModeLayout, VLLMLoraSink, engine_lora_rank
 from detached_rl.models.actor import Actor, Prompt
-from detached_rl.models.lora import lora_backend
+from detached_rl.models.lora_backend import lora_backend
 from detached_rl.weights.sink import ModuleWeightSink, SinkCommit, TensorLayout, WeightSink
 
 __all__ = ["VLLMBackend", "VLLMLoraSink", "VLLMWeightSink", "vllm_available"]

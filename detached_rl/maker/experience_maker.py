@@ -29,7 +29,7 @@ from detached_rl.generation.registry import build_generation_backend
 from detached_rl.maker.config import MakerConfig
 from detached_rl.maker.refusals import refused_rows
 from detached_rl.models.actor import Actor, reference_sampling
-from detached_rl.models.lora import lora_backend
+from detached_rl.models.lora_backend import lora_backend
 from detached_rl.models.reward import RewardScorer
 from detached_rl.models.scalar_heads import Critic
 from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest

@@ -1,13 +1,20 @@
-"""Which LoRA a model carries (peft or loralib) and where its settings are kept."""
+"""Which LoRA a model carries (peft or loralib) and where its settings are kept.
+
+Imports neither peft nor loralib: a model can hold their layers only once its process has imported them,
+so a process without LoRA (a scorer, a maker of a full-weights run) never pays for their import.
+"""
 
 from __future__ import annotations
 
-import loralib
-import peft
-from peft.tuners.lora import LoraLayer as PeftLoraLayer
+import sys
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from detached_rl.models.lora_settings import LoraSettings
+
+if TYPE_CHECKING:
+    import peft
 
 # apply_lora keeps the resolved LoraSettings of a loralib model here (peft keeps its own peft_config).
 SETTINGS_ATTR = "_detached_rl_lora_settings"
@@ -16,10 +23,17 @@ SETTINGS_ATTR = "_detached_rl_lora_settings"
 def lora_backend(model: nn.Module) -> str | None:
     """Return "peft" or "loralib" for the LoRA implementation in `model`, or None if it has no LoRA."""
     modules = list(model.modules())
-    if isinstance(model, peft.PeftModel) or any(isinstance(m, PeftLoraLayer) for m in modules):
-        return "peft"
-    if any(isinstance(m, loralib.LoRALayer) for m in modules):
-        return "loralib"
+    if "peft" in sys.modules:
+        from peft import PeftModel
+        from peft.tuners.lora import LoraLayer as PeftLoraLayer
+
+        if isinstance(model, PeftModel) or any(isinstance(m, PeftLoraLayer) for m in modules):
+            return "peft"
+    if "loralib" in sys.modules:
+        from loralib import LoRALayer
+
+        if any(isinstance(m, LoRALayer) for m in modules):
+            return "loralib"
     return None
 
 
