@@ -2,7 +2,7 @@
 artefact.
 
 Minutes, not seconds (venv, torch, the project and its dependencies, then a 2-step run on the tiny model):
-part of `make test`; deselect with `-m "not install"`.
+part of `make test-e2e`; `make test` checks in seconds what the wheel ships (tests/test_package_contents.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import CLUSTER_MARKER, ROOT, marked_processes, new_cluster_marker
 from tests.helpers import plotted_panels
 
-pytestmark = pytest.mark.install
+pytestmark = [pytest.mark.install, pytest.mark.e2e]
 
 STEPS = 2
 RUN = "install-check"

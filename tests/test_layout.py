@@ -225,7 +225,8 @@ def test_ray_internals_only_in_the_seam() -> None:
 SHELL_IMPORTS = """
 import sys
 import detached_rl.actors.{shell}
-print(sorted(name for name in ("peft", "loralib", "vllm", "detached_rl.actors.trainer") if name in sys.modules))
+heavy = ("peft", "loralib", "vllm", "detached_rl.actors.trainer")
+print(sorted(name for name in heavy if name in sys.modules))
 """
 
 

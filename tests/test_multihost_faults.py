@@ -15,7 +15,7 @@ import pytest
 
 from .multihost import Probe, hosts_fixture, ok, tiny_config_path, wait_for
 
-pytestmark = [pytest.mark.multihost]
+pytestmark = [pytest.mark.multihost, pytest.mark.e2e]
 
 hosts = hosts_fixture(3, rates_mbit={1: 20, 2: 20},
                       resources={0: {"trainer_host": 1}, 1: {"maker_host": 1}, 2: {"maker_host": 1}})

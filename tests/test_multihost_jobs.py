@@ -222,6 +222,7 @@ def test_run_on_the_cluster_places_its_actors_and_writes_its_directory_on_the_dr
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_the_default_job_across_a_20_mbit_link_sends_only_adapters(hosts: Hosts) -> None:
     """The default job (no --config: SmolLM2 + LoRA, vLLM makers): trainer on h0 (by custom resource), maker
     on h1 (by label) behind a 20 Mbit/s link, started as separate jobs on those hosts, trains 4 steps; the

@@ -21,7 +21,7 @@ from .hosts import Hosts
 from .multihost import hosts_fixture, tiny_config_path
 from .test_multihost_faults import Probe, ok, wait_for
 
-pytestmark = [pytest.mark.multihost]
+pytestmark = [pytest.mark.multihost, pytest.mark.e2e]
 
 TRAINER, MAKER = 0, 1
 RATE_MBIT = 5

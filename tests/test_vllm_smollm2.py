@@ -23,7 +23,7 @@ from detached_rl.generation.vllm import VLLMBackend  # noqa: E402
 from detached_rl.models import Actor, load_smollm2  # noqa: E402
 from detached_rl.rewards.tasks import make_problems  # noqa: E402
 
-pytestmark = [pytest.mark.slow, needs_smollm2]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, needs_smollm2]
 
 GREEDY = SamplingConfig(max_new_tokens=24, do_sample=False)
 SAMPLED = SamplingConfig(max_new_tokens=24, temperature=0.8)
