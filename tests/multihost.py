@@ -79,18 +79,19 @@ class Probe:
                 return line
         return ""
 
-    def call(self, actor: str, method: str, *args: Any, timeout: float = 10.0, fresh: bool = False) -> Any:
+    def call(self, actor: str, method: str, *args: Any, timeout: float = 10.0, fresh: bool = False,
+             namespace: str = "detached_rl") -> Any:
         """The call's result, or an `Exception` holding Ray's error (no answer in time counts as one);
         `fresh`: look the actor up by name again (a new actor under it)."""
         return self._ask({"actor": actor, "method": method, "args": list(args), "timeout": timeout,
-                          "fresh": fresh}, timeout)
+                          "fresh": fresh, "namespace": namespace}, timeout)
 
-    def ask(self, actor: str, method: str, *args: Any, tries: int = 5) -> Any:
+    def ask(self, actor: str, method: str, *args: Any, tries: int = 5, namespace: str = "detached_rl") -> Any:
         """`actor.method(*args)`, which must answer within `tries` tries; a probe that stalls (its Ray driver
         stuck on a node being declared dead) is replaced."""
         for _ in range(tries):
             try:
-                answer = self.call(actor, method, *args, timeout=20)
+                answer = self.call(actor, method, *args, timeout=20, namespace=namespace)
             except TimeoutError:
                 self.restart()
                 continue

@@ -1,4 +1,7 @@
-"""The CLI against a real `ray start --head` cluster on loopback: separate processes attach only by name."""
+"""The CLI against a real `ray start --head` cluster on loopback: separate processes attach only by name.
+
+What the tests assert on comes from `detached-rl` commands; the waits in between poll through one driver, this
+test process's (`cluster`), not a new `detached-rl` process per poll."""
 
 import json
 import os
@@ -13,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from detached_rl.cli.inspection import all_status, inspect
 from detached_rl.core.checkpoint import load_state
 
 from .conftest import CLUSTER_MARKER, ROOT, new_cluster_marker, stop_marked
-from .helpers import gpu_overrides, set_flags
+from .helpers import gpu_overrides, set_flags, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -60,10 +64,14 @@ def cluster():
          "--num-cpus=6", "--disable-usage-stats"],
         env=env, check=True, capture_output=True, timeout=COMMAND_TIMEOUT_S,
     )
+    import ray
+
     try:
+        ray.init(address=f"127.0.0.1:{port}", namespace="cli_test", log_to_driver=False)
         yield {"address": f"127.0.0.1:{port}", "client": f"ray://127.0.0.1:{client_port}", "env": env,
                "directory": directory}
     finally:
+        ray.shutdown()
         stop_marked(marker)
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -95,12 +103,14 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
 
     # Both outlive the processes that started them. Wait on the direct address (the Ray client's turn comes
     # below, once the machine is quiet: each client join makes the head start a server process of its own).
-    deadline = time.monotonic() + 300
+    wait_for(lambda: inspect("trainer_0", "cli_test", 3, None, None)["stats"]["sampled"] >= 16,
+             "16 samples trained", 300, 1.0)
+    deadline = time.monotonic() + 120
     while True:
         report = json.loads(cli(cluster, "inspect", "trainer_0", "--json", "--last", "3", *address,
                                 "--namespace", "cli_test").stdout)
         # Makers are paced to what the trainer can use: wait for a moment the buffer holds samples too.
-        if report["stats"]["sampled"] >= 16 and len(report["samples"]) == 3 or time.monotonic() > deadline:
+        if len(report["samples"]) == 3 or time.monotonic() > deadline:
             break
         time.sleep(1)
     stats = report["stats"]
@@ -160,9 +170,11 @@ def test_separate_jobs_attach_by_name_inspect_from_a_client_and_stop(cluster, tm
     assert "no detached-rl actors" in cli(cluster, "status", *address, "--namespace", "cli_test").stdout
 
 
-PLACEMENT_GROUPS = ("import json, ray; ray.init(address='{address}', namespace='cli_test', "
-                    "log_to_driver=False); print(json.dumps({{t['name']: t['state'] for t in "
-                    "ray.util.placement_group_table().values()}}))")
+def placement_groups() -> dict[str, str]:
+    """The cluster's placement groups' states by name."""
+    import ray
+
+    return {table["name"]: table["state"] for table in ray.util.placement_group_table().values()}
 
 
 def test_a_two_rank_ddp_trainer_group_from_the_cli_trains_and_stops_with_its_placement_group(
@@ -178,25 +190,21 @@ def test_a_two_rank_ddp_trainer_group_from_the_cli_trains_and_stops_with_its_pla
         *address)
     deadline = time.monotonic() + 150
     while True:
-        rows = {r["name"]: r for r in json.loads(cli(cluster, "status", "--json", *address,
-                                                     "--namespace", "cli_test").stdout)}
+        rows = _status_rows(cluster)
         ranks = [rows.get("grp_0", {}), rows.get("grp_1", {})]
         if all(r.get("state") == "done" for r in ranks) or time.monotonic() > deadline:
             break
         time.sleep(2)
+    rows = {r["name"]: r for r in json.loads(cli(cluster, "status", "--json", *address,
+                                                 "--namespace", "cli_test").stdout)}
+    ranks = [rows.get("grp_0", {}), rows.get("grp_1", {})]
     assert [(r["rank"], r["world_size"], r["state"], r["policy_version"]) for r in ranks] == [
         (0, 2, "done", 2), (1, 2, "done", 2)]
-    groups = subprocess.run([sys.executable, "-c", PLACEMENT_GROUPS.format(address=cluster["address"])],
-                            env=cluster["env"], check=True, timeout=COMMAND_TIMEOUT_S, capture_output=True,
-                            text=True)
-    assert json.loads(groups.stdout.strip().splitlines()[-1])["grp-placement"] == "CREATED"
+    assert placement_groups()["grp-placement"] == "CREATED"
 
     out = cli(cluster, "stop", *address, "--namespace", "cli_test", "--timeout", "60")
     assert {"grp_0", "grp_1", "grp_maker"} <= set(out.stdout.replace(",", " ").split())
-    groups = subprocess.run([sys.executable, "-c", PLACEMENT_GROUPS.format(address=cluster["address"])],
-                            env=cluster["env"], check=True, timeout=COMMAND_TIMEOUT_S, capture_output=True,
-                            text=True)
-    assert json.loads(groups.stdout.strip().splitlines()[-1])["grp-placement"] == "REMOVED"
+    assert placement_groups()["grp-placement"] == "REMOVED"
 
 
 @pytest.mark.parametrize(
@@ -223,9 +231,8 @@ def test_errors_are_one_line_without_traceback(cluster, args, message):
 
 
 def _status_rows(cluster) -> dict:
-    rows = json.loads(cli(cluster, "status", "--json", "--address", cluster["address"], "--namespace",
-                          "cli_test").stdout)
-    return {row["name"]: row for row in rows}
+    """`detached-rl status --json`'s rows by name, read through this test's driver (the same function)."""
+    return {row["name"]: row for row in all_status("cli_test")}
 
 
 def _wait_rows(cluster, predicate, what: str, timeout: float = 600) -> dict:
@@ -236,6 +243,11 @@ def _wait_rows(cluster, predicate, what: str, timeout: float = 600) -> dict:
             return rows
         assert time.monotonic() < deadline, f"timed out waiting for {what}: {rows}"
         time.sleep(3)
+
+
+# Steps the resumed trainer trains: enough to show it trains on with the maker that fed the first one (each
+# step's batch comes from it), not so many that the test spends its time training.
+RESUMED_STEPS = 4
 
 
 def test_a_trainer_job_killed_and_resumed_from_its_checkpoint_trains_on_with_the_maker_that_fed_it(
@@ -259,17 +271,17 @@ def test_a_trainer_job_killed_and_resumed_from_its_checkpoint_trains_on_with_the
     # The same job again, resumed; the maker job that fed the first one is still running and attached.
     resumed_at = load_state(Path(checkpoints) / "rank_0")["policy_version"]
     assert resumed_at >= 2
-    out = cli(cluster, *trainer_job, "--steps", str(resumed_at + 20), "--resume-from", checkpoints)
+    out = cli(cluster, *trainer_job, "--steps", str(resumed_at + RESUMED_STEPS), "--resume-from", checkpoints)
     assert "trainer 'resumed' started" in out.stdout
     rows = _wait_rows(cluster, lambda r: r["resumed"]["state"] in ("done", "failed"), "the resumed trainer")
     trainer, maker = rows["resumed"], rows["feeder"]
-    assert trainer["state"] == "done" and trainer["policy_version"] == resumed_at + 20, trainer["last_error"]
-    metrics = ("import json, ray; ray.init(address='{address}', namespace='cli_test', log_to_driver=False); "
-               "print(json.dumps(ray.get(ray.get_actor('resumed').metrics.remote(), timeout=60)))")
-    history = json.loads(subprocess.run([sys.executable, "-c", metrics.format(address=cluster["address"])],
-                                        env=cluster["env"], check=True, timeout=180, capture_output=True,
-                                        text=True).stdout.splitlines()[-1])
-    # It picked up from the first trainer's checkpoint (not from scratch) and trained 20 more steps.
-    assert [m["policy_version"] for m in history] == list(range(resumed_at + 1, resumed_at + 21))
+    assert trainer["state"] == "done" and trainer["policy_version"] == resumed_at + RESUMED_STEPS, \
+        trainer["last_error"]
+    import ray
+
+    history = ray.get(ray.get_actor("resumed", namespace="cli_test").metrics.remote(), timeout=60)
+    # It picked up from the first trainer's checkpoint (not from scratch) and trained on with the same maker.
+    resumed_steps = range(resumed_at + 1, resumed_at + RESUMED_STEPS + 1)
+    assert [m["policy_version"] for m in history] == list(resumed_steps)
     assert not maker["restarted"] and maker["trainer_run"] == trainer["trainer_run"]
     cli(cluster, "stop", *address, "--namespace", "cli_test", "--timeout", "60")

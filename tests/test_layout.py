@@ -220,20 +220,22 @@ def test_ray_internals_only_in_the_seam() -> None:
     assert users == []
 
 
-# What each actor shell's worker process imports when it starts: every Ray worker pays for these, and a
-# 2-core CI box starts hundreds of them.
+# What importing an actor shell's module costs: every Ray worker of that role pays it, and so does every
+# driver that looks an actor up by name (Ray imports the class's module to make the handle: `detached-rl
+# status`, `inspect`, `stop`). A 2-core CI box starts hundreds of them.
 SHELL_IMPORTS = """
 import sys
 import detached_rl.actors.{shell}
-heavy = ("peft", "loralib", "vllm", "detached_rl.actors.trainer")
+heavy = ("transformers", "peft", "loralib", "vllm", "detached_rl.trainer.core",
+         "detached_rl.maker.experience_maker")
 print(sorted(name for name in heavy if name in sys.modules))
 """
 
 
-@pytest.mark.parametrize("shell", ["scorer", "maker"])
-def test_scorer_and_maker_shells_import_no_lora_library_no_vllm_and_no_trainer(shell: str) -> None:
-    """peft and loralib are imported where LoRA is used, vLLM where an engine starts, the trainer where one
-    runs: a scorer worker with a Python reward, or a maker of an HF policy, starts without them."""
+@pytest.mark.parametrize("shell", ["scorer", "maker", "trainer"])
+def test_actor_shell_modules_import_no_model_library(shell: str) -> None:
+    """transformers, peft and loralib are imported where a model is built, vLLM where an engine starts: a
+    driver that asks an actor for its status, or a scorer worker with a Python reward, starts without them."""
     import subprocess
     import sys
 

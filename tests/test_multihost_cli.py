@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
-import time
 
 import pytest
 
@@ -23,7 +22,7 @@ from detached_rl.node import NodePorts
 from detached_rl.node.shim import port_ranges
 
 from .hosts import Hosts
-from .multihost import hosts_fixture, tiny_config_path
+from .multihost import Probe, hosts_fixture, tiny_config_path, wait_for
 
 pytestmark = [pytest.mark.multihost]
 
@@ -77,13 +76,15 @@ def jobs(hosts: Hosts) -> None:
         assert job.returncode == 0, out
 
 
-def buffered(hosts: Hosts, address: str) -> dict:
-    """`inspect --json` from the desk, until the trainer's buffer holds both of the maker's batches."""
-    deadline = time.monotonic() + 180
-    while True:
-        report = json.loads(cli(hosts, address, "inspect", "t", "--json", "--last", "2", *NAMESPACE).stdout)
-        if report["stats"]["size"] >= SAMPLES or time.monotonic() > deadline:
-            return report
+def wait_buffered(hosts: Hosts) -> None:
+    """Until the trainer's buffer holds both of the maker's batches, asked through one long-lived driver on h0
+    (a `ray://` join per poll would make the head start a client server each time)."""
+    probe = Probe(hosts, TRAINER)
+    try:
+        wait_for("the maker's two batches in the trainer's buffer",
+                 lambda: probe.ask("t", "buffer_stats", namespace="desk_test")["size"] >= SAMPLES, 180)
+    finally:
+        probe.close()
 
 
 def test_status_inspect_export_and_stop_from_the_desk_through_both_addresses(hosts: Hosts) -> None:
@@ -91,8 +92,9 @@ def test_status_inspect_export_and_stop_from_the_desk_through_both_addresses(hos
     and the direct address: status lists both, inspect shows the samples, export writes them on the desk,
     stop ends them."""
     jobs(hosts)
+    wait_buffered(hosts)
     for address in addresses(hosts):
-        report = buffered(hosts, address)
+        report = json.loads(cli(hosts, address, "inspect", "t", "--json", "--last", "2", *NAMESPACE).stdout)
         stats = report["stats"]
         assert stats["size"] == SAMPLES and stats["accounting_ok"] and "m" in stats["per_maker"], stats
         assert len(report["samples"]) == 2 and all(s["response_text"] is not None for s in report["samples"])

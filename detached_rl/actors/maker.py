@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -35,13 +35,15 @@ from detached_rl.core.checkpoint import has_checkpoint, load_state, save_atomic
 from detached_rl.core.prompts import PromptSource
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.core.transfer import TransferProgress
-from detached_rl.maker.config import ATTACH_TIMEOUT_S
-from detached_rl.maker.experience_maker import ExperienceMaker, MakerConfig, MakerModels
+from detached_rl.maker.config import ATTACH_TIMEOUT_S, MakerConfig
 from detached_rl.maker.loop import MakerLoop
 from detached_rl.maker.pusher import ExperiencePusher
 from detached_rl.strategies import NaiveStrategy, Strategy
 from detached_rl.weights.ray_wire import node_ip, relayed_piece, tracked_fetch
 from detached_rl.weights.update import ApplyResult, WeightUpdate
+
+if TYPE_CHECKING:
+    from detached_rl.maker.experience_maker import MakerModels
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,9 @@ class MakerShell:
 
             scoring = RemoteScoring(config.scorers, self.namespace, attach_timeout_s, config.scorer_timeout_s,
                                     config.scorer_attempts)
+        # imported here, not with the module: a driver that looks this maker up by name imports the module
+        from detached_rl.maker.experience_maker import ExperienceMaker
+
         self.core = ExperienceMaker(name, model_factory(), source, config, strategy, scoring)
         self.device = strategy.device
         self._stop = threading.Event()

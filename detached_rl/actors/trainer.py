@@ -9,6 +9,10 @@ group runs in its own thread, so a long `fit` never delays a push or a status qu
 
 `TRAINER_CLASSES` maps an algorithm name to its trainer actor class; every place that creates
 trainers picks the class there.
+
+The learners and `TrainerCore` (torch, transformers, peft) are imported where the trainer is built, not
+when this module is: a driver that looks a trainer up by name (`detached-rl status`) imports this module
+to make its handle, and answers in about a second instead of seven.
 """
 
 from __future__ import annotations
@@ -19,21 +23,25 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from detached_rl.actors.placement import actor_device
 from detached_rl.actors.transport import IncomingPushes, actor_host, attach, resolve_namespace
-from detached_rl.algorithms.grpo import GRPOConfig, GRPOLearner
-from detached_rl.algorithms.ppo import PPOConfig, PPOLearner
-from detached_rl.core.replay_buffer import AppendResult
-from detached_rl.core.sampling import SamplingConfig
+from detached_rl.algorithms.grpo_config import GRPOConfig
+from detached_rl.algorithms.ppo_config import PPOConfig
 from detached_rl.strategies import NaiveStrategy, Strategy, check_strategy_name
 from detached_rl.trainer.config import TrainerConfig
-from detached_rl.trainer.core import TrainerCore
 from detached_rl.weights.ray_wire import chunk_store, ray_push_queue
 from detached_rl.weights.update import WeightUpdate, state_fingerprint
+
+if TYPE_CHECKING:
+    from detached_rl.algorithms.grpo import GRPOLearner
+    from detached_rl.algorithms.ppo import PPOLearner
+    from detached_rl.core.replay_buffer import AppendResult
+    from detached_rl.core.sampling import SamplingConfig
+    from detached_rl.trainer.core import TrainerCore
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +95,8 @@ class _TrainerShell:
     def build(self, strategy: Strategy) -> TrainerCore:
         """Build the trainer core over `make_learner(strategy)` and its version-0 update (ready from now
         on)."""
+        from detached_rl.trainer.core import TrainerCore
+
         self.core = TrainerCore(self.name, self.make_learner(strategy), self.config)
         self.core.weights.snapshot(self.put_chunk)  # version 0, offered to makers that register
         self._ready.set()
@@ -323,6 +333,8 @@ class PPOTrainerShell(_TrainerShell):
     """PPO: actor and critic from the factory (`(Actor, Critic)`); makers mirror both."""
 
     def make_learner(self, strategy: Strategy) -> PPOLearner:
+        from detached_rl.algorithms.ppo import PPOLearner
+
         actor, critic = self.model_factory()
         return PPOLearner(actor, critic, strategy, self.algorithm or PPOConfig(), sampling=self.sampling)
 
@@ -331,6 +343,8 @@ class GRPOTrainerShell(_TrainerShell):
     """The GRPO family: the policy from the factory (an `Actor`, or `(Actor, ...)`); critic-free."""
 
     def make_learner(self, strategy: Strategy) -> GRPOLearner:
+        from detached_rl.algorithms.grpo import GRPOLearner
+
         built = self.model_factory()
         actor = built[0] if isinstance(built, tuple) else built
         return GRPOLearner(actor, strategy, self.algorithm or GRPOConfig(), sampling=self.sampling)

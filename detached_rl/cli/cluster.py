@@ -179,6 +179,11 @@ def connect(address: str | None, namespace: str, timeout: float | None = None,
 
 LOCAL_HOST = "127.0.0.1"
 LOCAL_CLUSTER_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# The embedded cluster's node shares its machine with its GCS: no network can cut them apart, and a missed
+# health check means only that the machine is busy (a small box running a trainer and makers). Ray's default
+# declares the node dead after 5 missed checks 3 s apart, which 2 loaded cores have reached (the whole job
+# then fails); 40 checks (about 2 minutes) keep the job through any load that lets it progress at all.
+LOCAL_HEALTH_CHECKS = {"health_check_failure_threshold": 40}
 
 
 def init_local_ray(namespace: str, **options: Any) -> None:
@@ -198,6 +203,7 @@ def init_local_ray(namespace: str, **options: Any) -> None:
 
     keep_loopback_node_address()
     options.setdefault("dashboard_host", LOCAL_HOST)
+    options["_system_config"] = {**LOCAL_HEALTH_CHECKS, **options.get("_system_config", {})}
     ray.init(address="local", namespace=namespace, _node_ip_address=LOCAL_HOST, **options)
     node_ip = ray.util.get_node_ip_address()
     if not ipaddress.ip_address(node_ip).is_loopback:

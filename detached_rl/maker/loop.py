@@ -11,13 +11,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from detached_rl.core.replay_buffer import NEWER_THAN_TRAINER
 from detached_rl.maker import wait_policy
-from detached_rl.maker.experience_maker import ExperienceMaker
 from detached_rl.maker.pusher import ExperiencePusher
 from detached_rl.maker.wait_policy import Decision, WaitLimits, WaitState
+
+if TYPE_CHECKING:
+    from detached_rl.maker.experience_maker import ExperienceMaker
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ import torch
 
 from detached_rl.core.devices import to_device
 from detached_rl.core.sampling import SamplingConfig
-from detached_rl.models.actor import reference_sampling
 from detached_rl.scorer.config import SCORER_ROLES
 from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest, merge_requests
 from detached_rl.weights.receiver import WeightReceiver
@@ -133,7 +132,9 @@ class Scorer:
             return self.model.score(sequences, attention_mask, response_mask, metadata), None, None
         if self.role == "reference":
             # The temperature-scaled full distribution (`reference_sampling`): finite
-            # for every sampleable token.
+            # for every sampleable token. Imported here: a reward scorer never loads transformers for it.
+            from detached_rl.models.actor import reference_sampling
+
             return None, None, self.model.log_probs(sequences, attention_mask, response_mask,
                                                     reference_sampling(self.sampling))
         return None, None, self.model(sequences, attention_mask, response_mask)
