@@ -16,8 +16,8 @@ import time
 
 SCALE_VARIABLE = "DETACHED_RL_DEADLINE_SCALE"
 # `python -c "import torch, transformers"`'s wall time on the idle reference box (x86_64 AMD EPYC VM, 2 cores,
-# 2026-12-07: 2.6, 2.5, 2.6 s), the start-up every Ray worker and `detached-rl` job pays.
-REFERENCE_STARTUP_S = 2.6
+# 2026-12-07: 3.5, 3.0, 3.1 s), the start-up every Ray worker and `detached-rl` job pays.
+REFERENCE_STARTUP_S = 3.0
 STARTUP_PROBE = "import torch, transformers"
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from .conftest import ROOT
+from .deadlines import scaled
 from .hosts import Hosts
 from .hosts.network import NetworkError, require_tools
 
@@ -91,7 +92,7 @@ class Probe:
         stuck on a node being declared dead) is replaced."""
         for _ in range(tries):
             try:
-                answer = self.call(actor, method, *args, timeout=20, namespace=namespace)
+                answer = self.call(actor, method, *args, timeout=scaled(20), namespace=namespace)
             except TimeoutError:
                 self.restart()
                 continue
@@ -124,7 +125,9 @@ class Probe:
 
 
 def wait_for(what: str, condition: Any, timeout: float, poll: float = 1.0) -> Any:
-    """Poll `condition()` until it returns something true; fail naming `what` after `timeout` s."""
+    """Poll `condition()` until it returns something true; fail naming `what` after `timeout` s on the idle
+    reference box, scaled to this machine (`tests/deadlines.py`)."""
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()

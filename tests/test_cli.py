@@ -13,7 +13,7 @@ from .helpers import lane_device
 
 
 def test_version_and_help():
-    out = subprocess.run([sys.executable, "-m", "detached_rl.cli.main", "--version"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "detached_rl.cli", "--version"], capture_output=True,
                          text=True,
                          check=True)
     assert out.stdout.strip() == f"detached-rl {detached_rl.__version__}"

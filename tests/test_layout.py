@@ -4,6 +4,7 @@ cycles, Ray only in the Ray wing."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,34 @@ def test_actor_shell_modules_import_no_model_library(shell: str) -> None:
     out = subprocess.run([sys.executable, "-c", SHELL_IMPORTS.format(shell=shell)], capture_output=True,
                          text=True, timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+# Entries of the package's registries ("package.module:attribute"): imported by name, not by an import line.
+REGISTRY_ENTRY = re.compile(r"^(detached_rl(?:\.\w+)+)(?::[\w.]+)?$")
+
+
+def registry_entries(path: Path) -> set[str]:
+    """The modules named by string constants of `path` ("detached_rl.x.y" or "detached_rl.x.y:attr"), and
+    the `__main__` of a package so named (`python -m detached_rl.cli`)."""
+    named = {match.group(1) for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and (match := REGISTRY_ENTRY.match(node.value))}
+    return named | {f"{name}.__main__" for name in named}
+
+
+def test_every_module_is_imported_by_a_test_of_make_test() -> None:
+    """No module of the package is left to `make test-e2e` alone: each is imported, directly or through the
+    modules they import (registry entries included), by a test module that `make test` runs (not marked
+    e2e as a whole)."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    tests = [path for path in (PACKAGE.parent / "tests").rglob("*.py")
+             if not re.search(r"^pytestmark\s*=.*mark\.e2e", path.read_text(), re.MULTILINE)]
+    reached: set[str] = set()
+    frontier = {m for path in tests for m in imports_of(path) | registry_entries(path) if m in files}
+    while frontier:
+        reached |= frontier
+        frontier = {m for name in frontier for m in imports_of(files[name]) | registry_entries(files[name])
+                    if m in files} - reached
+    # a package's __init__ runs whenever one of its modules is imported
+    reached |= {name.rsplit(".", depth)[0] for name in reached for depth in range(1, name.count(".") + 1)}
+    assert sorted(set(files) - reached) == []

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from .deadlines import scaled
 from .multihost import Probe, hosts_fixture, tiny_config_path, wait_for
 
 pytestmark = [pytest.mark.multihost]
@@ -85,7 +86,7 @@ def test_versions_cross_the_uplink_about_once_a_vanished_relay_is_named_a_joiner
                          or row.get("makers_lost", {}).get(root), 60, poll=0.5)
         named_after = time.monotonic() - killed
         print(f"swarm: {root} (h{victim}) named {named_after:.1f} s after its node died: {named}")
-        assert named_after <= 30.0, named
+        assert named_after <= scaled(30.0), named  # 30 s on the idle reference box
 
         # 3. A fresh host joins: its maker job generates with current weights, and the run goes on.
         joined_at = status()["policy_version"]

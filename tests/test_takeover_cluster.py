@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from .conftest import CLUSTER_MARKER, ROOT, new_cluster_marker, stop_marked
+from .deadlines import scaled
 from .helpers import wait_for
 
 pytestmark = pytest.mark.ray
@@ -104,8 +105,9 @@ def maker_rows() -> list[Any]:
 
 
 def waited(what: str, condition: Any, timeout: float) -> Any:
-    """`condition()`'s first true value, polled every second; fails naming `what` after `timeout` s."""
-    return wait_for(condition, what, timeout, 1.0)
+    """`condition()`'s first true value, polled every second; fails naming `what` after `timeout` s on the
+    idle reference box, scaled to this machine (`tests/deadlines.py`)."""
+    return wait_for(condition, what, scaled(timeout), 1.0)
 
 
 def test_a_maker_job_takes_over_the_name_of_a_maker_lost_with_its_node(cluster: dict[str, Any]) -> None:
