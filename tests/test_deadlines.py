@@ -18,6 +18,7 @@ def test_a_set_scale_is_taken_and_never_shrinks_a_bound(monkeypatch):
     monkeypatch.setenv(deadlines.SCALE_VARIABLE, "1.8")
     assert deadlines.scaled(30) == pytest.approx(54)
     monkeypatch.setenv(deadlines.SCALE_VARIABLE, "0.5")  # a faster machine keeps the reference's bound
+    deadlines.slowness.cache_clear()
     assert deadlines.scaled(30) == 30
 
 
