@@ -8,6 +8,7 @@ import os
 import re
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -141,8 +142,8 @@ def marked_processes(marker: str) -> list[psutil.Process]:
 
 
 def stop_marked(marker: str, grace: float = 15.0, rounds: int = 3) -> None:
-    """Terminate, then kill, every process carrying `marker` and their descendants; scan again, since a dying
-    raylet may have started a fresh worker meanwhile."""
+    """Terminate, then kill, every process carrying `marker` and their descendants, the GCS last; scan again,
+    since a dying raylet may have started a fresh worker meanwhile."""
     for _ in range(rounds):
         processes = marked_processes(marker)
         if not processes:
@@ -151,14 +152,37 @@ def stop_marked(marker: str, grace: float = 15.0, rounds: int = 3) -> None:
         for proc in list(processes):
             with contextlib.suppress(psutil.Error):
                 processes.extend(child for child in proc.children(recursive=True) if child not in processes)
-        for proc in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.terminate()
-        _, alive = psutil.wait_procs(processes, timeout=grace)
-        for proc in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-        psutil.wait_procs(alive, timeout=5)
+        # A GCS terminated beside its raylet lingers until killed (the grace); after it, it exits in ~2 s.
+        last = [proc for proc in processes if _name(proc) == "gcs_server"]
+        for wave in ([proc for proc in processes if proc not in last], last):
+            _end(wave, grace)
+
+
+def _name(proc: psutil.Process) -> str:
+    """The process's name, or "" once it is gone."""
+    with contextlib.suppress(psutil.Error):
+        return proc.name()
+    return ""
+
+
+def _end(processes: list[psutil.Process], grace: float) -> None:
+    """Terminate `processes`; kill those still alive after `grace` s."""
+    for proc in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=grace)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The session's one tiny `detached-rl run` (tests/tiny_run.py), started when a test first reads it."""
+    from tests.tiny_run import run_tiny_job
+
+    return run_tiny_job(tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("home"))
 
 
 @pytest.fixture(scope="module")

@@ -3,53 +3,24 @@
 from __future__ import annotations
 
 import json
-import secrets
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import CLUSTER_MARKER, marked_processes, new_cluster_marker
-from tests.helpers import assert_mismatch_gated, gpu_overrides, plotted_panels, set_flags
-from tests.test_run_sockets import console_script, on_loopback, plain_environment, stop_tree, watch_sockets
+from tests.conftest import marked_processes
+from tests.helpers import assert_mismatch_gated, plotted_panels
+from tests.test_run_sockets import on_loopback
+from tests.tiny_run import EVAL_SIZE, STEPS, TinyRun
 
 pytestmark = pytest.mark.ray
 
-STEPS = 3
-
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> tuple[Path, str, str, dict[tuple[str, str, int], str]]:
-    """Run the console script once, as a user types it in a plain shell (its own embedded Ray cluster, none of
-    the suite's settings): the run directory, its output, the `CLUSTER_MARKER` that every process it started
-    carries, and every socket its processes listened on while it ran ((kind, address, port) -> process)."""
-    marker = new_cluster_marker()
-    output = tmp_path_factory.mktemp("runs")
-    home = tmp_path_factory.mktemp("home")
-    # With Ray's token auth on: the whole job (driver, GCS, raylet, every actor) runs on a token-auth cluster.
-    # The marker is inert to Ray: it only lets the tests find the run's processes.
-    env = {**plain_environment(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-           CLUSTER_MARKER: marker}
-    command = [*console_script(), "run", "--model", "tiny", "--steps", str(STEPS),
-               "--name", "tiny-test", "--output", str(output), "--namespace", "detached_rl_run_test",
-               "--set", "task.eval_size=16", "--set", "sampling.max_new_tokens=12",
-               "--set", "run.eval_every=1", "--set", "run.poll_interval_s=0.2",
-               *set_flags(gpu_overrides(run_command=True))]  # GPU shares with --device cuda
-    log, errors = output / "run.out", output / "run.err"
-    with log.open("w") as out, errors.open("w") as err:
-        run = subprocess.Popen(command, env=env, cwd=home, stdout=out, stderr=err, start_new_session=True)
-    seen: dict = {}
-    try:
-        seen, sockets = watch_sockets(run, timeout=600)
-    finally:
-        # Timed out (or the watch failed): end it. A finished run's leftovers are for the test below to find.
-        if run.poll() is None:
-            stop_tree(run, seen)
-    stdout = log.read_text(errors="replace")
-    assert run.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{errors.read_text(errors='replace')[-4000:]}"
-    return output / "tiny-test", stdout, marker, sockets
+def finished_run(tiny_run: TinyRun) -> tuple[Path, str, str, dict[tuple[str, str, int], str]]:
+    """The session's tiny run (tests/tiny_run.py): its directory, output, marker and sockets."""
+    return tiny_run.directory, tiny_run.stdout, tiny_run.marker, tiny_run.sockets
 
 
 def test_reports_accuracy_before_and_after_with_examples(finished_run):
@@ -71,14 +42,14 @@ def test_metrics_jsonl_has_one_row_per_step(finished_run):
         for key in ("reward/mean", "loss/kl_avg", "response_length/mean", "time/weight_sync", "info/correct",
                     "weight_sync/bytes", "maker_versions"):
             assert key in row, key
-        assert set(row["maker_versions"]) == {"tiny-test-maker-0", "tiny-test-maker-1"}
+        assert set(row["maker_versions"]) == {"tiny-test-maker-0"}
     assert_mismatch_gated(rows, "hf:float32")  # the engine/trainer mismatch, gated (tests/helpers.py)
     # LoRA-only updates after the first full one: a few hundred kB, not the whole model.
     assert rows[-1]["weight_sync/bytes"] < 1_000_000
 
 
 def test_the_held_out_curve_is_graded_while_the_makers_generate(finished_run):
-    """`run.eval_every=1`: points between before (step 0) and after (the last step), each an evaluation row
+    """`run.eval_every`: points between before (step 0) and after (the last step), each an evaluation row
     of the whole held-out split with its standard error and the versions that answered; the makers grade
     in their own concurrency group while `run` generates (a point taken inside `compute` would only be
     answered after training)."""
@@ -92,10 +63,10 @@ def test_the_held_out_curve_is_graded_while_the_makers_generate(finished_run):
     for row in points[1:-1]:
         assert 0 < row["eval/policy_version_min"] < STEPS, row  # taken during training
         assert row["eval/policy_version_min"] <= row["eval/policy_version_max"] <= STEPS, row
-        assert row["step"] == row["eval/policy_version_min"] and row["eval/count"] == 16
+        assert row["step"] == row["eval/policy_version_min"] and row["eval/count"] == EVAL_SIZE
     for row in points:
         share = row["eval/accuracy"]
-        assert row["eval/accuracy_se"] == pytest.approx((share * (1 - share) / 16) ** 0.5)
+        assert row["eval/accuracy_se"] == pytest.approx((share * (1 - share) / EVAL_SIZE) ** 0.5)
     assert stdout.count("held-out at step ") == len(points) - 2
 
 
@@ -120,12 +91,12 @@ def test_the_plot_draws_the_runs_series(finished_run):
 def test_eval_and_summary_parse(finished_run):
     directory, *_ = finished_run
     evaluation = json.loads((directory / "eval.json").read_text())
-    assert len(evaluation["before"]) == len(evaluation["after"]) == 16
+    assert len(evaluation["before"]) == len(evaluation["after"]) == EVAL_SIZE
     assert {r["policy_version"] for r in evaluation["before"]} == {0}
     assert {r["policy_version"] for r in evaluation["after"]} == {STEPS}
     summary = json.loads((directory / "summary.json").read_text())
     assert summary["steps"] == STEPS
-    assert set(summary["held_out_before"]) >= {"accuracy", "accuracy_se", "format_rate", "lenient_accuracy"}
+    assert set(summary["held_out_before"]) >= {"accuracy", "accuracy_se", "format_rate", "reward"}
     assert "grpo" in (directory / "config.yaml").read_text()
 
 

@@ -212,27 +212,57 @@ def _refuse_existing(name: str, namespace: str) -> None:
 
 
 def stop(names: list[str], namespace: str, force: bool, timeout: float) -> list[str]:
-    """Stop actors (makers first, then trainers): drain gracefully, then kill; returns what was stopped."""
+    """Stop actors (the makers, then the trainers): drain gracefully, then kill; returns what was stopped.
+
+    Each wave is asked to stop all at once and waited for under one deadline: the ranks of a trainer group
+    step together, so a rank asked alone would wait for its peers until the deadline."""
     import ray
 
     names = names or actor_names(namespace)
     rows = {name: status_of(name, namespace) for name in names}
-    ordered = sorted(names, key=lambda n: rows[n].get("role") == "trainer")  # makers first
+    waves = ([name for name in names if rows[name].get("role") != "trainer"],
+             [name for name in names if rows[name].get("role") == "trainer"])
     stopped = []
-    for name in ordered:
-        handle = handle_of(name, namespace)
-        if not force and rows[name].get("state") not in ("dead", "unresponsive"):
-            try:
-                ray.get(handle.stop.remote(), timeout=timeout)
-                _wait_until_idle(name, namespace, timeout)
-                if rows[name].get("role") == "trainer":
-                    ray.get(handle.shutdown.remote(), timeout=timeout)
-            except Exception as error:  # noqa: BLE001 - fall through to kill, and say so
-                logging.getLogger(__name__).warning("%s did not stop gracefully: %s", name, first_line(error))
-        ray.kill(handle, no_restart=True)
-        stopped.append(name)
+    for wave in waves:
+        if not force:
+            _drain([name for name in wave if rows[name].get("state") not in ("dead", "unresponsive")],
+                   rows, namespace, timeout)
+        for name in wave:
+            ray.kill(handle_of(name, namespace), no_restart=True)
+            stopped.append(name)
     _remove_placement_groups_of(stopped, namespace)
     return stopped
+
+
+def _drain(names: list[str], rows: dict[str, dict[str, Any]], namespace: str, timeout: float) -> None:
+    """Ask `names` to stop, wait until none runs, and shut the trainers down, all within `timeout` s; an
+    actor that does not is logged (it is killed next)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    log = logging.getLogger(__name__)
+    asked = {name: handle_of(name, namespace).stop.remote() for name in names}
+    draining = []
+    for name, reference in asked.items():
+        try:
+            ray.get(reference, timeout=max(0.0, deadline - time.monotonic()))
+            draining.append(name)
+        except Exception as error:  # noqa: BLE001 - killed next, and said so
+            log.warning("%s did not stop gracefully: %s", name, first_line(error))
+    while draining and time.monotonic() < deadline:
+        draining = [name for name in draining
+                    if status_of(name, namespace).get("state") in ("running", "training")]
+        if draining:
+            time.sleep(0.2)
+    if draining:
+        log.warning("%s still running after %.0f s: killed", ", ".join(draining), timeout)
+    trainers = {name: handle_of(name, namespace).shutdown.remote() for name in names
+                if rows[name].get("role") == "trainer" and name not in draining}
+    for name, reference in trainers.items():
+        try:
+            ray.get(reference, timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as error:  # noqa: BLE001 - killed next, and said so
+            log.warning("%s did not shut down gracefully: %s", name, first_line(error))
 
 
 def _remove_placement_groups_of(stopped: list[str], namespace: str) -> None:
@@ -240,12 +270,3 @@ def _remove_placement_groups_of(stopped: list[str], namespace: str) -> None:
     from detached_rl.actors.group import remove_placement_groups_left_empty
 
     remove_placement_groups_left_empty(stopped, actor_names(namespace))
-
-
-def _wait_until_idle(name: str, namespace: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = status_of(name, namespace).get("state")
-        if state not in ("running", "training"):
-            return
-        time.sleep(0.2)
