@@ -32,8 +32,11 @@ NAMESPACE = "takeover_test"
 BIN = Path(sys.executable).parent
 CONFIG = str(ROOT / "examples" / "jobs" / "tiny.yaml")
 MAKER = ["--set", "maker.resources={maker_host: 1}"]
-# Ray's health checks declare a removed node dead after about 15 s of missed checks; a weight push to the
-# maker then fails and the trainer names it lost. Generous bounds: the box may be 2x slower and busy.
+# Ray's health checks declare a removed node dead after `failure_threshold` missed checks (by default 5 every
+# 3 s: 15 s); a weight push to the maker then fails and the trainer names it lost. Checked every second here:
+# a removed node's raylet refuses at once, a live one answers within the default 10 s timeout even on a busy
+# box. Generous bounds: the box may be 2x slower and busy.
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}
 LOST_WITHIN_S = 240
 JOB_TIMEOUT_S = 480
 
@@ -52,7 +55,7 @@ def cluster() -> Iterator[dict[str, Any]]:
     try:
         simulated = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 4, "resources": {"trainer_host": 1}, "include_dashboard": False,
-            "node_ip_address": "127.0.0.1", "temp_dir": temp})
+            "node_ip_address": "127.0.0.1", "temp_dir": temp, "_system_config": HEALTH_CHECKS})
         # the node of the maker that stays: it too offers maker_host, which its maker holds, so a maker job
         # asking for maker_host while the other node is gone can be placed later (not refused at once)
         local = "127.0.0.1"
