@@ -1,5 +1,5 @@
-"""Shared fixtures: the device the tests run on (`--device`), and one local Ray cluster per test module that
-asks for it."""
+"""Shared fixtures: the device the tests run on (`--device`), the local Ray cluster the test modules that ask
+for it share, and the session's tiny `run`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests import helpers
+from tests.shared_cluster import SharedCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,7 +105,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ranks: dict[Path, int] = {}
     for item in items:
         ranks[item.path] = min(ranks.get(item.path, len(RUN_FIRST)), run_order(item))
-    items.sort(key=lambda item: ranks[item.path])
+    _SHARING_MODULES.update(item.path for item in items if "ray_cluster" in getattr(item, "fixturenames", ()))
+    # the modules sharing the Ray cluster one after another: it starts once
+    items.sort(key=lambda item: (ranks[item.path], item.path not in _SHARING_MODULES))
     if helpers.lane_device().type == "cuda":
         return
     skip = pytest.mark.skip(reason="needs CUDA: runs with --device cuda (make test-gpu)")
@@ -187,33 +190,42 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def cluster_marker() -> str:
-    """The `CLUSTER_MARKER` value of this module's cluster."""
+    """A fresh `CLUSTER_MARKER` value for the cluster this module starts."""
     return new_cluster_marker()
 
 
+SHARED = SharedCluster(ROOT, CLUSTER_MARKER)
+_SHARING_MODULES: set[Path] = set()  # the collected modules with a test on `ray_cluster`
+_SERVED_MODULES: set[Path] = set()  # the modules `ray_cluster` was handed to
+
+
 @pytest.fixture(scope="module")
-def ray_cluster(cluster_marker):
-    """A local Ray cluster shared by one test module, shut down after it; its
-    processes carry `cluster_marker`."""
-    import ray
+def ray_cluster(request: pytest.FixtureRequest) -> Any:
+    """The `ray` module connected to the local Ray cluster the modules that ask for it share
+    (tests/shared_cluster.py): cleared of what the module before left, bound to loopback, its processes
+    carrying `ray_cluster_marker`."""
+    _SERVED_MODULES.add(request.path)
+    return SHARED.acquire(new_cluster_marker())
 
-    from detached_rl.cli.jobs import init_local_ray
 
-    marker = cluster_marker
-    previous = os.environ.get(CLUSTER_MARKER)
-    os.environ[CLUSTER_MARKER] = marker  # inherited by the GCS and raylet this starts, and by their workers
-    try:
-        init_local_ray(
-            "detached_rl_tests",
-            num_cpus=8,  # logical slots: actors here are mostly idle or single-threaded
-            include_dashboard=False,
-            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
-            log_to_driver=False,
-        )
-    finally:
-        if previous is None:
-            os.environ.pop(CLUSTER_MARKER, None)
-        else:
-            os.environ[CLUSTER_MARKER] = previous
-    yield ray
-    ray.shutdown()
+@pytest.fixture
+def ray_cluster_marker(ray_cluster: Any) -> str:
+    """The `CLUSTER_MARKER` value of `ray_cluster`'s processes."""
+    assert SHARED.marker is not None
+    return SHARED.marker
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """End the shared cluster before a test that does not ask for it (it may start its own driver, or check
+    that none runs); start it again for a test of a module it was handed to (that module's fixture holds the
+    `ray` module, not the connection)."""
+    if "ray_cluster" not in getattr(item, "fixturenames", ()):
+        SHARED.end()
+    elif not SHARED.running and item.path in _SERVED_MODULES:
+        SHARED.acquire(new_cluster_marker())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """End the shared cluster with the session."""
+    SHARED.end()

@@ -164,12 +164,12 @@ def _name_free(ray, name: str) -> bool:
     return False
 
 
-def test_the_local_cluster_binds_to_loopback(ray_cluster, cluster_marker):
+def test_the_local_cluster_binds_to_loopback(ray_cluster, ray_cluster_marker):
     ray = ray_cluster
     assert [node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]] == ["127.0.0.1"]
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
-    # This module's cluster only (its processes carry the marker), not another cluster on the machine.
-    own = marked_processes(cluster_marker)
+    # The shared cluster only (its processes carry the marker), not another cluster on the machine.
+    own = marked_processes(ray_cluster_marker)
     ray_processes = {proc.pid for proc in own
                      if any(part in proc.name() for part in ("gcs_server", "raylet"))}
     assert len(ray_processes) == 2, f"expected this cluster's GCS and raylet, found {[p.name() for p in own]}"
