@@ -65,13 +65,16 @@ def buffer_ids(buffer: ReplayBuffer) -> list[str]:
     return [exp.id for exp in buffer.take(buffer.max_samples)]
 
 
-def test_one_trainer_acks_everything(executor):
+def test_one_trainer_acks_everything():
     buffers = {"t0": ReplayBuffer()}
-    pusher = ExperiencePusher(submitter(executor, buffers), ["t0"])
-    pushes = batches(5, size=3)
-    for push in pushes:
-        pusher.push(push)
-    assert pusher.flush(timeout=5)
+    # one thread: the trainer answers the pushes in the order they came, so its last answer is the fullest
+    # (appends on several threads may answer 15 before 12, and the maker keeps the answer that came last)
+    with ThreadPoolExecutor(max_workers=1) as in_order:
+        pusher = ExperiencePusher(submitter(in_order, buffers), ["t0"])
+        pushes = batches(5, size=3)
+        for push in pushes:
+            pusher.push(push)
+        assert pusher.flush(timeout=5)
     stats = assert_accounted(pusher, 15)
     assert stats["accepted"] == 15 and stats["acked_pushes"] == stats["pushes"] == 5
     assert stats["per_trainer"]["t0"] == {"accepted": 15, "last_size": 15, "failures": 0, "last_version": 0,
