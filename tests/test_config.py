@@ -258,7 +258,7 @@ def test_trainer_and_maker_without_a_config_build_the_job_run_builds(monkeypatch
     from detached_rl.actors.launch import launch_requests, maker_arguments
     from detached_rl.cli.main import _config, _run_config, build_parser
 
-    monkeypatch.setattr("detached_rl.models.loaders.model_spec_problem", lambda spec: None)  # not loaded
+    monkeypatch.setattr("detached_rl.models.specs.model_spec_problem", lambda spec: None)  # not loaded
     parser = build_parser()
     run = _run_config(parser.parse_args(["run"]))
     trainer = _config(parser.parse_args(["trainer", "--name", "t"]))

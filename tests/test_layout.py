@@ -245,6 +245,30 @@ def test_actor_shell_modules_import_no_model_library(shell: str) -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
+REFUSAL_IMPORTS = """
+import sys
+from detached_rl.cli.command_config import refuse_unloadable_models
+from detached_rl.config import load_config
+try:
+    refuse_unloadable_models(load_config(overrides=["model.policy=/nonexistent/model"]))
+except ValueError as error:
+    print(error)
+print(sorted(name for name in ("torch", "transformers") if name in sys.modules))
+"""
+
+
+def test_a_model_spec_is_refused_before_torch_is_imported() -> None:
+    """`run` checks the model specs and the data before it builds anything: a wrong path is refused in a
+    fraction of a second, not after torch and transformers load (7 s on 2 cores)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", REFUSAL_IMPORTS], capture_output=True, text=True, timeout=300,
+                         check=True)
+    refusal, imported = out.stdout.strip().splitlines()[-2:]
+    assert refusal.startswith("model.policy: '/nonexistent/model' is neither") and imported == "[]", out.stdout
+
+
 # Entries of the package's registries ("package.module:attribute"): imported by name, not by an import line.
 REGISTRY_ENTRY = re.compile(r"^(detached_rl(?:\.\w+)+)(?::[\w.]+)?$")
 

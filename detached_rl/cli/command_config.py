@@ -42,7 +42,7 @@ def run_command_config(args: argparse.Namespace) -> RunConfig:
 def refuse_unloadable_models(config: RunConfig, local: bool = True) -> None:
     """Fail before anything starts when a model spec of the config names nothing loadable (`local`: on this
     machine; else only the specs that name no directory, `smollm2` and `tiny[-<model_type>]`, are checked)."""
-    from detached_rl.models.loaders import model_spec_problem
+    from detached_rl.models.specs import model_spec_problem
 
     for key in ("policy", "critic", "reward_model"):
         spec = getattr(config.model, key)

@@ -48,7 +48,7 @@ EXIT_ERROR = 2
 
 def _check(args: argparse.Namespace) -> int:
     from detached_rl.cli.check import format_report, run_check
-    from detached_rl.models.loaders import model_spec_problem
+    from detached_rl.models.specs import model_spec_problem
 
     problem = model_spec_problem(args.model)
     if problem:

@@ -162,7 +162,7 @@ def launcher_config(args: argparse.Namespace) -> RunConfig:
         raise ValueError(f"--train_batch_size {args.train_batch_size} is more than the {train_batch} samples "
                          "of a training step (update_timesteps x experience_batch_size)")
     from detached_rl.config import load_config
-    from detached_rl.models.loaders import model_spec_problem
+    from detached_rl.models.specs import model_spec_problem
 
     for flag_name in ("pretrain", "reward_pretrain"):
         spec = getattr(args, flag_name)

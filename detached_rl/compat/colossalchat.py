@@ -113,7 +113,7 @@ def _model_path(inference_model_config: Mapping[str, Any], train_model_config: M
         if config.get("checkpoint_path") is not None:
             raise ValueError(f"{where}['checkpoint_path']: loading a ColossalAI checkpoint is not supported; "
                              "give the model as a Hugging Face directory in 'path'")
-    from detached_rl.models.loaders import model_spec_problem
+    from detached_rl.models.specs import model_spec_problem
 
     problem = model_spec_problem(str(paths["train_model_config"]))
     if problem:

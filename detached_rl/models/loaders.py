@@ -236,27 +236,6 @@ def tiny_causal_lm(
     return model.eval(), tokenizer
 
 
-def model_spec_problem(spec: str) -> str | None:
-    """Why `spec` names no loadable model on this machine, or None when it does."""
-    if spec == "smollm2" or spec == "tiny":
-        return None
-    if spec.startswith("tiny-"):
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        model_type = spec.removeprefix("tiny-") or "llama"
-        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            return (f"{spec!r}: {model_type!r} is not a causal-LM model_type of transformers "
-                    "(e.g. tiny-llama, tiny-qwen2, tiny-gpt2)")
-        return None
-    path = Path(spec)
-    if not path.is_dir():
-        return (f"{spec!r} is neither 'smollm2', 'tiny[-<model_type>]' nor an existing model directory "
-                "(nothing is downloaded: give a local Hugging Face model directory)")
-    if not (path / "config.json").is_file():
-        return f"{spec!r} is a directory without config.json, not a Hugging Face model directory"
-    return None
-
-
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a model spec (as `load_causal_lm`) without loading the model's weights."""
     if spec == "smollm2":

@@ -1,0 +1,26 @@
+"""Whether a model spec names something loadable here, answered without importing torch (refused quickly)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def model_spec_problem(spec: str) -> str | None:
+    """Why `spec` names no loadable model on this machine, or None when it does."""
+    if spec == "smollm2" or spec == "tiny":
+        return None
+    if spec.startswith("tiny-"):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        model_type = spec.removeprefix("tiny-") or "llama"
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return (f"{spec!r}: {model_type!r} is not a causal-LM model_type of transformers "
+                    "(e.g. tiny-llama, tiny-qwen2, tiny-gpt2)")
+        return None
+    path = Path(spec)
+    if not path.is_dir():
+        return (f"{spec!r} is neither 'smollm2', 'tiny[-<model_type>]' nor an existing model directory "
+                "(nothing is downloaded: give a local Hugging Face model directory)")
+    if not (path / "config.json").is_file():
+        return f"{spec!r} is a directory without config.json, not a Hugging Face model directory"
+    return None
