@@ -266,7 +266,8 @@ def test_a_model_spec_is_refused_before_torch_is_imported() -> None:
     out = subprocess.run([sys.executable, "-c", REFUSAL_IMPORTS], capture_output=True, text=True, timeout=300,
                          check=True)
     refusal, imported = out.stdout.strip().splitlines()[-2:]
-    assert refusal.startswith("model.policy: '/nonexistent/model' is neither") and imported == "[]", out.stdout
+    assert refusal.startswith("model.policy: '/nonexistent/model' is neither"), out.stdout
+    assert imported == "[]", out.stdout
 
 
 # Entries of the package's registries ("package.module:attribute"): imported by name, not by an import line.
