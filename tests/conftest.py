@@ -194,7 +194,7 @@ def cluster_marker() -> str:
     return new_cluster_marker()
 
 
-SHARED = SharedCluster(ROOT, CLUSTER_MARKER)
+SHARED = SharedCluster(ROOT, CLUSTER_MARKER, new_cluster_marker)
 _SHARING_MODULES: set[Path] = set()  # the collected modules with a test on `ray_cluster`
 _SERVED_MODULES: set[Path] = set()  # the modules `ray_cluster` was handed to
 
@@ -205,7 +205,7 @@ def ray_cluster(request: pytest.FixtureRequest) -> Any:
     (tests/shared_cluster.py): cleared of what the module before left, bound to loopback, its processes
     carrying `ray_cluster_marker`."""
     _SERVED_MODULES.add(request.path)
-    return SHARED.acquire(new_cluster_marker())
+    return SHARED.acquire()
 
 
 @pytest.fixture
@@ -223,7 +223,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if "ray_cluster" not in getattr(item, "fixturenames", ()):
         SHARED.end()
     elif not SHARED.running and item.path in _SERVED_MODULES:
-        SHARED.acquire(new_cluster_marker())
+        SHARED.acquire()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -22,9 +23,10 @@ CLEAR_TIMEOUT_S = 60.0
 class SharedCluster:
     """One local Ray cluster at a time, bound to loopback, its processes carrying `marker`."""
 
-    def __init__(self, root: Path, marker_variable: str) -> None:
+    def __init__(self, root: Path, marker_variable: str, new_marker: Callable[[], str]) -> None:
         self.root = root
         self.marker_variable = marker_variable
+        self.new_marker = new_marker  # a fresh marker value for each start
         self.marker: str | None = None  # set while it runs
 
     @property
@@ -32,16 +34,16 @@ class SharedCluster:
         """Whether this process's driver is connected to the shared cluster."""
         return self.marker is not None
 
-    def acquire(self, marker: str) -> ModuleType:
+    def acquire(self) -> ModuleType:
         """The `ray` module, connected to the running cluster (cleared of the last module's actors and
-        placement groups) or to one started now whose processes carry `marker`."""
+        placement groups) or to one started now whose processes carry a fresh marker."""
         import ray
 
         if self.running and ray.is_initialized():
             clear(ray)
         else:
             self.end()
-            self._start(marker)
+            self._start(self.new_marker())
         return ray
 
     def _start(self, marker: str) -> None:

@@ -87,10 +87,8 @@ def test_versions_cross_the_uplink_about_once_a_vanished_relay_is_named_a_joiner
         named_after = time.monotonic() - killed
         print(f"swarm: {root} (h{victim}) named {named_after:.1f} s after its node died: {named}")
         assert named_after <= scaled(30.0), named  # 30 s on the idle reference box
-        killed_at = status()["policy_version"]
-
         # 3. A fresh host joins: its maker job generates with current weights, and the run goes on.
-        joined_at = status()["policy_version"]
+        killed_at = joined_at = status()["policy_version"]  # the version once the root's death was named
         hosts.start_node(JOINER)
         joiner = start_maker(hosts, JOINER)
         out, _ = joiner.communicate(timeout=300)
