@@ -5,7 +5,6 @@ a Ray driver kept running on one host, and the polling helpers the multi-host te
 from __future__ import annotations
 
 import json
-import select
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from detached_rl.core.line_reader import LineReader
 
 from .conftest import ROOT
 from .deadlines import scaled
@@ -57,11 +58,17 @@ class Probe:
             self.process = subprocess.Popen(
                 self.hosts.command(self.index, [sys.executable, PROBE, self.hosts.head_address]),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
-        assert "ready" in self._line(120), "the probe did not connect"
+        self.reader = LineReader(self.process.stdout.fileno())
+        ready = self._line(120)
+        assert "ready" in ready, "the probe did not connect"
+        self.pid = json.loads(ready)["pid"]  # in its host's pid namespace
 
     def restart(self) -> None:
         """A new probe in place of one that stopped answering (its Ray driver stalled on a lost node)."""
         print(f"probe on h{self.index} stalled; its log ends: {self.log.read_text()[-600:]!r}")
+        dump = self.hosts.run(self.index, [str(Path(sys.executable).with_name("py-spy")), "dump", "--native",
+                                           "--pid", str(self.pid)], timeout=60)
+        print(f"its threads: {dump.stdout[-12000:]} {dump.stderr[-1000:]}")
         self.process.kill()
         self.process.wait(timeout=20)
         self._start()
@@ -70,11 +77,8 @@ class Probe:
         """The next line the probe answers (Ray's own lines on stdout skipped), or "" after `timeout` s."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            ready, _, _ = select.select([self.process.stdout], [], [], left)
-            if not ready:
-                break
-            line = self.process.stdout.readline()
-            if not line:
+            line = self.reader.readline(left)
+            if line is None:
                 break
             if line.startswith("{"):
                 return line

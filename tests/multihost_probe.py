@@ -41,7 +41,7 @@ def main() -> None:
     """Connect to the cluster named on the command line and answer calls until stdin closes; a call that hangs
     (Ray waiting on a lost node) is answered as timed out and left behind in its thread."""
     ray.init(address=sys.argv[1], namespace="detached_rl", log_to_driver=False)
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=32)
     for line in sys.stdin:
         if line.strip():

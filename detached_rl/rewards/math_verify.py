@@ -19,13 +19,14 @@ import importlib.util
 import json
 import logging
 import math
-import select
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from typing import IO
+
+from detached_rl.core.line_reader import LineReader
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class MathVerifyWorker:
         self._lock = threading.Lock()
         self._process: subprocess.Popen[str] | None = None
         self._stderr: IO[str] | None = None
+        self._reader: LineReader | None = None  # the worker's stdout
         if installed is None:
             installed = importlib.util.find_spec("math_verify") is not None
         self._installed = installed
@@ -71,9 +73,8 @@ class MathVerifyWorker:
 
     def _readline(self, timeout_s: float) -> str | None:
         """One line from the worker, or None on timeout or exit."""
-        assert self._process is not None and self._process.stdout is not None
-        readable, _, _ = select.select([self._process.stdout], [], [], timeout_s)
-        return self._process.stdout.readline() if readable else None
+        assert self._reader is not None
+        return self._reader.readline(timeout_s)
 
     def _start(self) -> bool:
         """Start the worker; False (logged, retried after `retry_after_s`) if it does not come up."""
@@ -84,6 +85,7 @@ class MathVerifyWorker:
                 [sys.executable, "-c", self._code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=self._stderr, text=True,
             )
+            self._reader = LineReader(self._process.stdout.fileno())
             ready = self._readline(self.startup_timeout_s) == "ready\n"
         except OSError as error:
             ready, detail = False, str(error)
