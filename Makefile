@@ -77,7 +77,7 @@ demo: install
 #   workers saturate the CPU and deadlines fail).
 # * `make test-e2e` (root, like the multi-host tests): the long scenarios marked `e2e`: SmolLM2 across a
 #   20 Mbit/s link, real 60 s outages, an unplugged link mid-update, a fresh venv's `pip install .` running
-#   the job, vLLM with SmolLM2.
+#   the job, vLLM with SmolLM2, the default job's learning (one seed, at least +25 points).
 # A failure in the first part of `make test` does not hide the second: both run, and make fails if either did.
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 0
