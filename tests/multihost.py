@@ -67,7 +67,8 @@ class Probe:
     def restart(self) -> None:
         """A new probe in place of one that stopped answering (its Ray driver stalled on a lost node)."""
         print(f"probe on h{self.index} stalled; its log ends: {self.log.read_text()[-600:]!r}")
-        with contextlib.suppress(subprocess.SubprocessError, OSError):  # a diagnosis only: never fails the test
+        # its threads, where it stalled: a diagnosis only, never a reason for the test to fail
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
             dump = self.hosts.run(self.index, [str(Path(sys.executable).with_name("py-spy")), "dump", "--pid",
                                                str(self.pid)], timeout=20)
             print(f"its threads: {dump.stdout[-8000:]} {dump.stderr[-1000:]}")
