@@ -104,7 +104,15 @@ def test_bad_input_is_refused_naming_the_field(make, field):
         make()
 
 
-def test_a_resync_after_s_beyond_the_timeout_never_resyncs_for_being_quiet():
+def test_a_wait_registers_again_before_it_times_out_with_resync_after_s_beyond_the_timeout():
+    """A catch-up wait shorter than `resync_after_s` (a maker with `weight_timeout_s` 5 s) whose update a cut
+    lost: it resyncs once at the timeout, not generating stale samples for good (the fault test's m2)."""
     limits = WaitLimits(resync_after_s=60.0, timeout_s=10.0)
-    state = WaitState(since_update_s=10.0, update_interval_s=None, missing=1, waited_s=10.0, paced=False)
-    assert decide(state, limits) is GENERATE
+
+    def state(waited: float, resynced: bool) -> WaitState:
+        return WaitState(since_update_s=waited, update_interval_s=None, missing=1, waited_s=waited,
+                         paced=False, resynced=resynced)
+
+    assert decide(state(9.99, False), limits) is WAIT
+    assert decide(state(10.0, False), limits) is RESYNC
+    assert decide(state(10.0, True), limits) is GENERATE

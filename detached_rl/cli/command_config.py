@@ -48,7 +48,7 @@ def refuse_unloadable_models(config: RunConfig, local: bool = True) -> None:
         spec = getattr(config.model, key)
         if spec is None or not local and not (spec == "smollm2" or spec.startswith("tiny")):
             continue
-        problem = model_spec_problem(spec)
+        problem = model_spec_problem(spec, config.model.revision if spec == config.model.policy else None)
         if problem:
             raise ValueError(f"model.{key}: {problem}")
 

@@ -268,8 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"training steps (default {defaults.run.steps})")
     run.add_argument("--makers", type=positive_int, default=None,
                      help=f"experience makers (default {defaults.run.makers})")
-    run.add_argument("--model", default=None, help=f"smollm2 | tiny[-<model_type>] | a local model directory "
-                                                   f"(default {defaults.model.policy})")
+    run.add_argument("--model", default=None,
+                     help=f"smollm2 | tiny[-<model_type>] | a local model directory | a Hugging Face Hub id "
+                          f"such as Qwen/Qwen2.5-0.5B-Instruct (model.revision pins its revision; default "
+                          f"{defaults.model.policy})")
     run.add_argument("--task", default=None, choices=TASKS, help=f"default {defaults.task.name}")
     run.add_argument("--name", default=None,
                      help="run name: actor-name prefix and runs/<name> (default: dated)")

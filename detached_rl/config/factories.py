@@ -7,7 +7,7 @@ only when they run.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from detached_rl.config.schema import ModelConfig, RunConfig, TaskConfig
 
@@ -33,12 +33,18 @@ def scorer_factory(config: RunConfig, role: str) -> functools.partial:
     return functools.partial(build_scorer_model, config.model, config.task, role)
 
 
+def hub_options(model: ModelConfig, spec: str) -> dict[str, Any]:
+    """`revision` and `trust_remote_code` for loading `spec` (the policy's revision applies to it only)."""
+    return {"revision": model.revision if spec == model.policy else None,
+            "trust_remote_code": model.trust_remote_code}
+
+
 def build_policy(model: ModelConfig):
     """The policy `Actor` (with its LoRA adapter, if configured), from the model config."""
     from detached_rl.models import Actor, apply_lora, load_causal_lm
     from detached_rl.models.loaders import seeded
 
-    policy, tokenizer = load_causal_lm(model.policy, seed=model.seed)
+    policy, tokenizer = load_causal_lm(model.policy, seed=model.seed, **hub_options(model, model.policy))
     if model.lora is not None:
         with seeded(model.seed):  # the adapter's random initialisation too: the same config, the same policy
             policy = apply_lora(policy, model.lora)
@@ -51,7 +57,8 @@ def build_critic(model: ModelConfig):
     from detached_rl.models.loaders import seeded
     from detached_rl.models.scalar_heads import backbone_of
 
-    critic_model, _ = load_causal_lm(model.critic or model.policy, seed=model.seed + 1)
+    spec = model.critic or model.policy
+    critic_model, _ = load_causal_lm(spec, seed=model.seed + 1, **hub_options(model, spec))
     with seeded(model.seed + 1):  # the value head too: the same config gives the same critic
         return Critic(backbone_of(critic_model))
 
@@ -73,7 +80,8 @@ def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool =
     else:  # GRPO is critic-free; a remote critic is a scorer group's
         actor, critic = build_policy(model), None
     local_reference = with_critic and model.reference and "reference" not in remote_roles
-    reference = Actor(*load_causal_lm(model.policy, seed=model.seed)) if local_reference else None
+    reference = (Actor(*load_causal_lm(model.policy, seed=model.seed, **hub_options(model, model.policy)))
+                 if local_reference else None)
     reward = None if "reward" in remote_roles else build_reward(model, task, actor.tokenizer)
     return MakerModels(actor=actor, critic=critic, reference=reference, reward=reward)
 
@@ -87,7 +95,8 @@ def build_reward(model: ModelConfig, task: TaskConfig, tokenizer):
 
     if model.reward_model is None:
         return TaskReward(task.reward_specs, tokenizer, task.reward_timeout_s)
-    backbone, _ = load_causal_lm(model.reward_model, seed=model.seed + 2)
+    backbone, _ = load_causal_lm(model.reward_model, seed=model.seed + 2,
+                                 **hub_options(model, model.reward_model))
     with seeded(model.seed + 2):  # a seeded head: the same config gives the same reward model
         return RewardModel(backbone_of(backbone)).eval()
 
@@ -98,9 +107,9 @@ def build_scorer_model(model: ModelConfig, task: TaskConfig, role: str):
     from detached_rl.models.loaders import load_tokenizer
 
     if role == "reward":  # the policy's tokenizer decodes the responses; its weights are not needed
-        return build_reward(model, task, load_tokenizer(model.policy))
+        return build_reward(model, task, load_tokenizer(model.policy, **hub_options(model, model.policy)))
     if role == "reference":
-        return Actor(*load_causal_lm(model.policy, seed=model.seed))
+        return Actor(*load_causal_lm(model.policy, seed=model.seed, **hub_options(model, model.policy)))
     if role == "critic":
         return build_critic(model)
     raise ValueError(f"build_scorer_model: unknown role {role!r}")

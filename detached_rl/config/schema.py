@@ -46,10 +46,14 @@ __all__ = ["ALGORITHMS", "RECIPE", "RUN_GPUS", "TASKS", "TASK_REWARDS", "ConfigE
 
 @dataclass
 class ModelConfig:
-    """Which models the makers and trainers build; specs are `smollm2`,
-    `tiny[-<type>]` or a local directory."""
+    """Which models the makers and trainers build; specs are `smollm2`, `tiny[-<type>]`, a local directory or
+    a Hugging Face Hub id (`org/name`: downloaded into the Hugging Face cache, or read from it offline)."""
 
     policy: str = "smollm2"
+    # The policy's Hub revision (a branch, tag or commit; None: its main branch), for every process that loads
+    # it: trainers, makers and the reference. Other Hub ids (critic, reward_model) load their main branch.
+    revision: str | None = None
+    trust_remote_code: bool = False  # run a Hub model's own modelling code (only for ids you trust)
     critic: str | None = None  # None: a critic on the policy's architecture (spec `policy`)
     reference: bool = True  # makers hold a frozen copy of the initial policy for the KL term
     # A reward model (spec as `policy`: a scalar head on that backbone) instead of the task's reward function.

