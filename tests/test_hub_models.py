@@ -1,7 +1,7 @@
 """Models by Hugging Face Hub id (issue 47.1), fed offline as a user's machine would hold them: a Hub cache
 laid out as `huggingface_hub` writes it (`tests/hub_cache.py`) under a temporary `HF_HOME`, read with
-`HF_HUB_OFFLINE=1` by the real loading code, in fresh processes started the way a user starts them (the cache location and the
-offline switch are read when huggingface_hub is imported)."""
+`HF_HUB_OFFLINE=1` by the real loading code, in fresh processes started the way a user starts them (the
+cache location and the offline switch are read when huggingface_hub is imported)."""
 
 from __future__ import annotations
 
