@@ -14,7 +14,12 @@ from detached_rl.models import Actor, Critic, LoraSettings, SamplingConfig, appl
 from detached_rl.strategies.optim import OptimizerConfig
 from detached_rl.trainer.config import TrainerConfig
 from detached_rl.trainer.core import TrainerCore
-from detached_rl.weights.base_fingerprint import BaseCheckedSink, base_fingerprint, base_keys
+from detached_rl.weights.base_fingerprint import (
+    BaseCheckedSink,
+    base_fingerprint,
+    base_keys,
+    base_model_label,
+)
 from detached_rl.weights.sink import ModuleWeightSink
 from detached_rl.weights.update import OffTrainerError, WeightUpdateError, build_weight_update
 
@@ -115,6 +120,19 @@ def test_a_lora_update_behind_a_waiting_full_one_is_checked_against_that_full_on
     assert result.applied and maker.policy_version == 1 and maker.receiver.pending_version is None
     assert maker.base_fingerprint == trainer.weights.base_fingerprint and maker.receiver.swapped == 2
     assert torch.equal(logits_of(maker.backend.model), logits_of(trainer.learner.actor.model))
+
+
+def test_a_base_mismatch_names_the_checkpoint_and_hub_commit_on_both_sides():
+    """A maker that loaded another revision of the trainer's Hub model is told which (issue 47.1)."""
+    model = lora_actor_critic("peft", seed=0)[0].model
+    model.config._name_or_path, model.config._commit_hash = "acme/tiny-llama", "3f2c" * 10
+    served = base_model_label(model)
+    assert served == "acme/tiny-llama@3f2c3f2c3f2c"
+    sink = BaseCheckedSink(ModuleWeightSink(model), base_keys(model), base_model=served)
+    sent = {"base_fingerprint": "another", "base_model": "acme/tiny-llama@aaaaaaaaaaaa"}
+    with pytest.raises(OffTrainerError, match=r"for base weights another \(acme/tiny-llama@aaaaaaaaaaaa\), "
+                       r"this maker holds \w+ \(acme/tiny-llama@3f2c3f2c3f2c\)"):
+        sink.check_update("lora", sent)
 
 
 def test_the_base_check_is_the_policy_sinks_and_fingerprints_again_only_after_a_base_write():

@@ -35,7 +35,7 @@ from detached_rl.models.scalar_heads import Critic
 from detached_rl.scorer.requests import ScoreAnswer, ScoreRequest
 from detached_rl.scorer.service import PendingScores, ScoringService
 from detached_rl.strategies import NaiveStrategy, Strategy, check_strategy
-from detached_rl.weights.base_fingerprint import BaseCheckedSink, base_keys
+from detached_rl.weights.base_fingerprint import BaseCheckedSink, base_keys, base_model_label
 from detached_rl.weights.receiver import (
     WeightReceiver,
 )
@@ -124,7 +124,8 @@ class ExperienceMaker:
         self.base_check: BaseCheckedSink | None = None
         if is_lora:
             self.base_check = BaseCheckedSink(self.backend.weight_sink, base_keys(actor.model),
-                                              casts=cast is not None)
+                                              casts=cast is not None,
+                                              base_model=base_model_label(actor.model))
         synced: dict[str, Any] = {"actor": self.base_check or self.backend.weight_sink}
         if self.critic is not None:
             synced["critic"] = self.critic

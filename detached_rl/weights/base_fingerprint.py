@@ -22,7 +22,8 @@ from detached_rl.weights.sink import SinkCommit, TensorLayout, WeightSink
 from detached_rl.weights.update import OffTrainerError, parse_dtype, state_fingerprint
 
 __all__ = [
-    "CAST_FINGERPRINT_DTYPES", "BaseCheckedSink", "base_fingerprint", "base_keys", "base_state_fingerprint",
+    "CAST_FINGERPRINT_DTYPES", "BaseCheckedSink", "base_fingerprint", "base_keys", "base_model_label",
+    "base_state_fingerprint",
     "cast_base_fingerprints", "dtype_name", "fingerprint_cast_dtype", "lowest_precision_dtype",
     "sent_base_fingerprint",
 ]
@@ -103,6 +104,17 @@ def sent_base_fingerprint(metadata: Mapping[str, Any], cast_dtype: torch.dtype |
     return dict(metadata.get("base_fingerprints") or {}).get(dtype_name(cast_dtype))
 
 
+def base_model_label(model: nn.Module) -> str | None:
+    """Which checkpoint a model was loaded from, for messages: "org/name@<commit>" for a Hub id
+    (`from_pretrained` records both in the config), the directory for a local one; None if unknown."""
+    config = getattr(model, "config", None)  # a peft model answers with its base model's config
+    name = getattr(config, "_name_or_path", None) or None
+    commit = getattr(config, "_commit_hash", None)
+    if name is None:
+        return None
+    return f"{name}@{commit[:12]}" if commit else str(name)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> "bfloat16" (the key of a cast base fingerprint)."""
     return str(dtype).removeprefix("torch.")
@@ -118,8 +130,10 @@ class BaseCheckedSink:
     another base with `OffTrainerError`: registering again (a full update) fixes it.
     """
 
-    def __init__(self, sink: WeightSink, keys: Iterable[str], casts: bool = False) -> None:
+    def __init__(self, sink: WeightSink, keys: Iterable[str], casts: bool = False,
+                 base_model: str | None = None) -> None:
         self.sink = sink
+        self.base_model = base_model  # `base_model_label` of the served model, named in a refusal
         self._ordered = list(keys)
         self.keys = frozenset(self._ordered)
         layout = sink.layout()
@@ -163,9 +177,11 @@ class BaseCheckedSink:
             return
         expected, held = sent_base_fingerprint(metadata, self.cast_dtype), self.fingerprint
         if expected != held:
+            sent_model = metadata.get("base_model")
             raise OffTrainerError(
-                f"base fingerprint mismatch: the LoRA update is for base weights {str(expected)[:24]}, this "
-                f"maker holds {held[:24]}; it needs a full update first"
+                f"base fingerprint mismatch: the LoRA update is for base weights {str(expected)[:24]}"
+                f"{f' ({sent_model})' if sent_model else ''}, this maker holds {held[:24]}"
+                f"{f' ({self.base_model})' if self.base_model else ''}; it needs a full update first"
             )
 
     def layout(self) -> Mapping[str, TensorLayout]:

@@ -24,6 +24,7 @@ from detached_rl.core.text import first_line
 from detached_rl.models.lora import lora_backend, lora_config_dict
 from detached_rl.weights.base_fingerprint import (
     base_fingerprint,
+    base_model_label,
     cast_base_fingerprints,
     dtype_name,
     fingerprint_cast_dtype,
@@ -99,6 +100,7 @@ class WeightPublisher:
         self.latest_update: WeightUpdate | None = None
         self.fingerprints: dict[int, str] = {}
         self.base_fingerprint: str | None = None
+        self.base_model: str | None = None  # `base_model_label`: the checkpoint (and Hub commit) of the base
         # dtype name -> the base's fingerprint cast to it, for makers that cast weights (bf16/fp16 makers).
         # Every update carries these, so a maker registered with any rank can check a LoRA update from rank 0.
         self.cast_base_fingerprints: dict[str, str] = {}
@@ -110,6 +112,7 @@ class WeightPublisher:
                 raise ValueError("TrainerConfig.weight_sync='lora' needs a LoRA policy "
                                  "(see detached_rl.models.apply_lora)")
             self.base_fingerprint = base_fingerprint(policy)
+            self.base_model = base_model_label(policy)
             self.cast_base_fingerprints = cast_base_fingerprints(policy)
         # Synced models without LoRA that training changes (a trained critic): LoRA-only updates carry them
         # whole.
@@ -171,6 +174,7 @@ class WeightPublisher:
             with self._base_fingerprint_lock:
                 cast = dict(self.cast_base_fingerprints)
             metadata.update({"base_fingerprint": self.base_fingerprint, "base_fingerprints": cast,
+                             "base_model": self.base_model,
                              "lora": lora_config_dict(self.synced_models()["actor"])})
         # `put` copies each chunk (ray.put serialises it), so the lock covers the snapshot only.
         with self.source.lock:
