@@ -249,6 +249,24 @@ def test_a_wait_without_a_pace_resyncs_once_when_quiet_then_times_out():
     assert time.now == pytest.approx(100.0, abs=0.05)
     assert loop.fresh_waits["timed_out"] == 1 and loop.fresh_waits["stalled"] == 0
 
+
+def test_a_catch_up_shorter_than_resync_after_s_registers_again_and_gets_the_lost_update():
+    """The fault test's m2 (`weight_timeout_s` 5 s, `resync_after_s` 30 s): its samples arrived stale, the
+    trainer holds v26, whose push a cut link lost, and trains nothing newer without fresh samples. The wait
+    registers again at its timeout and so gets v26, instead of generating stale batches for good."""
+    maker = VersionOnly(version=24)
+    maker.config.resync_after_s, maker.config.weight_timeout_s = 30.0, 5.0
+    time = FakeTime()
+    registered: list[float] = []
+
+    def register() -> None:  # the registration's answer is the trainer's newest weights
+        registered.append(time.now)
+        maker.policy_version = 26
+
+    loop = MakerLoop(maker, threading.Event(), sleep=time.sleep, clock=lambda: time.now, resync=register)
+    assert loop.wait_for_version(26)
+    assert registered == [pytest.approx(5.0, abs=0.05)] and loop.resyncs == 1 and maker.resync_reason is None
+
 # ----------------------------------------------------------------------------- N makers against one trainer
 
 
