@@ -111,6 +111,41 @@ def test_resolve_names_what_it_cannot_import(user_module):
     assert shipped_path(RewardSpec("detached_rl:format")) is None
 
 
+def test_a_reward_named_by_file_is_loaded_from_it_graded_and_shipped(tmp_path, monkeypatch):
+    """`task.reward=path/to/file.py:fn` (verl's convention): the path made absolute (the actors run elsewhere),
+    loaded from the file without its directory on any path, graded in the helper process, shipped as that file;
+    where the path does not exist (a far host), the shipped copy is imported by the file's name."""
+    rewards = tmp_path / "lib" / "file_rewards.py"
+    rewards.parent.mkdir()
+    rewards.write_text(USER_REWARDS)
+    monkeypatch.chdir(tmp_path)
+    spec = RewardSpec("lib/file_rewards.py:score")
+    assert spec.fn == f"{rewards}:score" and spec.label == "score" and not spec.builtin
+    assert "file_rewards" not in sys.modules or sys.modules.pop("file_rewards")
+    try:
+        assert resolve(spec)(["q"], ["it is 7"], answer=[7], bonus=[0.5]) == [1.5]
+        assert shipped_path(spec) == rewards
+        with pytest.raises(RewardSpecError, match="has no 'missing'"):
+            resolve(RewardSpec(f"{rewards}:missing"))
+        helper = RewardProcess(python_path=[p for p in sys.path if p != str(tmp_path / "lib")])
+        try:
+            rows = TaskReward([spec], tokenizer=None, process=helper).grade(["q"] * 2, ["7", "8"],
+                                                                            [{"answer": 7, "bonus": 0.0}] * 2)
+        finally:
+            helper.close()
+        assert [row["reward:score"] for row in rows] == [1.0, 0.0]
+        # A far host: no such path there; the job's runtime_env put the shipped file on its path.
+        far = RewardSpec("/nowhere/file_rewards.py:score")
+        assert shipped_path(far) is None
+        sys.modules.pop("file_rewards")
+        monkeypatch.syspath_prepend(str(rewards.parent))
+        assert resolve(far)(["q"], ["7"], answer=[7], bonus=[0.0]) == [1.0]
+    finally:
+        sys.modules.pop("file_rewards", None)
+    with pytest.raises(RewardSpecError, match="cannot import module '/nowhere/other.py'"):
+        resolve(RewardSpec("/nowhere/other.py:score"))
+
+
 def test_weighted_rewards_total_label_and_report_their_parts(process):
     rows = grade(process, "user_rewards:score", ("user_rewards:length", 0.5, "len"),
                  ("detached_rl:format", 0.2))

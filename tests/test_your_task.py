@@ -67,6 +67,25 @@ def test_the_docs_example_runs_verbatim_in_an_empty_directory(tmp_path):
     assert graded and all("reward:score" in row for row in graded["after"]), graded
 
 
+@pytest.mark.ray
+def test_a_reward_named_by_absolute_file_path_runs_the_tiny_job(tmp_path):
+    """The issue 47 bar: `task.reward=/abs/path/rewards.py:fn`, the file in a directory on no path, the command
+    typed in another one."""
+    files, _ = example()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "my_rewards.py").write_text(files["my_rewards.py"])
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "questions.jsonl").write_text(files["questions.jsonl"])
+    command = (f"detached-rl run --model tiny --steps 2 --set task.dataset=questions.jsonl "
+               f"--set task.reward={tmp_path / 'lib' / 'my_rewards.py'}:score")
+    done = shell(command, work, {**user_shell(work), CLUSTER_MARKER: new_cluster_marker()}, timeout=600)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    run = next((work / "runs").iterdir())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len([row for row in rows if "reward/score_mean" in row]) == 2, rows
+
+
 BAD = [
     ({"questions.jsonl": None}, "task.dataset=missing.jsonl", r"missing\.jsonl: no such file"),
     ({"questions.jsonl": '{"question": "What is 1 + 1?", "answer": 2}\n'}, "task.dataset=questions.jsonl",

@@ -9,7 +9,6 @@ maker's log). Answers are plain data, so the parent never unpickles a user's cla
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import pickle
@@ -60,6 +59,8 @@ def _write(stream: IO[bytes], message: Any) -> None:
 
 def _serve() -> None:
     """The child: answer calls until stdin closes."""
+    from detached_rl.rewards.specs import import_reward_module
+
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the reward's prints go to stderr, not into the replies
     requests = sys.stdin.buffer
@@ -72,7 +73,7 @@ def _serve() -> None:
         try:
             if target not in functions:
                 module, _, name = target.partition(":")
-                found: Any = importlib.import_module(module)
+                found: Any = import_reward_module(module)
                 for part in name.split("."):
                     found = getattr(found, part)
                 functions[target] = found

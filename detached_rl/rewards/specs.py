@@ -1,8 +1,10 @@
-"""Rewards named by import path (`my_rewards:score`) or by built-in name, with weights and metric labels."""
+"""Rewards named by import path (`my_rewards:score`), by file (`path/to/rewards.py:score`, verl's convention)
+or by built-in name, with weights and metric labels."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import re
 import sys
@@ -14,6 +16,7 @@ from typing import Any
 from detached_rl.rewards.builtin import BUILTIN_REWARDS
 
 _PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+_FILE = re.compile(r"(?P<file>[^:]+\.py):(?P<attribute>[A-Za-z_][\w.]*)")
 _LABEL = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -31,9 +34,13 @@ class RewardSpec:
     label: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.fn, str) or not (self.fn in BUILTIN_REWARDS or _PATH.fullmatch(self.fn)):
-            raise RewardSpecError(f"fn: {self.fn!r} is neither 'module:function' nor a built-in reward "
-                                  f"({', '.join(sorted(BUILTIN_REWARDS))})")
+        file = _FILE.fullmatch(self.fn) if isinstance(self.fn, str) else None
+        if file is not None and Path(file["file"]).is_file():  # absolute: the actors run elsewhere
+            object.__setattr__(self, "fn", f"{Path(file['file']).resolve()}:{file['attribute']}")
+        elif file is None and not (isinstance(self.fn, str)
+                                   and (self.fn in BUILTIN_REWARDS or _PATH.fullmatch(self.fn))):
+            raise RewardSpecError(f"fn: {self.fn!r} is neither 'module:function', 'path/to/file.py:function' "
+                                  f"nor a built-in reward ({', '.join(sorted(BUILTIN_REWARDS))})")
         if isinstance(self.weight, bool) or not isinstance(self.weight, int | float) \
                 or not math.isfinite(self.weight):
             raise RewardSpecError(f"weight: must be a finite number, got {self.weight!r}")
@@ -58,9 +65,14 @@ class RewardSpec:
         return self.target.split(":", 1)[0]
 
     @property
+    def file(self) -> Path | None:
+        """The reward's .py file when it is named by file (it may exist only on the driver's host)."""
+        return Path(self.module) if self.module.endswith(".py") else None
+
+    @property
     def builtin(self) -> bool:
         """Whether the function ships with detached-rl."""
-        return self.module.split(".")[0] == "detached_rl"
+        return self.file is None and self.module.split(".")[0] == "detached_rl"
 
 
 def reward_specs(reward: str | None, rewards: Sequence[RewardSpec] = (),
@@ -81,11 +93,35 @@ def reward_specs(reward: str | None, rewards: Sequence[RewardSpec] = (),
     return list(rewards)
 
 
+def import_reward_module(module: str) -> Any:
+    """The module of a reward: an import path, or a .py file, loaded from the file where it lies on this host,
+    else the copy shipped with the job (`config.shipping`: importable by the file's name)."""
+    if not module.endswith(".py"):
+        return importlib.import_module(module)
+    path = Path(module)
+    if not path.is_file():
+        return importlib.import_module(path.stem)
+    loaded = sys.modules.get(path.stem)
+    if loaded is not None and getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} cannot be loaded as a Python module")
+    found = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = found  # as an import would: the module's own imports of itself find it
+    try:
+        spec.loader.exec_module(found)
+    except BaseException:
+        sys.modules.pop(path.stem, None)
+        raise
+    return found
+
+
 def resolve(spec: RewardSpec, where: str = "task.reward") -> Callable[..., Any]:
     """The function `spec` names, imported (RewardSpecError naming `where` when it cannot be)."""
     module_name, _, attribute = spec.target.partition(":")
     try:
-        found: Any = importlib.import_module(module_name)
+        found: Any = import_reward_module(module_name)
     except Exception as error:  # noqa: BLE001 - the user's module may raise anything at import
         raise RewardSpecError(f"{where}: cannot import module {module_name!r} ({type(error).__name__}: "
                               f"{str(error).splitlines()[0] if str(error) else ''})") from error
@@ -104,6 +140,8 @@ def shipped_path(spec: RewardSpec) -> Path | None:
     host has those already)."""
     if spec.builtin:
         return None
+    if spec.file is not None:
+        return spec.file if spec.file.is_file() else None
     top = spec.module.split(".")[0]
     module = sys.modules.get(top) or importlib.import_module(top)
     location = getattr(module, "__file__", None)
