@@ -112,9 +112,9 @@ def test_resolve_names_what_it_cannot_import(user_module):
 
 
 def test_a_reward_named_by_file_is_loaded_from_it_graded_and_shipped(tmp_path, monkeypatch):
-    """`task.reward=path/to/file.py:fn` (verl's convention): the path made absolute (the actors run elsewhere),
-    loaded from the file without its directory on any path, graded in the helper process, shipped as that file;
-    where the path does not exist (a far host), the shipped copy is imported by the file's name."""
+    """`task.reward=path/to/file.py:fn` (verl's convention): the path made absolute (the actors run
+    elsewhere), loaded from the file without its directory on any path, graded in the helper process, shipped
+    as that file; where the path does not exist (a far host), the shipped copy is imported by its name."""
     rewards = tmp_path / "lib" / "file_rewards.py"
     rewards.parent.mkdir()
     rewards.write_text(USER_REWARDS)

@@ -69,8 +69,8 @@ def test_the_docs_example_runs_verbatim_in_an_empty_directory(tmp_path):
 
 @pytest.mark.ray
 def test_a_reward_named_by_absolute_file_path_runs_the_tiny_job(tmp_path):
-    """The issue 47 bar: `task.reward=/abs/path/rewards.py:fn`, the file in a directory on no path, the command
-    typed in another one."""
+    """The issue 47 bar: `task.reward=/abs/path/rewards.py:fn`, the file in a directory on no path, the
+    command typed in another one."""
     files, _ = example()
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "my_rewards.py").write_text(files["my_rewards.py"])
