@@ -19,7 +19,7 @@ the trainer pushes its weights after every step. The run trains
 in `.pt`, as the ancestor saved) and removes every actor it started.
 
 The ancestor's flags are accepted verbatim: `--prompt_csv_url` (a local path or `file://` URL:
-nothing is downloaded), `--pretrain` (a local model directory or the packaged `smollm2`),
+nothing is downloaded), `--pretrain` (a Hub id, a local model directory or the packaged `smollm2`),
 `--need_optim_ckpt` (the trainer's checkpoint and the actor optimizer's state beside the saved
 policy), `--train_batch_size` (samples per optimizer step).
 """

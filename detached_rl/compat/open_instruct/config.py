@@ -63,10 +63,11 @@ class ExperimentConfig:
 
 @dataclass
 class ModelConfig:
-    """open-instruct's `ModelConfig`: the policy (a local Hugging Face directory, tiny[-<type>], smollm2)."""
+    """open-instruct's `ModelConfig`: the policy (a Hub id, a local Hugging Face directory, tiny[-<type>],
+    smollm2) and the Hub revision of a Hub id."""
 
     model_name_or_path: str = "tiny"
-    model_revision: str | None = None  # accepted, unused: nothing is downloaded
+    model_revision: str | None = None
 
 
 @dataclass
@@ -213,7 +214,9 @@ def strategy_from(args: Any, world_size: int) -> str:
     return DEEPSPEED_STAGES[stage]
 
 
-def load_policy(model_name_or_path: str, dtype: str, seed: int, tokenizer: Any = None) -> Actor:
-    """The policy `Actor` from a model spec in `dtype`, with `tokenizer` when given (else the model's own)."""
-    model, own = load_causal_lm(model_name_or_path, dtype=getattr(torch, dtype), seed=seed)
+def load_policy(model_name_or_path: str, dtype: str, seed: int, tokenizer: Any = None,
+                revision: str | None = None) -> Actor:
+    """The policy `Actor` from a model spec (a Hub id at `revision`) in `dtype`, with `tokenizer` when given
+    (else the model's own)."""
+    model, own = load_causal_lm(model_name_or_path, dtype=getattr(torch, dtype), seed=seed, revision=revision)
     return Actor(model, ensure_pad_token(tokenizer) if tokenizer is not None else own)

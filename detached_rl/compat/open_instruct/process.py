@@ -163,7 +163,8 @@ class PolicyTrainerProcess(GRPOTrainerShell):
         self.sampling = self.algorithm.sampling
         self.model_factory = functools.partial(
             load_policy, str(_field(model_config, "model_name_or_path", ModelConfig)),
-            str(_args(args, "model_dtype")), int(_args(args, "seed")), self.tokenizer)
+            str(_args(args, "model_dtype")), int(_args(args, "seed")), self.tokenizer,
+            _field(model_config, "model_revision", ModelConfig))
         if self.strategy_name == "naive":
             if self.world_size != 1:
                 raise ValueError(f"learner {self.name!r}: strategy 'naive' trains one rank, not "
