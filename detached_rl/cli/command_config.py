@@ -42,8 +42,12 @@ def run_command_config(args: argparse.Namespace) -> RunConfig:
 def refuse_unloadable_models(config: RunConfig, local: bool = True) -> None:
     """Fail before anything starts when a model spec of the config names nothing loadable (`local`: on this
     machine; else only the specs that name no directory, `smollm2` and `tiny[-<model_type>]`, are checked)."""
-    from detached_rl.models.specs import model_spec_problem
+    from detached_rl.models.specs import attention_problem, model_spec_problem
 
+    if local and config.model.attn_implementation is not None:
+        problem = attention_problem(config.model.attn_implementation)
+        if problem:
+            raise ValueError(f"model.attn_implementation: {problem}")
     for key in ("policy", "critic", "reward_model"):
         spec = getattr(config.model, key)
         if spec is None or not local and not (spec == "smollm2" or spec.startswith("tiny")):

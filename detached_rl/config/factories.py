@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 def trainer_factory(config: RunConfig) -> functools.partial:
     """A picklable zero-argument factory of the trainer's models ((Actor, Critic) for PPO, Actor for GRPO)."""
     if config.algorithm == "grpo":
-        return functools.partial(build_policy, config.model)
-    return functools.partial(build_actor_critic, config.model)
+        return functools.partial(build_policy, config.model, training=True)
+    return functools.partial(build_actor_critic, config.model, training=True)
 
 
 def maker_factory(config: RunConfig) -> functools.partial:
@@ -33,39 +33,52 @@ def scorer_factory(config: RunConfig, role: str) -> functools.partial:
     return functools.partial(build_scorer_model, config.model, config.task, role)
 
 
-def hub_options(model: ModelConfig, spec: str) -> dict[str, Any]:
-    """`revision` and `trust_remote_code` for loading `spec` (the policy's revision applies to it only)."""
+def load_options(model: ModelConfig, spec: str) -> dict[str, Any]:
+    """`load_causal_lm`'s options for `spec`: revision (the policy's applies to it only), remote code and the
+    attention kernel."""
     return {"revision": model.revision if spec == model.policy else None,
-            "trust_remote_code": model.trust_remote_code}
+            "trust_remote_code": model.trust_remote_code, "attn_implementation": model.attn_implementation}
 
 
-def build_policy(model: ModelConfig):
-    """The policy `Actor` (with its LoRA adapter, if configured), from the model config."""
+def build_policy(model: ModelConfig, training: bool = False):
+    """The policy `Actor` (with its LoRA adapter, if configured), from the model config; `training`: a
+    trainer's, with gradient checkpointing when the config asks for it."""
     from detached_rl.models import Actor, apply_lora, load_causal_lm
     from detached_rl.models.loaders import seeded
 
-    policy, tokenizer = load_causal_lm(model.policy, seed=model.seed, **hub_options(model, model.policy))
+    policy, tokenizer = load_causal_lm(model.policy, seed=model.seed, **load_options(model, model.policy))
+    if training and model.gradient_checkpointing:
+        checkpoint(policy)
     if model.lora is not None:
         with seeded(model.seed):  # the adapter's random initialisation too: the same config, the same policy
             policy = apply_lora(policy, model.lora)
     return Actor(policy, tokenizer)
 
 
-def build_critic(model: ModelConfig):
+def build_critic(model: ModelConfig, training: bool = False):
     """The critic (a value head on the critic's, else the policy's, architecture), from the model config."""
     from detached_rl.models import Critic, load_causal_lm
     from detached_rl.models.loaders import seeded
     from detached_rl.models.scalar_heads import backbone_of
 
     spec = model.critic or model.policy
-    critic_model, _ = load_causal_lm(spec, seed=model.seed + 1, **hub_options(model, spec))
+    critic_model, _ = load_causal_lm(spec, seed=model.seed + 1, **load_options(model, spec))
+    if training and model.gradient_checkpointing:
+        checkpoint(critic_model)
     with seeded(model.seed + 1):  # the value head too: the same config gives the same critic
         return Critic(backbone_of(critic_model))
 
 
-def build_actor_critic(model: ModelConfig):
-    """The policy and a critic, from the model config."""
-    return build_policy(model), build_critic(model)
+def build_actor_critic(model: ModelConfig, training: bool = False):
+    """The policy and a critic, from the model config (`training`: as `build_policy`)."""
+    return build_policy(model, training), build_critic(model, training)
+
+
+def checkpoint(model) -> None:
+    """Gradient checkpointing on a Hugging Face model, non-reentrant (torch's recommendation: it needs no
+    input that requires grad, so a LoRA model's frozen embeddings work), and no KV cache while training."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
 
 
 def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool = True,
@@ -80,7 +93,7 @@ def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool =
     else:  # GRPO is critic-free; a remote critic is a scorer group's
         actor, critic = build_policy(model), None
     local_reference = with_critic and model.reference and "reference" not in remote_roles
-    reference = (Actor(*load_causal_lm(model.policy, seed=model.seed, **hub_options(model, model.policy)))
+    reference = (Actor(*load_causal_lm(model.policy, seed=model.seed, **load_options(model, model.policy)))
                  if local_reference else None)
     reward = None if "reward" in remote_roles else build_reward(model, task, actor.tokenizer)
     return MakerModels(actor=actor, critic=critic, reference=reference, reward=reward)
@@ -96,7 +109,7 @@ def build_reward(model: ModelConfig, task: TaskConfig, tokenizer):
     if model.reward_model is None:
         return TaskReward(task.reward_specs, tokenizer, task.reward_timeout_s)
     backbone, _ = load_causal_lm(model.reward_model, seed=model.seed + 2,
-                                 **hub_options(model, model.reward_model))
+                                 **load_options(model, model.reward_model))
     with seeded(model.seed + 2):  # a seeded head: the same config gives the same reward model
         return RewardModel(backbone_of(backbone)).eval()
 
@@ -107,9 +120,10 @@ def build_scorer_model(model: ModelConfig, task: TaskConfig, role: str):
     from detached_rl.models.loaders import load_tokenizer
 
     if role == "reward":  # the policy's tokenizer decodes the responses; its weights are not needed
-        return build_reward(model, task, load_tokenizer(model.policy, **hub_options(model, model.policy)))
+        return build_reward(model, task, load_tokenizer(model.policy, revision=model.revision,
+                                                        trust_remote_code=model.trust_remote_code))
     if role == "reference":
-        return Actor(*load_causal_lm(model.policy, seed=model.seed, **hub_options(model, model.policy)))
+        return Actor(*load_causal_lm(model.policy, seed=model.seed, **load_options(model, model.policy)))
     if role == "critic":
         return build_critic(model)
     raise ValueError(f"build_scorer_model: unknown role {role!r}")

@@ -35,13 +35,15 @@ from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
 TASKS = ("addition", "word_problems")
 TASK_REWARDS = {"addition": "numeric_answer", "word_problems": "answer_line"}  # how each task is graded
 ALGORITHMS = ("ppo", "grpo")
+ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2")
 
 # Where the main job departs from the defaults of the classes below the config layer: sections of plain data
 # that `RunConfig()` and `load_config` build on (`main_job`).
 RECIPE = Path(__file__).with_name("run.yaml")
 
-__all__ = ["ALGORITHMS", "RECIPE", "RUN_GPUS", "TASKS", "TASK_REWARDS", "ConfigError", "ModelConfig",
-           "RunConfig", "RunSection", "ScorersConfig", "TaskConfig", "main_job", "main_job_section"]
+__all__ = ["ALGORITHMS", "ATTENTION_KERNELS", "RECIPE", "RUN_GPUS", "TASKS", "TASK_REWARDS", "ConfigError",
+           "ModelConfig", "RunConfig", "RunSection", "ScorersConfig", "TaskConfig", "main_job",
+           "main_job_section"]
 
 
 @dataclass
@@ -60,6 +62,18 @@ class ModelConfig:
     reward_model: str | None = None
     lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: train the whole policy
     seed: int = 0
+    # The attention kernel of every model a process loads, as `from_pretrained(attn_implementation=...)` takes
+    # it: "sdpa" (torch's), "eager", or "flash_attention_2" (the flash-attn package, on CUDA); None:
+    # transformers' choice, sdpa where the architecture has it (all but a few, such as BLOOM), else eager.
+    attn_implementation: str | None = None
+    # Trainers recompute activations in the backward pass instead of keeping them (less memory for a longer
+    # step; makers never train, so theirs is off).
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attn_implementation is not None and self.attn_implementation not in ATTENTION_KERNELS:
+            raise ValueError(f"ModelConfig.attn_implementation must be one of {ATTENTION_KERNELS}, got "
+                             f"{self.attn_implementation!r}")
 
 
 @dataclass

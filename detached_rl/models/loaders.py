@@ -99,13 +99,15 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
 
 
 def load_model_dir(
-    path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+    attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local Hugging Face model directory."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32,
+                                                 attn_implementation=attn_implementation)
     tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(path, local_files_only=True))
     if device is not None:
         model.to(device)
@@ -114,12 +116,13 @@ def load_model_dir(
 
 def load_hub_model(
     repo_id: str, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-    revision: str | None = None, trust_remote_code: bool = False,
+    revision: str | None = None, trust_remote_code: bool = False, attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer by Hub id as `from_pretrained` does (downloading unless offline)."""
     options = dict(revision=revision, trust_remote_code=trust_remote_code)
     try:
-        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype or torch.float32, **options)
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype or torch.float32,
+                                                     attn_implementation=attn_implementation, **options)
         tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(repo_id, **options))
     except OSError as error:  # transformers' "not found", "offline and not cached", "no such revision"
         raise ValueError(hub.hub_problem(repo_id, revision)
@@ -163,10 +166,12 @@ def smollm2_dir(cache: Path | None = None) -> Path:
 
 
 def load_smollm2(
-    dtype: torch.dtype | None = None, device: torch.device | str | None = None, cache: Path | None = None
+    dtype: torch.dtype | None = None, device: torch.device | str | None = None, cache: Path | None = None,
+    attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the packaged SmolLM2-135M-Instruct (from the cached safetensors copy)."""
-    return load_model_dir(smollm2_dir(cache), dtype=dtype, device=device)
+    return load_model_dir(smollm2_dir(cache), dtype=dtype, device=device,
+                          attn_implementation=attn_implementation)
 
 
 def minilm_dir() -> Path:
@@ -232,6 +237,7 @@ def tiny_causal_lm(
     tokenizer: PreTrainedTokenizerBase | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
     **overrides: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A tiny randomly initialised causal LM of any HF architecture, with an offline tokenizer."""
@@ -250,7 +256,7 @@ def tiny_causal_lm(
     except ValueError as error:
         raise ValueError(f"tiny_causal_lm: unknown model_type {model_type!r}: {error}") from error
     with seeded(seed):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
@@ -289,22 +295,24 @@ def seeded(seed: int):
 
 def load_causal_lm(
     spec: str, dtype: torch.dtype | None = None, device: torch.device | str | None = None, seed: int = 0,
-    revision: str | None = None, trust_remote_code: bool = False,
+    revision: str | None = None, trust_remote_code: bool = False, attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM from a spec: `smollm2`, `tiny` / `tiny-<model_type>`, a local directory or a Hub id
-    (at `revision`; `trust_remote_code` only for a Hub id)."""
+    (at `revision`; `trust_remote_code` only for a Hub id), with the attention kernel `attn_implementation`
+    (None: transformers' default)."""
     if spec == "smollm2":
-        return load_smollm2(dtype=dtype, device=device)
+        return load_smollm2(dtype=dtype, device=device, attn_implementation=attn_implementation)
     if spec == "tiny" or spec.startswith("tiny-"):
         model_type = spec.removeprefix("tiny").removeprefix("-") or "llama"
-        model, tokenizer = tiny_causal_lm(model_type, seed=seed, dtype=dtype or torch.float32)
+        model, tokenizer = tiny_causal_lm(model_type, seed=seed, dtype=dtype or torch.float32,
+                                          attn_implementation=attn_implementation)
         if device is not None:
             model.to(device)
         return model, tokenizer
     if Path(spec).is_dir():
-        return load_model_dir(spec, dtype=dtype, device=device)
+        return load_model_dir(spec, dtype=dtype, device=device, attn_implementation=attn_implementation)
     if hub.is_hub_id(spec):
         return load_hub_model(spec, dtype=dtype, device=device, revision=revision,
-                              trust_remote_code=trust_remote_code)
+                              trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
     raise ValueError(f"model spec {spec!r} is neither 'smollm2', 'tiny[-<model_type>]', an existing model "
                      "directory nor a Hugging Face Hub id")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from detached_rl.models.hub import hub_problem, is_hub_id
@@ -28,4 +29,17 @@ def model_spec_problem(spec: str, revision: str | None = None) -> str | None:
                 "Hugging Face Hub id ('org/name')")
     if not (path / "config.json").is_file():
         return f"{spec!r} is a directory without config.json, not a Hugging Face model directory"
+    return None
+
+
+# The package each attention kernel needs beyond torch and transformers.
+ATTENTION_PACKAGES = {"flash_attention_2": "flash_attn"}
+
+
+def attention_problem(kernel: str) -> str | None:
+    """Why the attention kernel `kernel` (`model.attn_implementation`) cannot run here, or None."""
+    package = ATTENTION_PACKAGES.get(kernel)
+    if package is not None and importlib.util.find_spec(package) is None:
+        return (f"{kernel!r} needs the {package.replace('_', '-')} package, which is not installed here "
+                f"(`pip install {package.replace('_', '-')}`, on a CUDA machine); 'sdpa' needs nothing")
     return None
