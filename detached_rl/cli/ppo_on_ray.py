@@ -201,7 +201,8 @@ def launcher_config(args: argparse.Namespace) -> RunConfig:
         f"maker.num_gpus={1 if gpus else 0}",
     ]
     if reward == "model":
-        overrides.append(f"model.reward_model={args.reward_pretrain or policy}")
+        # The ancestor's reward model: a new scalar head on the pretrained model (coati's RewardModel).
+        overrides += [f"model.reward_model={args.reward_pretrain or policy}", "model.reward_head=fresh"]
     else:
         overrides.append(f"task.reward={reward}")
     for role, nodes in (("critic", args.num_critic_nodes), ("reference", args.num_initial_nodes),

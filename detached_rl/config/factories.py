@@ -101,17 +101,13 @@ def build_maker_models(model: ModelConfig, task: TaskConfig, with_critic: bool =
 
 def build_reward(model: ModelConfig, task: TaskConfig, tokenizer):
     """The reward: a reward model when `model.reward_model` names one, else the task's reward function."""
-    from detached_rl.models import load_causal_lm
-    from detached_rl.models.loaders import seeded
-    from detached_rl.models.scalar_heads import RewardModel, backbone_of
+    from detached_rl.models.sequence_reward import load_reward_model
     from detached_rl.rewards.task_reward import TaskReward
 
     if model.reward_model is None:
         return TaskReward(task.reward_specs, tokenizer, task.reward_timeout_s)
-    backbone, _ = load_causal_lm(model.reward_model, seed=model.seed + 2,
-                                 **load_options(model, model.reward_model))
-    with seeded(model.seed + 2):  # a seeded head: the same config gives the same reward model
-        return RewardModel(backbone_of(backbone)).eval()
+    return load_reward_model(model.reward_model, tokenizer, model.reward_head, seed=model.seed + 2,
+                             **load_options(model, model.reward_model))
 
 
 def build_scorer_model(model: ModelConfig, task: TaskConfig, role: str):

@@ -28,6 +28,7 @@ from detached_rl.core.namespace import DEFAULT_NAMESPACE
 from detached_rl.core.sampling import SamplingConfig
 from detached_rl.maker.config import MakerConfig
 from detached_rl.models.lora_settings import LoraSettings
+from detached_rl.models.specs import REWARD_HEADS
 from detached_rl.rewards.specs import RewardSpec, reward_specs
 from detached_rl.scorer.config import ScorerGroupConfig
 from detached_rl.trainer.config import TrainerConfig, TrainerGroupConfig
@@ -58,8 +59,10 @@ class ModelConfig:
     trust_remote_code: bool = False  # run a Hub model's own modelling code (only for ids you trust)
     critic: str | None = None  # None: a critic on the policy's architecture (spec `policy`)
     reference: bool = True  # makers hold a frozen copy of the initial policy for the KL term
-    # A reward model (spec as `policy`: a scalar head on that backbone) instead of the task's reward function.
+    # A trained reward model (spec as `policy`: a one-label ...ForSequenceClassification checkpoint, scored
+    # with its own tokenizer) instead of the task's reward function.
     reward_model: str | None = None
+    reward_head: str = "trained"  # or "fresh": a new random scalar head on a head-less backbone (the demo)
     lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: train the whole policy
     seed: int = 0
     # The attention kernel of every model a process loads, as `from_pretrained(attn_implementation=...)` takes
@@ -71,6 +74,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        if self.reward_head not in REWARD_HEADS:
+            raise ValueError(f"ModelConfig.reward_head must be one of {REWARD_HEADS}, got "
+                             f"{self.reward_head!r}")
         if self.attn_implementation is not None and self.attn_implementation not in ATTENTION_KERNELS:
             raise ValueError(f"ModelConfig.attn_implementation must be one of {ATTENTION_KERNELS}, got "
                              f"{self.attn_implementation!r}")

@@ -32,6 +32,9 @@ def model_spec_problem(spec: str, revision: str | None = None) -> str | None:
     return None
 
 
+# `model.reward_head`: a reward model's trained head (a sequence classifier's), or a new random one.
+REWARD_HEADS = ("trained", "fresh")
+
 # The package each attention kernel needs beyond torch and transformers.
 ATTENTION_PACKAGES = {"flash_attention_2": "flash_attn"}
 
