@@ -107,6 +107,22 @@ def test_a_zero_head_scores_exactly_zero_and_the_config_builds_it(tmp_path):
     assert reward.score(*batch(tiny_tokenizer())).tolist() == [0.0, 0.0, 0.0]
 
 
+def test_a_critic_named_as_a_reward_model_starts_as_it(tmp_path):
+    """OpenRLHF's default: the critic's value at a text's last token is the reward model's score of it."""
+    from detached_rl.config.factories import build_critic
+
+    path = save_classifier(tmp_path / "rm", head=None)
+    critic = build_critic(load_config(None, ["model.policy=tiny", f"model.critic={path}"]).model)
+    classifier = AutoModelForSequenceClassification.from_pretrained(path)
+    torch.testing.assert_close(critic.head.weight, classifier.score.weight)
+    text = "user\nWhat is 2 + 3?\nassistant\n2 + 3 = 5"
+    ids = AutoTokenizer.from_pretrained(path)(text, return_tensors="pt")
+    with torch.no_grad():
+        value = critic.token_values(ids.input_ids, ids.attention_mask)[0, -1]
+    torch.testing.assert_close(value, torch.tensor(reference_scores(path, [text])[0]), atol=1e-5, rtol=1e-5)
+    assert build_critic(load_config(None, ["model.policy=tiny"]).model).head.weight.shape == (1, 64)
+
+
 def test_a_head_less_backbone_is_refused_unless_a_fresh_head_is_asked_for(tmp_path):
     model, tokenizer = tiny_causal_lm("llama", seed=4)
     model.save_pretrained(tmp_path / "lm")

@@ -56,12 +56,21 @@ def build_policy(model: ModelConfig, training: bool = False):
 
 
 def build_critic(model: ModelConfig, training: bool = False):
-    """The critic (a value head on the critic's, else the policy's, architecture), from the model config."""
+    """The critic (a value head on the critic's, else the policy's, architecture), from the model config; a
+    `model.critic` that is a reward model (a sequence classifier) starts as that model, head included."""
     from detached_rl.models import Critic, load_causal_lm
     from detached_rl.models.loaders import seeded
     from detached_rl.models.scalar_heads import backbone_of
 
     spec = model.critic or model.policy
+    if model.critic is not None:
+        from detached_rl.models.sequence_reward import critic_from_reward_model
+
+        critic = critic_from_reward_model(spec, **load_options(model, spec))
+        if critic is not None:  # a reward model: its head is the value head's start
+            if training and model.gradient_checkpointing:
+                checkpoint(critic.backbone)
+            return critic
     critic_model, _ = load_causal_lm(spec, seed=model.seed + 1, **load_options(model, spec))
     if training and model.gradient_checkpointing:
         checkpoint(critic_model)

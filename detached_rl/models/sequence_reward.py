@@ -24,7 +24,7 @@ from detached_rl.core.decoding import decode_batch
 from detached_rl.models import hub
 from detached_rl.models._forward import disable_dropout
 from detached_rl.models.loaders import ensure_pad_token, load_causal_lm, seeded, smollm2_dir
-from detached_rl.models.scalar_heads import RewardModel, backbone_of
+from detached_rl.models.scalar_heads import Critic, RewardModel, backbone_of
 from detached_rl.models.specs import REWARD_HEADS
 
 
@@ -114,3 +114,21 @@ def load_reward_model(spec: str, policy_tokenizer: PreTrainedTokenizerBase, rewa
         path, dtype=torch.float32, attn_implementation=attn_implementation, **options)
     tokenizer = AutoTokenizer.from_pretrained(path, **options)
     return SequenceClassifierReward(model, tokenizer, policy_tokenizer).eval()
+
+
+def critic_from_reward_model(spec: str, revision: str | None = None, trust_remote_code: bool = False,
+                             attn_implementation: str | None = None) -> Critic | None:
+    """A critic that starts as the reward model `spec` (OpenRLHF's default): its backbone, and its score head
+    as the value head; None when `spec` is no sequence classifier (the critic is then a new head on it)."""
+    if spec == "tiny" or spec.startswith("tiny-"):
+        return None
+    options = dict(revision=revision, trust_remote_code=trust_remote_code)
+    if not is_sequence_classifier(AutoConfig.from_pretrained(_checkpoint(spec), **options)):
+        return None
+    classifier = AutoModelForSequenceClassification.from_pretrained(
+        _checkpoint(spec), dtype=torch.float32, attn_implementation=attn_implementation, **options)
+    head = getattr(classifier, "score", None) or getattr(classifier, "classifier", None)
+    if not isinstance(head, nn.Linear) or head.out_features != 1:
+        raise ValueError(f"model.critic: {spec!r} has no one-label linear score head to start a value head "
+                         "from")
+    return Critic(backbone_of(classifier), head=head)
