@@ -127,7 +127,9 @@ def test_run_online_says_when_the_hub_cannot_be_reached(tmp_path: Path, hub_home
     assert "the Hub cannot be reached" in done.stderr and "ConnectError" in done.stderr, done.stderr
 
 
+# The issue 47 bar's command end to end (make test-e2e); its code paths are tested above in make test.
 @pytest.mark.ray
+@pytest.mark.e2e
 def test_run_trains_a_model_given_by_hub_id_offline(tmp_path: Path, hub_home: Path) -> None:
     """The issue's bar: `detached-rl run --model ORG/NAME --steps 2` from an empty directory, with the model
     only in the Hub cache and HF_HUB_OFFLINE=1, trains and saves its adapter."""

@@ -139,7 +139,9 @@ def test_a_head_less_backbone_is_refused_unless_a_fresh_head_is_asked_for(tmp_pa
         load_config(None, ["model.reward_head=random"])
 
 
+# The issue 47 bar's command end to end (make test-e2e); its code paths are tested above in make test.
 @pytest.mark.ray
+@pytest.mark.e2e
 def test_ppo_through_run_with_a_zero_head_reward_model_trains_on_rewards_of_exactly_zero(tmp_path):
     """The issue's bar: a random head gives rewards far from 0; this one's are exactly 0 in the metrics."""
     path = save_classifier(tmp_path / "zero-rm", head=0.0)

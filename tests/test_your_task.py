@@ -67,7 +67,9 @@ def test_the_docs_example_runs_verbatim_in_an_empty_directory(tmp_path):
     assert graded and all("reward:score" in row for row in graded["after"]), graded
 
 
+# The issue 47 bar's command end to end (make test-e2e); its code paths are tested above in make test.
 @pytest.mark.ray
+@pytest.mark.e2e
 def test_a_reward_named_by_absolute_file_path_runs_the_tiny_job(tmp_path):
     """The issue 47 bar: `task.reward=/abs/path/rewards.py:fn`, the file in a directory on no path, the
     command typed in another one."""
