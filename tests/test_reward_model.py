@@ -156,6 +156,6 @@ def test_ppo_through_run_with_a_zero_head_reward_model_trains_on_rewards_of_exac
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     metrics = tmp_path / "runs" / "rm" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    steps = [row for row in rows if "reward/raw_mean" in row]
+    steps = [row for row in rows if "reward/mean" in row]  # PPO's: the reward model's scores, before the KL
     assert len(steps) == 2
-    assert all(row["reward/raw_mean"] == 0.0 and row["reward/std"] == 0.0 for row in steps), steps
+    assert all(row["reward/mean"] == 0.0 and row["reward/std"] == 0.0 for row in steps), steps
