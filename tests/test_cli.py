@@ -113,10 +113,15 @@ def test_non_finite_config_values_are_refused_naming_the_key():
 
 
 def test_run_refuses_an_unknown_model_before_starting_anything(capsys, tmp_path):
-    assert main(["run", "--model", "no-such-model", "--output", str(tmp_path)]) == 2
+    assert main(["run", "--model", "./no-such-model", "--output", str(tmp_path)]) == 2
     line = capsys.readouterr().err.strip()
     assert line.startswith("detached-rl: error: model.policy: "
-                           "'no-such-model' is neither") and "\n" not in line
+                           "'./no-such-model' is neither") and "\n" not in line
+    # A name that can be a Hub id is looked up in the Hugging Face cache (the Makefile runs offline).
+    assert main(["run", "--model", "no-such-model", "--output", str(tmp_path)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("detached-rl: error: model.policy: 'no-such-model' is not in the Hugging Face "
+                           "cache") and "\n" not in line
     assert main(["run", "--model", str(tmp_path), "--output", str(tmp_path)]) == 2
     assert "without config.json" in capsys.readouterr().err
     assert not list(tmp_path.glob("*/"))  # no run directory was made

@@ -64,7 +64,8 @@ def test_yaml_file_and_overrides(tmp_path):
         (["model.reference=maybe"], "model.reference: expected true or false"),
         (["ppo.actor_optimizer.betas=[0.9]"], "ppo.actor_optimizer.betas: expected 2 items"),
         (["ppo.actor_optimizer.lr=fast"], "ppo.actor_optimizer.lr: expected a number"),
-        (["task.reward=vibes"], "task.reward: 'vibes' is neither 'module:function' nor a built-in reward"),
+        (["task.reward=vibes"], "task.reward: 'vibes' is neither 'module:function', "
+                                "'path/to/file.py:function' nor a built-in reward"),
         (["trainer=3"], "trainer: expected a mapping"),
         (["noequals"], "expected key.path=value"),
         (["trainer_group.strategy=zero9"], "trainer_group.strategy: must be one of"),
@@ -258,7 +259,8 @@ def test_trainer_and_maker_without_a_config_build_the_job_run_builds(monkeypatch
     from detached_rl.actors.launch import launch_requests, maker_arguments
     from detached_rl.cli.main import _config, _run_config, build_parser
 
-    monkeypatch.setattr("detached_rl.models.specs.model_spec_problem", lambda spec: None)  # not loaded
+    # not loaded
+    monkeypatch.setattr("detached_rl.models.specs.model_spec_problem", lambda spec, revision=None: None)
     parser = build_parser()
     run = _run_config(parser.parse_args(["run"]))
     trainer = _config(parser.parse_args(["trainer", "--name", "t"]))
