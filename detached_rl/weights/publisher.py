@@ -11,7 +11,6 @@ else builds or sends an update.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -22,15 +21,9 @@ import torch
 
 from detached_rl.core.text import first_line
 from detached_rl.models.lora import lora_backend, lora_config_dict
-from detached_rl.weights.base_fingerprint import (
-    base_fingerprint,
-    base_model_label,
-    cast_base_fingerprints,
-    dtype_name,
-    fingerprint_cast_dtype,
-)
 from detached_rl.weights.push_queue import SendUpdate, WeightPushQueue, push_queue_over
 from detached_rl.weights.source import ErrorReport, PublishConfig, RankGroup, WeightSource
+from detached_rl.weights.trainer_base import TrainerBase
 from detached_rl.weights.update import Put, SendStats, WeightUpdate, state_fingerprint
 from detached_rl.weights.wire_variants import WireVariants
 
@@ -99,21 +92,12 @@ class WeightPublisher:
         self.registered_versions: dict[str, int] = {}
         self.latest_update: WeightUpdate | None = None
         self.fingerprints: dict[int, str] = {}
-        self.base_fingerprint: str | None = None
-        self.base_model: str | None = None  # `base_model_label`: the checkpoint (and Hub commit) of the base
-        # dtype name -> the base's fingerprint cast to it, for makers that cast weights (bf16/fp16 makers).
-        # Every update carries these, so a maker registered with any rank can check a LoRA update from rank 0.
-        self.cast_base_fingerprints: dict[str, str] = {}
-        self._base_fingerprint_lock = threading.Lock()
         lora = self.config.weight_sync == "lora"
-        if lora:
-            policy = source.policy()
-            if lora_backend(policy) is None:
-                raise ValueError("TrainerConfig.weight_sync='lora' needs a LoRA policy "
-                                 "(see detached_rl.models.apply_lora)")
-            self.base_fingerprint = base_fingerprint(policy)
-            self.base_model = base_model_label(policy)
-            self.cast_base_fingerprints = cast_base_fingerprints(policy)
+        if lora and lora_backend(source.policy()) is None:
+            raise ValueError("TrainerConfig.weight_sync='lora' needs a LoRA policy "
+                             "(see detached_rl.models.apply_lora)")
+        # The frozen base LoRA-only updates are made against, as makers check it (None: full updates only).
+        self.base: TrainerBase | None = TrainerBase(source.policy) if lora else None
         # Synced models without LoRA that training changes (a trained critic): LoRA-only updates carry them
         # whole.
         self.synced_in_full = models_synced_in_full(self.synced_models()) if lora else {}
@@ -170,12 +154,8 @@ class WeightPublisher:
         """Build an update, in the trainer's dtype and each of `wires` (default: every registered maker's;
         recorded as the newest version's unless it is built for one maker: see `WireVariants.build`)."""
         metadata: dict[str, Any] = {"trainer_run": self.run_id}
-        if self.base_fingerprint is not None:
-            with self._base_fingerprint_lock:
-                cast = dict(self.cast_base_fingerprints)
-            metadata.update({"base_fingerprint": self.base_fingerprint, "base_fingerprints": cast,
-                             "base_model": self.base_model,
-                             "lora": lora_config_dict(self.synced_models()["actor"])})
+        if self.base is not None:
+            metadata.update(self.base.metadata(), lora=lora_config_dict(self.synced_models()["actor"]))
         # `put` copies each chunk (ray.put serialises it), so the lock covers the snapshot only.
         with self.source.lock:
             version = self.source.version()
@@ -199,7 +179,8 @@ class WeightPublisher:
         with self.registration_lock:
             # The loaded base may be another than the one fingerprinted at the start: makers holding that one
             # refuse the next LoRA update and register for a full one.
-            self.refresh_base_fingerprints()
+            if self.base is not None:
+                self.base.refresh()
             self.snapshot(put, None if self.adapter_only else "full")
 
     # ------------------------------------------------------------------ subscribers
@@ -242,7 +223,9 @@ class WeightPublisher:
                 is update and update.version == self.source.version() and not self.ranks.shards_weights:
             self._build(put, update.manifest.kind, {wire}, every=False)
         variant = self.wire.answer(name, update)
-        return None if variant is None else self._with_cast_base_fingerprints(variant)
+        if variant is None or self.base is None:
+            return variant
+        return self.base.stamp(variant)
 
     def _register(self, name: str, base_fingerprint: str | None, put: Put | None,
                   wire: str | None) -> WeightUpdate | None:
@@ -256,7 +239,8 @@ class WeightPublisher:
             self.queue.forget(name)  # a maker registering again (restarted) holds what this answer gives it
         if latest is None or latest.manifest.kind == "full":
             return self._answer(name, latest, wire, put)
-        if base_fingerprint is not None and base_fingerprint == self.base_fingerprint_like(base_fingerprint):
+        if base_fingerprint is not None and self.base is not None and base_fingerprint == self.base.like(
+                base_fingerprint):
             return self._answer(name, latest, wire, put)
         if put is None:
             raise ValueError("register_maker: this maker needs a full update but no `put` was given")
@@ -271,39 +255,15 @@ class WeightPublisher:
         update, _, _, cast = self._build(put, "full", set() if wire is None else {wire})
         return cast.get(wire, update) if wire is not None else update
 
-    def refresh_base_fingerprints(self) -> None:
-        """Fingerprint the base again (a checkpoint was loaded: its base may not be the one this trainer
-        started from; makers holding the old one then refuse the LoRA updates and register for a full one)."""
-        if self.base_fingerprint is None:
-            return
-        model = self.source.policy()
-        exact, cast = base_fingerprint(model), cast_base_fingerprints(model)
-        with self._base_fingerprint_lock:
-            self.base_fingerprint, self.cast_base_fingerprints = exact, cast
+    @property
+    def base_fingerprint(self) -> str | None:
+        """The exact fingerprint of the base LoRA-only updates are made against (None without LoRA sync)."""
+        return None if self.base is None else self.base.fingerprint
 
-    def base_fingerprint_like(self, fingerprint: str) -> str | None:
-        """This trainer's base fingerprint in the form of a maker's: exact, or cast to the dtype it names."""
-        dtype = fingerprint_cast_dtype(fingerprint)
-        if dtype is None or self.base_fingerprint is None:
-            return self.base_fingerprint
-        with self._base_fingerprint_lock:
-            key = dtype_name(dtype)
-            # a dtype beyond the common ones (fp64 ...): once, on demand
-            if key not in self.cast_base_fingerprints:
-                self.cast_base_fingerprints[key] = base_fingerprint(self.source.policy(), dtype)
-            return self.cast_base_fingerprints[key]
-
-    def _with_cast_base_fingerprints(self, update: WeightUpdate) -> WeightUpdate:
-        """`update` with this trainer's current cast base fingerprints in its metadata (same chunks)."""
-        metadata = update.manifest.metadata
-        if "base_fingerprint" not in metadata:
-            return update
-        with self._base_fingerprint_lock:
-            cast = dict(self.cast_base_fingerprints)
-        if metadata.get("base_fingerprints") == cast:
-            return update
-        manifest = dataclasses.replace(update.manifest, metadata={**metadata, "base_fingerprints": cast})
-        return WeightUpdate(manifest, update.chunk_refs)
+    @property
+    def cast_base_fingerprints(self) -> dict[str, str]:
+        """dtype name -> the base's fingerprint cast to it (empty without LoRA sync)."""
+        return {} if self.base is None else dict(self.base.cast)
 
     def makers_of_this_rank(self) -> list[str]:
         """This rank's share of every maker registered with any rank (same answer on every rank)."""
