@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from detached_rl.config.factories import build_policy, trainer_factory
+from detached_rl.config.factories import build_critic, build_policy, trainer_factory
 from detached_rl.config.loading import load_config
 from detached_rl.config.schema import ConfigError, ModelConfig
 from tests.test_run_sockets import console_script, plain_environment
@@ -52,3 +52,11 @@ def test_trainers_checkpoint_gradients_when_asked_and_get_the_same_ones_makers_n
     assert checkpointed.keys() == reference.keys() and checkpointed
     for name, grad in checkpointed.items():
         torch.testing.assert_close(grad, reference[name], msg=name)
+
+
+def test_a_ppo_trainers_critic_checkpoints_too_and_a_makers_does_not() -> None:
+    config = load_config(None, ["algorithm=ppo", "model.policy=tiny", "model.gradient_checkpointing=true"])
+    actor, critic = trainer_factory(config)()
+    assert critic.backbone.is_gradient_checkpointing
+    assert actor.model.base_model.model.is_gradient_checkpointing
+    assert not build_critic(config.model).backbone.is_gradient_checkpointing

@@ -61,21 +61,18 @@ def build_critic(model: ModelConfig, training: bool = False):
     from detached_rl.models import Critic, load_causal_lm
     from detached_rl.models.loaders import seeded
     from detached_rl.models.scalar_heads import backbone_of
+    from detached_rl.models.sequence_reward import critic_from_reward_model
 
     spec = model.critic or model.policy
-    if model.critic is not None:
-        from detached_rl.models.sequence_reward import critic_from_reward_model
-
-        critic = critic_from_reward_model(spec, **load_options(model, spec))
-        if critic is not None:  # a reward model: its head is the value head's start
-            if training and model.gradient_checkpointing:
-                checkpoint(critic.backbone)
-            return critic
-    critic_model, _ = load_causal_lm(spec, seed=model.seed + 1, **load_options(model, spec))
+    # A reward model named as the critic starts it, head included; else a new value head on the backbone.
+    critic = critic_from_reward_model(spec, **load_options(model, spec)) if model.critic is not None else None
+    if critic is None:
+        critic_model, _ = load_causal_lm(spec, seed=model.seed + 1, **load_options(model, spec))
+        with seeded(model.seed + 1):  # the value head too: the same config gives the same critic
+            critic = Critic(backbone_of(critic_model))
     if training and model.gradient_checkpointing:
-        checkpoint(critic_model)
-    with seeded(model.seed + 1):  # the value head too: the same config gives the same critic
-        return Critic(backbone_of(critic_model))
+        checkpoint(critic.backbone)
+    return critic
 
 
 def build_actor_critic(model: ModelConfig, training: bool = False):

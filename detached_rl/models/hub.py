@@ -37,13 +37,6 @@ def cached_config(repo_id: str, revision: str | None = None) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def hub_offline() -> bool:
-    """Whether huggingface_hub is in offline mode (`HF_HUB_OFFLINE=1`): nothing is downloaded."""
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
 def hub_problem(repo_id: str, revision: str | None = None) -> str | None:
     """Why the Hub model `repo_id` (at `revision`, default its main branch) cannot be loaded here, or None.
 
@@ -55,7 +48,7 @@ def hub_problem(repo_id: str, revision: str | None = None) -> str | None:
     from huggingface_hub import constants
 
     what = describe(repo_id, revision)
-    if hub_offline():
+    if constants.HF_HUB_OFFLINE:
         return (f"{what} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is "
                 f"set, so nothing is downloaded: download it first (`hf download {repo_id}"
                 f"{f' --revision {revision}' if revision else ''}`) or unset HF_HUB_OFFLINE")
@@ -75,3 +68,9 @@ def hub_problem(repo_id: str, revision: str | None = None) -> str | None:
         return (f"{what} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub cannot be "
                 f"reached ({type(error).__name__}: {error}); download it where it can, or set HF_ENDPOINT")
     return None
+
+
+def load_error(repo_id: str, revision: str | None, error: OSError) -> ValueError:
+    """The one-line error for a `from_pretrained` of the Hub id `repo_id` that raised `error` (transformers'
+    OSError for "not found", "offline and not cached" and "no such revision"): why, as `hub_problem` says."""
+    return ValueError(hub_problem(repo_id, revision) or f"model {describe(repo_id, revision)}: {error}")

@@ -124,9 +124,8 @@ def load_hub_model(
         model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype or torch.float32,
                                                      attn_implementation=attn_implementation, **options)
         tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(repo_id, **options))
-    except OSError as error:  # transformers' "not found", "offline and not cached", "no such revision"
-        raise ValueError(hub.hub_problem(repo_id, revision)
-                         or f"model {hub.describe(repo_id, revision)}: {error}") from error
+    except OSError as error:
+        raise hub.load_error(repo_id, revision, error) from error
     if device is not None:
         model.to(device)
     return model, tokenizer
@@ -277,8 +276,7 @@ def load_tokenizer(spec: str, revision: str | None = None, trust_remote_code: bo
             return ensure_pad_token(AutoTokenizer.from_pretrained(spec, revision=revision,
                                                                   trust_remote_code=trust_remote_code))
         except OSError as error:
-            raise ValueError(hub.hub_problem(spec, revision)
-                             or f"model {hub.describe(spec, revision)}: {error}") from error
+            raise hub.load_error(spec, revision, error) from error
     raise ValueError(f"model spec {spec!r} is neither 'smollm2', 'tiny[-<model_type>]', an existing model "
                      "directory nor a Hugging Face Hub id")
 

@@ -103,8 +103,8 @@ def load_reward_model(spec: str, policy_tokenizer: PreTrainedTokenizerBase, rewa
     try:
         config = AutoConfig.from_pretrained(path, **options)
     except OSError as error:
-        problem = hub.hub_problem(spec, revision) if hub.is_hub_id(spec) else None
-        raise ValueError(f"model.reward_model: {problem or error}") from error
+        problem = hub.load_error(spec, revision, error) if hub.is_hub_id(spec) else error
+        raise ValueError(f"model.reward_model: {problem}") from error
     if not is_sequence_classifier(config):
         kinds = ", ".join(getattr(config, "architectures", None) or ["no architecture named"])
         raise ValueError(f"model.reward_model: {spec!r} is a {kinds} checkpoint, not a sequence classifier "
